@@ -1,0 +1,180 @@
+#include "codec/block_codec.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "codec/crc32c.h"
+#include "codec/lossless.h"
+
+namespace kvtrie {
+namespace {
+
+constexpr char kMagic[4] = {'K', 'V', 'B', '1'};
+constexpr uint8_t kFormatVersion = 1;
+constexpr size_t kFixedHeader = 24;
+
+template <typename T>
+void PutLE(std::string* out, T v) {
+  char buf[sizeof(T)];
+  for (size_t i = 0; i < sizeof(T); ++i) buf[i] = static_cast<char>((v >> (8 * i)) & 0xff);
+  out->append(buf, sizeof(T));
+}
+
+template <typename T>
+T GetLE(const char* p) {
+  T v = 0;
+  for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<T>(static_cast<uint8_t>(p[i])) << (8 * i);
+  return v;
+}
+
+}  // namespace
+
+bool IsValidEncoding(uint32_t value) { return value >= 1 && value <= 2; }
+
+absl::string_view EncodingName(Encoding encoding) {
+  switch (encoding) {
+    case Encoding::kRaw:
+      return "raw";
+    case Encoding::kLossless:
+      return "lossless";
+  }
+  return "unknown";
+}
+
+namespace internal {
+std::string WriteEnvelope(Encoding encoding, const BlockGeometry& geometry,
+                          uint64_t reference_node_id, absl::string_view params,
+                          absl::string_view payload) {
+  std::string out;
+  out.reserve(kFixedHeader + 12 + params.size() + payload.size());
+  out.append(kMagic, 4);
+  PutLE<uint8_t>(&out, kFormatVersion);
+  PutLE<uint8_t>(&out, static_cast<uint8_t>(encoding));
+  PutLE<uint8_t>(&out, static_cast<uint8_t>(geometry.dtype));
+  PutLE<uint8_t>(&out, 0);
+  PutLE<uint16_t>(&out, static_cast<uint16_t>(geometry.num_layers));
+  PutLE<uint16_t>(&out, static_cast<uint16_t>(geometry.num_kv_heads));
+  PutLE<uint16_t>(&out, static_cast<uint16_t>(geometry.block_tokens));
+  PutLE<uint16_t>(&out, static_cast<uint16_t>(geometry.head_dim));
+  PutLE<uint64_t>(&out, reference_node_id);
+  PutLE<uint32_t>(&out, static_cast<uint32_t>(params.size()));
+  out.append(params.data(), params.size());
+  PutLE<uint32_t>(&out, static_cast<uint32_t>(payload.size()));
+  out.append(payload.data(), payload.size());
+  PutLE<uint32_t>(&out, Crc32c(out));
+  return out;
+}
+}  // namespace internal
+
+absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
+                                         absl::Span<const uint8_t> kv, const EncodeOptions& options,
+                                         const PredictionContext& context) {
+  if (auto s = geometry.Validate(); !s.ok()) return s;
+  if (kv.size() != geometry.num_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat("kv: expected ", geometry.num_bytes(),
+                                                   " bytes for ", geometry.DebugString(), ", got ",
+                                                   kv.size()));
+  }
+  const absl::string_view raw(reinterpret_cast<const char*>(kv.data()), kv.size());
+  EncodedBlock result;
+  switch (options.encoding) {
+    case Encoding::kRaw:
+      result.bytes = internal::WriteEnvelope(Encoding::kRaw, geometry, 0, {}, raw);
+      break;
+    case Encoding::kLossless: {
+      std::string payload;
+      CompressBytePlanes(kv, DTypeBytes(geometry.dtype), &payload);
+      result.bytes = internal::WriteEnvelope(Encoding::kLossless, geometry, 0, {}, payload);
+      break;
+    }
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("encoding: unknown value ", static_cast<int>(options.encoding)));
+  }
+  result.bits_per_component = 8.0 * result.bytes.size() / geometry.num_elements();
+  return result;
+}
+
+absl::StatusOr<BlockHeader> ParseBlock(absl::string_view encoded) {
+  if (encoded.size() < kFixedHeader + 12) {
+    return absl::DataLossError(
+        absl::StrCat("encoded block: truncated (", encoded.size(), " bytes)"));
+  }
+  if (std::memcmp(encoded.data(), kMagic, 4) != 0) {
+    return absl::DataLossError("encoded block: bad magic");
+  }
+  const uint32_t stored_crc = GetLE<uint32_t>(encoded.data() + encoded.size() - 4);
+  const uint32_t actual_crc = Crc32c(encoded.substr(0, encoded.size() - 4));
+  if (stored_crc != actual_crc) {
+    return absl::DataLossError(absl::StrCat("encoded block: CRC-32C mismatch (stored ",
+                                            absl::Hex(stored_crc), ", computed ",
+                                            absl::Hex(actual_crc), ")"));
+  }
+  const char* p = encoded.data();
+  BlockHeader h;
+  h.format_version = static_cast<uint8_t>(p[4]);
+  if (h.format_version != kFormatVersion) {
+    return absl::DataLossError(
+        absl::StrCat("encoded block: unsupported format_version ", h.format_version));
+  }
+  const uint8_t encoding = static_cast<uint8_t>(p[5]);
+  const uint8_t dtype = static_cast<uint8_t>(p[6]);
+  if (!IsValidEncoding(encoding)) {
+    return absl::DataLossError(absl::StrCat("encoded block: unknown encoding ", encoding));
+  }
+  if (!IsValidDType(dtype)) {
+    return absl::DataLossError(absl::StrCat("encoded block: unknown dtype ", dtype));
+  }
+  h.encoding = static_cast<Encoding>(encoding);
+  h.geometry.dtype = static_cast<DType>(dtype);
+  h.geometry.num_layers = GetLE<uint16_t>(p + 8);
+  h.geometry.num_kv_heads = GetLE<uint16_t>(p + 10);
+  h.geometry.block_tokens = GetLE<uint16_t>(p + 12);
+  h.geometry.head_dim = GetLE<uint16_t>(p + 14);
+  if (!h.geometry.Validate().ok()) {
+    return absl::DataLossError("encoded block: invalid geometry " + h.geometry.DebugString());
+  }
+  h.reference_node_id = GetLE<uint64_t>(p + 16);
+  const size_t body_end = encoded.size() - 4;
+  size_t pos = kFixedHeader;
+  const uint32_t params_len = GetLE<uint32_t>(p + pos);
+  pos += 4;
+  if (params_len > body_end - pos || body_end - pos - params_len < 4) {
+    return absl::DataLossError("encoded block: params_len past the end");
+  }
+  h.params = encoded.substr(pos, params_len);
+  pos += params_len;
+  const uint32_t payload_len = GetLE<uint32_t>(p + pos);
+  pos += 4;
+  if (payload_len != body_end - pos) {
+    return absl::DataLossError(absl::StrCat("encoded block: payload_len ", payload_len,
+                                            " does not match the ", body_end - pos,
+                                            " bytes present"));
+  }
+  h.payload = encoded.substr(pos, payload_len);
+  return h;
+}
+
+absl::Status DecodeBlock(absl::string_view encoded, absl::Span<uint8_t> out,
+                         const PredictionContext& context) {
+  absl::StatusOr<BlockHeader> h = ParseBlock(encoded);
+  if (!h.ok()) return h.status();
+  if (out.size() != h->geometry.num_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat("out: block needs ", h->geometry.num_bytes(),
+                                                   " bytes, buffer has ", out.size()));
+  }
+  switch (h->encoding) {
+    case Encoding::kRaw:
+      if (h->payload.size() != out.size()) {
+        return absl::DataLossError(
+            absl::StrCat("raw payload: ", h->payload.size(), " bytes, block needs ", out.size()));
+      }
+      std::memcpy(out.data(), h->payload.data(), out.size());
+      return absl::OkStatus();
+    case Encoding::kLossless:
+      return DecompressBytePlanes(h->payload, DTypeBytes(h->geometry.dtype), out);
+  }
+  return absl::DataLossError("encoded block: unknown encoding");
+}
+
+}  // namespace kvtrie

@@ -1,0 +1,145 @@
+#include "codec/block_geometry.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvtrie {
+
+size_t DTypeBytes(DType dtype) { return dtype == DType::kFp32 ? 4 : 2; }
+
+absl::string_view DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kFp16:
+      return "fp16";
+    case DType::kBf16:
+      return "bf16";
+    case DType::kFp32:
+      return "fp32";
+  }
+  return "unknown";
+}
+
+bool IsValidDType(uint32_t value) { return value >= 1 && value <= 3; }
+
+absl::Status BlockGeometry::Validate() const {
+  constexpr uint32_t kMax = 65535;
+  auto check = [](absl::string_view field, uint32_t v) -> absl::Status {
+    if (v == 0 || v > kMax) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": must be in [1, ", kMax, "], got ", v));
+    }
+    return absl::OkStatus();
+  };
+  if (auto s = check("num_layers", num_layers); !s.ok()) return s;
+  if (auto s = check("num_kv_heads", num_kv_heads); !s.ok()) return s;
+  if (auto s = check("block_tokens", block_tokens); !s.ok()) return s;
+  if (auto s = check("head_dim", head_dim); !s.ok()) return s;
+  if (!IsValidDType(static_cast<uint32_t>(dtype))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("dtype: unknown value ", static_cast<int>(dtype)));
+  }
+  return absl::OkStatus();
+}
+
+std::string BlockGeometry::DebugString() const {
+  return absl::StrCat("num_layers=", num_layers, " num_kv_heads=", num_kv_heads,
+                      " block_tokens=", block_tokens, " head_dim=", head_dim,
+                      " dtype=", DTypeName(dtype));
+}
+
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f;
+  uint32_t mant = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalize
+      int e = -1;
+      do {
+        ++e;
+        mant <<= 1;
+      } while ((mant & 0x400) == 0);
+      bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (mant & 0x3ff) << 13;
+    }
+  } else if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | mant << 13;
+  } else {
+    bits = sign | (exp + 127 - 15) << 23 | mant << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t FloatToHalf(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000);
+  const uint32_t abs = x & 0x7fffffffu;
+  if (abs >= 0x7f800000u) {  // inf or nan
+    return sign | 0x7c00 | (abs > 0x7f800000u ? 0x200 : 0);
+  }
+  if (abs >= 0x477ff000u) return sign | 0x7c00;  // rounds to >= 65520: overflow to inf
+  if (abs < 0x38800000u) {                       // below the smallest normal half: subnormal
+    // Adding 0.5f aligns the mantissa so float rounding yields the subnormal half directly.
+    float a;
+    std::memcpy(&a, &abs, 4);
+    a += 0.5f;
+    uint32_t r;
+    std::memcpy(&r, &a, 4);
+    return sign | static_cast<uint16_t>(r - 0x3f000000u);
+  }
+  uint32_t mant_odd = (abs >> 13) & 1;
+  uint32_t r = abs + 0xc8000fffu + mant_odd;  // rebias exponent (-112 << 23) and round-to-even
+  return sign | static_cast<uint16_t>(r >> 13);
+}
+
+uint16_t FloatToBf16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40);  // nan
+  x += 0x7fffu + ((x >> 16) & 1);
+  return static_cast<uint16_t>(x >> 16);
+}
+
+void ToFloat(DType dtype, const void* src, size_t n, float* dst) {
+  switch (dtype) {
+    case DType::kFp32:
+      std::memcpy(dst, src, n * 4);
+      return;
+    case DType::kFp16: {
+      const auto* s = static_cast<const uint16_t*>(src);
+      for (size_t i = 0; i < n; ++i) dst[i] = HalfToFloat(s[i]);
+      return;
+    }
+    case DType::kBf16: {
+      const auto* s = static_cast<const uint16_t*>(src);
+      for (size_t i = 0; i < n; ++i) dst[i] = Bf16ToFloat(s[i]);
+      return;
+    }
+  }
+}
+
+void FromFloat(DType dtype, const float* src, size_t n, void* dst) {
+  switch (dtype) {
+    case DType::kFp32:
+      std::memcpy(dst, src, n * 4);
+      return;
+    case DType::kFp16: {
+      auto* d = static_cast<uint16_t*>(dst);
+      for (size_t i = 0; i < n; ++i) d[i] = FloatToHalf(src[i]);
+      return;
+    }
+    case DType::kBf16: {
+      auto* d = static_cast<uint16_t*>(dst);
+      for (size_t i = 0; i < n; ++i) d[i] = FloatToBf16(src[i]);
+      return;
+    }
+  }
+}
+
+}  // namespace kvtrie

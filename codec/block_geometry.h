@@ -1,0 +1,81 @@
+// codec/block_geometry.h
+//
+// The shape and element type of one KV block, and the dtype helpers the codec uses.
+//
+// A block holds `block_tokens` consecutive tokens of one sequence and their KV cache for every
+// layer: a dense tensor [num_layers][2][num_kv_heads][block_tokens][head_dim] (2 = K then V),
+// row-major, little-endian elements of `dtype`. This is the layout on the wire (kvtrie.v1
+// PutBlock/GetBlock) and in the codec. A layer range [layer_begin, layer_end) of a block is the
+// contiguous slice [layer_end - layer_begin][2][num_kv_heads][block_tokens][head_dim].
+#ifndef KVTRIE_CODEC_BLOCK_GEOMETRY_H_
+#define KVTRIE_CODEC_BLOCK_GEOMETRY_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+
+namespace kvtrie {
+
+// Element type of a KV tensor. Values match kvtrie.v1.DType.
+enum class DType : uint8_t { kFp16 = 1, kBf16 = 2, kFp32 = 3 };
+
+// Bytes per element: 2 for fp16/bf16, 4 for fp32.
+size_t DTypeBytes(DType dtype);
+// "fp16", "bf16", "fp32".
+absl::string_view DTypeName(DType dtype);
+// True if `value` is one of the DType enumerators.
+bool IsValidDType(uint32_t value);
+
+struct BlockGeometry {
+  uint32_t num_layers = 0;
+  uint32_t num_kv_heads = 0;
+  uint32_t block_tokens = 0;
+  uint32_t head_dim = 0;
+  DType dtype = DType::kFp16;
+
+  // Elements in one K or V plane of one layer: num_kv_heads * block_tokens * head_dim.
+  size_t plane_elements() const {
+    return static_cast<size_t>(num_kv_heads) * block_tokens * head_dim;
+  }
+  // Elements of one layer (K and V): 2 * plane_elements().
+  size_t layer_elements() const { return 2 * plane_elements(); }
+  // Elements of the whole block: num_layers * layer_elements().
+  size_t num_elements() const { return num_layers * layer_elements(); }
+  // Bytes of the dense block in `dtype`.
+  size_t num_bytes() const { return num_elements() * DTypeBytes(dtype); }
+  // Bytes of layers [layer_begin, layer_end).
+  size_t layer_range_bytes(uint32_t layer_begin, uint32_t layer_end) const {
+    return (layer_end - layer_begin) * layer_elements() * DTypeBytes(dtype);
+  }
+
+  // OK if every dimension is in [1, 65535] and dtype is valid; otherwise INVALID_ARGUMENT naming
+  // the field (`num_layers`, `num_kv_heads`, `block_tokens`, `head_dim`, `dtype`).
+  absl::Status Validate() const;
+  // "num_layers=5 num_kv_heads=4 block_tokens=16 head_dim=8 dtype=fp16".
+  std::string DebugString() const;
+
+  friend bool operator==(const BlockGeometry&, const BlockGeometry&) = default;
+};
+
+// IEEE half / bfloat16 conversions (round to nearest even on the way down).
+float HalfToFloat(uint16_t h);
+uint16_t FloatToHalf(float f);
+inline float Bf16ToFloat(uint16_t b) {
+  uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+uint16_t FloatToBf16(float f);
+
+// Converts `n` elements of `dtype` starting at `src` to float.
+void ToFloat(DType dtype, const void* src, size_t n, float* dst);
+// Converts `n` floats to `dtype` (rounding to nearest even).
+void FromFloat(DType dtype, const float* src, size_t n, void* dst);
+
+}  // namespace kvtrie
+
+#endif  // KVTRIE_CODEC_BLOCK_GEOMETRY_H_

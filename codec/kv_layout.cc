@@ -1,0 +1,41 @@
+#include "codec/kv_layout.h"
+
+#include <cstring>
+
+namespace kvtrie {
+namespace {
+
+// Calls fn(seq_offset_bytes, block_offset_bytes, row_bytes, is_v) for each contiguous row.
+template <typename Fn>
+void ForEachRow(const BlockGeometry& g, size_t num_tokens, size_t block_index, Fn fn) {
+  const size_t eb = DTypeBytes(g.dtype);
+  const size_t row = static_cast<size_t>(g.block_tokens) * g.head_dim * eb;
+  const size_t first_token = block_index * g.block_tokens;
+  for (size_t l = 0; l < g.num_layers; ++l) {
+    for (size_t kv = 0; kv < 2; ++kv) {
+      for (size_t h = 0; h < g.num_kv_heads; ++h) {
+        const size_t seq = ((l * g.num_kv_heads + h) * num_tokens + first_token) * g.head_dim * eb;
+        const size_t blk = ((l * 2 + kv) * g.num_kv_heads + h) * row;
+        fn(seq, blk, row, kv == 1);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void GatherBlock(const BlockGeometry& geometry, size_t num_tokens, const uint8_t* k,
+                 const uint8_t* v, size_t block_index, absl::Span<uint8_t> block) {
+  ForEachRow(geometry, num_tokens, block_index, [&](size_t seq, size_t blk, size_t n, bool is_v) {
+    std::memcpy(block.data() + blk, (is_v ? v : k) + seq, n);
+  });
+}
+
+void ScatterBlock(const BlockGeometry& geometry, size_t num_tokens, absl::Span<const uint8_t> block,
+                  size_t block_index, uint8_t* k, uint8_t* v) {
+  ForEachRow(geometry, num_tokens, block_index, [&](size_t seq, size_t blk, size_t n, bool is_v) {
+    std::memcpy((is_v ? v : k) + seq, block.data() + blk, n);
+  });
+}
+
+}  // namespace kvtrie

@@ -1,0 +1,30 @@
+// codec/kv_layout.h
+//
+// Moves KV between the sequence layout workers and dumps use — K and V as two tensors
+// [num_layers][num_kv_heads][num_tokens][head_dim] (the layout of shared/data's k.npy / v.npy and
+// of llama.cpp's per-layer caches) — and the block layout of block_geometry.h
+// [num_layers][2][num_kv_heads][block_tokens][head_dim].
+#ifndef KVTRIE_CODEC_KV_LAYOUT_H_
+#define KVTRIE_CODEC_KV_LAYOUT_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/types/span.h"
+#include "codec/block_geometry.h"
+
+namespace kvtrie {
+
+// Copies tokens [block_index * block_tokens, (block_index + 1) * block_tokens) of `k` and `v`
+// (each num_layers * num_kv_heads * num_tokens * head_dim elements of geometry.dtype) into `block`
+// (geometry.num_bytes()). REQUIRES: the block lies within num_tokens; sizes as stated.
+void GatherBlock(const BlockGeometry& geometry, size_t num_tokens, const uint8_t* k,
+                 const uint8_t* v, size_t block_index, absl::Span<uint8_t> block);
+
+// Inverse of GatherBlock: writes `block` into its tokens of `k` and `v`.
+void ScatterBlock(const BlockGeometry& geometry, size_t num_tokens, absl::Span<const uint8_t> block,
+                  size_t block_index, uint8_t* k, uint8_t* v);
+
+}  // namespace kvtrie
+
+#endif  // KVTRIE_CODEC_KV_LAYOUT_H_
