@@ -1,10 +1,15 @@
 #include "codec/block_codec.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "codec/baselines.h"
 #include "codec/crc32c.h"
 #include "codec/lossless.h"
+#include "codec/residual_codec.h"
 
 namespace kvtrie {
 namespace {
@@ -29,7 +34,7 @@ T GetLE(const char* p) {
 
 }  // namespace
 
-bool IsValidEncoding(uint32_t value) { return value >= 1 && value <= 2; }
+bool IsValidEncoding(uint32_t value) { return value >= 1 && value <= 6; }
 
 absl::string_view EncodingName(Encoding encoding) {
   switch (encoding) {
@@ -37,9 +42,55 @@ absl::string_view EncodingName(Encoding encoding) {
       return "raw";
     case Encoding::kLossless:
       return "lossless";
+    case Encoding::kResidual:
+      return "residual";
+    case Encoding::kInt8:
+      return "int8";
+    case Encoding::kKivi2:
+      return "kivi2";
+    case Encoding::kTurboQuant:
+      return "turboquant";
   }
   return "unknown";
 }
+
+absl::string_view PredictorName(Predictor predictor) {
+  switch (predictor) {
+    case Predictor::kNone:
+      return "none";
+    case Predictor::kChannelMean:
+      return "channel_mean";
+    case Predictor::kTemporal:
+      return "temporal";
+    case Predictor::kParent:
+      return "parent";
+    case Predictor::kCentroid:
+      return "centroid";
+    case Predictor::kExternal:
+      return "external";
+  }
+  return "unknown";
+}
+
+namespace {
+
+// Fills the error statistics of `result` from the original and decoded blocks (as floats).
+void MeasureError(const BlockGeometry& g, const float* x, const float* y, EncodedBlock* result) {
+  double err[2] = {0, 0}, energy[2] = {0, 0}, max_abs = 0;
+  const size_t plane = g.plane_elements();
+  for (size_t i = 0; i < g.num_elements(); ++i) {
+    const size_t kv = (i / plane) % 2;
+    const double e = static_cast<double>(x[i]) - y[i];
+    err[kv] += e * e;
+    energy[kv] += static_cast<double>(x[i]) * x[i];
+    max_abs = std::max(max_abs, std::fabs(e));
+  }
+  result->rel_rms_error_k = energy[0] > 0 ? std::sqrt(err[0] / energy[0]) : std::sqrt(err[0]);
+  result->rel_rms_error_v = energy[1] > 0 ? std::sqrt(err[1] / energy[1]) : std::sqrt(err[1]);
+  result->max_abs_error = max_abs;
+}
+
+}  // namespace
 
 namespace internal {
 std::string WriteEnvelope(Encoding encoding, const BlockGeometry& geometry,
@@ -85,6 +136,32 @@ absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
       std::string payload;
       CompressBytePlanes(kv, DTypeBytes(geometry.dtype), &payload);
       result.bytes = internal::WriteEnvelope(Encoding::kLossless, geometry, 0, {}, payload);
+      break;
+    }
+    case Encoding::kResidual:
+    case Encoding::kInt8:
+    case Encoding::kKivi2:
+    case Encoding::kTurboQuant: {
+      std::vector<float> x(geometry.num_elements());
+      ToFloat(geometry.dtype, kv.data(), x.size(), x.data());
+      internal::LossyOutput lossy;
+      absl::Status s =
+          options.encoding == Encoding::kResidual
+              ? internal::EncodeResidual(geometry, x.data(), options, context, &lossy)
+              : internal::EncodeBaseline(options.encoding, geometry, x.data(), options, &lossy);
+      if (!s.ok()) return s;
+      const int centroid = static_cast<int>(Predictor::kCentroid);
+      const bool uses_reference =
+          lossy.predictor_count[0][centroid] + lossy.predictor_count[1][centroid] > 0;
+      result.bytes = internal::WriteEnvelope(options.encoding, geometry,
+                                             uses_reference ? options.reference_node_id : 0,
+                                             lossy.params, lossy.payload);
+      // What the decoder returns: the reconstruction rounded to the dtype.
+      std::vector<uint8_t> decoded(geometry.num_bytes());
+      FromFloat(geometry.dtype, lossy.recon.data(), lossy.recon.size(), decoded.data());
+      ToFloat(geometry.dtype, decoded.data(), lossy.recon.size(), lossy.recon.data());
+      MeasureError(geometry, x.data(), lossy.recon.data(), &result);
+      std::memcpy(result.predictor_count, lossy.predictor_count, sizeof(result.predictor_count));
       break;
     }
     default:
@@ -173,6 +250,19 @@ absl::Status DecodeBlock(absl::string_view encoded, absl::Span<uint8_t> out,
       return absl::OkStatus();
     case Encoding::kLossless:
       return DecompressBytePlanes(h->payload, DTypeBytes(h->geometry.dtype), out);
+    case Encoding::kResidual:
+    case Encoding::kInt8:
+    case Encoding::kKivi2:
+    case Encoding::kTurboQuant: {
+      std::vector<float> y(h->geometry.num_elements());
+      absl::Status s =
+          h->encoding == Encoding::kResidual
+              ? internal::DecodeResidual(h->geometry, h->params, h->payload, context, y.data())
+              : internal::DecodeBaseline(h->encoding, h->geometry, h->params, h->payload, y.data());
+      if (!s.ok()) return s;
+      FromFloat(h->geometry.dtype, y.data(), y.size(), out.data());
+      return absl::OkStatus();
+    }
   }
   return absl::DataLossError("encoded block: unknown encoding");
 }

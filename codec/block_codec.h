@@ -36,23 +36,69 @@ namespace kvtrie {
 // How a block is stored. Values match kvtrie.v1.Encoding.
 enum class Encoding : uint8_t {
   kRaw = 1,       // the tensor bytes as given
-  kLossless = 2,  // bit-exact: byte planes of the dtype, each zstd-compressed
+  kLossless = 2,  // bit-exact (lossless.h): fp16/bf16 context-modelled with rANS, else zstd planes
+  kResidual = 3,  // kvtrie predictive residual coding, lossy to an error target (residual_codec.h)
+  kInt8 = 4,      // baseline: int8 per token and head, fp16 absmax scale (baselines.h)
+  kKivi2 = 5,  // baseline: KIVI 2-bit, keys per channel (group = block_tokens tokens), values per
+               // token (group = head_dim channels), fp16 min and scale per group (baselines.h)
+  kTurboQuant = 6,  // baseline: randomized Hadamard rotation + Gaussian Lloyd-Max at
+                    // turboquant_bits bits, fp16 norm per vector (baselines.h)
 };
 bool IsValidEncoding(uint32_t value);
 absl::string_view EncodingName(Encoding encoding);
 
+// Predictors of the residual encoding, chosen per (layer, K/V, head). Values are stored in params.
+enum class Predictor : uint8_t {
+  kNone = 0,         // prediction 0
+  kChannelMean = 1,  // per-channel mean of the head over the block (fp16, in params)
+  kTemporal = 2,     // previous token's reconstructed vector (closed loop); first token from 0
+  kParent = 3,       // as temporal, first token from the parent block's last token
+  kCentroid = 4,     // the reference block, same position
+  kExternal = 5,     // the caller's prediction tensor, same position
+};
+inline constexpr int kNumPredictors = 6;
+absl::string_view PredictorName(Predictor predictor);
+// Bit mask of every predictor, for EncodeOptions::predictors.
+inline constexpr uint32_t kAllPredictors = (1u << kNumPredictors) - 1;
+
 struct EncodeOptions {
   Encoding encoding = Encoding::kLossless;
-  // Lossy encodings: target relative RMS error ||x - x'|| / ||x|| per (layer, K/V), e.g. 0.01.
+  // kResidual: target relative RMS error ||x - x'|| / ||x|| per (layer, K/V), e.g. 0.05, measured
+  // on the decoded block in the model dtype. Met exactly or better (smaller).
   double target_rel_rms = 0.0;
+  // kResidual: bits budget, 0 = none. With a budget, the step is the larger (cheaper) of the one
+  // meeting target_rel_rms and the one meeting the budget (the budget wins); at least one of the
+  // two must be set. Counts the whole encoded block, envelope included.
+  double target_bits_per_component = 0.0;
+  // kResidual: predictors the encoder may choose from (bit 1 << Predictor). A predictor is also
+  // only eligible when its context is present (parent, reference, external).
+  uint32_t predictors = kAllPredictors;
+  // kResidual: randomized Hadamard rotation of each head vector before prediction (head_dim must be
+  // a power of two, else INVALID_ARGUMENT). kTurboQuant always rotates.
+  bool rotate = false;
+  uint32_t rotation_seed = 0x6b767472;  // "kvtr"
+  // kResidual: surprisal-adaptive quantization. 0 = off. With strength a > 0 and per-token
+  // surprisal s_t in the context, token t's step is scaled by 2^(-a * log2((s_t + 1) / (mean + 1)))
+  // rounded to quarter powers of two in [2^-3, 2^3]: surprising tokens get a finer step.
+  double surprisal_step_strength = 0.0;
+  // kResidual with a kCentroid prediction: the centroid's node id, written to the header.
+  uint64_t reference_node_id = 0;
+  // kTurboQuant: bits per component of the codebook, 1..8.
+  int turboquant_bits = 3;
 };
 
-// What the decoder may need besides the encoded bytes. Spans are empty when absent.
+// What the codec may need besides the encoded bytes. Spans are empty when absent. Blocks are in the
+// model dtype and the same geometry as the block coded.
 struct PredictionContext {
-  // The reconstructed parent block (same geometry), for predictors that start from it.
+  // The reconstructed parent block (kParent predicts the first token from its last token).
   absl::Span<const uint8_t> parent;
-  // The reconstructed reference (centroid) block named in the header.
+  // The reconstructed reference (centroid) block named in the header (kCentroid).
   absl::Span<const uint8_t> reference;
+  // A caller-supplied prediction of this block (kExternal), e.g. the paper's top-k expected KV.
+  // The server cannot compute it: decoding a block that used it without it is FAILED_PRECONDITION.
+  absl::Span<const uint8_t> external;
+  // Encoder only: per-token surprisal in bits (block_tokens values) for surprisal_step_strength.
+  absl::Span<const float> surprisal_bits;
 };
 
 // The result of encoding one block.
@@ -62,6 +108,8 @@ struct EncodedBlock {
   double rel_rms_error_k = 0;     // ||K - K'|| / ||K|| over the block; 0 when lossless
   double rel_rms_error_v = 0;     // same for V
   double max_abs_error = 0;       // max |x - x'| over the block
+  // kResidual: how many (layer, head) groups chose each Predictor, [0 = K, 1 = V][Predictor].
+  uint32_t predictor_count[2][kNumPredictors] = {};
 };
 
 // Encodes `kv` (exactly geometry.num_bytes() bytes). Errors: INVALID_ARGUMENT naming the field if

@@ -1,0 +1,84 @@
+#include "codec/rans.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvtrie {
+namespace {
+constexpr uint32_t kRansLower = 1u << 23;
+}  // namespace
+
+AdaptiveModel::AdaptiveModel(double decay) {
+  // Each symbol gets 1 plus its share of the rest, the remainder going to symbol 0.
+  double weights[kSymbols], sum = 0;
+  for (int s = 0; s < kSymbols; ++s) sum += weights[s] = std::pow(decay, s);
+  const uint32_t spare = kTotal - kSymbols;
+  uint32_t freqs[kSymbols], used = 0;
+  for (int s = 0; s < kSymbols; ++s) {
+    freqs[s] = 1 + static_cast<uint32_t>(spare * weights[s] / sum);
+    used += freqs[s];
+  }
+  freqs[0] += kTotal - used;
+  cdf_[0] = 0;
+  for (int s = 0; s < kSymbols; ++s) cdf_[s + 1] = static_cast<uint16_t>(cdf_[s] + freqs[s]);
+  // cdf_[kSymbols] == kTotal == 32768 fits in uint16_t.
+}
+
+double AdaptiveModel::CostBits(int s) const {
+  return kScaleBits - std::log2(static_cast<double>(freq(s)));
+}
+
+void AdaptiveModel::Update(int s) {
+  const int rate = 4 + (count_ >= 16) + (count_ >= 48);
+  if (count_ < 48) ++count_;
+  // Interior boundaries i <= s move toward i (their floor), those above s toward kTotal - (16 - i)
+  // (their ceiling). x - (x >> rate) is monotone, so every frequency stays >= 1.
+  for (int i = 1; i <= s; ++i) cdf_[i] -= (cdf_[i] - i) >> rate;
+  for (int i = s + 1; i < kSymbols; ++i) {
+    cdf_[i] += ((kTotal - kSymbols + i) - cdf_[i]) >> rate;
+  }
+}
+
+void RansEncoder::Finish(std::string* out) {
+  std::string bytes;  // renormalization bytes, in the order they are emitted (reversed below)
+  bytes.reserve(ops_.size() / 2 + 16);
+  uint32_t x = kRansLower;
+  for (size_t i = ops_.size(); i-- > 0;) {
+    const Op& op = ops_[i];
+    const uint32_t x_max = ((kRansLower >> op.scale_bits) << 8) * op.freq;
+    while (x >= x_max) {
+      bytes.push_back(static_cast<char>(x & 0xff));
+      x >>= 8;
+    }
+    x = ((x / op.freq) << op.scale_bits) + (x % op.freq) + op.start;
+  }
+  for (int i = 0; i < 4; ++i) out->push_back(static_cast<char>((x >> (8 * i)) & 0xff));
+  out->append(bytes.rbegin(), bytes.rend());
+  ops_.clear();
+}
+
+RansDecoder::RansDecoder(absl::string_view in) : in_(in) {
+  if (in_.size() < 4) {
+    overrun_ = true;
+    state_ = kRansLower;
+    pos_ = in_.size();
+    return;
+  }
+  for (int i = 0; i < 4; ++i)
+    state_ |= static_cast<uint32_t>(static_cast<uint8_t>(in_[i])) << (8 * i);
+  pos_ = 4;
+  Renormalize();
+}
+
+absl::Status RansDecoder::Finish() const {
+  if (overrun_) return absl::DataLossError("rANS stream: read past the end");
+  if (pos_ != in_.size()) {
+    return absl::DataLossError(
+        absl::StrCat("rANS stream: ", in_.size() - pos_, " bytes left after the last symbol"));
+  }
+  if (state_ != kRansLower) return absl::DataLossError("rANS stream: bad final state");
+  return absl::OkStatus();
+}
+
+}  // namespace kvtrie

@@ -1,0 +1,165 @@
+// codec/rans.h
+//
+// A small range asymmetric numeral system (rANS) entropy coder with adaptive multi-symbol models,
+// the entropy-coding stage of the residual and lossless encodings.
+//
+// Coder: 32-bit state, byte-wise renormalization, state interval [2^23, 2^31). A symbol with
+// cumulative start `start` and frequency `freq` out of 2^scale_bits (scale_bits <= 16) costs
+// log2(2^scale_bits / freq) bits. rANS is last-in first-out, so RansEncoder records the symbols
+// in the order the decoder will read them (forward) and codes them backwards in Finish().
+// Stream: 4 bytes of final state (little-endian), then the renormalization bytes.
+// Integrity: after the last symbol a decoder must be back in the encoder's initial state with
+// every byte consumed; RansDecoder::Finish() checks both, so most corruptions are detected even
+// without the envelope's CRC.
+//
+// Model: AdaptiveModel is a 16-symbol cumulative distribution over 2^15, adapted after each
+// symbol by moving the CDF a fraction 2^-rate toward the symbol (rate 4 for the first 16 symbols,
+// then 5, then 6 after 48), with every frequency kept >= 1. Encoder and decoder apply the same
+// update, so they stay in sync without transmitting any table.
+// Sources: J. Duda, "Asymmetric numeral systems" (2013), arXiv:1311.2540; F. Giesen's rans_byte.h
+// (public domain) for the byte-wise renormalization; the CDF adaptation is the one of AV1 / Daala
+// (J.-M. Valin et al., "Daala: building a next-generation video codec", §entropy coding).
+#ifndef KVTRIE_CODEC_RANS_H_
+#define KVTRIE_CODEC_RANS_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+
+namespace kvtrie {
+
+// An adaptive distribution over the symbols 0..15.
+class AdaptiveModel {
+ public:
+  static constexpr int kSymbols = 16;
+  static constexpr int kScaleBits = 15;
+  static constexpr uint32_t kTotal = 1u << kScaleBits;
+
+  // Starts from a geometric prior p(s) ~ decay^s (decay in (0, 1]; 1 = uniform), which suits the
+  // zig-zag mapped residuals this is used for.
+  explicit AdaptiveModel(double decay = 0.55);
+
+  uint32_t start(int s) const { return cdf_[s]; }
+  uint32_t freq(int s) const { return cdf_[s + 1] - cdf_[s]; }
+  // The symbol whose interval holds `slot` (in [0, kTotal)).
+  int Find(uint32_t slot) const {
+    int s = 0;
+    while (cdf_[s + 1] <= slot) ++s;
+    return s;
+  }
+  // Cost of `s` in bits under the current distribution (for estimates; not used by the coder).
+  double CostBits(int s) const;
+  // Adapts toward `s`.
+  void Update(int s);
+
+ private:
+  uint16_t cdf_[kSymbols + 1];  // cdf_[0] = 0, cdf_[kSymbols] = kTotal, strictly increasing
+  uint16_t count_ = 0;
+};
+
+class RansEncoder {
+ public:
+  // Codes `s` with `model` and adapts the model.
+  void Put(AdaptiveModel& model, int s) {
+    ops_.push_back({model.start(s), model.freq(s), AdaptiveModel::kScaleBits});
+    model.Update(s);
+  }
+  // Codes the low `nbits` bits of `value` (nbits <= 16) at one bit per bit.
+  void PutBits(uint32_t value, int nbits) {
+    if (nbits > 0) ops_.push_back({value & ((1u << nbits) - 1), 1, static_cast<uint32_t>(nbits)});
+  }
+  // Appends the coded stream to `*out` and resets the encoder.
+  void Finish(std::string* out);
+
+ private:
+  struct Op {
+    uint32_t start, freq, scale_bits;
+  };
+  std::vector<Op> ops_;
+};
+
+class RansDecoder {
+ public:
+  // `in` must stay alive while decoding.
+  explicit RansDecoder(absl::string_view in);
+
+  int Get(AdaptiveModel& model) {
+    const uint32_t slot = state_ & (AdaptiveModel::kTotal - 1);
+    const int s = model.Find(slot);
+    state_ = model.freq(s) * (state_ >> AdaptiveModel::kScaleBits) + slot - model.start(s);
+    model.Update(s);
+    Renormalize();
+    return s;
+  }
+  uint32_t GetBits(int nbits) {
+    if (nbits <= 0) return 0;
+    const uint32_t value = state_ & ((1u << nbits) - 1);
+    state_ >>= nbits;
+    Renormalize();
+    return value;
+  }
+  // OK if the stream was well formed and fully consumed; DATA_LOSS otherwise.
+  absl::Status Finish() const;
+
+ private:
+  static constexpr uint32_t kLower = 1u << 23;
+  void Renormalize() {
+    while (state_ < kLower) {
+      if (pos_ < in_.size()) {
+        state_ = (state_ << 8) | static_cast<uint8_t>(in_[pos_++]);
+      } else {
+        overrun_ = true;
+        state_ = (state_ << 8) | 0x80;  // keeps the loop finite; Finish() reports the overrun
+      }
+    }
+  }
+  absl::string_view in_;
+  size_t pos_ = 0;
+  uint32_t state_ = 0;
+  bool overrun_ = false;
+};
+
+// Integers through a 16-symbol model: zig-zag value z = 0..14 is one symbol; z >= 15 is symbol 15
+// (escape), then e = z - 15 as Elias-gamma: the bit length n - 1 of (e + 1) with `escape_model`
+// and its n - 1 low bits raw. |value| must be < 2^15.
+inline uint32_t ZigZag(int32_t v) {
+  return (static_cast<uint32_t>(v) << 1) ^ static_cast<uint32_t>(v >> 31);
+}
+inline int32_t UnZigZag(uint32_t z) {
+  return static_cast<int32_t>(z >> 1) ^ -static_cast<int32_t>(z & 1);
+}
+
+inline void PutInt(RansEncoder& enc, AdaptiveModel& model, AdaptiveModel& escape_model, int32_t v) {
+  const uint32_t z = ZigZag(v);
+  if (z < 15) {
+    enc.Put(model, static_cast<int>(z));
+    return;
+  }
+  enc.Put(model, 15);
+  const uint32_t e1 = z - 15 + 1;
+  const int n = 31 - __builtin_clz(e1);  // e1 in [2^n, 2^(n+1))
+  enc.Put(escape_model, n);
+  enc.PutBits(e1, n);
+}
+
+// Returns false on a malformed escape (the decoder is then in an undefined but safe state).
+inline bool GetInt(RansDecoder& dec, AdaptiveModel& model, AdaptiveModel& escape_model,
+                   int32_t* v) {
+  const int s = dec.Get(model);
+  if (s < 15) {
+    *v = UnZigZag(static_cast<uint32_t>(s));
+    return true;
+  }
+  const int n = dec.Get(escape_model);
+  const uint32_t e1 = (1u << n) | dec.GetBits(n);
+  *v = UnZigZag(e1 - 1 + 15);
+  return true;
+}
+
+}  // namespace kvtrie
+
+#endif  // KVTRIE_CODEC_RANS_H_

@@ -1,0 +1,65 @@
+// codec/residual_codec.h
+//
+// The kResidual encoding: closed-loop predictive coding of a KV block with a uniform scalar
+// quantizer and the rANS coder of rans.h. Internal to the codec; callers use block_codec.h.
+//
+// For each (layer, K/V) plane [num_kv_heads][block_tokens][head_dim]:
+//   - optional randomized Hadamard rotation of every head vector (rotation.h);
+//   - a predictor per head (Predictor in block_codec.h), chosen by the bits it costs: the zeroth-
+//     order entropy of its quantized residuals plus its side information (fp16 channel means);
+//   - residual r = x - prediction, quantized to q = round(r / step_t) with one step per (layer,
+//   K/V)
+//     (bf16-exact) times a per-token scale 2^(-code_t / 4) (surprisal-adaptive; code 0 when off);
+//     reconstruction x' = prediction + q * step_t in float32 (no FMA). Temporal and parent
+//     predictors use x' of the previous token, exactly as the decoder has it, so errors never
+//     accumulate (closed loop);
+//   - the step is searched so that ||x - x'|| / ||x|| over the plane, after rounding to the model
+//     dtype, is <= target_rel_rms. One step per plane is the MSE-optimal allocation for an entropy-
+//     coded uniform quantizer (equal distortion everywhere: reverse water-filling at high rate);
+//     per-channel / per-token steps matter for fixed-rate quantizers, not here.
+//   - q is coded in (layer, K/V, head, token, channel) order with adaptive 16-symbol models,
+//   context
+//     = (K or V, min(|q| of the same channel one token earlier, 3), min(|q| of the previous
+//     channel, 2)) — 24 models — and an Elias-gamma escape for |q| >= 8.
+// Params (version 1): u8 version, u8 flags (1 = rotated, 2 = token scales), [u32 rotation seed],
+// [block_tokens x i8 scale codes], num_layers * 2 x u16 bf16 step, num_layers * 2 * num_kv_heads
+// predictor nibbles (packed two per byte), then head_dim x fp16 means per channel-mean head.
+// Source: Magarshak 2026 §2 (layer 2, predictive delta coding, surprisal-adaptive quantization);
+// DPCM with the quantizer in the loop (Jayant & Noll, "Digital Coding of Waveforms", ch. 6).
+#ifndef KVTRIE_CODEC_RESIDUAL_CODEC_H_
+#define KVTRIE_CODEC_RESIDUAL_CODEC_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "codec/block_codec.h"
+
+namespace kvtrie {
+namespace internal {
+
+struct LossyOutput {
+  std::string params;
+  std::string payload;
+  std::vector<float> recon;  // what DecodeResidual will produce, before rounding to the dtype
+  uint32_t predictor_count[2][kNumPredictors] = {};  // [K/V][Predictor]
+};
+
+// `x`: the block as floats (geometry.num_elements(), block layout). Errors: INVALID_ARGUMENT for a
+// bad target, a context span of the wrong size, or rotation of a head_dim that is not a power of 2.
+absl::Status EncodeResidual(const BlockGeometry& geometry, const float* x,
+                            const EncodeOptions& options, const PredictionContext& context,
+                            LossyOutput* out);
+
+// Fills `out` (geometry.num_elements() floats). Errors: DATA_LOSS for malformed params or payload;
+// FAILED_PRECONDITION if a predictor needs a context span that is empty; INVALID_ARGUMENT if the
+// span has the wrong size.
+absl::Status DecodeResidual(const BlockGeometry& geometry, absl::string_view params,
+                            absl::string_view payload, const PredictionContext& context,
+                            float* out);
+
+}  // namespace internal
+}  // namespace kvtrie
+
+#endif  // KVTRIE_CODEC_RESIDUAL_CODEC_H_
