@@ -1,0 +1,91 @@
+// client/client.h
+//
+// kvtrie::Client — the C++ client of a kvtrie server (kvtrie.v1.KVCache over gRPC).
+//
+// KV crosses this API in the *sequence layout* of client/kv_dump.h: K and V each
+// [num_layers][num_kv_heads][num_tokens][head_dim] in the model's dtype. The client cuts it into
+// blocks of block_tokens tokens for Put and reassembles blocks from Get, so callers never see the
+// block layout. Only full blocks are stored; a tail of num_tokens % block_tokens is not.
+//
+// Errors: the server's gRPC status converted to absl::Status with the same code and message
+// (INVALID_ARGUMENT naming the field, NOT_FOUND, DATA_LOSS, UNAVAILABLE when the server is down).
+// Thread-safe: one Client may be used from many threads.
+#ifndef KVTRIE_CLIENT_CLIENT_H_
+#define KVTRIE_CLIENT_CLIENT_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "client/kv_dump.h"
+#include "kvtrie/v1/kvtrie.grpc.pb.h"
+
+namespace kvtrie {
+
+struct ClientOptions {
+  std::string target = "127.0.0.1:50051";      // HOST:PORT
+  std::string ns;                              // namespace of every call
+  absl::Duration timeout = absl::Seconds(60);  // per call
+};
+
+struct PutOptions {
+  v1::Encoding encoding = v1::ENCODING_UNSPECIFIED;  // server default
+  double target_rel_rms = 0;                         // lossy encodings; 0 = server default
+  uint32_t bits = 0;                                 // baselines with a bit width; 0 = default
+  uint32_t block_tokens = 16;
+  // Blocks [0, first_block) are not sent (e.g. Lookup said they are stored); the server
+  // acknowledges them as deduplicated if stored, and rejects the Put if they are not.
+  uint32_t first_block = 0;
+  // Layers per PutBlock message (0 = the whole block in one message).
+  uint32_t layers_per_message = 0;
+};
+
+struct GetOptions {
+  v1::GetMode mode = v1::GET_MODE_RECONSTRUCTED;  // RESIDUAL: the client decodes (client → codec)
+  uint32_t max_blocks = 0;                        // 0 = all matched blocks
+};
+
+class Client {
+ public:
+  // Creates a channel to options.target (does not wait for the server).
+  static std::unique_ptr<Client> Create(const ClientOptions& options);
+
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // Longest stored block-aligned prefix of `token_ids`.
+  absl::StatusOr<v1::LookupResponse> Lookup(const std::string& model_id,
+                                            absl::Span<const uint32_t> token_ids);
+
+  // Streams every full block of `kv` (from options.first_block on) with its header.
+  // kv.model_id, geometry, token_ids and surprisal_bits (empty or one per token) are sent as is.
+  absl::StatusOr<v1::PutResponse> Put(const KvDump& kv, const PutOptions& options = {});
+
+  // KV of the longest stored prefix of `token_ids`, in sequence layout: the result's token_ids
+  // are the matched tokens (empty on a miss) and k/v hold exactly those tokens.
+  absl::StatusOr<KvDump> Get(const std::string& model_id, absl::Span<const uint32_t> token_ids,
+                             const GetOptions& options = {});
+
+  absl::StatusOr<v1::StatsResponse> Stats(const std::string& ns_override = "");
+  absl::StatusOr<v1::InspectResponse> Inspect(const std::string& model_id, uint64_t node_id);
+  absl::StatusOr<v1::DeleteResponse> Delete(const std::string& model_id,
+                                            absl::Span<const uint32_t> token_ids);
+
+  // The underlying stub, for calls this class does not wrap.
+  v1::KVCache::Stub* stub() { return stub_.get(); }
+
+ private:
+  explicit Client(const ClientOptions& options);
+  std::unique_ptr<grpc::ClientContext> NewContext() const;
+
+  const ClientOptions options_;
+  std::unique_ptr<v1::KVCache::Stub> stub_;
+};
+
+}  // namespace kvtrie
+
+#endif  // KVTRIE_CLIENT_CLIENT_H_

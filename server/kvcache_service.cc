@@ -1,0 +1,278 @@
+#include "server/kvcache_service.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "server/grpc_status.h"
+
+namespace kvtrie {
+namespace {
+
+grpc::Status Invalid(std::string message) {
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::move(message));
+}
+
+// Namespaces and model ids are opaque strings; NUL is reserved by the store's key encoding.
+grpc::Status CheckName(absl::string_view field, const std::string& value, bool required) {
+  if (required && value.empty()) return Invalid(absl::StrCat(field, ": required"));
+  if (value.size() > 1024) return Invalid(absl::StrCat(field, ": longer than 1024 bytes"));
+  if (value.find('\0') != std::string::npos) {
+    return Invalid(absl::StrCat(field, ": must not contain NUL"));
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status CheckTokens(absl::string_view field, int count, uint32_t max_tokens) {
+  if (static_cast<uint32_t>(count) > max_tokens) {
+    return grpc::Status(
+        grpc::StatusCode::RESOURCE_EXHAUSTED,
+        absl::StrCat(field, ": ", count, " tokens exceed the server's --max_tokens=", max_tokens));
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status ToModelInfo(const v1::ModelSpec& spec, ModelInfo* out) {
+  if (auto s = CheckName("model.model_id", spec.model_id(), true); !s.ok()) return s;
+  if (spec.dtype() == v1::DTYPE_UNSPECIFIED) {
+    return Invalid("model.dtype: required (DTYPE_FP16, DTYPE_BF16 or DTYPE_FP32)");
+  }
+  if (!IsValidDType(static_cast<uint32_t>(spec.dtype()))) {
+    return Invalid(absl::StrCat("model.dtype: unknown value ", static_cast<int>(spec.dtype())));
+  }
+  out->model_id = spec.model_id();
+  out->geometry.num_layers = spec.num_layers();
+  out->geometry.num_kv_heads = spec.num_kv_heads();
+  out->geometry.head_dim = spec.head_dim();
+  out->geometry.block_tokens = spec.block_tokens() == 0 ? 16 : spec.block_tokens();
+  out->geometry.dtype = static_cast<DType>(spec.dtype());
+  if (absl::Status s = out->geometry.Validate(); !s.ok()) {
+    return Invalid(absl::StrCat("model.", s.message()));
+  }
+  return grpc::Status::OK;
+}
+
+void ToModelSpec(const ModelInfo& info, v1::ModelSpec* spec) {
+  spec->set_model_id(info.model_id);
+  spec->set_num_layers(info.geometry.num_layers);
+  spec->set_num_kv_heads(info.geometry.num_kv_heads);
+  spec->set_head_dim(info.geometry.head_dim);
+  spec->set_dtype(static_cast<v1::DType>(info.geometry.dtype));
+  spec->set_block_tokens(info.geometry.block_tokens);
+}
+
+void ToNodeInfo(const NodeView& v, v1::NodeInfo* out) {
+  out->set_node_id(v.node_id);
+  out->set_parent_id(v.parent_id);
+  out->set_depth(v.depth);
+  out->set_token_offset(v.token_offset);
+  out->mutable_token_ids()->Add(v.token_ids.begin(), v.token_ids.end());
+  out->mutable_surprisal_bits()->Add(v.surprisal_bits.begin(), v.surprisal_bits.end());
+  out->set_path_surprisal_bits(v.path_surprisal_bits);
+  out->set_bytes_logical(v.bytes_logical);
+  out->set_bytes_stored(v.bytes_stored);
+  out->set_encoding(v.depth == 0 ? v1::ENCODING_UNSPECIFIED
+                                 : static_cast<v1::Encoding>(v.encoding));
+  out->set_num_children(v.num_children);
+  out->set_hits(v.hits);
+}
+
+}  // namespace
+
+KvCacheService::KvCacheService(KvStore* store, const ServiceOptions& options)
+    : store_(store), options_(options) {}
+
+grpc::Status KvCacheService::Lookup(grpc::ServerContext*, const v1::LookupRequest* request,
+                                    v1::LookupResponse* response) {
+  if (auto s = CheckName("namespace", request->namespace_(), false); !s.ok()) return s;
+  if (auto s = CheckName("model_id", request->model_id(), true); !s.ok()) return s;
+  if (auto s = CheckTokens("token_ids", request->token_ids_size(), options_.max_tokens); !s.ok())
+    return s;
+  MatchResult m = store_->Lookup(request->namespace_(), request->model_id(), request->token_ids());
+  response->set_block_tokens(m.block_tokens);
+  response->set_matched_blocks(static_cast<uint32_t>(m.node_ids.size()));
+  response->set_matched_tokens(static_cast<uint32_t>(m.node_ids.size()) * m.block_tokens);
+  response->mutable_node_ids()->Add(m.node_ids.begin(), m.node_ids.end());
+  return grpc::Status::OK;
+}
+
+grpc::Status KvCacheService::Put(grpc::ServerContext* context,
+                                 grpc::ServerReader<v1::PutRequest>* reader,
+                                 v1::PutResponse* response) {
+  v1::PutRequest request;
+  if (!reader->Read(&request)) return Invalid("header: the stream ended before its header");
+  if (!request.has_header()) return Invalid("header: the first PutRequest must be a header");
+  const v1::PutHeader& h = request.header();
+  if (auto s = CheckName("namespace", h.namespace_(), false); !s.ok()) return s;
+  ModelInfo model;
+  if (auto s = ToModelInfo(h.model(), &model); !s.ok()) return s;
+  if (auto s = CheckTokens("token_ids", h.token_ids_size(), options_.max_tokens); !s.ok()) return s;
+  EncodeOptions encode = options_.default_encoding;
+  const v1::EncodingSpec& e = h.encoding();
+  if (e.encoding() != v1::ENCODING_UNSPECIFIED) {
+    if (!IsValidEncoding(static_cast<uint32_t>(e.encoding()))) {
+      return Invalid(absl::StrCat("encoding.encoding: ",
+                                  v1::Encoding_Name(e.encoding()).empty()
+                                      ? absl::StrCat(static_cast<int>(e.encoding()))
+                                      : v1::Encoding_Name(e.encoding()),
+                                  " is not supported by this server"));
+    }
+    encode.encoding = static_cast<Encoding>(e.encoding());
+  }
+  if (e.target_rel_rms() < 0 || e.target_rel_rms() >= 1) {
+    return Invalid(
+        absl::StrCat("encoding.target_rel_rms: ", e.target_rel_rms(), " is not in [0, 1)"));
+  }
+  if (e.target_rel_rms() > 0) encode.target_rel_rms = e.target_rel_rms();
+  absl::StatusOr<std::unique_ptr<PutSession>> session =
+      store_->BeginPut(h.namespace_(), model, {h.token_ids().begin(), h.token_ids().end()},
+                       {h.surprisal_bits().begin(), h.surprisal_bits().end()}, encode);
+  if (!session.ok()) return ToGrpcStatus(session.status());
+  while (reader->Read(&request)) {
+    if (request.has_header()) return Invalid("header: sent twice in one Put stream");
+    if (!request.has_block()) return Invalid("block: a PutRequest after the header is empty");
+    const v1::PutBlock& b = request.block();
+    absl::Status s = (*session)->AddLayers(
+        b.block_index(), b.layer_begin(), b.layer_end(),
+        absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(b.kv().data()), b.kv().size()));
+    if (!s.ok()) return ToGrpcStatus(s);
+  }
+  if (context->IsCancelled()) {
+    return grpc::Status(grpc::StatusCode::CANCELLED, "put: the client cancelled; nothing stored");
+  }
+  absl::StatusOr<PutSummary> summary = (*session)->Finish();
+  if (!summary.ok()) return ToGrpcStatus(summary.status());
+  response->set_stored_tokens(summary->stored_tokens);
+  response->set_tail_tokens_ignored(summary->tail_tokens_ignored);
+  for (const BlockReport& r : summary->blocks) {
+    v1::BlockResult* out = response->add_blocks();
+    out->set_block_index(r.block_index);
+    out->set_disposition(r.outcome == BlockOutcome::kStored ? v1::BLOCK_STORED
+                                                            : v1::BLOCK_DEDUPLICATED);
+    out->set_node_id(r.node_id);
+    out->set_bytes_logical(r.bytes_logical);
+    out->set_bytes_stored(r.bytes_stored);
+    if (r.outcome == BlockOutcome::kStored) {
+      out->set_encoding(static_cast<v1::Encoding>(r.encoding));
+      out->set_bits_per_component(r.bits_per_component);
+      out->set_rel_rms_error_k(r.rel_rms_error_k);
+      out->set_rel_rms_error_v(r.rel_rms_error_v);
+      response->set_blocks_stored(response->blocks_stored() + 1);
+    } else {
+      response->set_blocks_deduplicated(response->blocks_deduplicated() + 1);
+    }
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status KvCacheService::Get(grpc::ServerContext* context, const v1::GetRequest* request,
+                                 grpc::ServerWriter<v1::GetResponse>* writer) {
+  if (auto s = CheckName("namespace", request->namespace_(), false); !s.ok()) return s;
+  if (auto s = CheckName("model_id", request->model_id(), true); !s.ok()) return s;
+  if (auto s = CheckTokens("token_ids", request->token_ids_size(), options_.max_tokens); !s.ok())
+    return s;
+  if (!v1::GetMode_IsValid(request->mode())) {
+    return Invalid(absl::StrCat("mode: unknown value ", static_cast<int>(request->mode())));
+  }
+  const bool residual = request->mode() == v1::GET_MODE_RESIDUAL;
+  absl::StatusOr<GetResult> got = store_->Get(request->namespace_(), request->model_id(),
+                                              request->token_ids(), request->max_blocks());
+  if (!got.ok()) return ToGrpcStatus(got.status());
+  v1::GetResponse header;
+  const uint32_t bt = got->model.geometry.block_tokens;
+  if (!got->model.model_id.empty())
+    ToModelSpec(got->model, header.mutable_header()->mutable_model());
+  header.mutable_header()->set_matched_blocks(static_cast<uint32_t>(got->blocks.size()));
+  header.mutable_header()->set_matched_tokens(static_cast<uint32_t>(got->blocks.size()) * bt);
+  if (!writer->Write(header)) return grpc::Status(grpc::StatusCode::CANCELLED, "client gone");
+
+  const BlockGeometry& g = got->model.geometry;
+  std::vector<uint8_t> kv, parent;
+  const size_t layer_bytes = g.num_layers ? g.layer_range_bytes(0, 1) : 1;
+  const uint32_t layers_per_message =
+      static_cast<uint32_t>(std::max<uint64_t>(1, options_.max_get_message_bytes / layer_bytes));
+  v1::GetResponse msg;
+  for (size_t i = 0; i < got->blocks.size(); ++i) {
+    const BlockRead& b = got->blocks[i];
+    if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client gone");
+    msg.Clear();
+    v1::GetBlock* out = msg.mutable_block();
+    out->set_block_index(static_cast<uint32_t>(i));
+    out->set_node_id(b.node_id);
+    out->set_encoding(static_cast<v1::Encoding>(b.encoding));
+    out->set_reference_node_id(b.reference_node_id);
+    if (residual) {
+      out->set_layer_begin(0);
+      out->set_layer_end(g.num_layers);
+      out->set_encoded(*b.encoded);
+      if (!writer->Write(msg)) return grpc::Status(grpc::StatusCode::CANCELLED, "client gone");
+      continue;
+    }
+    kv.resize(g.num_bytes());
+    absl::Status s = store_->DecodeBlock(request->namespace_(), request->model_id(), b, parent,
+                                         absl::MakeSpan(kv));
+    if (!s.ok()) return ToGrpcStatus(s);
+    for (uint32_t l = 0; l < g.num_layers; l += layers_per_message) {
+      const uint32_t end = std::min(g.num_layers, l + layers_per_message);
+      out->set_layer_begin(l);
+      out->set_layer_end(end);
+      out->set_kv(kv.data() + g.layer_range_bytes(0, l), g.layer_range_bytes(l, end));
+      if (!writer->Write(msg)) return grpc::Status(grpc::StatusCode::CANCELLED, "client gone");
+    }
+    parent.swap(kv);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status KvCacheService::Stats(grpc::ServerContext*, const v1::StatsRequest* request,
+                                   v1::StatsResponse* response) {
+  if (auto s = CheckName("namespace", request->namespace_(), false); !s.ok()) return s;
+  const StoreStats s = store_->Stats(request->namespace_());
+  response->set_namespaces(s.namespaces);
+  response->set_models(s.models);
+  response->set_nodes(s.nodes);
+  response->set_blocks_stored(s.blocks_stored);
+  response->set_blocks_deduplicated(s.blocks_deduplicated);
+  response->set_bytes_logical(s.bytes_logical);
+  response->set_bytes_stored(s.bytes_stored);
+  response->set_compression_ratio(s.bytes_stored ? double(s.bytes_logical) / s.bytes_stored : 0);
+  response->set_bits_per_component(s.elements ? 8.0 * s.bytes_stored / s.elements : 0);
+  response->set_max_depth(s.max_depth);
+  response->set_lookups(s.lookups);
+  response->set_lookup_hits(s.lookup_hits);
+  response->set_gets(s.gets);
+  response->set_puts(s.puts);
+  response->set_deletes(s.deletes);
+  return grpc::Status::OK;
+}
+
+grpc::Status KvCacheService::Inspect(grpc::ServerContext*, const v1::InspectRequest* request,
+                                     v1::InspectResponse* response) {
+  if (auto s = CheckName("namespace", request->namespace_(), false); !s.ok()) return s;
+  if (auto s = CheckName("model_id", request->model_id(), true); !s.ok()) return s;
+  absl::StatusOr<InspectResult> r =
+      store_->Inspect(request->namespace_(), request->model_id(), request->node_id());
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  ToModelSpec(r->model, response->mutable_model());
+  ToNodeInfo(r->node, response->mutable_node());
+  for (const NodeView& c : r->children) ToNodeInfo(c, response->add_children());
+  return grpc::Status::OK;
+}
+
+grpc::Status KvCacheService::Delete(grpc::ServerContext*, const v1::DeleteRequest* request,
+                                    v1::DeleteResponse* response) {
+  if (auto s = CheckName("namespace", request->namespace_(), false); !s.ok()) return s;
+  if (auto s = CheckName("model_id", request->model_id(), true); !s.ok()) return s;
+  if (auto s = CheckTokens("token_ids", request->token_ids_size(), options_.max_tokens); !s.ok())
+    return s;
+  auto r = store_->Delete(request->namespace_(), request->model_id(), request->token_ids());
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  response->set_nodes_deleted(r->first);
+  response->set_bytes_freed(r->second);
+  return grpc::Status::OK;
+}
+
+}  // namespace kvtrie

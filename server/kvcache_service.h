@@ -1,0 +1,51 @@
+// server/kvcache_service.h
+//
+// The kvtrie.v1.KVCache gRPC service: request validation and the mapping between the public
+// proto and the store (trie/kv_store.h). Every error names the offending field; see
+// proto/kvtrie/v1/kvtrie.proto for the contract of each call.
+//
+// Uses gRPC's synchronous API: each call runs on a thread of gRPC's pool. Thread-safe.
+#ifndef KVTRIE_SERVER_KVCACHE_SERVICE_H_
+#define KVTRIE_SERVER_KVCACHE_SERVICE_H_
+
+#include <cstdint>
+
+#include "kvtrie/v1/kvtrie.grpc.pb.h"
+#include "trie/kv_store.h"
+
+namespace kvtrie {
+
+struct ServiceOptions {
+  uint32_t max_tokens = 1u << 20;             // token ids one request may carry
+  uint64_t max_get_message_bytes = 1u << 20;  // a GetBlock is split by layers above this
+  EncodeOptions default_encoding;             // for ENCODING_UNSPECIFIED
+};
+
+class KvCacheService final : public v1::KVCache::Service {
+ public:
+  // `store` must outlive the service.
+  KvCacheService(KvStore* store, const ServiceOptions& options);
+  KvCacheService(const KvCacheService&) = delete;
+  KvCacheService& operator=(const KvCacheService&) = delete;
+
+  grpc::Status Lookup(grpc::ServerContext* context, const v1::LookupRequest* request,
+                      v1::LookupResponse* response) override;
+  grpc::Status Put(grpc::ServerContext* context, grpc::ServerReader<v1::PutRequest>* reader,
+                   v1::PutResponse* response) override;
+  grpc::Status Get(grpc::ServerContext* context, const v1::GetRequest* request,
+                   grpc::ServerWriter<v1::GetResponse>* writer) override;
+  grpc::Status Stats(grpc::ServerContext* context, const v1::StatsRequest* request,
+                     v1::StatsResponse* response) override;
+  grpc::Status Inspect(grpc::ServerContext* context, const v1::InspectRequest* request,
+                       v1::InspectResponse* response) override;
+  grpc::Status Delete(grpc::ServerContext* context, const v1::DeleteRequest* request,
+                      v1::DeleteResponse* response) override;
+
+ private:
+  KvStore* const store_;
+  const ServiceOptions options_;
+};
+
+}  // namespace kvtrie
+
+#endif  // KVTRIE_SERVER_KVCACHE_SERVICE_H_

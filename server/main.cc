@@ -1,0 +1,164 @@
+// kvtrie-server: the kvtrie.v1.KVCache gRPC service over an embedded RocksDB.
+//
+//   kvtrie-server --listen=127.0.0.1:50051 --data_dir=./kvtrie-data
+//
+// Serves grpc.health.v1.Health (status SERVING for "" and "kvtrie.v1.KVCache") and server
+// reflection (v1alpha, what gRPC 1.51 ships), so grpcurl can list, describe and call it.
+// SIGTERM or SIGINT: health turns NOT_SERVING, new calls are refused, running calls get
+// --shutdown_grace_seconds to finish and are then cancelled, the store is flushed and closed,
+// and the process exits 0.
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/server.h>
+#include <grpcpp/server_builder.h>
+#include <signal.h>
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "grpc/health/v1/health.pb.h"
+#include "server/kvcache_service.h"
+#include "trie/kv_store.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
+          "HOST:PORT to serve gRPC on; port 0 picks a free port (see --port_file)");
+ABSL_FLAG(std::string, data_dir, "./kvtrie-data",
+          "folder of the embedded RocksDB (created if missing)");
+ABSL_FLAG(bool, sync, false,
+          "fsync RocksDB's write-ahead log before acknowledging a Put (survives machine "
+          "crashes, not only process crashes)");
+ABSL_FLAG(std::string, default_encoding, "lossless",
+          "encoding of Puts that name none: raw or lossless");
+ABSL_FLAG(uint32_t, max_tokens, 1u << 20, "most token ids one request may carry");
+ABSL_FLAG(uint64_t, max_put_bytes, 1ull << 30,
+          "most dense KV bytes one Put stream may buffer before it is committed");
+ABSL_FLAG(uint64_t, max_get_message_bytes, 1u << 20,
+          "Get splits a block by layer ranges so no message is larger than this");
+ABSL_FLAG(int, shutdown_grace_seconds, 10,
+          "on SIGTERM, how long running calls may take before they are cancelled");
+ABSL_FLAG(std::string, port_file, "",
+          "if set, write the bound port to this file once serving (for tests and scripts)");
+ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error or off");
+
+namespace kvtrie {
+namespace {
+
+constexpr char kServiceName[] = "kvtrie.v1.KVCache";
+
+absl::StatusOr<Encoding> ParseEncoding(const std::string& name) {
+  for (uint32_t v = 1; IsValidEncoding(v); ++v) {
+    if (EncodingName(static_cast<Encoding>(v)) == name) return static_cast<Encoding>(v);
+  }
+  return absl::InvalidArgumentError(absl::StrCat("--default_encoding: unknown '", name, "'"));
+}
+
+int Run() {
+  spdlog::set_level(spdlog::level::from_str(absl::GetFlag(FLAGS_log_level)));
+  // Link the health protocol's descriptors so reflection can describe grpc.health.v1.Health
+  // (gRPC 1.51's built-in health service does not register them).
+  grpc::health::v1::HealthCheckRequest::descriptor();
+
+  // Handle SIGTERM/SIGINT on one thread: block them before gRPC starts its threads.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  absl::StatusOr<Encoding> encoding = ParseEncoding(absl::GetFlag(FLAGS_default_encoding));
+  if (!encoding.ok()) {
+    spdlog::critical("{}", std::string(encoding.status().message()));
+    return 2;
+  }
+  StoreOptions store_options;
+  store_options.data_dir = absl::GetFlag(FLAGS_data_dir);
+  store_options.sync = absl::GetFlag(FLAGS_sync);
+  store_options.max_put_bytes = absl::GetFlag(FLAGS_max_put_bytes);
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<std::unique_ptr<KvStore>> store = KvStore::Open(store_options);
+  if (!store.ok()) {
+    spdlog::critical("cannot open the store: {}", std::string(store.status().message()));
+    return 1;
+  }
+  const RecoveryStats& rec = (*store)->recovery();
+  spdlog::info(
+      "store {}: {} models, {} nodes recovered in {} ms ({} dropped: {} missing parent, "
+      "{} bad payload)",
+      store_options.data_dir, rec.models, rec.nodes,
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
+                                                            start)
+          .count(),
+      rec.dropped_missing_parent + rec.dropped_bad_payload, rec.dropped_missing_parent,
+      rec.dropped_bad_payload);
+
+  ServiceOptions service_options;
+  service_options.max_tokens = absl::GetFlag(FLAGS_max_tokens);
+  service_options.max_get_message_bytes = absl::GetFlag(FLAGS_max_get_message_bytes);
+  service_options.default_encoding.encoding = *encoding;
+  KvCacheService service(store->get(), service_options);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || port == 0) {
+    spdlog::critical("cannot listen on {}", absl::GetFlag(FLAGS_listen));
+    return 1;
+  }
+  server->GetHealthCheckService()->SetServingStatus(kServiceName, true);
+  server->GetHealthCheckService()->SetServingStatus(true);
+  spdlog::info("kvtrie-server serving {} on {} (bound port {})", kServiceName,
+               absl::GetFlag(FLAGS_listen), port);
+  if (const std::string path = absl::GetFlag(FLAGS_port_file); !path.empty()) {
+    const std::string tmp = path + ".tmp";
+    std::ofstream(tmp) << port << "\n";
+    std::rename(tmp.c_str(), path.c_str());  // appears whole or not at all
+  }
+
+  std::thread waiter([&] {
+    int sig = 0;
+    sigwait(&signals, &sig);
+    spdlog::info("signal {}: draining (grace {} s)", sig,
+                 absl::GetFlag(FLAGS_shutdown_grace_seconds));
+    server->GetHealthCheckService()->Shutdown();  // NOT_SERVING for every service
+    server->Shutdown(std::chrono::system_clock::now() +
+                     std::chrono::seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds)));
+  });
+  server->Wait();
+  waiter.join();
+  store->reset();  // flushes and closes RocksDB
+  spdlog::info("kvtrie-server stopped");
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvtrie
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "stores the KV caches of LLM inference workers (gRPC kvtrie.v1.KVCache).\n"
+      "  kvtrie-server --listen=127.0.0.1:50051 --data_dir=./kvtrie-data");
+  absl::FlagsUsageConfig usage;
+  // --help lists this file's flags (absl's default expects the file to be named after the binary).
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::StrContains(file, "server/main.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
+  absl::ParseCommandLine(argc, argv);
+  return kvtrie::Run();
+}

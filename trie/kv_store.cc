@@ -1,0 +1,686 @@
+#include "trie/kv_store.h"
+
+#include <rocksdb/db.h>
+#include <rocksdb/options.h>
+#include <rocksdb/write_batch.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "trie/store_records.pb.h"
+
+namespace kvtrie {
+namespace {
+
+constexpr char kModelsCf[] = "models";
+constexpr char kNodesCf[] = "nodes";
+constexpr char kPayloadsCf[] = "payloads";
+
+std::string NodeKey(uint64_t id) {
+  std::string k(8, '\0');
+  for (int i = 0; i < 8; ++i) k[i] = static_cast<char>((id >> (56 - 8 * i)) & 0xff);
+  return k;
+}
+
+uint64_t DecodeNodeKey(const rocksdb::Slice& k) {
+  uint64_t id = 0;
+  for (size_t i = 0; i < 8 && i < k.size(); ++i) id = id << 8 | static_cast<uint8_t>(k[i]);
+  return id;
+}
+
+std::string ModelKeyString(const std::string& ns, const std::string& model_id) {
+  return absl::StrCat(ns, std::string(1, '\0'), model_id);
+}
+
+absl::Status FromRocks(const rocksdb::Status& s, absl::string_view what) {
+  if (s.ok()) return absl::OkStatus();
+  std::string msg = absl::StrCat(what, ": ", s.ToString());
+  if (s.IsCorruption()) return absl::DataLossError(msg);
+  if (s.IsIOError() || s.IsBusy() || s.IsTryAgain()) return absl::UnavailableError(msg);
+  if (s.IsNoSpace()) return absl::ResourceExhaustedError(msg);
+  return absl::InternalError(msg);
+}
+
+std::string RangeString(const std::vector<bool>& have) {
+  std::string out;
+  for (size_t i = 0; i < have.size();) {
+    if (have[i]) {
+      ++i;
+      continue;
+    }
+    size_t j = i;
+    while (j < have.size() && !have[j]) ++j;
+    absl::StrAppend(&out, out.empty() ? "" : ", ", "[", i, ", ", j, ")");
+    i = j;
+  }
+  return out;
+}
+
+// Field-by-field comparison so the error names the field that differs.
+absl::Status CheckSameModel(const std::string& ns, const ModelInfo& stored,
+                            const ModelInfo& request) {
+  const BlockGeometry& a = stored.geometry;
+  const BlockGeometry& b = request.geometry;
+  auto mismatch = [&](absl::string_view field, std::string have, std::string want) {
+    return absl::InvalidArgumentError(absl::StrCat("model.", field, ": namespace '", ns,
+                                                   "' stores model '", stored.model_id, "' with ",
+                                                   field, "=", have, ", request has ", want));
+  };
+  if (a.num_layers != b.num_layers)
+    return mismatch("num_layers", absl::StrCat(a.num_layers), absl::StrCat(b.num_layers));
+  if (a.num_kv_heads != b.num_kv_heads)
+    return mismatch("num_kv_heads", absl::StrCat(a.num_kv_heads), absl::StrCat(b.num_kv_heads));
+  if (a.head_dim != b.head_dim)
+    return mismatch("head_dim", absl::StrCat(a.head_dim), absl::StrCat(b.head_dim));
+  if (a.dtype != b.dtype)
+    return mismatch("dtype", std::string(DTypeName(a.dtype)), std::string(DTypeName(b.dtype)));
+  if (a.block_tokens != b.block_tokens)
+    return mismatch("block_tokens", absl::StrCat(a.block_tokens), absl::StrCat(b.block_tokens));
+  return absl::OkStatus();
+}
+
+NodeView ToView(const TrieNode& n) {
+  NodeView v;
+  v.node_id = n.id;
+  v.parent_id = n.parent ? n.parent->id : 0;
+  v.depth = n.depth;
+  v.token_offset = n.depth == 0 ? 0 : n.token_offset();
+  v.token_ids = n.token_ids;
+  v.surprisal_bits = n.surprisal_bits;
+  v.path_surprisal_bits = n.path_surprisal_bits;
+  v.bytes_logical = n.bytes_logical;
+  v.bytes_stored = n.bytes_stored;
+  v.encoding = n.encoding;
+  v.num_children = static_cast<uint32_t>(n.num_children());
+  v.hits = n.hits;
+  return v;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// PutSession
+
+PutSession::PutSession(KvStore* store, std::string ns, ModelInfo model,
+                       std::vector<uint32_t> token_ids, std::vector<float> surprisal_bits,
+                       EncodeOptions encode)
+    : store_(store),
+      ns_(std::move(ns)),
+      model_(std::move(model)),
+      token_ids_(std::move(token_ids)),
+      surprisal_bits_(std::move(surprisal_bits)),
+      encode_(encode),
+      num_blocks_(static_cast<uint32_t>(token_ids_.size() / model_.geometry.block_tokens)) {}
+
+PutSession::~PutSession() = default;
+
+absl::Status PutSession::AddLayers(uint32_t block_index, uint32_t layer_begin, uint32_t layer_end,
+                                   absl::Span<const uint8_t> kv) {
+  if (failed_) return absl::FailedPreconditionError("put: the stream already failed");
+  const BlockGeometry& g = model_.geometry;
+  auto fail = [&](absl::Status s) {
+    failed_ = true;
+    pending_.clear();
+    return s;
+  };
+  if (block_index >= num_blocks_) {
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "block_index: ", block_index, " is past the last full block; token_ids hold ",
+        token_ids_.size(), " tokens = ", num_blocks_, " full blocks of ", g.block_tokens)));
+  }
+  if (layer_end == 0) layer_end = g.num_layers;
+  if (layer_end > g.num_layers || layer_begin >= layer_end) {
+    return fail(absl::InvalidArgumentError(
+        absl::StrCat("layer_end: layers [", layer_begin, ", ", layer_end, ") of block ",
+                     block_index, " are not a range within num_layers=", g.num_layers)));
+  }
+  const size_t want = g.layer_range_bytes(layer_begin, layer_end);
+  if (kv.size() != want) {
+    return fail(absl::InvalidArgumentError(
+        absl::StrCat("kv: block ", block_index, " layers [", layer_begin, ", ", layer_end, ") has ",
+                     kv.size(), " bytes; the model spec (", g.DebugString(), ") needs ", want,
+                     " — check head_dim, num_kv_heads, dtype and the token count")));
+  }
+  Pending& p = pending_[block_index];
+  if (p.kv.empty()) {
+    buffered_bytes_ += g.num_bytes();
+    if (buffered_bytes_ > store_->options_.max_put_bytes) {
+      return fail(absl::ResourceExhaustedError(absl::StrCat(
+          "kv: this Put buffers more than max_put_bytes=", store_->options_.max_put_bytes,
+          " bytes; split it into several Puts")));
+    }
+    p.kv.resize(g.num_bytes());
+    p.have.assign(g.num_layers, false);
+    p.layers_missing = g.num_layers;
+  }
+  for (uint32_t l = layer_begin; l < layer_end; ++l) {
+    if (p.have[l]) {
+      return fail(absl::InvalidArgumentError(
+          absl::StrCat("layer_begin: layer ", l, " of block ", block_index, " was sent twice")));
+    }
+    p.have[l] = true;
+    --p.layers_missing;
+  }
+  std::copy(kv.begin(), kv.end(),
+            p.kv.begin() + static_cast<ptrdiff_t>(g.layer_range_bytes(0, layer_begin)));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PutSummary> PutSession::Finish() {
+  if (failed_) return absl::FailedPreconditionError("put: the stream already failed");
+  failed_ = true;  // a session finishes once
+  const BlockGeometry& g = model_.geometry;
+  for (const auto& [index, p] : pending_) {
+    if (p.layers_missing != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("kv: block ", index, " is missing layers ",
+                                                     RangeString(p.have),
+                                                     " (the stream ended early)"));
+    }
+  }
+  PutSummary summary;
+  summary.tail_tokens_ignored = static_cast<uint32_t>(token_ids_.size() % g.block_tokens);
+  const absl::Span<const uint32_t> tokens(token_ids_);
+  constexpr int kAttempts = 4;
+  for (int attempt = 0; attempt < kAttempts; ++attempt) {
+    const MatchResult match = store_->Lookup(ns_, model_.model_id, tokens);
+    const uint32_t matched = static_cast<uint32_t>(match.node_ids.size());
+    // Every full block must be stored already or sent now.
+    for (uint32_t b = matched; b < num_blocks_; ++b) {
+      if (!pending_.contains(b)) {
+        uint32_t e = b;
+        while (e < num_blocks_ && !pending_.contains(e)) ++e;
+        return absl::InvalidArgumentError(absl::StrCat(
+            "kv: blocks [", b, ", ", e, ") of token_ids (", token_ids_.size(),
+            " tokens) were never sent and are not stored; send every full block or fewer "
+            "token_ids"));
+      }
+    }
+    // Encode the new blocks in order; each is predicted from its parent's reconstruction.
+    std::vector<KvStore::NewBlock> blocks;
+    std::vector<uint8_t> parent_kv;
+    if (matched > 0) {
+      parent_kv.resize(g.num_bytes());
+      if (auto s = store_->ReconstructNode(ns_, model_.model_id, match.node_ids.back(),
+                                           absl::MakeSpan(parent_kv));
+          !s.ok()) {
+        return s;
+      }
+    }
+    for (uint32_t b = matched; b < num_blocks_; ++b) {
+      const std::vector<uint8_t>& kv = pending_.at(b).kv;
+      PredictionContext ctx;
+      ctx.parent = parent_kv;
+      absl::StatusOr<EncodedBlock> e = EncodeBlock(g, kv, encode_, ctx);
+      if (!e.ok()) return e.status();
+      if (encode_.encoding == Encoding::kRaw || encode_.encoding == Encoding::kLossless) {
+        parent_kv = kv;
+      } else {
+        parent_kv.resize(g.num_bytes());
+        if (auto s = kvtrie::DecodeBlock(e->bytes, absl::MakeSpan(parent_kv), ctx); !s.ok()) {
+          return absl::InternalError(
+              absl::StrCat("codec: cannot decode what it encoded: ", s.message()));
+        }
+      }
+      blocks.push_back({b, *std::move(e), encode_.encoding});
+    }
+    absl::StatusOr<std::vector<uint64_t>> ids =
+        blocks.empty() ? std::vector<uint64_t>{}
+                       : store_->CommitBlocks(ns_, model_, matched ? match.node_ids.back() : 0,
+                                              tokens, surprisal_bits_, blocks);
+    if (absl::IsAborted(ids.status())) continue;  // the prefix changed under us: match again
+    if (!ids.ok()) return ids.status();
+    for (uint32_t b = 0; b < matched; ++b) {
+      BlockReport r;
+      r.block_index = b;
+      r.outcome = BlockOutcome::kDeduplicated;
+      r.node_id = match.node_ids[b];
+      r.bytes_logical = g.num_bytes();
+      summary.blocks.push_back(r);
+    }
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      BlockReport r;
+      r.block_index = blocks[i].block_index;
+      r.outcome = BlockOutcome::kStored;
+      r.node_id = (*ids)[i];
+      r.bytes_logical = g.num_bytes();
+      r.bytes_stored = blocks[i].encoded.bytes.size();
+      r.encoding = blocks[i].encoding;
+      r.bits_per_component = blocks[i].encoded.bits_per_component;
+      r.rel_rms_error_k = blocks[i].encoded.rel_rms_error_k;
+      r.rel_rms_error_v = blocks[i].encoded.rel_rms_error_v;
+      summary.blocks.push_back(r);
+    }
+    summary.stored_tokens = num_blocks_ * g.block_tokens;
+    store_->puts_.fetch_add(1, std::memory_order_relaxed);
+    store_->blocks_stored_.fetch_add(blocks.size(), std::memory_order_relaxed);
+    store_->blocks_deduplicated_.fetch_add(matched, std::memory_order_relaxed);
+    return summary;
+  }
+  return absl::AbortedError("put: the prefix kept changing under concurrent Puts; retry");
+}
+
+// ---------------------------------------------------------------------------------------------
+// KvStore
+
+KvStore::KvStore(const StoreOptions& options) : options_(options) {}
+
+KvStore::~KvStore() {
+  if (db_) {
+    for (auto* h : handles_) db_->DestroyColumnFamilyHandle(h);
+    db_->Close();
+  }
+}
+
+absl::StatusOr<std::unique_ptr<KvStore>> KvStore::Open(const StoreOptions& options) {
+  std::error_code ec;
+  std::filesystem::create_directories(options.data_dir, ec);
+  if (ec) {
+    return absl::UnavailableError(
+        absl::StrCat("data_dir: cannot create '", options.data_dir, "': ", ec.message()));
+  }
+  std::unique_ptr<KvStore> store(new KvStore(options));
+  rocksdb::DBOptions db_options;
+  db_options.create_if_missing = true;
+  db_options.create_missing_column_families = true;
+  db_options.max_background_jobs = 2;
+  rocksdb::ColumnFamilyOptions meta;
+  rocksdb::ColumnFamilyOptions payloads;
+  payloads.compression = rocksdb::kNoCompression;  // blocks are already entropy-coded
+  std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {
+      {rocksdb::kDefaultColumnFamilyName, meta},
+      {kModelsCf, meta},
+      {kNodesCf, meta},
+      {kPayloadsCf, payloads},
+  };
+  rocksdb::DB* db = nullptr;
+  rocksdb::Status s = rocksdb::DB::Open(db_options, options.data_dir, cfs, &store->handles_, &db);
+  if (!s.ok()) return FromRocks(s, absl::StrCat("data_dir '", options.data_dir, "'"));
+  store->db_.reset(db);
+  store->cf_models_ = store->handles_[1];
+  store->cf_nodes_ = store->handles_[2];
+  store->cf_payloads_ = store->handles_[3];
+  if (auto st = store->Recover(); !st.ok()) return st;
+  return store;
+}
+
+absl::Status KvStore::Recover() {
+  absl::MutexLock lock(&mu_);
+  {
+    std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), cf_models_));
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      internal::ModelRecord r;
+      if (!r.ParseFromArray(it->value().data(), static_cast<int>(it->value().size()))) {
+        return absl::DataLossError(absl::StrCat("models: unreadable record"));
+      }
+      Model m;
+      m.info.model_id = r.model_id();
+      m.info.geometry = {r.num_layers(), r.num_kv_heads(), r.block_tokens(), r.head_dim(),
+                         static_cast<DType>(r.dtype())};
+      if (auto st = m.info.geometry.Validate(); !st.ok()) {
+        return absl::DataLossError(absl::StrCat("models: bad record: ", st.message()));
+      }
+      m.trie = std::make_unique<BlockTrie>(m.info.geometry.block_tokens, options_.token_hash);
+      models_.emplace(ModelKey(r.namespace_(), r.model_id()), std::move(m));
+      ++recovery_.models;
+    }
+    if (!it->status().ok()) return FromRocks(it->status(), "models");
+  }
+  rocksdb::WriteBatch drop;
+  std::unique_ptr<rocksdb::Iterator> nodes(db_->NewIterator(rocksdb::ReadOptions(), cf_nodes_));
+  std::unique_ptr<rocksdb::Iterator> payloads(
+      db_->NewIterator(rocksdb::ReadOptions(), cf_payloads_));
+  payloads->SeekToFirst();
+  for (nodes->SeekToFirst(); nodes->Valid(); nodes->Next()) {
+    const uint64_t id = DecodeNodeKey(nodes->key());
+    next_node_id_ = std::max(next_node_id_, id + 1);
+    internal::NodeRecord r;
+    Model* model = nullptr;
+    TrieNode* parent = nullptr;
+    bool ok = r.ParseFromArray(nodes->value().data(), static_cast<int>(nodes->value().size()));
+    if (ok) model = FindModel(r.namespace_(), r.model_id());
+    if (model) parent = model->trie->Find(r.parent_id());
+    if (!ok || !parent || r.token_ids_size() != static_cast<int>(model->trie->block_tokens()) ||
+        model->trie->FindChild(parent, r.token_ids()) != nullptr) {
+      ++recovery_.dropped_missing_parent;
+      drop.Delete(cf_nodes_, nodes->key());
+      drop.Delete(cf_payloads_, nodes->key());
+      continue;
+    }
+    // Payloads iterate in the same key order; skip orphans (a node dropped earlier).
+    while (payloads->Valid() && DecodeNodeKey(payloads->key()) < id) payloads->Next();
+    std::shared_ptr<std::string> encoded;
+    if (payloads->Valid() && DecodeNodeKey(payloads->key()) == id) {
+      encoded = std::make_shared<std::string>(payloads->value().ToString());
+    }
+    absl::StatusOr<BlockHeader> h =
+        encoded ? ParseBlock(*encoded) : absl::DataLossError("payload missing");
+    if (!h.ok() || !(h->geometry == model->info.geometry)) {
+      spdlog::warn("recovery: dropping node {} of '{}'/'{}': {}", id, r.namespace_(), r.model_id(),
+                   h.ok() ? std::string("geometry differs from the model")
+                          : std::string(h.status().message()));
+      ++recovery_.dropped_bad_payload;
+      drop.Delete(cf_nodes_, nodes->key());
+      drop.Delete(cf_payloads_, nodes->key());
+      continue;
+    }
+    TrieNode* node = model->trie->AddChild(
+        parent, id, r.token_ids(),
+        absl::MakeConstSpan(r.surprisal_bits().data(), r.surprisal_bits_size()));
+    node->encoding = h->encoding;
+    node->bytes_logical = r.bytes_logical();
+    node->bytes_stored = encoded->size();
+    node->encoded = std::move(encoded);
+    model->bytes_logical += node->bytes_logical;
+    model->bytes_stored += node->bytes_stored;
+    ++recovery_.nodes;
+  }
+  if (!nodes->status().ok()) return FromRocks(nodes->status(), "nodes");
+  if (drop.Count() > 0) {
+    if (auto st = FromRocks(db_->Write(rocksdb::WriteOptions(), &drop), "recovery"); !st.ok()) {
+      return st;
+    }
+  }
+  if (recovery_.dropped_missing_parent + recovery_.dropped_bad_payload > 0) {
+    spdlog::warn("recovery: dropped {} nodes with a missing parent and {} with a bad payload",
+                 recovery_.dropped_missing_parent, recovery_.dropped_bad_payload);
+  }
+  return absl::OkStatus();
+}
+
+KvStore::Model* KvStore::FindModel(const std::string& ns, const std::string& model_id) {
+  auto it = models_.find(ModelKey(ns, model_id));
+  return it == models_.end() ? nullptr : &it->second;
+}
+
+MatchResult KvStore::Lookup(const std::string& ns, const std::string& model_id,
+                            absl::Span<const uint32_t> token_ids) {
+  lookups_.fetch_add(1, std::memory_order_relaxed);
+  MatchResult result;
+  absl::MutexLock lock(&mu_);
+  Model* m = FindModel(ns, model_id);
+  if (m == nullptr) return result;
+  result.block_tokens = m->info.geometry.block_tokens;
+  for (TrieNode* n : m->trie->Match(token_ids)) result.node_ids.push_back(n->id);
+  if (!result.node_ids.empty()) lookup_hits_.fetch_add(1, std::memory_order_relaxed);
+  return result;
+}
+
+absl::StatusOr<std::unique_ptr<PutSession>> KvStore::BeginPut(const std::string& ns,
+                                                              const ModelInfo& model,
+                                                              std::vector<uint32_t> token_ids,
+                                                              std::vector<float> surprisal_bits,
+                                                              const EncodeOptions& encode) {
+  if (model.model_id.empty()) return absl::InvalidArgumentError("model.model_id: required");
+  if (auto s = model.geometry.Validate(); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("model.", s.message()));
+  }
+  if (!surprisal_bits.empty() && surprisal_bits.size() != token_ids.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("surprisal_bits: ", surprisal_bits.size(),
+                                                   " values for ", token_ids.size(),
+                                                   " token_ids (send one per token, or none)"));
+  }
+  if (surprisal_bits.empty()) surprisal_bits.assign(token_ids.size(), 0.0f);
+  for (size_t i = 0; i < surprisal_bits.size(); ++i) {
+    if (!(surprisal_bits[i] >= 0) || std::isinf(surprisal_bits[i])) {
+      return absl::InvalidArgumentError(absl::StrCat("surprisal_bits: value ", i, " is ",
+                                                     surprisal_bits[i],
+                                                     "; bits must be finite and >= 0"));
+    }
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    Model* m = FindModel(ns, model.model_id);
+    if (m != nullptr) {
+      if (auto s = CheckSameModel(ns, m->info, model); !s.ok()) return s;
+    } else {
+      internal::ModelRecord r;
+      r.set_namespace_(ns);
+      r.set_model_id(model.model_id);
+      r.set_num_layers(model.geometry.num_layers);
+      r.set_num_kv_heads(model.geometry.num_kv_heads);
+      r.set_head_dim(model.geometry.head_dim);
+      r.set_dtype(static_cast<uint32_t>(model.geometry.dtype));
+      r.set_block_tokens(model.geometry.block_tokens);
+      rocksdb::WriteOptions wo;
+      wo.sync = options_.sync;
+      if (auto s = FromRocks(
+              db_->Put(wo, cf_models_, ModelKeyString(ns, model.model_id), r.SerializeAsString()),
+              "models");
+          !s.ok()) {
+        return s;
+      }
+      Model fresh;
+      fresh.info = model;
+      fresh.trie = std::make_unique<BlockTrie>(model.geometry.block_tokens, options_.token_hash);
+      models_.emplace(ModelKey(ns, model.model_id), std::move(fresh));
+    }
+  }
+  return std::unique_ptr<PutSession>(
+      new PutSession(this, ns, model, std::move(token_ids), std::move(surprisal_bits), encode));
+}
+
+absl::StatusOr<std::vector<uint64_t>> KvStore::CommitBlocks(const std::string& ns,
+                                                            const ModelInfo& model,
+                                                            uint64_t parent_id,
+                                                            absl::Span<const uint32_t> token_ids,
+                                                            absl::Span<const float> surprisal_bits,
+                                                            const std::vector<NewBlock>& blocks) {
+  const uint32_t bt = model.geometry.block_tokens;
+  absl::MutexLock lock(&mu_);
+  Model* m = FindModel(ns, model.model_id);
+  if (m == nullptr) return absl::AbortedError("model deleted concurrently");
+  TrieNode* parent = m->trie->Find(parent_id);
+  if (parent == nullptr || parent->depth != blocks.front().block_index) {
+    return absl::AbortedError("prefix changed concurrently");
+  }
+  if (m->trie->FindChild(parent, token_ids.subspan(blocks.front().block_index * bt, bt))) {
+    return absl::AbortedError("block stored concurrently");
+  }
+  rocksdb::WriteBatch batch;
+  std::vector<uint64_t> ids;
+  uint64_t prev = parent_id;
+  for (const NewBlock& b : blocks) {
+    const uint64_t id = next_node_id_ + ids.size();
+    internal::NodeRecord r;
+    r.set_namespace_(ns);
+    r.set_model_id(model.model_id);
+    r.set_parent_id(prev);
+    const size_t off = static_cast<size_t>(b.block_index) * bt;
+    r.mutable_token_ids()->Add(token_ids.begin() + off, token_ids.begin() + off + bt);
+    r.mutable_surprisal_bits()->Add(surprisal_bits.begin() + off,
+                                    surprisal_bits.begin() + off + bt);
+    r.set_encoding(static_cast<uint32_t>(b.encoding));
+    r.set_bytes_logical(model.geometry.num_bytes());
+    r.set_bytes_stored(b.encoded.bytes.size());
+    const std::string key = NodeKey(id);
+    batch.Put(cf_nodes_, key, r.SerializeAsString());
+    batch.Put(cf_payloads_, key, b.encoded.bytes);
+    ids.push_back(id);
+    prev = id;
+  }
+  rocksdb::WriteOptions wo;
+  wo.sync = options_.sync;
+  if (auto s = FromRocks(db_->Write(wo, &batch), "put"); !s.ok()) return s;
+  next_node_id_ += ids.size();
+  // Durable (as promised); now publish, parents first.
+  TrieNode* at = parent;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const size_t off = static_cast<size_t>(blocks[i].block_index) * bt;
+    TrieNode* n =
+        m->trie->AddChild(at, ids[i], token_ids.subspan(off, bt), surprisal_bits.subspan(off, bt));
+    n->encoding = blocks[i].encoding;
+    n->bytes_logical = model.geometry.num_bytes();
+    n->bytes_stored = blocks[i].encoded.bytes.size();
+    n->encoded = std::make_shared<const std::string>(blocks[i].encoded.bytes);
+    m->bytes_logical += n->bytes_logical;
+    m->bytes_stored += n->bytes_stored;
+    at = n;
+  }
+  return ids;
+}
+
+absl::Status KvStore::ReconstructNode(const std::string& ns, const std::string& model_id,
+                                      uint64_t node_id, absl::Span<uint8_t> out) {
+  BlockRead read;
+  std::vector<uint8_t> parent;
+  {
+    absl::MutexLock lock(&mu_);
+    Model* m = FindModel(ns, model_id);
+    TrieNode* n = m ? m->trie->Find(node_id) : nullptr;
+    if (n == nullptr) return absl::AbortedError("prefix changed concurrently");
+    read.node_id = n->id;
+    read.encoded = n->encoded;
+    read.encoding = n->encoding;
+  }
+  // Raw and lossless blocks need no context; predictive blocks would need their parent chain,
+  // which the codec's parent predictor limits to one block (see codec/block_codec.h).
+  return DecodeBlock(ns, model_id, read, {}, out);
+}
+
+absl::StatusOr<GetResult> KvStore::Get(const std::string& ns, const std::string& model_id,
+                                       absl::Span<const uint32_t> token_ids, size_t max_blocks) {
+  gets_.fetch_add(1, std::memory_order_relaxed);
+  GetResult result;
+  absl::MutexLock lock(&mu_);
+  Model* m = FindModel(ns, model_id);
+  if (m == nullptr) return result;  // a miss, not an error
+  result.model = m->info;
+  for (TrieNode* n : m->trie->Match(token_ids, max_blocks)) {
+    ++n->hits;
+    BlockRead r;
+    r.node_id = n->id;
+    r.encoded = n->encoded;
+    r.encoding = n->encoding;
+    result.blocks.push_back(std::move(r));
+  }
+  return result;
+}
+
+absl::Status KvStore::DecodeBlock(const std::string& ns, const std::string& model_id,
+                                  const BlockRead& block, absl::Span<const uint8_t> parent,
+                                  absl::Span<uint8_t> out) {
+  PredictionContext ctx;
+  ctx.parent = parent;
+  absl::Status s = kvtrie::DecodeBlock(*block.encoded, out, ctx);
+  if (!absl::IsDataLoss(s)) return s;
+  spdlog::error("node {} of '{}'/'{}' failed to decode, dropping it and its subtree: {}",
+                block.node_id, ns, model_id, std::string(s.message()));
+  absl::MutexLock lock(&mu_);
+  Model* m = FindModel(ns, model_id);
+  TrieNode* n = m ? m->trie->Find(block.node_id) : nullptr;
+  if (n != nullptr && n->encoded == block.encoded) DropNodeLocked(m, n);
+  return absl::DataLossError(absl::StrCat("node ", block.node_id, ": ", s.message(),
+                                          "; the node and its subtree were dropped"));
+}
+
+void KvStore::DropNodeLocked(Model* model, TrieNode* node) {
+  std::vector<uint64_t> removed;
+  uint64_t logical = 0, stored = 0;
+  std::vector<TrieNode*> stack = {node};
+  while (!stack.empty()) {
+    TrieNode* n = stack.back();
+    stack.pop_back();
+    logical += n->bytes_logical;
+    stored += n->bytes_stored;
+    for (const auto& [h, bucket] : n->children)
+      stack.insert(stack.end(), bucket.begin(), bucket.end());
+  }
+  model->trie->RemoveSubtree(node, &removed);
+  model->bytes_logical -= logical;
+  model->bytes_stored -= stored;
+  rocksdb::WriteBatch batch;
+  for (uint64_t id : removed) {
+    batch.Delete(cf_nodes_, NodeKey(id));
+    batch.Delete(cf_payloads_, NodeKey(id));
+  }
+  rocksdb::WriteOptions wo;
+  wo.sync = options_.sync;
+  rocksdb::Status s = db_->Write(wo, &batch);
+  if (!s.ok()) spdlog::error("deleting {} nodes: {}", removed.size(), s.ToString());
+}
+
+absl::StatusOr<std::pair<uint64_t, uint64_t>> KvStore::Delete(
+    const std::string& ns, const std::string& model_id, absl::Span<const uint32_t> token_ids) {
+  absl::MutexLock lock(&mu_);
+  Model* m = FindModel(ns, model_id);
+  if (m == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("model_id: '", model_id, "' has no KV in namespace '", ns, "'"));
+  }
+  const uint32_t bt = m->info.geometry.block_tokens;
+  if (token_ids.empty() || token_ids.size() % bt != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("token_ids: ", token_ids.size(),
+                                                   " tokens is not a positive multiple of "
+                                                   "block_tokens=",
+                                                   bt));
+  }
+  std::vector<TrieNode*> path = m->trie->Match(token_ids);
+  if (path.size() != token_ids.size() / bt) {
+    return absl::NotFoundError(absl::StrCat("token_ids: only ", path.size() * bt, " of ",
+                                            token_ids.size(), " tokens are stored"));
+  }
+  const uint64_t before_nodes = m->trie->num_nodes();
+  const uint64_t before_bytes = m->bytes_stored;
+  DropNodeLocked(m, path.back());
+  deletes_.fetch_add(1, std::memory_order_relaxed);
+  return std::make_pair(before_nodes - m->trie->num_nodes(), before_bytes - m->bytes_stored);
+}
+
+absl::StatusOr<InspectResult> KvStore::Inspect(const std::string& ns, const std::string& model_id,
+                                               uint64_t node_id) {
+  absl::MutexLock lock(&mu_);
+  Model* m = FindModel(ns, model_id);
+  if (m == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("model_id: '", model_id, "' has no KV in namespace '", ns, "'"));
+  }
+  TrieNode* n = m->trie->Find(node_id);
+  if (n == nullptr) {
+    return absl::NotFoundError(absl::StrCat("node_id: ", node_id, " is not a node of '", model_id,
+                                            "' in namespace '", ns, "'"));
+  }
+  InspectResult r;
+  r.model = m->info;
+  r.node = ToView(*n);
+  for (const auto& [h, bucket] : n->children) {
+    for (const TrieNode* c : bucket) r.children.push_back(ToView(*c));
+  }
+  std::sort(r.children.begin(), r.children.end(),
+            [](const NodeView& a, const NodeView& b) { return a.node_id < b.node_id; });
+  return r;
+}
+
+StoreStats KvStore::Stats(const std::string& ns) {
+  StoreStats s;
+  {
+    absl::MutexLock lock(&mu_);
+    std::string last_ns;
+    bool first = true;
+    for (const auto& [key, m] : models_) {
+      if (!ns.empty() && key.first != ns) continue;
+      if (first || key.first != last_ns) ++s.namespaces;  // models_ is ordered by namespace
+      first = false;
+      last_ns = key.first;
+      ++s.models;
+      s.nodes += m.trie->num_nodes();
+      s.bytes_logical += m.bytes_logical;
+      s.bytes_stored += m.bytes_stored;
+      s.elements += m.trie->num_nodes() * m.info.geometry.num_elements();
+      m.trie->ForEach(
+          [&](const TrieNode& n) { s.max_depth = std::max<uint64_t>(s.max_depth, n.depth); });
+    }
+  }
+  s.blocks_stored = blocks_stored_.load(std::memory_order_relaxed);
+  s.blocks_deduplicated = blocks_deduplicated_.load(std::memory_order_relaxed);
+  s.lookups = lookups_.load(std::memory_order_relaxed);
+  s.lookup_hits = lookup_hits_.load(std::memory_order_relaxed);
+  s.gets = gets_.load(std::memory_order_relaxed);
+  s.puts = puts_.load(std::memory_order_relaxed);
+  s.deletes = deletes_.load(std::memory_order_relaxed);
+  return s;
+}
+
+}  // namespace kvtrie

@@ -1,0 +1,295 @@
+// trie/kv_store.h
+//
+// KvStore: every (namespace, model) trie of a server, their block payloads, and their persistence
+// in an embedded RocksDB. The gRPC service is a thin layer over this class.
+//
+// Data model. A model is identified by (namespace, model_id) and has a fixed BlockGeometry (the
+// first Put creates it; later requests must match it). Its blocks form a BlockTrie. A block is
+// [num_layers][2][num_kv_heads][block_tokens][head_dim] in the model's dtype and is stored encoded
+// (codec/block_codec.h). Namespaces never share anything: no match, dedup or node crosses them.
+//
+// Persistence (RocksDB under `data_dir`), column families:
+//   models    namespace\0model_id -> ModelRecord
+//   nodes     node id (8 bytes big-endian) -> NodeRecord (metadata, tokens, surprisal)
+//   payloads  node id -> encoded block (self-checksummed)
+// A block's node and payload are written in one WriteBatch, then the node is published in memory;
+// so a reader sees a whole block or nothing. On Open the tries are rebuilt from "nodes"; a node
+// whose parent or payload is missing, or whose payload fails its CRC, is dropped with its subtree
+// and counted (RecoveryStats). Durability: with `sync` every Put's batches are fsynced in the WAL
+// before they are acknowledged; without it, a crash of the machine (not of the process) may lose
+// the last acknowledged Puts, never corrupt older ones.
+//
+// Thread-safe. One mutex guards the tries; encoding and decoding run outside it.
+#ifndef KVTRIE_TRIE_KV_STORE_H_
+#define KVTRIE_TRIE_KV_STORE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "codec/block_codec.h"
+#include "trie/block_trie.h"
+
+namespace rocksdb {
+class DB;
+class ColumnFamilyHandle;
+}  // namespace rocksdb
+
+namespace kvtrie {
+
+struct StoreOptions {
+  std::string data_dir;  // created if missing
+  bool sync = false;     // fsync the WAL before acknowledging a Put
+  uint64_t max_put_bytes =
+      1ull << 30;                  // dense bytes one Put may buffer (RESOURCE_EXHAUSTED past it)
+  EncodeOptions default_encoding;  // used when a Put does not name one
+  BlockTrie::TokenHash token_hash = BlockTrie::DefaultTokenHash;  // a seam for collision tests
+};
+
+struct ModelInfo {
+  std::string model_id;
+  BlockGeometry geometry;  // block_tokens included
+};
+
+struct RecoveryStats {
+  uint64_t models = 0;
+  uint64_t nodes = 0;
+  uint64_t dropped_missing_parent = 0;
+  uint64_t dropped_bad_payload = 0;  // missing or failed its checksum
+};
+
+struct MatchResult {
+  uint32_t block_tokens = 0;  // 0 if the model is unknown
+  std::vector<uint64_t> node_ids;
+};
+
+// A block of a Get, in order from the root.
+struct BlockRead {
+  uint64_t node_id = 0;
+  std::shared_ptr<const std::string> encoded;
+  Encoding encoding = Encoding::kRaw;
+  uint64_t reference_node_id = 0;
+};
+
+struct GetResult {
+  ModelInfo model;
+  std::vector<BlockRead> blocks;
+};
+
+enum class BlockOutcome { kStored, kDeduplicated };
+
+struct BlockReport {
+  uint32_t block_index = 0;
+  BlockOutcome outcome = BlockOutcome::kStored;
+  uint64_t node_id = 0;
+  uint64_t bytes_logical = 0;
+  uint64_t bytes_stored = 0;
+  Encoding encoding = Encoding::kRaw;
+  double bits_per_component = 0;
+  double rel_rms_error_k = 0;
+  double rel_rms_error_v = 0;
+};
+
+struct PutSummary {
+  uint32_t stored_tokens = 0;
+  uint32_t tail_tokens_ignored = 0;
+  std::vector<BlockReport> blocks;  // one per full block, in order
+};
+
+struct NodeView {
+  uint64_t node_id = 0;
+  uint64_t parent_id = 0;
+  uint32_t depth = 0;
+  uint32_t token_offset = 0;
+  std::vector<uint32_t> token_ids;
+  std::vector<float> surprisal_bits;
+  double path_surprisal_bits = 0;
+  uint64_t bytes_logical = 0;
+  uint64_t bytes_stored = 0;
+  Encoding encoding = Encoding::kRaw;
+  uint32_t num_children = 0;
+  uint64_t hits = 0;
+};
+
+struct InspectResult {
+  ModelInfo model;
+  NodeView node;
+  std::vector<NodeView> children;
+};
+
+struct StoreStats {
+  uint64_t namespaces = 0;
+  uint64_t models = 0;
+  uint64_t nodes = 0;
+  uint64_t bytes_logical = 0;
+  uint64_t bytes_stored = 0;
+  uint64_t max_depth = 0;
+  uint64_t elements = 0;  // stored KV components
+  // Counters since this process started.
+  uint64_t blocks_stored = 0;
+  uint64_t blocks_deduplicated = 0;
+  uint64_t lookups = 0;
+  uint64_t lookup_hits = 0;
+  uint64_t gets = 0;
+  uint64_t puts = 0;
+  uint64_t deletes = 0;
+};
+
+class KvStore;
+
+// One Put stream. Blocks may arrive whole or as layer ranges, in any order; they are buffered
+// (at most max_put_bytes) and, at Finish, encoded and committed together in one RocksDB batch, so
+// a Put is all or nothing: a failed or truncated stream stores nothing. Not thread-safe (one
+// stream, one caller).
+class PutSession {
+ public:
+  PutSession(const PutSession&) = delete;
+  PutSession& operator=(const PutSession&) = delete;
+  ~PutSession();
+
+  // Adds layers [layer_begin, layer_end) of block `block_index` (layer_end 0 = num_layers).
+  // Blocks already stored are checked for size and otherwise ignored (deduplicated).
+  // Errors: INVALID_ARGUMENT naming `block_index`, `layer_end` or `kv` (size, layers sent twice);
+  // RESOURCE_EXHAUSTED past max_put_bytes. After an error the session is unusable.
+  absl::Status AddLayers(uint32_t block_index, uint32_t layer_begin, uint32_t layer_end,
+                         absl::Span<const uint8_t> kv);
+
+  // Ends the stream: encodes and commits every new block. Errors: INVALID_ARGUMENT if a block is
+  // incomplete (`kv: block 3 is missing layers [2, 5)`) or a full block of token_ids is neither
+  // stored nor sent (`kv: ... never sent`); ABORTED if the prefix changed concurrently and kept
+  // changing; the database's errors. Nothing is stored unless this returns OK.
+  absl::StatusOr<PutSummary> Finish();
+
+ private:
+  friend class KvStore;
+  struct Pending {
+    std::vector<uint8_t> kv;  // the dense block
+    std::vector<bool> have;   // one flag per layer
+    uint32_t layers_missing = 0;
+  };
+  PutSession(KvStore* store, std::string ns, ModelInfo model, std::vector<uint32_t> token_ids,
+             std::vector<float> surprisal_bits, EncodeOptions encode);
+
+  KvStore* const store_;
+  const std::string ns_;
+  const ModelInfo model_;
+  const std::vector<uint32_t> token_ids_;
+  const std::vector<float> surprisal_bits_;
+  const EncodeOptions encode_;
+  const uint32_t num_blocks_;  // full blocks in token_ids_
+  uint64_t buffered_bytes_ = 0;
+  std::map<uint32_t, Pending> pending_;  // by block index
+  bool failed_ = false;
+};
+
+class KvStore {
+ public:
+  // Opens (creating if needed) the store under options.data_dir and rebuilds the tries.
+  // Errors: the database's (e.g. UNAVAILABLE if another process holds the lock).
+  static absl::StatusOr<std::unique_ptr<KvStore>> Open(const StoreOptions& options);
+  ~KvStore();
+  KvStore(const KvStore&) = delete;
+  KvStore& operator=(const KvStore&) = delete;
+
+  const RecoveryStats& recovery() const { return recovery_; }
+
+  // Longest stored prefix. An unknown namespace or model matches nothing (not an error).
+  MatchResult Lookup(const std::string& ns, const std::string& model_id,
+                     absl::Span<const uint32_t> token_ids);
+
+  // Starts a Put. Creates the model on first use. Errors: INVALID_ARGUMENT naming the field
+  // (`model.head_dim: ... stored with head_dim=8, request has 16`, `surprisal_bits`, `token_ids`).
+  absl::StatusOr<std::unique_ptr<PutSession>> BeginPut(const std::string& ns,
+                                                       const ModelInfo& model,
+                                                       std::vector<uint32_t> token_ids,
+                                                       std::vector<float> surprisal_bits,
+                                                       const EncodeOptions& encode);
+
+  // The encoded blocks of the longest stored prefix (at most max_blocks, 0 = all), root first;
+  // decode them with DecodeBlock one by one. An unknown (namespace, model_id) is a miss: no
+  // blocks and an empty model.
+  absl::StatusOr<GetResult> Get(const std::string& ns, const std::string& model_id,
+                                absl::Span<const uint32_t> token_ids, size_t max_blocks);
+
+  // Decodes one block of a Get into `out` (model geometry bytes); `parent` is the previous
+  // block's reconstruction (empty for the first). On DATA_LOSS the node and its subtree are
+  // dropped from the store (and the error returned), so a corrupt block is never served twice.
+  absl::Status DecodeBlock(const std::string& ns, const std::string& model_id,
+                           const BlockRead& block, absl::Span<const uint8_t> parent,
+                           absl::Span<uint8_t> out);
+
+  // Deletes the node at the end of `token_ids` (block-aligned, stored) and its subtree.
+  // Errors: NOT_FOUND naming `token_ids` if that prefix is not stored; INVALID_ARGUMENT if not
+  // block-aligned.
+  absl::StatusOr<std::pair<uint64_t, uint64_t>> Delete(const std::string& ns,
+                                                       const std::string& model_id,
+                                                       absl::Span<const uint32_t> token_ids);
+
+  // One node (0 = root) and its children. Errors: NOT_FOUND naming `model_id` or `node_id`.
+  absl::StatusOr<InspectResult> Inspect(const std::string& ns, const std::string& model_id,
+                                        uint64_t node_id);
+
+  // Totals over one namespace, or all when `ns` is empty.
+  StoreStats Stats(const std::string& ns);
+
+ private:
+  friend class PutSession;
+  struct Model {
+    ModelInfo info;
+    std::unique_ptr<BlockTrie> trie;
+    uint64_t bytes_logical = 0;  // over the trie's nodes
+    uint64_t bytes_stored = 0;
+  };
+  using ModelKey = std::pair<std::string, std::string>;  // (namespace, model_id)
+
+  explicit KvStore(const StoreOptions& options);
+  absl::Status Recover();
+  Model* FindModel(const std::string& ns, const std::string& model_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One encoded block of a Put, ready to commit.
+  struct NewBlock {
+    uint32_t block_index = 0;
+    EncodedBlock encoded;
+    Encoding encoding = Encoding::kRaw;
+  };
+  // Writes `blocks` (consecutive, the first a child of `parent_id`) in one batch and publishes
+  // them. Returns their node ids. ABORTED if `parent_id` is gone or a block already exists.
+  absl::StatusOr<std::vector<uint64_t>> CommitBlocks(const std::string& ns, const ModelInfo& model,
+                                                     uint64_t parent_id,
+                                                     absl::Span<const uint32_t> token_ids,
+                                                     absl::Span<const float> surprisal_bits,
+                                                     const std::vector<NewBlock>& blocks);
+  // Decodes stored node `node_id` of (ns, model_id) into `out` (sized by the caller).
+  absl::Status ReconstructNode(const std::string& ns, const std::string& model_id, uint64_t node_id,
+                               absl::Span<uint8_t> out);
+  void DropNodeLocked(Model* model, TrieNode* node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const StoreOptions options_;
+  RecoveryStats recovery_;
+  std::unique_ptr<rocksdb::DB> db_;
+  rocksdb::ColumnFamilyHandle* cf_models_ = nullptr;
+  rocksdb::ColumnFamilyHandle* cf_nodes_ = nullptr;
+  rocksdb::ColumnFamilyHandle* cf_payloads_ = nullptr;
+  std::vector<rocksdb::ColumnFamilyHandle*> handles_;
+
+  mutable absl::Mutex mu_;
+  std::map<ModelKey, Model> models_ ABSL_GUARDED_BY(mu_);  // every trie, by (namespace, model_id)
+  uint64_t next_node_id_ ABSL_GUARDED_BY(mu_) = 1;
+
+  // Counters since start (relaxed atomics: statistics only).
+  std::atomic<uint64_t> blocks_stored_{0}, blocks_deduplicated_{0}, lookups_{0}, lookup_hits_{0},
+      gets_{0}, puts_{0}, deletes_{0};
+};
+
+}  // namespace kvtrie
+
+#endif  // KVTRIE_TRIE_KV_STORE_H_
