@@ -61,6 +61,17 @@ absl::StatusOr<std::vector<float>> LoadTensor(const GgufFile& gguf, const std::s
   return gguf.TensorAsFloat(name);
 }
 
+// Rounds K and V to `dtype` (round to nearest even) in place.
+void RoundTo(DType dtype, std::vector<float>& k, std::vector<float>& v) {
+  uint16_t buf[1];
+  for (std::vector<float>* x : {&k, &v}) {
+    for (float& f : *x) {
+      FromFloat(dtype, &f, 1, buf);
+      ToFloat(dtype, buf, 1, &f);
+    }
+  }
+}
+
 }  // namespace
 
 double SurprisalBits(absl::Span<const float> logits, uint32_t token) {
@@ -154,10 +165,11 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& 
   return m;
 }
 
-Sequence::Sequence(const LlamaModel* model, size_t capacity)
+Sequence::Sequence(const LlamaModel* model, size_t capacity, DType kv_dtype)
     : model_(model),
       cfg_(model->config()),
-      capacity_(capacity == 0 ? model->config().context_length : capacity) {
+      capacity_(capacity == 0 ? model->config().context_length : capacity),
+      kv_dtype_(kv_dtype) {
   const size_t cache = static_cast<size_t>(cfg_.num_layers) * cfg_.kv_dim() * capacity_;
   k_.assign(cache, 0.0f);
   v_.assign(cache, 0.0f);
@@ -300,6 +312,7 @@ void Sequence::Forward(uint32_t token, size_t pos, bool write_cache) {
         vec[i + 1] = v0 * fci + v1 * fcr;
       }
     }
+    if (kv_dtype_ != DType::kFp32) RoundTo(kv_dtype_, kcur_, vcur_);
     if (write_cache) {
       for (size_t h = 0; h < c.num_kv_heads; ++h) {
         std::copy_n(&kcur_[h * hd], hd, &k_[Index(l, h, pos)]);

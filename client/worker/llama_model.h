@@ -77,7 +77,10 @@ class LlamaModel {
 class Sequence {
  public:
   // REQUIRES: `model` outlives the Sequence. capacity 0 = config().context_length.
-  explicit Sequence(const LlamaModel* model, size_t capacity = 0);
+  // `kv_dtype` is the precision of the KV cache: each token's K/V are rounded to it when
+  // computed (fp16 = what an fp16 inference engine holds, so a lossless round trip of its KV
+  // through kvtrie reproduces the computation bit for bit); kFp32 keeps them unrounded.
+  explicit Sequence(const LlamaModel* model, size_t capacity = 0, DType kv_dtype = DType::kFp32);
 
   size_t num_tokens() const { return tokens_.size(); }
   size_t capacity() const { return capacity_; }
@@ -86,7 +89,8 @@ class Sequence {
   // Token forward passes run so far (Extend and RecomputeLastLogits each count one per token).
   size_t tokens_computed() const { return tokens_computed_; }
 
-  // Takes externally supplied KV for a prefix (e.g. from kvtrie) instead of computing it.
+  // Takes externally supplied KV for a prefix (e.g. from kvtrie) instead of computing it (its
+  // values are used as given, not rounded to kv_dtype).
   // `prefix` is in any dtype of client/kv_dump.h; its surprisal_bits (if one per token) are kept.
   // REQUIRES: num_tokens() == 0. Errors: INVALID_ARGUMENT naming the field when num_layers,
   // num_kv_heads, head_dim, k/v sizes or token ids do not fit the model; OUT_OF_RANGE past
@@ -128,6 +132,7 @@ class Sequence {
   const LlamaModel* model_;
   const LlamaConfig cfg_;
   const size_t capacity_;
+  const DType kv_dtype_;
   std::vector<uint32_t> tokens_;
   std::vector<float> surprisal_bits_;
   size_t tokens_computed_ = 0;
