@@ -17,6 +17,7 @@ namespace {
 constexpr char kMagic[4] = {'K', 'V', 'B', '1'};
 constexpr uint8_t kFormatVersion = 1;
 constexpr size_t kFixedHeader = 24;
+constexpr char kLosslessHalfWords = 2;
 
 template <typename T>
 void PutLE(std::string* out, T v) {
@@ -133,9 +134,16 @@ absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
       result.bytes = internal::WriteEnvelope(Encoding::kRaw, geometry, 0, {}, raw);
       break;
     case Encoding::kLossless: {
+      // params: empty = byte planes + zstd (any dtype); "\x02" = CompressHalfWords (2-byte dtypes).
       std::string payload;
-      CompressBytePlanes(kv, DTypeBytes(geometry.dtype), &payload);
-      result.bytes = internal::WriteEnvelope(Encoding::kLossless, geometry, 0, {}, payload);
+      std::string params;
+      if (DTypeBytes(geometry.dtype) == 2) {
+        params = std::string(1, kLosslessHalfWords);
+        CompressHalfWords(geometry, kv, &payload);
+      } else {
+        CompressBytePlanes(kv, DTypeBytes(geometry.dtype), &payload);
+      }
+      result.bytes = internal::WriteEnvelope(Encoding::kLossless, geometry, 0, params, payload);
       break;
     }
     case Encoding::kResidual:
@@ -249,7 +257,13 @@ absl::Status DecodeBlock(absl::string_view encoded, absl::Span<uint8_t> out,
       std::memcpy(out.data(), h->payload.data(), out.size());
       return absl::OkStatus();
     case Encoding::kLossless:
-      return DecompressBytePlanes(h->payload, DTypeBytes(h->geometry.dtype), out);
+      if (h->params.empty()) {
+        return DecompressBytePlanes(h->payload, DTypeBytes(h->geometry.dtype), out);
+      }
+      if (h->params.size() == 1 && h->params[0] == kLosslessHalfWords) {
+        return DecompressHalfWords(h->geometry, h->payload, out);
+      }
+      return absl::DataLossError("lossless params: unknown mode");
     case Encoding::kResidual:
     case Encoding::kInt8:
     case Encoding::kKivi2:

@@ -53,6 +53,24 @@ TEST(Codec, LosslessIsSmallerThanRawOnRealKv) {
   EXPECT_LT(lossless, raw);
 }
 
+TEST(Codec, LosslessIsAtLeast15PercentSmallerThanFp16OnEveryRealDump) {
+  for (const char* dump :
+       {"sessions/s0", "sessions/s1", "sessions/s2", "sessions/s3", "neardup/n0", "neardup/n1",
+        "neardup/n2", "neardup/n3", "genesis_1-3", "GPL-3", "story_prompt"}) {
+    BlockGeometry g;
+    size_t raw = 0, lossless = 0;
+    for (const auto& block : RealBlocks(dump, &g)) {
+      raw += block.size();
+      const std::string bytes = EncodeBlock(g, block, {.encoding = Encoding::kLossless})->bytes;
+      lossless += bytes.size();
+      std::vector<uint8_t> out(g.num_bytes());
+      ASSERT_TRUE(DecodeBlock(bytes, absl::MakeSpan(out)).ok());
+      ASSERT_EQ(out, block) << dump;
+    }
+    EXPECT_GE(static_cast<double>(raw) / lossless, 1.15) << dump;
+  }
+}
+
 TEST(Codec, EveryFlippedBitIsDataLossNeverWrongBytes) {
   BlockGeometry g;
   const auto block = RealBlocks("story_prompt", &g)[3];

@@ -30,8 +30,8 @@ double AdaptiveModel::CostBits(int s) const {
 }
 
 void AdaptiveModel::Update(int s) {
-  const int rate = 4 + (count_ >= 16) + (count_ >= 48);
-  if (count_ < 48) ++count_;
+  const int rate = 4 + (count_ >= 16) + (count_ >= 48) + (count_ >= 128);
+  if (count_ < 128) ++count_;
   // Interior boundaries i <= s move toward i (their floor), those above s toward kTotal - (16 - i)
   // (their ceiling). x - (x >> rate) is monotone, so every frequency stays >= 1.
   for (int i = 1; i <= s; ++i) cdf_[i] -= (cdf_[i] - i) >> rate;

@@ -14,11 +14,11 @@
 //
 // Model: AdaptiveModel is a 16-symbol cumulative distribution over 2^15, adapted after each
 // symbol by moving the CDF a fraction 2^-rate toward the symbol (rate 4 for the first 16 symbols,
-// then 5, then 6 after 48), with every frequency kept >= 1. Encoder and decoder apply the same
-// update, so they stay in sync without transmitting any table.
-// Sources: J. Duda, "Asymmetric numeral systems" (2013), arXiv:1311.2540; F. Giesen's rans_byte.h
-// (public domain) for the byte-wise renormalization; the CDF adaptation is the one of AV1 / Daala
-// (J.-M. Valin et al., "Daala: building a next-generation video codec", §entropy coding).
+// then 5, 6 after 48, 7 after 128), with every frequency kept >= 1. Encoder and decoder apply the
+// same update, so they stay in sync without transmitting any table. Sources: J. Duda, "Asymmetric
+// numeral systems" (2013), arXiv:1311.2540; F. Giesen's rans_byte.h (public domain) for the
+// byte-wise renormalization; the CDF adaptation is the one of AV1 / Daala (J.-M. Valin et al.,
+// "Daala: building a next-generation video codec", §entropy coding).
 #ifndef KVTRIE_CODEC_RANS_H_
 #define KVTRIE_CODEC_RANS_H_
 

@@ -1,0 +1,393 @@
+// bench/codec_bench.cc
+//
+// Bits versus error of every block encoding on the real KV dumps of tests/data, side by side:
+// kvtrie's residual coding (swept over error targets, with and without rotation, surprisal-
+// adaptive steps, parent and centroid contexts) and the per-vector baselines (int8, KIVI 2-bit,
+// TurboQuant-style b-bit), plus raw and lossless.
+//
+//   codec_bench [--data_dir=DIR] [--out_dir=DIR] [--block_tokens=16]
+//
+// Prints a table, and writes DIR/codec_bench.csv (one row per dump and setting) and
+// DIR/codec_bench.svg (bits per component versus relative RMS error, all dumps together).
+//
+// Metrics (over the full blocks of each dump; a partial tail block is left out):
+//   bpc          8 * encoded bytes / components, envelope and params included
+//   ratio        16 / bpc (versus fp16)
+//   relK, relV   ||K - K'|| / ||K|| and the same for V, over every layer and head of the dump
+//   max_abs      max |x - x'|
+//   attn_tv      attention-score error: for every layer, KV head and query token i >= 16 (every
+//                4th), the query is the stored (original) key of token i, and the scores are
+//                p_j = softmax_j(q . K_j / sqrt(head_dim)) over keys j <= i (causal, the token
+//                itself included) with the original keys K versus p'_j with reconstructed keys K'.
+//                attn_tv is the mean total variation 0.5 * sum_j |p_j - p'_j| over those queries.
+//   enc/dec MB/s fp16 bytes of input per second of one thread, encode / decode of all blocks.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "client/kv_dump.h"
+#include "codec/block_codec.h"
+#include "codec/kv_layout.h"
+
+namespace kvtrie {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Dump {
+  std::string name;
+  KvDump kv;
+  BlockGeometry g;
+  size_t num_blocks = 0;
+  std::vector<std::vector<uint8_t>> blocks;
+};
+
+// One method and setting, e.g. {"kvtrie", "e=0.05"}.
+struct Setting {
+  std::string method, label;
+  EncodeOptions options;
+  bool chain_parent = false;   // context.parent = the previous block's reconstruction
+  bool use_surprisal = false;  // context.surprisal_bits from the manifest
+  bool centroid = false;       // neardup n1..n3 only: reference = n0's reconstruction
+};
+
+struct Result {
+  double bits = 0, components = 0, err[2] = {0, 0}, energy[2] = {0, 0}, max_abs = 0;
+  double attn_tv = 0;
+  double enc_s = 0, dec_s = 0, bytes_in = 0;
+  bool ok = true;
+  double bpc() const { return bits / components; }
+  double rel(int kv) const { return std::sqrt(err[kv] / energy[kv]); }
+  double rel_all() const { return std::sqrt((err[0] + err[1]) / (energy[0] + energy[1])); }
+  void Add(const Result& o) {
+    bits += o.bits;
+    components += o.components;
+    for (int i = 0; i < 2; ++i) err[i] += o.err[i], energy[i] += o.energy[i];
+    max_abs = std::max(max_abs, o.max_abs);
+    attn_tv += o.attn_tv;
+    enc_s += o.enc_s;
+    dec_s += o.dec_s;
+    bytes_in += o.bytes_in;
+  }
+};
+
+// Mean total variation between attention distributions with original and reconstructed keys.
+double AttentionTv(const Dump& d, const std::vector<float>& k, const std::vector<float>& k2) {
+  const size_t T = d.num_blocks * d.g.block_tokens, N = d.kv.num_tokens(), D = d.g.head_dim;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  double tv = 0;
+  size_t count = 0;
+  std::vector<double> s(T), s2(T);
+  for (size_t lh = 0; lh < d.g.num_layers * d.g.num_kv_heads; ++lh) {
+    const float* kr = k.data() + lh * N * D;
+    const float* kq = k2.data() + lh * N * D;
+    for (size_t i = 16; i < T; i += 4) {
+      const float* q = kr + i * D;
+      double m = -INFINITY, m2 = -INFINITY;
+      for (size_t j = 0; j <= i; ++j) {
+        double a = 0, b = 0;
+        for (size_t c = 0; c < D; ++c) a += q[c] * kr[j * D + c], b += q[c] * kq[j * D + c];
+        s[j] = a * scale;
+        s2[j] = b * scale;
+        m = std::max(m, s[j]);
+        m2 = std::max(m2, s2[j]);
+      }
+      double z = 0, z2 = 0;
+      for (size_t j = 0; j <= i; ++j)
+        z += s[j] = std::exp(s[j] - m), z2 += s2[j] = std::exp(s2[j] - m2);
+      double t = 0;
+      for (size_t j = 0; j <= i; ++j) t += std::fabs(s[j] / z - s2[j] / z2);
+      tv += 0.5 * t;
+      ++count;
+    }
+  }
+  return count ? tv / count : 0;
+}
+
+Result RunDump(const Dump& d, const Setting& st, const std::vector<std::vector<uint8_t>>* centroid,
+               std::vector<std::vector<uint8_t>>* decoded_out = nullptr) {
+  Result r;
+  const BlockGeometry& g = d.g;
+  std::vector<std::vector<uint8_t>> decoded(d.num_blocks, std::vector<uint8_t>(g.num_bytes()));
+  std::vector<std::string> encoded(d.num_blocks);
+  for (size_t b = 0; b < d.num_blocks; ++b) {
+    PredictionContext c;
+    if (st.chain_parent && b > 0) c.parent = decoded[b - 1];
+    if (st.use_surprisal) {
+      c.surprisal_bits =
+          absl::MakeConstSpan(d.kv.surprisal_bits).subspan(b * g.block_tokens, g.block_tokens);
+    }
+    if (centroid) c.reference = (*centroid)[b];
+    const auto t0 = Clock::now();
+    absl::StatusOr<EncodedBlock> e = EncodeBlock(g, d.blocks[b], st.options, c);
+    const auto t1 = Clock::now();
+    if (!e.ok()) {
+      std::fprintf(stderr, "%s %s %s: %s\n", d.name.c_str(), st.method.c_str(), st.label.c_str(),
+                   std::string(e.status().message()).c_str());
+      r.ok = false;
+      return r;
+    }
+    absl::Status s = DecodeBlock(e->bytes, absl::MakeSpan(decoded[b]), c);
+    const auto t2 = Clock::now();
+    if (!s.ok()) {
+      std::fprintf(stderr, "decode %s: %s\n", d.name.c_str(), std::string(s.message()).c_str());
+      r.ok = false;
+      return r;
+    }
+    r.enc_s += std::chrono::duration<double>(t1 - t0).count();
+    r.dec_s += std::chrono::duration<double>(t2 - t1).count();
+    r.bits += 8.0 * e->bytes.size();
+    r.components += g.num_elements();
+    r.bytes_in += g.num_bytes();
+  }
+  // Errors and attention on the sequence layout.
+  const size_t N = d.kv.num_tokens(), n = d.kv.k.size() / 2;
+  std::vector<uint8_t> k2(d.kv.k), v2(d.kv.v);
+  for (size_t b = 0; b < d.num_blocks; ++b) ScatterBlock(g, N, decoded[b], b, k2.data(), v2.data());
+  std::vector<float> k(n), v(n), kf(n), vf(n);
+  ToFloat(g.dtype, d.kv.k.data(), n, k.data());
+  ToFloat(g.dtype, d.kv.v.data(), n, v.data());
+  ToFloat(g.dtype, k2.data(), n, kf.data());
+  ToFloat(g.dtype, v2.data(), n, vf.data());
+  const size_t T = d.num_blocks * g.block_tokens, D = g.head_dim;
+  for (size_t i = 0; i < n; ++i) {
+    if ((i / D) % N >= T) continue;  // the tail outside full blocks is not coded
+    for (int kv = 0; kv < 2; ++kv) {
+      const double x = kv ? v[i] : k[i], y = kv ? vf[i] : kf[i];
+      r.err[kv] += (x - y) * (x - y);
+      r.energy[kv] += x * x;
+      r.max_abs = std::max(r.max_abs, std::fabs(x - y));
+    }
+  }
+  r.attn_tv = AttentionTv(d, k, kf);
+  if (decoded_out) *decoded_out = std::move(decoded);
+  return r;
+}
+
+std::vector<Setting> Settings(double tq3_error) {
+  std::vector<Setting> s;
+  s.push_back({"raw", "fp16", {.encoding = Encoding::kRaw}});
+  s.push_back({"lossless", "bit-exact", {.encoding = Encoding::kLossless}});
+  s.push_back({"int8", "per token", {.encoding = Encoding::kInt8}});
+  s.push_back({"kivi2", "g=T/D", {.encoding = Encoding::kKivi2}});
+  for (int b = 1; b <= 4; ++b) {
+    EncodeOptions o{.encoding = Encoding::kTurboQuant};
+    o.turboquant_bits = b;
+    s.push_back({"turboquant", "b=" + std::to_string(b), o});
+  }
+  for (double e : {0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4}) {
+    char label[32];
+    std::snprintf(label, sizeof label, "e=%.2f", e);
+    EncodeOptions o{.encoding = Encoding::kResidual, .target_rel_rms = e};
+    s.push_back({"kvtrie", label, o, /*chain_parent=*/true});
+    EncodeOptions none = o;
+    none.predictors = 1u << static_cast<int>(Predictor::kNone);
+    s.push_back({"kvtrie-nopred", label, none, false});
+    EncodeOptions rot = o;
+    rot.rotate = true;
+    s.push_back({"kvtrie-rot", label, rot, true});
+    EncodeOptions sur = o;
+    sur.surprisal_step_strength = 1.0;
+    s.push_back({"kvtrie-surprisal", label, sur, true, true});
+  }
+  if (tq3_error > 0) {
+    char label[48];
+    std::snprintf(label, sizeof label, "e=tq3(%.4f)", tq3_error);
+    s.push_back(
+        {"kvtrie", label, {.encoding = Encoding::kResidual, .target_rel_rms = tq3_error}, true});
+    EncodeOptions rot{.encoding = Encoding::kResidual, .target_rel_rms = tq3_error, .rotate = true};
+    s.push_back({"kvtrie-rot", label, rot, true});
+  }
+  return s;
+}
+
+// ---- SVG plot ----------------------------------------------------------------------------------
+
+void WriteSvg(const std::string& path,
+              const std::map<std::string, std::vector<std::pair<double, double>>>& series) {
+  FILE* f = std::fopen(path.c_str(), "w");
+  if (!f) return;
+  const double W = 760, H = 480, L = 70, R = 200, Tp = 30, B = 50;
+  const double xmin = std::log10(0.003), xmax = std::log10(1.0), ymax = 12;
+  auto X = [&](double e) {
+    return L + (std::log10(std::max(e, 0.003)) - xmin) / (xmax - xmin) * (W - L - R);
+  };
+  auto Y = [&](double b) { return H - B - std::min(b, ymax) / ymax * (H - Tp - B); };
+  std::fprintf(f,
+               "<svg xmlns='http://www.w3.org/2000/svg' width='%g' height='%g' "
+               "font-family='sans-serif' font-size='12'>\n",
+               W, H);
+  std::fprintf(f, "<rect width='100%%' height='100%%' fill='white'/>\n");
+  std::fprintf(f,
+               "<text x='%g' y='18' font-size='14'>bits per component vs relative RMS error (all "
+               "tests/data dumps)</text>\n",
+               L);
+  for (double e : {0.003, 0.01, 0.03, 0.1, 0.3, 1.0}) {
+    std::fprintf(f,
+                 "<line x1='%g' y1='%g' x2='%g' y2='%g' stroke='#ddd'/><text x='%g' y='%g' "
+                 "text-anchor='middle'>%g</text>\n",
+                 X(e), Tp, X(e), H - B, X(e), H - B + 16, e);
+  }
+  for (int b = 0; b <= 12; b += 2) {
+    std::fprintf(f,
+                 "<line x1='%g' y1='%g' x2='%g' y2='%g' stroke='#ddd'/><text x='%g' y='%g' "
+                 "text-anchor='end'>%d</text>\n",
+                 L, Y(b), W - R, Y(b), L - 6, Y(b) + 4, b);
+  }
+  std::fprintf(f,
+               "<text x='%g' y='%g' text-anchor='middle'>relative RMS error ||x-x'||/||x|| (K and "
+               "V), log scale</text>\n",
+               (L + W - R) / 2, H - 12);
+  std::fprintf(f,
+               "<text transform='translate(18,%g) rotate(-90)' text-anchor='middle'>bits per "
+               "component</text>\n",
+               (H - B + Tp) / 2);
+  const char* colors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e",
+                          "#9467bd", "#8c564b", "#e377c2", "#17becf"};
+  int i = 0;
+  for (const auto& [name, pts] : series) {
+    const char* c = colors[i % 8];
+    std::vector<std::pair<double, double>> p = pts;
+    std::sort(p.begin(), p.end());
+    std::fprintf(f, "<polyline fill='none' stroke='%s' stroke-width='2' points='", c);
+    for (auto [e, b] : p) std::fprintf(f, "%.1f,%.1f ", X(e), Y(b));
+    std::fprintf(f, "'/>\n");
+    for (auto [e, b] : p)
+      std::fprintf(f, "<circle cx='%.1f' cy='%.1f' r='3' fill='%s'/>\n", X(e), Y(b), c);
+    std::fprintf(
+        f, "<rect x='%g' y='%g' width='12' height='12' fill='%s'/><text x='%g' y='%g'>%s</text>\n",
+        W - R + 12, Tp + 18.0 * i, c, W - R + 30, Tp + 18.0 * i + 10, name.c_str());
+    ++i;
+  }
+  std::fprintf(f, "</svg>\n");
+  std::fclose(f);
+}
+
+int Main(int argc, char** argv) {
+  std::string data_dir = KVTRIE_TESTDATA_DIR, out_dir = ".";
+  uint32_t block_tokens = 16;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind("--data_dir=", 0) == 0)
+      data_dir = a.substr(11);
+    else if (a.rfind("--out_dir=", 0) == 0)
+      out_dir = a.substr(10);
+    else if (a.rfind("--block_tokens=", 0) == 0)
+      block_tokens = std::stoi(a.substr(15));
+    else {
+      std::fprintf(stderr,
+                   "usage: codec_bench [--data_dir=DIR] [--out_dir=DIR] [--block_tokens=16]\n");
+      return 2;
+    }
+  }
+  std::vector<Dump> dumps;
+  for (const char* name :
+       {"sessions/s0", "sessions/s1", "sessions/s2", "sessions/s3", "neardup/n0", "neardup/n1",
+        "neardup/n2", "neardup/n3", "genesis_1-3", "GPL-3", "story_prompt"}) {
+    absl::StatusOr<KvDump> kv = ReadKvDump(data_dir + "/" + name);
+    if (!kv.ok()) {
+      std::fprintf(stderr, "%s: %s\n", name, std::string(kv.status().message()).c_str());
+      return 1;
+    }
+    Dump d{name, std::move(*kv)};
+    d.g =
+        BlockGeometry{d.kv.num_layers, d.kv.num_kv_heads, block_tokens, d.kv.head_dim, d.kv.dtype};
+    d.num_blocks = d.kv.num_tokens() / block_tokens;
+    for (size_t b = 0; b < d.num_blocks; ++b) {
+      d.blocks.emplace_back(d.g.num_bytes());
+      GatherBlock(d.g, d.kv.num_tokens(), d.kv.k.data(), d.kv.v.data(), b,
+                  absl::MakeSpan(d.blocks.back()));
+    }
+    dumps.push_back(std::move(d));
+  }
+  std::printf("codec_bench: %zu dumps from %s, %u-token blocks, geometry %s\n\n", dumps.size(),
+              data_dir.c_str(), block_tokens, dumps[0].g.DebugString().c_str());
+
+  // The TurboQuant 3-bit error sets kvtrie's headline target: the smaller of its K and V errors.
+  Result tq3;
+  {
+    Setting st{"turboquant", "b=3", {.encoding = Encoding::kTurboQuant}};
+    for (const Dump& d : dumps) tq3.Add(RunDump(d, st, nullptr));
+  }
+  const double tq3_error = std::min(tq3.rel(0), tq3.rel(1));
+
+  FILE* csv = std::fopen((out_dir + "/codec_bench.csv").c_str(), "w");
+  if (csv)
+    std::fprintf(
+        csv,
+        "dump,method,setting,bpc,ratio,rel_rms_k,rel_rms_v,max_abs,attn_tv,enc_mbps,dec_mbps\n");
+  std::printf("%-18s %-14s %7s %7s %8s %8s %8s %9s %8s %8s\n", "method", "setting", "bpc", "ratio",
+              "relK", "relV", "max_abs", "attn_tv", "enc MB/s", "dec MB/s");
+  std::map<std::string, std::vector<std::pair<double, double>>> curves;
+  auto report = [&](const std::string& method, const std::string& label, const Result& t) {
+    std::printf("%-18s %-14s %7.3f %7.2f %8.4f %8.4f %8.4f %9.5f %8.1f %8.1f\n", method.c_str(),
+                label.c_str(), t.bpc(), 16.0 / t.bpc(), t.rel(0), t.rel(1), t.max_abs,
+                t.attn_tv / dumps.size(), t.bytes_in / t.enc_s / 1e6, t.bytes_in / t.dec_s / 1e6);
+  };
+  auto row = [&](const std::string& dump, const std::string& method, const std::string& label,
+                 const Result& r) {
+    if (csv) {
+      std::fprintf(csv, "%s,%s,%s,%.5f,%.4f,%.6f,%.6f,%.6f,%.6f,%.2f,%.2f\n", dump.c_str(),
+                   method.c_str(), label.c_str(), r.bpc(), 16.0 / r.bpc(), r.rel(0), r.rel(1),
+                   r.max_abs, r.attn_tv, r.bytes_in / r.enc_s / 1e6, r.bytes_in / r.dec_s / 1e6);
+    }
+  };
+  std::map<std::string, Result> per_dump_headline;
+  for (const Setting& st : Settings(tq3_error)) {
+    Result total;
+    for (const Dump& d : dumps) {
+      Result r = RunDump(d, st, nullptr);
+      if (!r.ok) continue;
+      row(d.name, st.method, st.label, r);
+      total.Add(r);
+      if (st.label.rfind("e=tq3", 0) == 0 && st.method == "kvtrie") per_dump_headline[d.name] = r;
+    }
+    report(st.method, st.label, total);
+    if (st.method != "raw" && st.method != "lossless" && st.label.rfind("e=tq3", 0) != 0) {
+      curves[st.method].push_back({total.rel_all(), total.bpc()});
+    }
+  }
+  // Near-duplicates: n1..n3 against n0 as centroid (n0 stored at the same target first).
+  std::printf("\nnear-duplicate branches neardup/n1..n3 as residuals of centroid neardup/n0:\n");
+  for (double e : {0.05, 0.1, tq3_error}) {
+    char label[32];
+    std::snprintf(label, sizeof label, "e=%.4f", e);
+    Setting st{
+        "kvtrie-centroid", label, {.encoding = Encoding::kResidual, .target_rel_rms = e}, true};
+    Setting plain{"kvtrie", label, {.encoding = Encoding::kResidual, .target_rel_rms = e}, true};
+    std::vector<std::vector<uint8_t>> n0;
+    RunDump(dumps[4], plain, nullptr, &n0);
+    Result with, without;
+    for (size_t i = 5; i <= 7; ++i) {
+      Result r = RunDump(dumps[i], st, &n0);
+      row(dumps[i].name, st.method, st.label, r);
+      with.Add(r);
+      without.Add(RunDump(dumps[i], plain, nullptr));
+    }
+    report("kvtrie (alone)", label, without);
+    report("kvtrie-centroid", label, with);
+  }
+  if (csv) std::fclose(csv);
+  WriteSvg(out_dir + "/codec_bench.svg", curves);
+
+  std::printf("\nper dump, kvtrie at the TurboQuant 3-bit error (target %.4f):\n", tq3_error);
+  for (const auto& [name, r] : per_dump_headline) {
+    std::printf("  %-14s bpc %.3f relK %.4f relV %.4f attn_tv %.5f\n", name.c_str(), r.bpc(),
+                r.rel(0), r.rel(1), r.attn_tv);
+  }
+  std::printf("\nTurboQuant b=3: relK %.4f relV %.4f bpc %.3f\n", tq3.rel(0), tq3.rel(1),
+              tq3.bpc());
+  std::printf("wrote %s/codec_bench.csv and %s/codec_bench.svg\n", out_dir.c_str(),
+              out_dir.c_str());
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvtrie
+
+int main(int argc, char** argv) { return kvtrie::Main(argc, argv); }
