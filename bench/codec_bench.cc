@@ -60,7 +60,9 @@ struct Result {
   double bits = 0, components = 0, err[2] = {0, 0}, energy[2] = {0, 0}, max_abs = 0;
   double attn_tv = 0;
   double enc_s = 0, dec_s = 0, bytes_in = 0;
+  int count = 0;  // dumps added up; attn_tv sums their attention errors
   bool ok = true;
+  double attn_mean() const { return count ? attn_tv / count : 0; }
   double bpc() const { return bits / components; }
   double rel(int kv) const { return std::sqrt(err[kv] / energy[kv]); }
   double rel_all() const { return std::sqrt((err[0] + err[1]) / (energy[0] + energy[1])); }
@@ -70,6 +72,7 @@ struct Result {
     for (int i = 0; i < 2; ++i) err[i] += o.err[i], energy[i] += o.energy[i];
     max_abs = std::max(max_abs, o.max_abs);
     attn_tv += o.attn_tv;
+    count += o.count;
     enc_s += o.enc_s;
     dec_s += o.dec_s;
     bytes_in += o.bytes_in;
@@ -165,6 +168,7 @@ Result RunDump(const Dump& d, const Setting& st, const std::vector<std::vector<u
     }
   }
   r.attn_tv = AttentionTv(d, k, kf);
+  r.count = 1;
   if (decoded_out) *decoded_out = std::move(decoded);
   return r;
 }
@@ -327,7 +331,7 @@ int Main(int argc, char** argv) {
   auto report = [&](const std::string& method, const std::string& label, const Result& t) {
     std::printf("%-18s %-14s %7.3f %7.2f %8.4f %8.4f %8.4f %9.5f %8.1f %8.1f\n", method.c_str(),
                 label.c_str(), t.bpc(), 16.0 / t.bpc(), t.rel(0), t.rel(1), t.max_abs,
-                t.attn_tv / dumps.size(), t.bytes_in / t.enc_s / 1e6, t.bytes_in / t.dec_s / 1e6);
+                t.attn_mean(), t.bytes_in / t.enc_s / 1e6, t.bytes_in / t.dec_s / 1e6);
   };
   auto row = [&](const std::string& dump, const std::string& method, const std::string& label,
                  const Result& r) {

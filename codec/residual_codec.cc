@@ -20,6 +20,9 @@ constexpr uint8_t kKnownFlags = kFlagRotated | kFlagTokenScales;
 constexpr int32_t kMaxQ = 32767;   // keeps the escape code within 15 bits of exponent
 constexpr int kMaxScaleCode = 12;  // token scale 2^(-code/4), code in [-12, 12]
 constexpr int kNumContexts = 24;
+// q = sign(u) * floor(|u| + kRounding): 0.5 is plain rounding. A dead zone (0.4) was measured on
+// tests/data: -2.5% bits at e = 0.17, +0.7% at e = 0.05; not worth a knob yet.
+constexpr float kRounding = 0.5f;
 
 // ---- layout helpers -------------------------------------------------------------------------
 
@@ -75,7 +78,8 @@ double QuantizeHead(const float* x, const Dims& n, Predictor p, const float* sid
     for (size_t d = 0; d < n.D; ++d) {
       const size_t i = t * n.D + d;
       const float pred = Predict(p, side, rec, t, d, n.D);
-      float r = std::nearbyint((x[i] - pred) * inv);
+      const float u = (x[i] - pred) * inv;
+      float r = std::copysign(std::floor(std::fabs(u) + kRounding), u);
       r = std::clamp(r, static_cast<float>(-kMaxQ), static_cast<float>(kMaxQ));
       q[i] = static_cast<int32_t>(r);
       rec[i] = Reconstruct(pred, q[i], step[t]);
