@@ -12,6 +12,7 @@
 #include <grpcpp/server.h>
 #include <grpcpp/server_builder.h>
 #include <signal.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
 #include <chrono>
@@ -64,6 +65,7 @@ absl::StatusOr<Encoding> ParseEncoding(const std::string& name) {
 }
 
 int Run() {
+  spdlog::set_default_logger(spdlog::stderr_color_mt("kvtrie"));  // stdout stays free
   spdlog::set_level(spdlog::level::from_str(absl::GetFlag(FLAGS_log_level)));
   // Link the health protocol's descriptors so reflection can describe grpc.health.v1.Health
   // (gRPC 1.51's built-in health service does not register them).

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs what kvtrie needs to build and test on Debian 12 (bookworm), from Debian's archive.
+# Idempotent: installs only what is missing. Run as root, or with sudo available.
+set -euo pipefail
+
+PACKAGES=(
+  build-essential cmake ninja-build pkg-config git
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev librocksdb-dev libspdlog-dev libzstd-dev libxxhash-dev nlohmann-json3-dev
+  libgtest-dev libgmock-dev
+)
+# The reflection end-to-end test runs a Node.js gRPC client; any Node.js >= 18 will do.
+if [[ "${1:-}" == "--with-node" ]] && ! command -v npm >/dev/null 2>&1; then
+  PACKAGES+=(nodejs npm)
+fi
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  SUDO=""
+  [[ $(id -u) -eq 0 ]] || SUDO="sudo"
+  echo "install_deps: installing ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
