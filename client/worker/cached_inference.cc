@@ -215,6 +215,8 @@ absl::StatusOr<std::vector<EvalRow>> EvalRoundTrip(const LlamaModel& model,
       nll_sum += nll;
       base_sum += baseline_sum[w];
       row.window_delta_pct.push_back(100.0 * (nll - baseline_sum[w]) / baseline_sum[w]);
+      row.window_nll_sum.push_back(nll);
+      row.window_baseline_sum.push_back(baseline_sum[w]);
       row.continuation_tokens += cont.size();
       ++row.windows;
     }

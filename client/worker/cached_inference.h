@@ -88,6 +88,8 @@ struct EvalRow {
   double baseline_nll_bits = 0;  // the same from the model's own KV
   double delta_nll_pct = 0;      // 100 * (nll - baseline) / baseline, pooled over windows
   std::vector<double> window_delta_pct;  // per window, for the spread
+  std::vector<double> window_nll_sum;    // per window: summed surprisal of the continuation
+  std::vector<double> window_baseline_sum;
 };
 
 // For each setting: Puts each window's context KV (fp16, computed once) into namespace

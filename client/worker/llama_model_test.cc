@@ -114,6 +114,22 @@ TEST(Sequence, ResumingFromExactPrefixKvEqualsComputingEverything) {
   EXPECT_EQ(a.v, b.v);
 }
 
+TEST(Sequence, Fp16KvCacheResumedFromItsFp16DumpIsBitIdentical) {
+  KVTRIE_LOAD_MODEL_OR_SKIP(model);
+  const std::vector<uint32_t> tokens = model->tokenizer().Encode(
+      "The cat sat on the mat and looked at the bird in the tree for a long time.", true, false);
+  Sequence full(model, 64, DType::kFp16);
+  ASSERT_TRUE(full.Extend(tokens).ok());
+  Sequence resumed(model, 64, DType::kFp16);
+  ASSERT_TRUE(resumed.LoadPrefix(full.ToKvDump(DType::kFp16, 16)).ok());
+  ASSERT_TRUE(resumed.RecomputeLastLogits().ok());
+  const std::vector<uint32_t> rest(tokens.begin() + 16, tokens.end());
+  ASSERT_TRUE(resumed.Extend(rest).ok());
+  EXPECT_EQ(resumed.logits(), full.logits());
+  EXPECT_EQ(resumed.ToKvDump(DType::kFp16).k, full.ToKvDump(DType::kFp16).k);
+  EXPECT_EQ(resumed.ToKvDump(DType::kFp16).v, full.ToKvDump(DType::kFp16).v);
+}
+
 TEST(Sequence, RejectsPrefixOfAnotherGeometry) {
   KVTRIE_LOAD_MODEL_OR_SKIP(model);
   KvDump bad;
