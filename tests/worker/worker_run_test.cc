@@ -4,64 +4,17 @@
 // that share a prefix through RunWithCache, and checks that the second reuses the stored prefix
 // (counts asserted) and produces exactly what running without the cache produces when the
 // encoding is lossless. Also drives the kvtrie-worker binary once. Skips without the model.
-#include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
-#include <chrono>
-#include <cstdio>
-#include <filesystem>
-#include <fstream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "client/client.h"
 #include "client/worker/cached_inference.h"
 #include "client/worker/test_model.h"
 #include "gtest/gtest.h"
+#include "tests/server_process.h"
 
 namespace kvtrie::worker {
 namespace {
-
-// A kvtrie-server child process on 127.0.0.1:<free port> with a fresh data dir.
-class ServerProcess {
- public:
-  ServerProcess() {
-    char tmpl[] = "/tmp/kvtrie-worker-test-XXXXXX";
-    dir_ = mkdtemp(tmpl);
-    const std::string port_file = dir_ + "/port";
-    pid_ = fork();
-    if (pid_ == 0) {
-      const std::string data = "--data_dir=" + dir_ + "/data";
-      const std::string pf = "--port_file=" + port_file;
-      execl(KVTRIE_SERVER_BIN, KVTRIE_SERVER_BIN, "--listen=127.0.0.1:0", data.c_str(), pf.c_str(),
-            "--log_level=warn", static_cast<char*>(nullptr));
-      _exit(127);
-    }
-    for (int i = 0; i < 200 && port_ == 0; ++i) {
-      std::ifstream in(port_file);
-      if (!(in >> port_)) port_ = 0;
-      if (port_ == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-  }
-  ~ServerProcess() {
-    if (pid_ > 0) {
-      kill(pid_, SIGTERM);
-      int status = 0;
-      waitpid(pid_, &status, 0);
-    }
-    std::error_code ec;
-    std::filesystem::remove_all(dir_, ec);
-  }
-  bool ok() const { return port_ != 0; }
-  std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
-
- private:
-  std::string dir_;
-  pid_t pid_ = -1;
-  int port_ = 0;
-};
 
 constexpr char kShared[] =
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
@@ -78,10 +31,11 @@ size_t CommonPrefix(const std::vector<uint32_t>& a, const std::vector<uint32_t>&
 
 TEST(WorkerRun, SecondPromptReusesSharedPrefixAndMatchesUncachedRun) {
   KVTRIE_LOAD_MODEL_OR_SKIP(model);
-  ServerProcess server;
-  ASSERT_TRUE(server.ok()) << "kvtrie-server did not report a port";
+  absl::StatusOr<std::unique_ptr<kvtrie::testing::ServerProcess>> server =
+      kvtrie::testing::ServerProcess::Start(kvtrie::testing::FreshDir("worker_run"));
+  ASSERT_TRUE(server.ok()) << server.status();
   ClientOptions co;
-  co.target = server.target();
+  co.target = (*server)->target();
   co.ns = "worker-run-test";
   std::unique_ptr<Client> client = Client::Create(co);
   RunOptions options;
@@ -126,17 +80,17 @@ TEST(WorkerRun, SecondPromptReusesSharedPrefixAndMatchesUncachedRun) {
 
 TEST(WorkerRun, CommandLinePrintsReusedTokens) {
   KVTRIE_LOAD_MODEL_OR_SKIP(model);
-  ServerProcess server;
-  ASSERT_TRUE(server.ok()) << "kvtrie-server did not report a port";
+  absl::StatusOr<std::unique_ptr<kvtrie::testing::ServerProcess>> server =
+      kvtrie::testing::ServerProcess::Start(kvtrie::testing::FreshDir("worker_cli"));
+  ASSERT_TRUE(server.ok()) << server.status();
   auto run = [&](const std::string& prompt) {
-    const std::string cmd =
-        std::string(KVTRIE_WORKER_BIN) + " run --model=" + testing::TestModelPath() +
-        " --target=" + server.target() + " --steps=8 --prompt='" + prompt + "' 2>&1";
-    std::string out;
-    FILE* p = popen(cmd.c_str(), "r");
-    char buf[512];
-    while (p != nullptr && fgets(buf, sizeof(buf), p) != nullptr) out += buf;
-    EXPECT_EQ(p != nullptr ? pclose(p) : -1, 0) << out;
+    std::string out, err;
+    const int rc = kvtrie::testing::RunCommand(
+        {kvtrie::testing::BinaryPath("client/worker/kvtrie-worker"), "run",
+         "--model=" + testing::TestModelPath(), "--target=" + (*server)->target(), "--steps=8",
+         "--prompt=" + prompt},
+        &out, &err);
+    EXPECT_EQ(rc, 0) << out << err;
     return out;
   };
   const std::string first = run(kPromptA);
