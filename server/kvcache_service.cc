@@ -72,6 +72,8 @@ void ToNodeInfo(const NodeView& v, v1::NodeInfo* out) {
   out->mutable_token_ids()->Add(v.token_ids.begin(), v.token_ids.end());
   out->mutable_surprisal_bits()->Add(v.surprisal_bits.begin(), v.surprisal_bits.end());
   out->set_path_surprisal_bits(v.path_surprisal_bits);
+  out->set_rel_rms_error_k(v.rel_rms_error_k);
+  out->set_rel_rms_error_v(v.rel_rms_error_v);
   out->set_bytes_logical(v.bytes_logical);
   out->set_bytes_stored(v.bytes_stored);
   out->set_encoding(v.depth == 0 ? v1::ENCODING_UNSPECIFIED
@@ -127,6 +129,20 @@ grpc::Status KvCacheService::Put(grpc::ServerContext* context,
         absl::StrCat("encoding.target_rel_rms: ", e.target_rel_rms(), " is not in [0, 1)"));
   }
   if (e.target_rel_rms() > 0) encode.target_rel_rms = e.target_rel_rms();
+  if (e.target_bits_per_component() < 0 || e.target_bits_per_component() > 32) {
+    return Invalid(absl::StrCat("encoding.target_bits_per_component: ",
+                                e.target_bits_per_component(), " is not in [0, 32]"));
+  }
+  encode.target_bits_per_component = e.target_bits_per_component();
+  if (e.surprisal_step_strength() < 0 || e.surprisal_step_strength() > 4) {
+    return Invalid(absl::StrCat("encoding.surprisal_step_strength: ", e.surprisal_step_strength(),
+                                " is not in [0, 4]"));
+  }
+  encode.surprisal_step_strength = e.surprisal_step_strength();
+  if (e.bits() > 8) {
+    return Invalid(absl::StrCat("encoding.bits: ", e.bits(), " is not in [1, 8]"));
+  }
+  if (e.bits() > 0) encode.turboquant_bits = static_cast<int>(e.bits());
   absl::StatusOr<std::unique_ptr<PutSession>> session =
       store_->BeginPut(h.namespace_(), model, {h.token_ids().begin(), h.token_ids().end()},
                        {h.surprisal_bits().begin(), h.surprisal_bits().end()}, encode);
@@ -160,6 +176,7 @@ grpc::Status KvCacheService::Put(grpc::ServerContext* context,
       out->set_bits_per_component(r.bits_per_component);
       out->set_rel_rms_error_k(r.rel_rms_error_k);
       out->set_rel_rms_error_v(r.rel_rms_error_v);
+      out->set_max_abs_error(r.max_abs_error);
       response->set_blocks_stored(response->blocks_stored() + 1);
     } else {
       response->set_blocks_deduplicated(response->blocks_deduplicated() + 1);
@@ -246,6 +263,12 @@ grpc::Status KvCacheService::Stats(grpc::ServerContext*, const v1::StatsRequest*
   response->set_gets(s.gets);
   response->set_puts(s.puts);
   response->set_deletes(s.deletes);
+  response->set_lossy_nodes(s.lossy_nodes);
+  if (s.lossy_nodes > 0) {
+    response->set_mean_rel_rms_error_k(s.sum_rel_rms_error_k / s.lossy_nodes);
+    response->set_mean_rel_rms_error_v(s.sum_rel_rms_error_v / s.lossy_nodes);
+  }
+  response->set_max_rel_rms_error(s.max_rel_rms_error);
   return grpc::Status::OK;
 }
 

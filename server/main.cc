@@ -40,7 +40,9 @@ ABSL_FLAG(bool, sync, false,
           "fsync RocksDB's write-ahead log before acknowledging a Put (survives machine "
           "crashes, not only process crashes)");
 ABSL_FLAG(std::string, default_encoding, "lossless",
-          "encoding of Puts that name none: raw or lossless");
+          "encoding of Puts that name none: raw, lossless, residual, int8, kivi2 or turboquant");
+ABSL_FLAG(double, default_target_rel_rms, 0.05,
+          "relative RMS error target of residual Puts that name none");
 ABSL_FLAG(uint32_t, max_tokens, 1u << 20, "most token ids one request may carry");
 ABSL_FLAG(uint64_t, max_put_bytes, 1ull << 30,
           "most dense KV bytes one Put stream may buffer before it is committed");
@@ -108,6 +110,7 @@ int Run() {
   service_options.max_tokens = absl::GetFlag(FLAGS_max_tokens);
   service_options.max_get_message_bytes = absl::GetFlag(FLAGS_max_get_message_bytes);
   service_options.default_encoding.encoding = *encoding;
+  service_options.default_encoding.target_rel_rms = absl::GetFlag(FLAGS_default_target_rel_rms);
   KvCacheService service(store->get(), service_options);
 
   grpc::EnableDefaultHealthCheckService(true);

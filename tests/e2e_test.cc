@@ -3,6 +3,7 @@
 // reflection client, on real KV caches of stories260K (tests/data).
 #include <grpcpp/grpcpp.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -11,6 +12,7 @@
 
 #include "client/client.h"
 #include "client/kv_dump.h"
+#include "codec/block_geometry.h"
 #include "codec/kv_layout.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
@@ -197,6 +199,63 @@ TEST_F(EndToEnd, HealthIsServingAndReflectionWorksFromNode) {
   EXPECT_EQ(j["health"], "SERVING");
   EXPECT_NE(std::find(j["kvcache_methods"].begin(), j["kvcache_methods"].end(), "Put"),
             j["kvcache_methods"].end());
+}
+
+// Relative RMS error ||x - x'|| / ||x|| of the first `tokens` tokens of K (is_v false) or V.
+double RelRms(const KvDump& got, const KvDump& want, size_t tokens, bool is_v) {
+  const std::vector<uint8_t>& a = is_v ? got.v : got.k;
+  const std::vector<uint8_t>& b = is_v ? want.v : want.k;
+  const size_t d = want.head_dim;
+  double err = 0, ref = 0;
+  for (size_t r = 0; r < want.num_layers * want.num_kv_heads; ++r) {
+    for (size_t i = 0; i < tokens * d; ++i) {
+      uint16_t x, y;
+      memcpy(&x, a.data() + 2 * (r * tokens * d + i), 2);
+      memcpy(&y, b.data() + 2 * (r * want.num_tokens() * d + i), 2);
+      const double fx = HalfToFloat(x), fy = HalfToFloat(y);
+      err += (fx - fy) * (fx - fy);
+      ref += fy * fy;
+    }
+  }
+  return std::sqrt(err / ref);
+}
+
+TEST_F(EndToEnd, ResidualEncodingMeetsItsErrorTargetThroughTheServer) {
+  constexpr double kTarget = 0.05;
+  auto client = NewClient("lossy");
+  for (const KvDump& s : sessions_) {
+    absl::StatusOr<v1::PutResponse> r =
+        client->Put(s, {.encoding = v1::ENCODING_RESIDUAL, .target_rel_rms = kTarget});
+    ASSERT_TRUE(r.ok()) << r.status();
+    for (const v1::BlockResult& b : r->blocks()) {
+      if (b.disposition() != v1::BLOCK_STORED) continue;
+      EXPECT_EQ(b.encoding(), v1::ENCODING_RESIDUAL);
+      EXPECT_LE(b.rel_rms_error_k(), kTarget * 1.0001);
+      EXPECT_LE(b.rel_rms_error_v(), kTarget * 1.0001);
+      EXPECT_LT(b.bits_per_component(), 8.0);
+    }
+  }
+  for (const KvDump& s : sessions_) {
+    absl::StatusOr<KvDump> dense = client->Get(s.model_id, s.token_ids);
+    absl::StatusOr<KvDump> decoded_here =
+        client->Get(s.model_id, s.token_ids, {.mode = v1::GET_MODE_RESIDUAL});
+    ASSERT_TRUE(dense.ok()) << dense.status();
+    ASSERT_TRUE(decoded_here.ok()) << decoded_here.status();
+    EXPECT_EQ(dense->k, decoded_here->k);  // the client's decoder is the server's
+    EXPECT_EQ(dense->v, decoded_here->v);
+    EXPECT_LE(RelRms(*dense, s, 512, false), kTarget);
+    EXPECT_LE(RelRms(*dense, s, 512, true), kTarget);
+    EXPECT_GT(RelRms(*dense, s, 512, false), 0);  // lossy for real
+  }
+  v1::StatsResponse st = *client->Stats();
+  EXPECT_EQ(st.lossy_nodes(), st.nodes());
+  EXPECT_LE(st.max_rel_rms_error(), kTarget * 1.0001);
+  EXPECT_GT(st.compression_ratio(), 3.0);
+  // A bad target names its field.
+  absl::StatusOr<v1::PutResponse> bad =
+      client->Put(sessions_[0], {.encoding = v1::ENCODING_RESIDUAL, .target_rel_rms = 1.5});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("encoding.target_rel_rms"), std::string::npos);
 }
 
 // ---- Bad input ----

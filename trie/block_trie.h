@@ -36,8 +36,10 @@ struct TrieNode {
 
   // Storage of the block (set by the store).
   Encoding encoding = Encoding::kRaw;
-  uint64_t bytes_logical = 0;                  // dense bytes in the model dtype
-  uint64_t bytes_stored = 0;                   // encoded bytes
+  uint64_t bytes_logical = 0;  // dense bytes in the model dtype
+  uint64_t bytes_stored = 0;   // encoded bytes
+  float rel_rms_error_k = 0;   // achieved by the encoding (0 when bit-exact)
+  float rel_rms_error_v = 0;
   std::shared_ptr<const std::string> encoded;  // the encoded block; immutable once published
   uint64_t hits = 0;                           // Gets that returned this node
 

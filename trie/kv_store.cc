@@ -94,6 +94,8 @@ NodeView ToView(const TrieNode& n) {
   v.bytes_logical = n.bytes_logical;
   v.bytes_stored = n.bytes_stored;
   v.encoding = n.encoding;
+  v.rel_rms_error_k = n.rel_rms_error_k;
+  v.rel_rms_error_v = n.rel_rms_error_v;
   v.num_children = static_cast<uint32_t>(n.num_children());
   v.hits = n.hits;
   return v;
@@ -213,12 +215,15 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
       const std::vector<uint8_t>& kv = pending_.at(b).kv;
       PredictionContext ctx;
       ctx.parent = parent_kv;
+      ctx.surprisal_bits = absl::MakeConstSpan(surprisal_bits_)
+                               .subspan(static_cast<size_t>(b) * g.block_tokens, g.block_tokens);
       absl::StatusOr<EncodedBlock> e = EncodeBlock(g, kv, encode_, ctx);
       if (!e.ok()) return e.status();
       if (encode_.encoding == Encoding::kRaw || encode_.encoding == Encoding::kLossless) {
         parent_kv = kv;
       } else {
         parent_kv.resize(g.num_bytes());
+        ctx.surprisal_bits = {};
         if (auto s = kvtrie::DecodeBlock(e->bytes, absl::MakeSpan(parent_kv), ctx); !s.ok()) {
           return absl::InternalError(
               absl::StrCat("codec: cannot decode what it encoded: ", s.message()));
@@ -251,6 +256,7 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
       r.bits_per_component = blocks[i].encoded.bits_per_component;
       r.rel_rms_error_k = blocks[i].encoded.rel_rms_error_k;
       r.rel_rms_error_v = blocks[i].encoded.rel_rms_error_v;
+      r.max_abs_error = blocks[i].encoded.max_abs_error;
       summary.blocks.push_back(r);
     }
     summary.stored_tokens = num_blocks_ * g.block_tokens;
@@ -372,6 +378,8 @@ absl::Status KvStore::Recover() {
     node->encoding = h->encoding;
     node->bytes_logical = r.bytes_logical();
     node->bytes_stored = encoded->size();
+    node->rel_rms_error_k = static_cast<float>(r.rel_rms_error_k());
+    node->rel_rms_error_v = static_cast<float>(r.rel_rms_error_v());
     node->encoded = std::move(encoded);
     model->bytes_logical += node->bytes_logical;
     model->bytes_stored += node->bytes_stored;
@@ -495,6 +503,8 @@ absl::StatusOr<std::vector<uint64_t>> KvStore::CommitBlocks(const std::string& n
     r.set_encoding(static_cast<uint32_t>(b.encoding));
     r.set_bytes_logical(model.geometry.num_bytes());
     r.set_bytes_stored(b.encoded.bytes.size());
+    r.set_rel_rms_error_k(b.encoded.rel_rms_error_k);
+    r.set_rel_rms_error_v(b.encoded.rel_rms_error_v);
     const std::string key = NodeKey(id);
     batch.Put(cf_nodes_, key, r.SerializeAsString());
     batch.Put(cf_payloads_, key, b.encoded.bytes);
@@ -514,6 +524,8 @@ absl::StatusOr<std::vector<uint64_t>> KvStore::CommitBlocks(const std::string& n
     n->encoding = blocks[i].encoding;
     n->bytes_logical = model.geometry.num_bytes();
     n->bytes_stored = blocks[i].encoded.bytes.size();
+    n->rel_rms_error_k = static_cast<float>(blocks[i].encoded.rel_rms_error_k);
+    n->rel_rms_error_v = static_cast<float>(blocks[i].encoded.rel_rms_error_v);
     n->encoded = std::make_shared<const std::string>(blocks[i].encoded.bytes);
     m->bytes_logical += n->bytes_logical;
     m->bytes_stored += n->bytes_stored;
@@ -524,20 +536,25 @@ absl::StatusOr<std::vector<uint64_t>> KvStore::CommitBlocks(const std::string& n
 
 absl::Status KvStore::ReconstructNode(const std::string& ns, const std::string& model_id,
                                       uint64_t node_id, absl::Span<uint8_t> out) {
-  BlockRead read;
-  std::vector<uint8_t> parent;
+  // The node's ancestors, root first, up to the nearest one that needs no parent context.
+  std::vector<BlockRead> chain;
   {
     absl::MutexLock lock(&mu_);
     Model* m = FindModel(ns, model_id);
     TrieNode* n = m ? m->trie->Find(node_id) : nullptr;
     if (n == nullptr) return absl::AbortedError("prefix changed concurrently");
-    read.node_id = n->id;
-    read.encoded = n->encoded;
-    read.encoding = n->encoding;
+    for (; n != nullptr && n->depth > 0; n = n->parent) {
+      chain.push_back({n->id, n->encoded, n->encoding, 0});
+      if (n->encoding == Encoding::kRaw || n->encoding == Encoding::kLossless) break;
+    }
   }
-  // Raw and lossless blocks need no context; predictive blocks would need their parent chain,
-  // which the codec's parent predictor limits to one block (see codec/block_codec.h).
-  return DecodeBlock(ns, model_id, read, {}, out);
+  std::reverse(chain.begin(), chain.end());
+  std::vector<uint8_t> parent;
+  for (const BlockRead& b : chain) {
+    if (auto s = DecodeBlock(ns, model_id, b, parent, out); !s.ok()) return s;
+    parent.assign(out.begin(), out.end());
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<GetResult> KvStore::Get(const std::string& ns, const std::string& model_id,
@@ -669,8 +686,16 @@ StoreStats KvStore::Stats(const std::string& ns) {
       s.bytes_logical += m.bytes_logical;
       s.bytes_stored += m.bytes_stored;
       s.elements += m.trie->num_nodes() * m.info.geometry.num_elements();
-      m.trie->ForEach(
-          [&](const TrieNode& n) { s.max_depth = std::max<uint64_t>(s.max_depth, n.depth); });
+      m.trie->ForEach([&](const TrieNode& n) {
+        s.max_depth = std::max<uint64_t>(s.max_depth, n.depth);
+        if (n.rel_rms_error_k > 0 || n.rel_rms_error_v > 0) {
+          ++s.lossy_nodes;
+          s.sum_rel_rms_error_k += n.rel_rms_error_k;
+          s.sum_rel_rms_error_v += n.rel_rms_error_v;
+          s.max_rel_rms_error =
+              std::max<double>({s.max_rel_rms_error, n.rel_rms_error_k, n.rel_rms_error_v});
+        }
+      });
     }
   }
   s.blocks_stored = blocks_stored_.load(std::memory_order_relaxed);

@@ -97,6 +97,7 @@ struct BlockReport {
   double bits_per_component = 0;
   double rel_rms_error_k = 0;
   double rel_rms_error_v = 0;
+  double max_abs_error = 0;
 };
 
 struct PutSummary {
@@ -116,6 +117,8 @@ struct NodeView {
   uint64_t bytes_logical = 0;
   uint64_t bytes_stored = 0;
   Encoding encoding = Encoding::kRaw;
+  double rel_rms_error_k = 0;
+  double rel_rms_error_v = 0;
   uint32_t num_children = 0;
   uint64_t hits = 0;
 };
@@ -134,6 +137,10 @@ struct StoreStats {
   uint64_t bytes_stored = 0;
   uint64_t max_depth = 0;
   uint64_t elements = 0;  // stored KV components
+  uint64_t lossy_nodes = 0;
+  double sum_rel_rms_error_k = 0;  // over lossy nodes
+  double sum_rel_rms_error_v = 0;
+  double max_rel_rms_error = 0;
   // Counters since this process started.
   uint64_t blocks_stored = 0;
   uint64_t blocks_deduplicated = 0;
@@ -268,7 +275,8 @@ class KvStore {
                                                      absl::Span<const uint32_t> token_ids,
                                                      absl::Span<const float> surprisal_bits,
                                                      const std::vector<NewBlock>& blocks);
-  // Decodes stored node `node_id` of (ns, model_id) into `out` (sized by the caller).
+  // Decodes stored node `node_id` of (ns, model_id) into `out` (sized by the caller), decoding
+  // its ancestors first when its encoding predicts from them (O(depth) in that case).
   absl::Status ReconstructNode(const std::string& ns, const std::string& model_id, uint64_t node_id,
                                absl::Span<uint8_t> out);
   void DropNodeLocked(Model* model, TrieNode* node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
