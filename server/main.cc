@@ -41,7 +41,7 @@ ABSL_FLAG(bool, sync, false,
           "crashes, not only process crashes)");
 ABSL_FLAG(std::string, default_encoding, "lossless",
           "encoding of Puts that name none: raw, lossless, residual, int8, kivi2 or turboquant");
-ABSL_FLAG(double, default_target_rel_rms, 0.05,
+ABSL_FLAG(double, default_target_rel_rms, 0.1,
           "relative RMS error target of residual Puts that name none");
 ABSL_FLAG(uint32_t, max_tokens, 1u << 20, "most token ids one request may carry");
 ABSL_FLAG(uint64_t, max_put_bytes, 1ull << 30,
