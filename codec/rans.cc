@@ -29,23 +29,21 @@ double AdaptiveModel::CostBits(int s) const {
   return kScaleBits - std::log2(static_cast<double>(freq(s)));
 }
 
-void AdaptiveModel::Update(int s) {
-  const int rate = 4 + (count_ >= 16) + (count_ >= 48) + (count_ >= 128);
-  if (count_ < 128) ++count_;
-  // Interior boundaries i <= s move toward i (their floor), those above s toward kTotal - (16 - i)
-  // (their ceiling). x - (x >> rate) is monotone, so every frequency stays >= 1.
-  for (int i = 1; i <= s; ++i) cdf_[i] -= (cdf_[i] - i) >> rate;
-  for (int i = s + 1; i < kSymbols; ++i) {
-    cdf_[i] += ((kTotal - kSymbols + i) - cdf_[i]) >> rate;
-  }
-}
-
 void RansEncoder::Finish(std::string* out) {
   std::string bytes;  // renormalization bytes, in the order they are emitted (reversed below)
   bytes.reserve(ops_.size() / 2 + 16);
   uint32_t x = kRansLower;
   for (size_t i = ops_.size(); i-- > 0;) {
     const Op& op = ops_[i];
+    if (op.freq == 1) {  // raw bits (PutBits): no division
+      const uint32_t x_max = (kRansLower >> op.scale_bits) << 8;
+      while (x >= x_max) {
+        bytes.push_back(static_cast<char>(x & 0xff));
+        x >>= 8;
+      }
+      x = (x << op.scale_bits) | op.start;
+      continue;
+    }
     const uint32_t x_max = ((kRansLower >> op.scale_bits) << 8) * op.freq;
     while (x >= x_max) {
       bytes.push_back(static_cast<char>(x & 0xff));

@@ -30,6 +30,10 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace kvtrie {
 
 // An adaptive distribution over the symbols 0..15.
@@ -47,17 +51,53 @@ class AdaptiveModel {
   uint32_t freq(int s) const { return cdf_[s + 1] - cdf_[s]; }
   // The symbol whose interval holds `slot` (in [0, kTotal)).
   int Find(uint32_t slot) const {
+#if defined(__SSE2__)
+    // cdf_[1..15] < 2^15, so signed 16-bit compares are exact; the lanes above `slot` are a
+    // suffix (the CDF increases), so the symbol is the lane before the first of them.
+    const __m128i v = _mm_set1_epi16(static_cast<int16_t>(slot));
+    const __m128i gt0 = _mm_cmpgt_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(cdf_)), v);
+    const __m128i gt1 =
+        _mm_cmpgt_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(cdf_ + 8)), v);
+    const uint32_t m = static_cast<uint32_t>(_mm_movemask_epi8(_mm_packs_epi16(gt0, gt1)));
+    return m ? __builtin_ctz(m) - 1 : kSymbols - 1;
+#else
     int s = 0;
     while (cdf_[s + 1] <= slot) ++s;
     return s;
+#endif
   }
   // Cost of `s` in bits under the current distribution (for estimates; not used by the coder).
   double CostBits(int s) const;
-  // Adapts toward `s`.
-  void Update(int s);
+  // Adapts toward `s`: interior boundaries i <= s move toward i (their floor), those above s
+  // toward kTotal - (16 - i) (their ceiling), by (distance >> rate). x - (x >> rate) is monotone,
+  // so every frequency stays >= 1.
+  void Update(int s) {
+    const int rate = 4 + (count_ >= 16) + (count_ >= 48) + (count_ >= 128);
+    if (count_ < 128) ++count_;
+#if defined(__SSE2__)
+    // The same arithmetic on all 16 lanes at once (lane 0 stays 0: it is always <= s).
+    const __m128i sh = _mm_cvtsi32_si128(rate);
+    const __m128i sv = _mm_set1_epi16(static_cast<int16_t>(s));
+    for (int half = 0; half < 2; ++half) {
+      auto* p = reinterpret_cast<__m128i*>(cdf_ + 8 * half);
+      const __m128i c = _mm_load_si128(p);
+      const __m128i idx = _mm_add_epi16(_mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7),
+                                        _mm_set1_epi16(static_cast<int16_t>(8 * half)));
+      const __m128i ceil = _mm_add_epi16(idx, _mm_set1_epi16(kTotal - kSymbols));
+      const __m128i down = _mm_sub_epi16(c, _mm_srl_epi16(_mm_sub_epi16(c, idx), sh));
+      const __m128i up = _mm_add_epi16(c, _mm_srl_epi16(_mm_sub_epi16(ceil, c), sh));
+      const __m128i above = _mm_cmpgt_epi16(idx, sv);
+      _mm_store_si128(p, _mm_or_si128(_mm_and_si128(above, up), _mm_andnot_si128(above, down)));
+    }
+#else
+    for (int i = 1; i <= s; ++i) cdf_[i] -= (cdf_[i] - i) >> rate;
+    for (int i = s + 1; i < kSymbols; ++i) cdf_[i] += ((kTotal - kSymbols + i) - cdf_[i]) >> rate;
+#endif
+  }
 
  private:
-  uint16_t cdf_[kSymbols + 1];  // cdf_[0] = 0, cdf_[kSymbols] = kTotal, strictly increasing
+  // cdf_[0] = 0, cdf_[kSymbols] = kTotal, strictly increasing.
+  alignas(16) uint16_t cdf_[kSymbols + 1];
   uint16_t count_ = 0;
 };
 
