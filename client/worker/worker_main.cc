@@ -12,6 +12,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/worker/llama_model.h"
 #include "client/worker/worker_commands.h"
@@ -72,6 +74,12 @@ int main(int argc, char** argv) {
       "  generate [--prompt=TEXT] [--steps=N]\n"
       "  run --target=HOST:PORT --prompt=TEXT [--steps=N] [--encoding=lossless]\n"
       "  eval --target=HOST:PORT --text_file=F [--context=N] [--continuation=N]");
+  absl::FlagsUsageConfig usage;  // --help lists the worker's own flags
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::StrContains(file, "client/worker/");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
     std::fprintf(stderr, "%s\n", absl::ProgramUsageMessage().data());
