@@ -1,6 +1,7 @@
 #include "codec/rans.h"
 
 #include <cmath>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 
@@ -10,6 +11,20 @@ constexpr uint32_t kRansLower = 1u << 23;
 }  // namespace
 
 AdaptiveModel::AdaptiveModel(double decay) {
+  // The prior is a pure function of `decay`; a few recent ones are kept per thread (a block
+  // builds dozens of models from the same handful of decays).
+  struct Prior {
+    double decay = -1;
+    uint16_t cdf[kSymbols + 1];
+  };
+  thread_local Prior cache[4];
+  thread_local int next = 0;
+  for (const Prior& p : cache) {
+    if (p.decay == decay) {
+      std::memcpy(cdf_, p.cdf, sizeof(cdf_));
+      return;
+    }
+  }
   // Each symbol gets 1 plus its share of the rest, the remainder going to symbol 0.
   double weights[kSymbols], sum = 0;
   for (int s = 0; s < kSymbols; ++s) sum += weights[s] = std::pow(decay, s);
@@ -23,6 +38,10 @@ AdaptiveModel::AdaptiveModel(double decay) {
   cdf_[0] = 0;
   for (int s = 0; s < kSymbols; ++s) cdf_[s + 1] = static_cast<uint16_t>(cdf_[s] + freqs[s]);
   // cdf_[kSymbols] == kTotal == 32768 fits in uint16_t.
+  Prior& slot = cache[next];
+  next = (next + 1) % 4;
+  slot.decay = decay;
+  std::memcpy(slot.cdf, cdf_, sizeof(cdf_));
 }
 
 double AdaptiveModel::CostBits(int s) const {

@@ -5,6 +5,10 @@
 #include <cstring>
 #include <optional>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "absl/strings/str_cat.h"
 #include "codec/rans.h"
 #include "codec/rotation.h"
@@ -16,13 +20,19 @@ namespace {
 constexpr uint8_t kParamsVersion = 1;
 constexpr uint8_t kFlagRotated = 1;
 constexpr uint8_t kFlagTokenScales = 2;
-constexpr uint8_t kKnownFlags = kFlagRotated | kFlagTokenScales;
+constexpr uint8_t kFlagRope = 4;
+constexpr uint8_t kKnownFlags = kFlagRotated | kFlagTokenScales | kFlagRope;
+// Rounding offset of the quantizer at coarse targets: q = sign(u) * round(max(|u| - offset, 0)),
+// a dead zone that trades a little error for many more zeros; the step search then takes a
+// slightly finer step. Measured on tests/data at the TurboQuant 3-bit error (0.17): -3.3% bits;
+// at 0.1: -0.6%; at 0.05: +0.5%, hence only for targets >= kDeadZoneFrom.
+constexpr float kDeadZoneOffset = 0.1f;
+constexpr double kDeadZoneFrom = 0.1;
+// RoPE bases the encoder tries for the key predictor (Llama 1/2 and Llama 3).
+constexpr double kRopeBases[] = {10000.0, 500000.0};
 constexpr int32_t kMaxQ = 32767;   // keeps the escape code within 15 bits of exponent
 constexpr int kMaxScaleCode = 12;  // token scale 2^(-code/4), code in [-12, 12]
 constexpr int kNumContexts = 24;
-// q = sign(u) * floor(|u| + kRounding): 0.5 is plain rounding. A dead zone (0.4) was measured on
-// tests/data: -2.5% bits at e = 0.17, +0.7% at e = 0.05; not worth a knob yet.
-constexpr float kRounding = 0.5f;
 
 // ---- layout helpers -------------------------------------------------------------------------
 
@@ -42,26 +52,6 @@ float TokenScale(int code) { return std::exp2(-static_cast<float>(code) / 4.0f);
 
 bool NeedsSide(Predictor p) { return p != Predictor::kNone && p != Predictor::kTemporal; }
 
-// The prediction of element (t, d) of a head. `side`: channel means (kChannelMean), the parent's
-// last token (kParent), or the head of the reference / external block (kCentroid, kExternal).
-inline float Predict(Predictor p, const float* side, const float* rec, size_t t, size_t d,
-                     size_t D) {
-  switch (p) {
-    case Predictor::kNone:
-      return 0.0f;
-    case Predictor::kChannelMean:
-      return side[d];
-    case Predictor::kTemporal:
-      return t ? rec[(t - 1) * D + d] : 0.0f;
-    case Predictor::kParent:
-      return t ? rec[(t - 1) * D + d] : side[d];
-    case Predictor::kCentroid:
-    case Predictor::kExternal:
-      return side[t * D + d];
-  }
-  return 0.0f;
-}
-
 // x' = prediction + q * step, the one reconstruction rule of encoder and decoder (the codec is
 // built with -ffp-contract=off, so this is never fused into an FMA and both sides agree bit for
 // bit).
@@ -69,33 +59,179 @@ inline float Reconstruct(float pred, int32_t q, float step) {
   return pred + static_cast<float>(q) * step;
 }
 
-// Closed-loop quantization of one head. Returns the squared error (in the coded domain).
-double QuantizeHead(const float* x, const Dims& n, Predictor p, const float* side,
-                    const float* step, int32_t* q, float* rec) {
-  double sse = 0;
-  for (size_t t = 0; t < n.T; ++t) {
-    const float inv = 1.0f / step[t];
-    for (size_t d = 0; d < n.D; ++d) {
-      const size_t i = t * n.D + d;
-      const float pred = Predict(p, side, rec, t, d, n.D);
-      const float u = (x[i] - pred) * inv;
-      float r = std::copysign(std::floor(std::fabs(u) + kRounding), u);
-      r = std::clamp(r, static_cast<float>(-kMaxQ), static_cast<float>(kMaxQ));
-      q[i] = static_cast<int32_t>(r);
-      rec[i] = Reconstruct(pred, q[i], step[t]);
-      const double e = static_cast<double>(x[i]) - rec[i];
-      sse += e * e;
+// Rounds to the nearest integer (ties to even) for |u| <= 2^22, without a libm call.
+inline float RoundHalfEven(float u) {
+  constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
+  return (u + kMagic) - kMagic;
+}
+
+// ---- RoPE-aware key prediction ----------------------------------------------------------------
+// Keys are stored after RoPE, which turns channel pair (2i, 2i + 1) by theta_i = base^(-2i / D)
+// radians per token (theta_0 = 1 rad: plain temporal prediction of that pair is worse than none).
+// Rotating the previous token's reconstruction by theta_i first predicts the pair as if its
+// pre-RoPE key were constant. The cos / sin table is computed from log(base) (a float in params)
+// with +, *, / only (no libm), so encoder and decoder agree bit for bit on any IEEE machine.
+
+double DetExp(double y) {  // e^y for |y| <= ~40: Taylor series of e^(y / 2^12), squared 12 times
+  const double z = y / 4096.0;
+  double term = 1, sum = 1;
+  for (int k = 1; k < 12; ++k) sum += term *= z / k;
+  for (int k = 0; k < 12; ++k) sum *= sum;
+  return sum;
+}
+
+void DetCosSin(double a, double* c, double* s) {  // |a| <= 1: Taylor series
+  double term = 1, cs = 1, sn = 0;
+  for (int k = 1; k < 24; ++k) {
+    term *= a / k;
+    switch (k % 4) {
+      case 1:
+        sn += term;
+        break;
+      case 2:
+        cs -= term;
+        break;
+      case 3:
+        sn -= term;
+        break;
+      default:
+        cs += term;
+        break;
     }
+  }
+  *c = cs;
+  *s = sn;
+}
+
+// cos / sin of every channel pair, interleaved: {cos theta_0, sin theta_0, cos theta_1, ...}.
+std::vector<float> RopeTable(size_t D, float log_base) {
+  std::vector<float> t(D / 2 * 2);
+  for (size_t i = 0; i < D / 2; ++i) {
+    double c, s;
+    DetCosSin(DetExp(-2.0 * static_cast<double>(i) / static_cast<double>(D) * log_base), &c, &s);
+    t[2 * i] = static_cast<float>(c);
+    t[2 * i + 1] = static_cast<float>(s);
+  }
+  return t;
+}
+
+// Turns each channel pair of `row` by the angles of `rope` (nullptr: unchanged).
+inline void RopeStep(const float* rope, size_t D, float* row) {
+  if (rope == nullptr) return;
+  for (size_t i = 0; i + 1 < D; i += 2) {
+    const float c = rope[i], s = rope[i + 1], a = row[i], b = row[i + 1];
+    row[i] = c * a - s * b;
+    row[i + 1] = s * a + c * b;
+  }
+}
+
+// The prediction row of token t of a head into `pred` (D floats). `side`: channel means
+// (kChannelMean), the parent's last token (kParent), or the head of the reference / external
+// block (kCentroid, kExternal); `rec`: the head's reconstruction so far.
+// `rope`: RopeTable of a key plane (temporal and parent predictors), else nullptr.
+inline void PredictRow(Predictor p, const float* side, const float* rec, size_t t, size_t D,
+                       const float* rope, float* pred) {
+  switch (p) {
+    case Predictor::kNone:
+      std::fill_n(pred, D, 0.0f);
+      return;
+    case Predictor::kChannelMean:
+      std::copy_n(side, D, pred);
+      return;
+    case Predictor::kTemporal:
+      if (t) {
+        std::copy_n(rec + (t - 1) * D, D, pred);
+        RopeStep(rope, D, pred);
+      } else {
+        std::fill_n(pred, D, 0.0f);
+      }
+      return;
+    case Predictor::kParent:
+      std::copy_n(t ? rec + (t - 1) * D : side, D, pred);
+      RopeStep(rope, D, pred);
+      return;
+    case Predictor::kCentroid:
+    case Predictor::kExternal:
+      std::copy_n(side + t * D, D, pred);
+      return;
+  }
+}
+
+constexpr size_t kMaxRow = 256;  // head_dim rows up to this are predicted on the stack
+
+// Closed-loop quantization of one head. Returns the squared error (in the coded domain).
+// `dead_zone`: the rounding offset (0 = plain rounding).
+double QuantizeHead(const float* x, const Dims& n, Predictor p, const float* side,
+                    const float* rope, float dead_zone, const float* step, int32_t* q, float* rec) {
+  double sse = 0;
+  float buf[kMaxRow];
+  std::vector<float> big;
+  float* pred = buf;
+  if (n.D > kMaxRow) {
+    big.resize(n.D);
+    pred = big.data();
+  }
+  constexpr float kLimit = static_cast<float>(kMaxQ);
+  for (size_t t = 0; t < n.T; ++t) {
+    const float st = step[t];
+    const float inv = 1.0f / st;
+    PredictRow(p, side, rec, t, n.D, rope, pred);
+    const float* xt = x + t * n.D;
+    int32_t* qt = q + t * n.D;
+    float* rt = rec + t * n.D;
+    size_t d = 0;
+#if defined(__SSE2__)
+    // Four lanes at a time: cvtps rounds to nearest even (the default MXCSR mode), as the
+    // scalar tail does; min/max clamp (and send nan to -kLimit, like the tail).
+    __m128 acc = _mm_setzero_ps();
+    const __m128 vinv = _mm_set1_ps(inv), vst = _mm_set1_ps(st);
+    const __m128 vhi = _mm_set1_ps(kLimit), vlo = _mm_set1_ps(-kLimit);
+    const __m128 vdz = _mm_set1_ps(dead_zone), vsign = _mm_set1_ps(-0.0f);
+    for (; d + 4 <= n.D; d += 4) {
+      const __m128 xv = _mm_loadu_ps(xt + d), pv = _mm_loadu_ps(pred + d);
+      const __m128 u = _mm_max_ps(_mm_min_ps(_mm_mul_ps(_mm_sub_ps(xv, pv), vinv), vhi), vlo);
+      const __m128 mag = _mm_max_ps(_mm_sub_ps(_mm_andnot_ps(vsign, u), vdz), _mm_setzero_ps());
+      const __m128i qi = _mm_cvtps_epi32(_mm_or_ps(mag, _mm_and_ps(vsign, u)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qt + d), qi);
+      const __m128 rv = _mm_add_ps(pv, _mm_mul_ps(_mm_cvtepi32_ps(qi), vst));
+      _mm_storeu_ps(rt + d, rv);
+      const __m128 e = _mm_sub_ps(xv, rv);
+      acc = _mm_add_ps(acc, _mm_mul_ps(e, e));
+    }
+    float lanes[4];
+    _mm_storeu_ps(lanes, acc);
+    float row_sse = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+#else
+    float row_sse = 0;
+#endif
+    for (; d < n.D; ++d) {
+      float u = (xt[d] - pred[d]) * inv;
+      u = u > kLimit ? kLimit : (u < -kLimit ? -kLimit : u);  // also maps nan to -kLimit
+      u = std::copysign(std::max(std::fabs(u) - dead_zone, 0.0f), u);
+      qt[d] = static_cast<int32_t>(RoundHalfEven(u));
+      rt[d] = Reconstruct(pred[d], qt[d], st);
+      const float e = xt[d] - rt[d];
+      row_sse += e * e;
+    }
+    sse += row_sse;
   }
   return sse;
 }
 
 void ReconstructHead(const int32_t* q, const Dims& n, Predictor p, const float* side,
-                     const float* step, float* rec) {
+                     const float* rope, const float* step, float* rec) {
+  float buf[kMaxRow];
+  std::vector<float> big;
+  float* pred = buf;
+  if (n.D > kMaxRow) {
+    big.resize(n.D);
+    pred = big.data();
+  }
   for (size_t t = 0; t < n.T; ++t) {
+    PredictRow(p, side, rec, t, n.D, rope, pred);
     for (size_t d = 0; d < n.D; ++d) {
       const size_t i = t * n.D + d;
-      rec[i] = Reconstruct(Predict(p, side, rec, t, d, n.D), q[i], step[t]);
+      rec[i] = Reconstruct(pred[d], q[i], step[t]);
     }
   }
 }
@@ -169,8 +305,15 @@ const float* SideOf(Predictor p, const Sources& s, const Dims& n, size_t off, co
 class PlaneCoder {
  public:
   PlaneCoder(const Dims& n, size_t l, size_t kv, const float* x, const Sources& src,
-             uint32_t allowed, const float* token_scale)
-      : n_(n), l_(l), kv_(kv), x_(x), src_(src), token_scale_(token_scale) {
+             uint32_t allowed, const float* token_scale, const float* rope, float dead_zone)
+      : n_(n),
+        l_(l),
+        kv_(kv),
+        x_(x),
+        src_(src),
+        token_scale_(token_scale),
+        rope_(rope),
+        dead_zone_(dead_zone) {
     choice_.assign(n.H, Predictor::kNone);
     means_.assign(n.H * n.D, 0.0f);
     for (size_t h = 0; h < n.H; ++h) {
@@ -230,6 +373,18 @@ class PlaneCoder {
     return sse;
   }
 
+  // Saves / restores the quantized state (q, reconstruction, choices) of the plane.
+  void Save(std::vector<int32_t>* q, std::vector<float>* rec, std::vector<Predictor>* c) const {
+    *q = q_;
+    *rec = rec_;
+    *c = choice_;
+  }
+  void Restore(const std::vector<int32_t>& q, const std::vector<float>& rec,
+               const std::vector<Predictor>& c) {
+    q_ = q;
+    rec_ = rec;
+    choice_ = c;
+  }
   const std::vector<Predictor>& choice() const { return choice_; }
   void set_choice(const std::vector<Predictor>& c) { choice_ = c; }
   const int32_t* q() const { return q_.data(); }
@@ -245,7 +400,8 @@ class PlaneCoder {
   }
   double QuantizeOne(size_t h, Predictor p) {
     const size_t o = h * n_.head_elems();
-    return QuantizeHead(x_ + o, n_, p, Side(p, h), step_.data(), q_.data() + o, rec_.data() + o);
+    return QuantizeHead(x_ + o, n_, p, Side(p, h), rope_, dead_zone_, step_.data(), q_.data() + o,
+                        rec_.data() + o);
   }
 
   const Dims n_;
@@ -253,6 +409,8 @@ class PlaneCoder {
   const float* x_;
   const Sources& src_;
   const float* token_scale_;
+  const float* rope_;
+  const float dead_zone_;
   std::vector<std::vector<Predictor>> candidates_;
   std::vector<Predictor> choice_;
   std::vector<float> means_;
@@ -281,6 +439,78 @@ double DecodedError(const BlockGeometry& g, const Dims& n, const float* orig, co
   return sse;
 }
 
+// Finds the largest bf16 step whose decoded plane error is <= target_sse and leaves `pc` quantized
+// at it. The error of an entropy-coded uniform quantizer grows like step^b (b ~ 2 at high rate,
+// less once most residuals fall in the zero bin), so each pass fits b to the last two points in
+// log-log space and jumps to the step predicted to land just under the target (a secant search),
+// kept inside the bracket of the largest passing and smallest failing steps. Predictors are
+// chosen (by their estimated bits) at the first step and again at the second, which is close to
+// the final one; 3-5 quantization passes per plane in all.
+float SearchStep(const BlockGeometry& g, const Dims& n, PlaneCoder& pc, const float* x_orig,
+                 const RandomizedHadamard* rot, double target_sse, float delta, float min_step) {
+  constexpr int kMaxPasses = 8;
+  constexpr double kAim = 0.995;  // aim a little under the target so the landing step passes
+  float lo = 0, hi = INFINITY;    // largest passing, smallest failing step
+  std::vector<int32_t> lo_q;
+  std::vector<float> lo_rec;
+  std::vector<Predictor> lo_choice;
+  double sse = pc.Choose(delta);
+  float prev_delta = 0;
+  double prev_sse = 0;
+  for (int pass = 1; pass < kMaxPasses; ++pass) {
+    if (sse <= target_sse) {
+      if (delta > lo) {
+        lo = delta;
+        pc.Save(&lo_q, &lo_rec, &lo_choice);
+      }
+    } else {
+      hi = std::min(hi, delta);
+    }
+    double b = 2.0;
+    if (prev_delta > 0 && prev_delta != delta && prev_sse > 0 && sse > 0) {
+      b = std::log(sse / prev_sse) / std::log(static_cast<double>(delta) / prev_delta);
+      b = std::clamp(b, 0.5, 3.0);
+    }
+    double next = sse > 0 ? delta * std::pow(kAim * target_sse / sse, 1.0 / b) : 4.0 * delta;
+    next = std::clamp(next, 0.25 * delta, 4.0 * delta);
+    if (lo > 0 && hi < INFINITY) {
+      if (!(next > lo && next < hi)) next = std::sqrt(static_cast<double>(lo) * hi);
+    } else if (lo > 0) {
+      next = std::max(next, 1.01 * lo);
+    } else if (hi < INFINITY) {
+      next = std::min(next, 0.99 * hi);
+    }
+    float nd = Bf16Round(std::max(static_cast<float>(next), min_step));
+    if (nd == lo || nd == hi || nd == delta) break;
+    prev_delta = delta;
+    prev_sse = sse;
+    delta = nd;
+    sse = pass == 1 ? pc.Choose(delta) : pc.Evaluate(delta);
+  }
+  if (sse <= target_sse && delta > lo) {
+    lo = delta;
+  } else if (lo > 0) {
+    pc.Restore(lo_q, lo_rec, lo_choice);
+  } else {
+    // Nothing passed: shrink until the coded error meets the target or the step is the finest.
+    while (delta > min_step && sse > target_sse) {
+      delta = Bf16Round(std::max(delta * 0.7f, min_step));
+      sse = pc.Evaluate(delta);
+    }
+    lo = delta;
+  }
+  delta = lo;
+  // The dtype rounding of the output adds a little error: shrink until the decoded block meets
+  // the target.
+  for (int it = 0;
+       it < 48 && delta > min_step && DecodedError(g, n, x_orig, pc.rec(), rot) > target_sse;
+       ++it) {
+    delta = Bf16Round(std::max(delta * 0.985f, min_step));
+    pc.Evaluate(delta);
+  }
+  return delta;
+}
+
 template <typename T>
 void PutLE(std::string* out, T v) {
   for (size_t i = 0; i < sizeof(T); ++i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
@@ -289,7 +519,8 @@ void PutLE(std::string* out, T v) {
 // Encodes at one error target. `bits_out`: the size of params + payload in bits.
 absl::Status EncodeAt(const BlockGeometry& g, const float* x_orig, const float* x, double target,
                       const EncodeOptions& o, const Sources& src, const RandomizedHadamard* rot,
-                      const std::vector<int8_t>& scale_codes, LossyOutput* out) {
+                      const std::vector<int8_t>& scale_codes, float rope_log_base,
+                      LossyOutput* out) {
   const Dims n(g);
   std::vector<float> token_scale(n.T);
   for (size_t t = 0; t < n.T; ++t)
@@ -299,6 +530,9 @@ absl::Status EncodeAt(const BlockGeometry& g, const float* x_orig, const float* 
   std::vector<float> means(n.num_heads() * n.D);
   std::vector<int32_t> q(g.num_elements());
   out->recon.assign(g.num_elements(), 0.0f);
+  const std::vector<float> rope =
+      rope_log_base > 0 ? RopeTable(n.D, rope_log_base) : std::vector<float>();
+  const float dead_zone = target >= kDeadZoneFrom ? kDeadZoneOffset : 0.0f;
 
   for (size_t l = 0; l < n.L; ++l) {
     for (size_t kv = 0; kv < 2; ++kv) {
@@ -309,54 +543,16 @@ absl::Status EncodeAt(const BlockGeometry& g, const float* x_orig, const float* 
         energy += static_cast<double>(xp[i]) * xp[i];
         max_abs = std::max(max_abs, static_cast<double>(std::fabs(xp[i])));
       }
-      PlaneCoder pc(n, l, kv, xp, src, o.predictors, token_scale.data());
+      PlaneCoder pc(n, l, kv, xp, src, o.predictors, token_scale.data(),
+                    kv == 0 && !rope.empty() ? rope.data() : nullptr, dead_zone);
       const double target_sse = target * target * energy;
       // Smallest step: keeps |q| within kMaxQ for any sane prediction.
       const float min_step = std::max(static_cast<float>(4.0 * max_abs / kMaxQ), 1e-30f);
       float delta = Bf16Round(std::max(
           static_cast<float>(target * std::sqrt(12.0 * energy / n.plane_elems())), min_step));
       if (energy == 0) delta = 1.0f;
-      double sse = pc.Choose(delta);
-      // Search the largest bf16 step meeting the target: expand / shrink by the high-rate rule
-      // sse ~ step^2, then bisect (geometrically) between the last passing and failing steps.
-      float lo = 0, hi = INFINITY;
-      for (int it = 0; it < 12 && energy > 0; ++it) {
-        if (sse <= target_sse) {
-          lo = delta;
-        } else {
-          hi = delta;
-        }
-        float next;
-        const double ratio = sse > 0 ? std::sqrt(target_sse / sse) : 4.0;
-        if (hi == INFINITY) {
-          next = delta * static_cast<float>(std::clamp(ratio, 1.02, 4.0));
-        } else if (lo == 0) {
-          next = delta * static_cast<float>(std::clamp(ratio, 0.25, 0.98));
-        } else {
-          next = std::sqrt(lo * hi);
-        }
-        next = Bf16Round(std::max(next, min_step));
-        if (next == lo || next == hi || next == delta) break;
-        delta = next;
-        sse = pc.Evaluate(delta);
-      }
       if (energy > 0) {
-        if (lo == 0) lo = min_step;  // cannot do better than the finest step
-        delta = lo;
-        const std::vector<Predictor> kept = pc.choice();
-        sse = pc.Choose(delta);
-        if (sse > target_sse) {
-          pc.set_choice(kept);
-          sse = pc.Evaluate(delta);
-        }
-        // The dtype rounding of the output adds a little error: shrink until the decoded block
-        // meets the target.
-        for (int it = 0; it < 24 && delta > min_step &&
-                         DecodedError(g, n, x_orig + off, pc.rec(), rot) > target_sse;
-             ++it) {
-          delta = Bf16Round(std::max(delta * 0.97f, min_step));
-          pc.Evaluate(delta);
-        }
+        delta = SearchStep(g, n, pc, x_orig + off, rot, target_sse, delta, min_step);
       } else {
         pc.Evaluate(delta);
       }
@@ -381,9 +577,15 @@ absl::Status EncodeAt(const BlockGeometry& g, const float* x_orig, const float* 
   std::string& p = out->params;
   p.clear();
   p.push_back(static_cast<char>(kParamsVersion));
-  p.push_back(
-      static_cast<char>((rot ? kFlagRotated : 0) | (scale_codes.empty() ? 0 : kFlagTokenScales)));
+  p.push_back(static_cast<char>((rot ? kFlagRotated : 0) |
+                                (scale_codes.empty() ? 0 : kFlagTokenScales) |
+                                (rope_log_base > 0 ? kFlagRope : 0)));
   if (rot) PutLE<uint32_t>(&p, o.rotation_seed);
+  if (rope_log_base > 0) {
+    uint32_t bits;
+    std::memcpy(&bits, &rope_log_base, 4);
+    PutLE<uint32_t>(&p, bits);
+  }
   for (int8_t c : scale_codes) p.push_back(static_cast<char>(c));
   for (float s : steps) PutLE<uint16_t>(&p, FloatToBf16(s));
   for (size_t i = 0; i < choices.size(); i += 2) {
@@ -414,6 +616,40 @@ absl::Status EncodeAt(const BlockGeometry& g, const float* x_orig, const float* 
   out->payload.clear();
   enc.Finish(&out->payload);
   return absl::OkStatus();
+}
+
+// log(base) of the RoPE base (kRopeBases) whose rotation best predicts each key from the one
+// before it (open loop, over every key plane of the block), or 0 when plain temporal prediction
+// is as good (keys without RoPE, or a base not in the list).
+float ChooseRope(const BlockGeometry& g, const float* x) {
+  const Dims n(g);
+  if (n.D < 2 || n.T < 2) return 0.0f;
+  float best = 0.0f;
+  double best_sse = 0;
+  std::vector<float> pred(n.D);
+  for (double base : {0.0, kRopeBases[0], kRopeBases[1]}) {
+    const float log_base = base > 0 ? static_cast<float>(std::log(base)) : 0.0f;
+    const std::vector<float> table = base > 0 ? RopeTable(n.D, log_base) : std::vector<float>();
+    double sse = 0;
+    for (size_t l = 0; l < n.L; ++l) {
+      for (size_t h = 0; h < n.H; ++h) {
+        const float* xh = x + n.head(l, 0, h);
+        for (size_t t = 1; t < n.T; ++t) {
+          std::copy_n(xh + (t - 1) * n.D, n.D, pred.data());
+          RopeStep(table.empty() ? nullptr : table.data(), n.D, pred.data());
+          for (size_t d = 0; d < n.D; ++d) {
+            const double e = static_cast<double>(xh[t * n.D + d]) - pred[d];
+            sse += e * e;
+          }
+        }
+      }
+    }
+    if (base == 0 || sse < 0.98 * best_sse) {
+      best = log_base;
+      best_sse = base == 0 ? sse : std::min(best_sse, sse);
+    }
+  }
+  return best;
 }
 
 std::vector<int8_t> SurprisalScaleCodes(const Dims& n, const EncodeOptions& o,
@@ -466,14 +702,15 @@ absl::Status EncodeResidual(const BlockGeometry& g, const float* x, const Encode
     xc = xr.data();
   }
   const std::vector<int8_t> codes = SurprisalScaleCodes(n, o, c);
-  if (!has_budget) return EncodeAt(g, x, xc, o.target_rel_rms, o, src, r, codes, out);
+  const float rope = r ? 0.0f : ChooseRope(g, xc);
+  if (!has_budget) return EncodeAt(g, x, xc, o.target_rel_rms, o, src, r, codes, rope, out);
 
   // Bits budget: bisect (in log space) the smallest error target whose block fits the budget;
   // the envelope adds 36 bytes (24 header + 3 lengths/CRC x 4).
   const double budget_bits = o.target_bits_per_component * g.num_elements();
   auto fits = [&](double target, LossyOutput* o_out) {
     *o_out = LossyOutput();
-    (void)EncodeAt(g, x, xc, target, o, src, r, codes, o_out);
+    (void)EncodeAt(g, x, xc, target, o, src, r, codes, rope, o_out);
     return 8.0 * (o_out->params.size() + o_out->payload.size() + 36) <= budget_bits;
   };
   double lo = 1e-4, hi = 1.0;  // log-bisection bounds on the target
@@ -493,7 +730,7 @@ absl::Status EncodeResidual(const BlockGeometry& g, const float* x, const Encode
     }
   }
   if (has_target && o.target_rel_rms > hi) {
-    return EncodeAt(g, x, xc, o.target_rel_rms, o, src, r, codes, out);
+    return EncodeAt(g, x, xc, o.target_rel_rms, o, src, r, codes, rope, out);
   }
   *out = std::move(best);
   return absl::OkStatus();
@@ -528,6 +765,20 @@ absl::Status DecodeResidual(const BlockGeometry& g, absl::string_view params,
     if (!IsRotatableDim(n.D))
       return absl::DataLossError("residual params: rotated non-power-of-2 head_dim");
     rot.emplace(n.D, seed);
+  }
+  std::vector<float> rope;
+  if (flags & kFlagRope) {
+    if (!need(4)) return absl::DataLossError("residual params: truncated RoPE base");
+    uint32_t bits = 0;
+    for (int i = 0; i < 4; ++i)
+      bits |= static_cast<uint32_t>(static_cast<uint8_t>(params[pos + i])) << (8 * i);
+    pos += 4;
+    float log_base;
+    std::memcpy(&log_base, &bits, 4);
+    if (!(log_base > 0 && log_base <= 40) || (flags & kFlagRotated)) {
+      return absl::DataLossError("residual params: bad RoPE base");
+    }
+    rope = RopeTable(n.D, log_base);
   }
   std::vector<float> token_scale(n.T, 1.0f);
   if (flags & kFlagTokenScales) {
@@ -610,7 +861,8 @@ absl::Status DecodeResidual(const BlockGeometry& g, absl::string_view params,
         const size_t i = (l * 2 + kv) * n.H + h;
         const size_t off = n.head(l, kv, h);
         const float* side = SideOf(choices[i], src, n, off, means.data() + i * n.D);
-        ReconstructHead(q.data() + off, n, choices[i], side, step.data(), out + off);
+        ReconstructHead(q.data() + off, n, choices[i], side,
+                        kv == 0 && !rope.empty() ? rope.data() : nullptr, step.data(), out + off);
       }
     }
   }

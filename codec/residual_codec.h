@@ -7,21 +7,26 @@
 //   - optional randomized Hadamard rotation of every head vector (rotation.h);
 //   - a predictor per head (Predictor in block_codec.h), chosen by the bits it costs: the zeroth-
 //     order entropy of its quantized residuals plus its side information (fp16 channel means);
-//   - residual r = x - prediction, quantized to q = round(r / step_t) with one step per (layer,
-//   K/V)
-//     (bf16-exact) times a per-token scale 2^(-code_t / 4) (surprisal-adaptive; code 0 when off);
+//     on key planes the temporal and parent predictors are RoPE-aware when the encoder finds the
+//     keys rotate (flag 4): the previous token's reconstruction is first turned by RoPE's angle
+//     theta_i = base^(-2i / head_dim) on each channel pair (2i, 2i + 1), base from {1e4, 5e5};
+//   - residual r = x - prediction, quantized with one step per (layer, K/V) (bf16-exact) times a
+//     per-token scale 2^(-code_t / 4) (surprisal-adaptive; code 0 when off): for u = r / step_t,
+//     q = sign(u) * round(max(|u| - z, 0)), with a dead-zone offset z = 0.1 at targets >= 0.1
+//     (more zeros for a slightly finer step) and z = 0 (plain rounding) below;
 //     reconstruction x' = prediction + q * step_t in float32 (no FMA). Temporal and parent
 //     predictors use x' of the previous token, exactly as the decoder has it, so errors never
 //     accumulate (closed loop);
-//   - the step is searched so that ||x - x'|| / ||x|| over the plane, after rounding to the model
-//     dtype, is <= target_rel_rms. One step per plane is the MSE-optimal allocation for an entropy-
-//     coded uniform quantizer (equal distortion everywhere: reverse water-filling at high rate);
-//     per-channel / per-token steps matter for fixed-rate quantizers, not here.
+//   - the step is searched (secant steps in log-log space, 3-6 quantization passes) so that
+//     ||x - x'|| / ||x|| over the plane, after rounding to the model dtype, is <= target_rel_rms.
+//     One step per plane is the MSE-optimal allocation for an entropy-coded uniform quantizer
+//     (equal distortion everywhere: reverse water-filling at high rate); per-channel / per-token
+//     steps matter for fixed-rate quantizers, not here.
 //   - q is coded in (layer, K/V, head, token, channel) order with adaptive 16-symbol models,
-//   context
-//     = (K or V, min(|q| of the same channel one token earlier, 3), min(|q| of the previous
-//     channel, 2)) — 24 models — and an Elias-gamma escape for |q| >= 8.
-// Params (version 1): u8 version, u8 flags (1 = rotated, 2 = token scales), [u32 rotation seed],
+//     context = (K or V, min(|q| of the same channel one token earlier, 3), min(|q| of the
+//     previous channel, 2)) — 24 models — and an Elias-gamma escape for |q| >= 8.
+// Params (version 1): u8 version, u8 flags (1 = rotated, 2 = token scales, 4 = RoPE-aware keys),
+// [u32 rotation seed], [f32 log(RoPE base), in (0, 40]; never with rotation],
 // [block_tokens x i8 scale codes], num_layers * 2 x u16 bf16 step, num_layers * 2 * num_kv_heads
 // predictor nibbles (packed two per byte), then head_dim x fp16 means per channel-mean head.
 // Source: Magarshak 2026 §2 (layer 2, predictive delta coding, surprisal-adaptive quantization);
