@@ -91,6 +91,7 @@ void ForEachHalfWord(const BlockGeometry& g, Fn fn) {
 void CompressHalfWords(const BlockGeometry& g, absl::Span<const uint8_t> data, std::string* out) {
   HalfWordModels m;
   RansEncoder enc;
+  enc.Reserve(3 * (data.size() / 2));
   ForEachHalfWord(g, [&](size_t i, size_t kv, long prev) {
     const uint8_t hb = data[2 * i + 1], lb = data[2 * i];
     const int n1 = hb >> 4, n2 = hb & 15;

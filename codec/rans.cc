@@ -49,29 +49,31 @@ double AdaptiveModel::CostBits(int s) const {
 }
 
 void RansEncoder::Finish(std::string* out) {
-  std::string bytes;  // renormalization bytes, in the order they are emitted (reversed below)
-  bytes.reserve(ops_.size() / 2 + 16);
+  // Renormalization bytes are produced last-to-first: write them backwards from the end of a
+  // buffer sized for the worst case (a symbol emits at most 3 bytes), then append in order.
+  std::vector<uint8_t> buf(3 * ops_.size() + 8);
+  uint8_t* const end = buf.data() + buf.size();
+  uint8_t* p = end;
   uint32_t x = kRansLower;
   for (size_t i = ops_.size(); i-- > 0;) {
     const Op& op = ops_[i];
-    if (op.freq == 1) {  // raw bits (PutBits): no division
-      const uint32_t x_max = (kRansLower >> op.scale_bits) << 8;
-      while (x >= x_max) {
-        bytes.push_back(static_cast<char>(x & 0xff));
-        x >>= 8;
-      }
-      x = (x << op.scale_bits) | op.start;
-      continue;
-    }
-    const uint32_t x_max = ((kRansLower >> op.scale_bits) << 8) * op.freq;
+    const uint32_t freq = op.freq, start = op.start, bits = op.scale_bits;
+    const uint32_t x_max = ((kRansLower >> bits) << 8) * freq;
     while (x >= x_max) {
-      bytes.push_back(static_cast<char>(x & 0xff));
+      *--p = static_cast<uint8_t>(x & 0xff);
       x >>= 8;
     }
-    x = ((x / op.freq) << op.scale_bits) + (x % op.freq) + op.start;
+    if (freq == 1) {  // raw bits (PutBits) or a frequency-1 symbol: no division
+      x = (x << bits) | start;
+    } else {
+      const uint32_t q = x / freq;
+      x = (q << bits) + (x - q * freq) + start;
+    }
   }
-  for (int i = 0; i < 4; ++i) out->push_back(static_cast<char>((x >> (8 * i)) & 0xff));
-  out->append(bytes.rbegin(), bytes.rend());
+  char state[4];
+  for (int i = 0; i < 4; ++i) state[i] = static_cast<char>((x >> (8 * i)) & 0xff);
+  out->append(state, 4);
+  out->append(reinterpret_cast<const char*>(p), static_cast<size_t>(end - p));
   ops_.clear();
 }
 

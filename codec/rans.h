@@ -72,8 +72,11 @@ class AdaptiveModel {
   // toward kTotal - (16 - i) (their ceiling), by (distance >> rate). x - (x >> rate) is monotone,
   // so every frequency stays >= 1.
   void Update(int s) {
-    const int rate = 4 + (count_ >= 16) + (count_ >= 48) + (count_ >= 128);
-    if (count_ < 128) ++count_;
+    const int rate = rate_;
+    if (count_ < 128) {
+      ++count_;
+      rate_ = 4 + (count_ >= 16) + (count_ >= 48) + (count_ >= 128);
+    }
 #if defined(__SSE2__)
     // The same arithmetic on all 16 lanes at once (lane 0 stays 0: it is always <= s).
     const __m128i sh = _mm_cvtsi32_si128(rate);
@@ -99,25 +102,33 @@ class AdaptiveModel {
   // cdf_[0] = 0, cdf_[kSymbols] = kTotal, strictly increasing.
   alignas(16) uint16_t cdf_[kSymbols + 1];
   uint16_t count_ = 0;
+  uint16_t rate_ = 4;  // 4 + (count_ >= 16) + (count_ >= 48) + (count_ >= 128)
 };
 
 class RansEncoder {
  public:
   // Codes `s` with `model` and adapts the model.
   void Put(AdaptiveModel& model, int s) {
-    ops_.push_back({model.start(s), model.freq(s), AdaptiveModel::kScaleBits});
+    ops_.push_back({static_cast<uint16_t>(model.start(s)), static_cast<uint16_t>(model.freq(s)),
+                    AdaptiveModel::kScaleBits});
     model.Update(s);
   }
   // Codes the low `nbits` bits of `value` (nbits <= 16) at one bit per bit.
   void PutBits(uint32_t value, int nbits) {
-    if (nbits > 0) ops_.push_back({value & ((1u << nbits) - 1), 1, static_cast<uint32_t>(nbits)});
+    if (nbits > 0) {
+      ops_.push_back(
+          {static_cast<uint16_t>(value & ((1u << nbits) - 1)), 1, static_cast<uint8_t>(nbits)});
+    }
   }
+  // Capacity for `n` more symbols (avoids regrowth in a hot loop).
+  void Reserve(size_t n) { ops_.reserve(ops_.size() + n); }
   // Appends the coded stream to `*out` and resets the encoder.
   void Finish(std::string* out);
 
  private:
-  struct Op {
-    uint32_t start, freq, scale_bits;
+  struct Op {  // start < 2^16, 1 <= freq < 2^15 (or 1 for raw bits), scale_bits <= 16
+    uint16_t start, freq;
+    uint8_t scale_bits;
   };
   std::vector<Op> ops_;
 };
