@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "codec/baselines.h"
+#include "codec/centroid_lossless.h"
 #include "codec/crc32c.h"
 #include "codec/lossless.h"
 #include "codec/residual_codec.h"
@@ -18,6 +19,7 @@ constexpr char kMagic[4] = {'K', 'V', 'B', '1'};
 constexpr uint8_t kFormatVersion = 1;
 constexpr size_t kFixedHeader = 24;
 constexpr char kLosslessHalfWords = 2;
+constexpr char kLosslessCentroidDiff = 3;  // centroid_lossless.h; needs context.reference
 
 template <typename T>
 void PutLE(std::string* out, T v) {
@@ -137,6 +139,17 @@ absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
       // params: empty = byte planes + zstd (any dtype); "\x02" = CompressHalfWords (2-byte dtypes).
       std::string payload;
       std::string params;
+      if (!context.reference.empty() && options.reference_node_id != 0) {
+        if (context.reference.size() != kv.size()) {
+          return absl::InvalidArgumentError(absl::StrCat("reference: ", context.reference.size(),
+                                                         " bytes, the block has ", kv.size()));
+        }
+        params = std::string(1, kLosslessCentroidDiff);
+        CompressCentroidDiff(kv, context.reference, DTypeBytes(geometry.dtype), &payload);
+        result.bytes = internal::WriteEnvelope(Encoding::kLossless, geometry,
+                                               options.reference_node_id, params, payload);
+        break;
+      }
       if (DTypeBytes(geometry.dtype) == 2) {
         params = std::string(1, kLosslessHalfWords);
         CompressHalfWords(geometry, kv, &payload);
@@ -262,6 +275,15 @@ absl::Status DecodeBlock(absl::string_view encoded, absl::Span<uint8_t> out,
       }
       if (h->params.size() == 1 && h->params[0] == kLosslessHalfWords) {
         return DecompressHalfWords(h->geometry, h->payload, out);
+      }
+      if (h->params.size() == 1 && h->params[0] == kLosslessCentroidDiff) {
+        if (context.reference.empty()) {
+          return absl::FailedPreconditionError(
+              absl::StrCat("reference: the block is coded against centroid node ",
+                           h->reference_node_id, " and no reference block was given"));
+        }
+        return DecompressCentroidDiff(h->payload, context.reference, DTypeBytes(h->geometry.dtype),
+                                      out);
       }
       return absl::DataLossError("lossless params: unknown mode");
     case Encoding::kResidual:

@@ -82,6 +82,8 @@ struct EncodeOptions {
   // rounded to quarter powers of two in [2^-3, 2^3]: surprising tokens get a finer step.
   double surprisal_step_strength = 0.0;
   // kResidual with a kCentroid prediction: the centroid's node id, written to the header.
+  // kLossless: when set and PredictionContext::reference is present, the block is coded bit-exact
+  // as the difference from the reference (centroid_lossless.h) and the id is written to the header.
   uint64_t reference_node_id = 0;
   // kTurboQuant: bits per component of the codebook, 1..8.
   int turboquant_bits = 3;

@@ -42,6 +42,7 @@ struct TrieNode {
   float rel_rms_error_v = 0;
   std::shared_ptr<const std::string> encoded;  // the encoded block; immutable once published
   uint64_t hits = 0;                           // Gets that returned this node
+  uint64_t reference_node_id = 0;  // the centroid this block is a residual of (0 = none)
 
   // Children by token hash; a bucket holds more than one node only on a hash collision.
   absl::flat_hash_map<uint64_t, absl::InlinedVector<TrieNode*, 1>> children;

@@ -1,0 +1,187 @@
+#include "trie/cluster_index.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace kvtrie {
+
+double HistogramUpperBits(int bucket) {
+  if (bucket >= kHistogramBuckets - 1) return std::numeric_limits<double>::infinity();
+  return std::ldexp(1.0, bucket);
+}
+
+int HistogramBucket(double bits) {
+  if (!(bits >= 1)) return 0;
+  const int b = static_cast<int>(std::floor(std::log2(bits))) + 1;
+  return std::min(b, kHistogramBuckets - 1);
+}
+
+void ClusterStats::Merge(const ClusterStats& o) {
+  centroids += o.centroids;
+  residual_nodes += o.residual_nodes;
+  near_dup_groups += o.near_dup_groups;
+  candidates_tried += o.candidates_tried;
+  gated_by_distance += o.gated_by_distance;
+  residual_not_smaller += o.residual_not_smaller;
+  position_shifted_skipped += o.position_shifted_skipped;
+  for (int i = 0; i < kHistogramBuckets; ++i) {
+    path_surprisal_histogram[i] += o.path_surprisal_histogram[i];
+    branch_distance_histogram[i] += o.branch_distance_histogram[i];
+  }
+}
+
+const TrieNode* LowestCommonAncestor(const TrieNode* a, const TrieNode* b) {
+  while (a->depth > b->depth) a = a->parent;
+  while (b->depth > a->depth) b = b->parent;
+  while (a != b) {
+    a = a->parent;
+    b = b->parent;
+  }
+  return a;
+}
+
+double TrieDistanceBits(const TrieNode* a, const TrieNode* b) {
+  const TrieNode* lca = LowestCommonAncestor(a, b);
+  return a->path_surprisal_bits + b->path_surprisal_bits - 2 * lca->path_surprisal_bits;
+}
+
+uint64_t ClusterIndex::GroupKey(uint32_t depth, absl::Span<const uint32_t> block) {
+  return BlockTrie::DefaultTokenHash(block) ^ (0x9e3779b97f4a7c15ull * (depth + 1));
+}
+
+uint64_t ClusterIndex::WindowKey(absl::Span<const uint32_t> window) {
+  return BlockTrie::DefaultTokenHash(window);
+}
+
+void ClusterIndex::Add(const TrieNode& node) {
+  groups_[GroupKey(node.depth, node.token_ids)].push_back(node.id);
+  const uint32_t half = static_cast<uint32_t>(node.token_ids.size() / 2);
+  if (half > 0) {
+    const absl::Span<const uint32_t> t(node.token_ids);
+    for (uint32_t o = 0; o <= half; ++o)
+      windows_[WindowKey(t.subspan(o, half))].push_back({node.id, o});
+  }
+  if (node.reference_node_id != 0) dependents_[node.reference_node_id].insert(node.id);
+}
+
+void ClusterIndex::Remove(const TrieNode& node) {
+  auto erase_from = [&](auto& map, uint64_t key, auto pred) {
+    auto it = map.find(key);
+    if (it == map.end()) return;
+    auto& v = it->second;
+    v.erase(std::remove_if(v.begin(), v.end(), pred), v.end());
+    if (v.empty()) map.erase(it);
+  };
+  erase_from(groups_, GroupKey(node.depth, node.token_ids),
+             [&](uint64_t id) { return id == node.id; });
+  const uint32_t half = static_cast<uint32_t>(node.token_ids.size() / 2);
+  if (half > 0) {
+    const absl::Span<const uint32_t> t(node.token_ids);
+    for (uint32_t o = 0; o <= half; ++o) {
+      erase_from(windows_, WindowKey(t.subspan(o, half)),
+                 [&](const std::pair<uint64_t, uint32_t>& e) { return e.first == node.id; });
+    }
+  }
+  if (node.reference_node_id != 0) {
+    auto it = dependents_.find(node.reference_node_id);
+    if (it != dependents_.end()) {
+      it->second.erase(node.id);
+      if (it->second.empty()) dependents_.erase(it);
+    }
+  }
+  // A centroid leaves only after its dependents were re-encoded (KvStore); drop stale edges anyway.
+  dependents_.erase(node.id);
+}
+
+std::vector<ClusterIndex::Candidate> ClusterIndex::FindCandidates(
+    BlockTrie* trie, const TrieNode* anchor, uint32_t depth, absl::Span<const uint32_t> block,
+    double path_bits, double max_distance_bits, size_t max_candidates) {
+  std::vector<Candidate> out;
+  auto distance_to = [&](const TrieNode* n) {
+    return path_bits + n->path_surprisal_bits -
+           2 * LowestCommonAncestor(anchor, n)->path_surprisal_bits;
+  };
+  if (auto it = groups_.find(GroupKey(depth, block)); it != groups_.end()) {
+    for (uint64_t id : it->second) {
+      const TrieNode* n = trie->Find(id);
+      if (n == nullptr || n->reference_node_id != 0 || n->depth != depth ||
+          !std::equal(block.begin(), block.end(), n->token_ids.begin(), n->token_ids.end())) {
+        continue;  // gone, itself a residual, or a hash collision
+      }
+      const double d = distance_to(n);
+      if (d > max_distance_bits) {
+        ++counters_.gated_by_distance;
+        continue;
+      }
+      out.push_back({id, d});
+    }
+  }
+  std::sort(out.begin(), out.end(), [](const Candidate& a, const Candidate& b) {
+    return a.distance_bits < b.distance_bits ||
+           (a.distance_bits == b.distance_bits && a.node_id < b.node_id);
+  });
+  if (out.size() > max_candidates) out.resize(max_candidates);
+  if (!out.empty()) return out;
+
+  // No aligned candidate: is it a position-shifted near-duplicate (counted, not clustered)?
+  const uint32_t half = static_cast<uint32_t>(block.size() / 2);
+  const int64_t offset = static_cast<int64_t>(depth - 1) * static_cast<int64_t>(block.size());
+  for (uint32_t o = 0; half > 0 && o <= half; ++o) {
+    auto it = windows_.find(WindowKey(block.subspan(o, half)));
+    if (it == windows_.end()) continue;
+    for (const auto& [id, old_o] : it->second) {
+      const TrieNode* n = trie->Find(id);
+      if (n == nullptr) continue;
+      const int64_t shift = (offset + o) - (static_cast<int64_t>(n->token_offset()) + old_o);
+      if (shift == 0 || std::llabs(shift) > half) continue;
+      if (!std::equal(block.begin() + o, block.begin() + o + half, n->token_ids.begin() + old_o)) {
+        continue;
+      }
+      if (distance_to(n) > max_distance_bits) continue;
+      ++counters_.position_shifted_skipped;
+      return out;
+    }
+  }
+  return out;
+}
+
+std::vector<uint64_t> ClusterIndex::Dependents(uint64_t node_id) const {
+  std::vector<uint64_t> out;
+  if (auto it = dependents_.find(node_id); it != dependents_.end()) {
+    out.assign(it->second.begin(), it->second.end());
+    std::sort(out.begin(), out.end());
+  }
+  return out;
+}
+
+size_t ClusterIndex::NumDependents(uint64_t node_id) const {
+  auto it = dependents_.find(node_id);
+  return it == dependents_.end() ? 0 : it->second.size();
+}
+
+void ClusterIndex::AddStats(BlockTrie* trie, ClusterStats* out) const {
+  ClusterStats s = counters_;
+  s.centroids = dependents_.size();
+  for (const auto& [c, members] : dependents_) s.residual_nodes += members.size();
+  trie->ForEach([&](const TrieNode& n) {
+    ++s.path_surprisal_histogram[HistogramBucket(n.path_surprisal_bits)];
+  });
+  for (const auto& [key, ids] : groups_) {
+    if (ids.size() < 2) continue;
+    const TrieNode* first = trie->Find(*std::min_element(ids.begin(), ids.end()));
+    if (first == nullptr) continue;
+    ++s.near_dup_groups;
+    for (uint64_t id : ids) {
+      const TrieNode* n = trie->Find(id);
+      if (n == nullptr || n == first || n->depth != first->depth ||
+          n->token_ids != first->token_ids) {
+        continue;
+      }
+      ++s.branch_distance_histogram[HistogramBucket(TrieDistanceBits(n, first))];
+    }
+  }
+  out->Merge(s);
+}
+
+}  // namespace kvtrie

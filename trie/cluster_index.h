@@ -1,0 +1,125 @@
+// trie/cluster_index.h
+//
+// The near-duplicate index of one (namespace, model) trie, and trie distance.
+//
+// Trie distance between nodes a and b (bits): path_surprisal(a) + path_surprisal(b)
+// - 2 * path_surprisal(lca(a, b)) — the information of the two histories that is not shared. The
+// paper's d_T(s, s') = -log2 P_M(s ∧ s') is the shared part, path_surprisal(lca).
+//
+// Near-duplicates: blocks with the same token ids at the same depth (so at the same positions) but
+// a different history — a sentence that differed by a word and then continued identically. Every
+// node is indexed by (depth, token ids); a new block's candidates are the indexed nodes that are
+// stored standalone (a centroid is never itself a residual), whose trie distance to the new block
+// is at most a limit (bits), nearest first. The store (kv_store_cluster.cc) encodes the block
+// against each candidate and keeps the residual only when it is smaller than the standalone
+// encoding; the chosen candidate becomes the block's centroid and the block its dependent.
+// Choosing, per block, the candidate whose residual is smallest is an online
+// medoid-by-residual-size; centroids are not re-elected when later members arrive.
+//
+// Position-shifted near-duplicates (one token inserted or removed before repeated text, so the same
+// tokens sit at other positions and keys after RoPE are rotated differently) are NOT clustered:
+// they are detected (a half-block window of identical tokens within block_tokens / 2 positions
+// of a stored one, within the distance limit) and counted as skipped in the stats.
+//
+// Namespaces: there is one index per (namespace, model) trie, so clusters never cross namespaces.
+// Not thread-safe: the owner (KvStore) serializes access under its mutex.
+// Source: Magarshak 2026 §1 (layer 1, probabilistic prefix deduplication, d_T).
+#ifndef KVTRIE_TRIE_CLUSTER_INDEX_H_
+#define KVTRIE_TRIE_CLUSTER_INDEX_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/types/span.h"
+#include "trie/block_trie.h"
+
+namespace kvtrie {
+
+// Server options of the near-duplicate index (flags --near_dup_clusters,
+// --cluster_max_distance_bits).
+struct NearDupOptions {
+  bool enabled = true;
+  // Candidates farther than this trie distance (bits) are not tried. Two branches that differ by
+  // one word and then continue identically drift apart by about twice the surprisal of what
+  // follows (~10 bits per token on tests/data), so this bounds how far after a divergence
+  // near-duplicates are still clustered.
+  double max_distance_bits = 16384;
+  uint32_t max_candidates = 2;  // candidates encoded per new block, nearest first
+};
+
+// Log2 histogram over bits: bucket 0 = [0, 1), bucket i >= 1 = [2^(i-1), 2^i), the last bucket is
+// open-ended.
+inline constexpr int kHistogramBuckets = 24;
+double HistogramUpperBits(int bucket);  // exclusive upper bound; +inf for the last
+int HistogramBucket(double bits);
+
+struct ClusterStats {
+  uint64_t centroids = 0;        // standalone nodes with at least one dependent
+  uint64_t residual_nodes = 0;   // nodes stored as a residual of a centroid
+  uint64_t near_dup_groups = 0;  // (depth, tokens) groups holding more than one node
+  // Counters since start (the Puts' encoding decisions).
+  uint64_t candidates_tried = 0;          // (block, candidate) encodings tried
+  uint64_t gated_by_distance = 0;         // candidates skipped: trie distance over the limit
+  uint64_t residual_not_smaller = 0;      // blocks with candidates stored standalone (smaller)
+  uint64_t position_shifted_skipped = 0;  // new blocks that are position-shifted near-duplicates
+  // Histograms (HistogramBucket): path surprisal of every node; trie distance of every node in a
+  // near-duplicate group to the group's oldest node (the branch distances).
+  uint64_t path_surprisal_histogram[kHistogramBuckets] = {};
+  uint64_t branch_distance_histogram[kHistogramBuckets] = {};
+  void Merge(const ClusterStats& o);
+};
+
+// The lowest common ancestor of a and b (the root if none other). REQUIRES: same trie.
+const TrieNode* LowestCommonAncestor(const TrieNode* a, const TrieNode* b);
+// Trie distance in bits (see above). REQUIRES: same trie.
+double TrieDistanceBits(const TrieNode* a, const TrieNode* b);
+
+class ClusterIndex {
+ public:
+  struct Candidate {
+    uint64_t node_id = 0;
+    double distance_bits = 0;
+  };
+
+  // Indexes `node` (already in the trie, reference_node_id set: a dependent of that centroid).
+  void Add(const TrieNode& node);
+  // Forgets `node` and its dependency edges (call before it leaves the trie).
+  void Remove(const TrieNode& node);
+
+  // Candidates for a new block of `block` token ids at `depth`, child of the chain whose deepest
+  // stored node is `anchor` (the root if the prefix is new), whose path surprisal will be
+  // `path_bits`: standalone nodes with the same tokens at the same depth, trie distance <=
+  // max_distance_bits, nearest first, at most max_candidates. Counts gated and shifted ones.
+  std::vector<Candidate> FindCandidates(BlockTrie* trie, const TrieNode* anchor, uint32_t depth,
+                                        absl::Span<const uint32_t> block, double path_bits,
+                                        double max_distance_bits, size_t max_candidates);
+
+  bool HasDependents(uint64_t node_id) const { return dependents_.contains(node_id); }
+  // The nodes stored as residuals of `node_id`.
+  std::vector<uint64_t> Dependents(uint64_t node_id) const;
+  size_t NumDependents(uint64_t node_id) const;
+
+  void CountTried(uint64_t n) { counters_.candidates_tried += n; }
+  void CountNotSmaller() { ++counters_.residual_not_smaller; }
+
+  // Adds this index's numbers (and the trie's histograms) to `out`.
+  void AddStats(BlockTrie* trie, ClusterStats* out) const;
+
+ private:
+  static uint64_t GroupKey(uint32_t depth, absl::Span<const uint32_t> block);
+  static uint64_t WindowKey(absl::Span<const uint32_t> window);
+
+  // (depth, tokens) -> every node with them (standalone or not), oldest first.
+  absl::flat_hash_map<uint64_t, std::vector<uint64_t>> groups_;
+  // Half-block token windows at offsets [0, block_tokens / 2] -> (node, offset), for detecting
+  // position-shifted near-duplicates.
+  absl::flat_hash_map<uint64_t, std::vector<std::pair<uint64_t, uint32_t>>> windows_;
+  absl::flat_hash_map<uint64_t, absl::flat_hash_set<uint64_t>> dependents_;  // centroid -> members
+  ClusterStats counters_;
+};
+
+}  // namespace kvtrie
+
+#endif  // KVTRIE_TRIE_CLUSTER_INDEX_H_
