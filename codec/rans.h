@@ -72,25 +72,23 @@ class AdaptiveModel {
   // toward kTotal - (16 - i) (their ceiling), by (distance >> rate). x - (x >> rate) is monotone,
   // so every frequency stays >= 1.
   void Update(int s) {
-    const int rate = rate_;
-    if (count_ < 128) {
-      ++count_;
-      rate_ = 4 + (count_ >= 16) + (count_ >= 48) + (count_ >= 128);
-    }
+    const int rate = 4 + (count_ >= 16) + (count_ >= 48) + (count_ >= 128);
+    count_ += count_ < 128;
 #if defined(__SSE2__)
-    // The same arithmetic on all 16 lanes at once (lane 0 stays 0: it is always <= s).
+    // The same arithmetic on all 16 lanes at once, as c + ((target - c + bias) >> rate) with an
+    // arithmetic shift: target = i (bias 2^rate - 1, so the shift rounds the negative distance
+    // toward zero, as the scalar form does) for lanes i <= s, else the ceiling (bias 0).
     const __m128i sh = _mm_cvtsi32_si128(rate);
-    const __m128i sv = _mm_set1_epi16(static_cast<int16_t>(s));
+    const __m128i bias = _mm_set1_epi16(static_cast<int16_t>((1 << rate) - 1));
+    const UpdateTables& tab = Tables();
     for (int half = 0; half < 2; ++half) {
       auto* p = reinterpret_cast<__m128i*>(cdf_ + 8 * half);
       const __m128i c = _mm_load_si128(p);
-      const __m128i idx = _mm_add_epi16(_mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7),
-                                        _mm_set1_epi16(static_cast<int16_t>(8 * half)));
-      const __m128i ceil = _mm_add_epi16(idx, _mm_set1_epi16(kTotal - kSymbols));
-      const __m128i down = _mm_sub_epi16(c, _mm_srl_epi16(_mm_sub_epi16(c, idx), sh));
-      const __m128i up = _mm_add_epi16(c, _mm_srl_epi16(_mm_sub_epi16(ceil, c), sh));
-      const __m128i above = _mm_cmpgt_epi16(idx, sv);
-      _mm_store_si128(p, _mm_or_si128(_mm_and_si128(above, up), _mm_andnot_si128(above, down)));
+      const __m128i target =
+          _mm_load_si128(reinterpret_cast<const __m128i*>(tab.target[s] + 8 * half));
+      const __m128i le = _mm_load_si128(reinterpret_cast<const __m128i*>(tab.le[s] + 8 * half));
+      const __m128i diff = _mm_add_epi16(_mm_sub_epi16(target, c), _mm_and_si128(le, bias));
+      _mm_store_si128(p, _mm_add_epi16(c, _mm_sra_epi16(diff, sh)));
     }
 #else
     for (int i = 1; i <= s; ++i) cdf_[i] -= (cdf_[i] - i) >> rate;
@@ -99,10 +97,28 @@ class AdaptiveModel {
   }
 
  private:
+  // Per symbol s: the lanes' targets (i for i <= s, kTotal - kSymbols + i above) and a mask of
+  // the lanes i <= s.
+  struct UpdateTables {
+    alignas(16) int16_t target[kSymbols][kSymbols];
+    alignas(16) int16_t le[kSymbols][kSymbols];
+  };
+  static const UpdateTables& Tables() {
+    static constexpr UpdateTables kTables = [] {
+      UpdateTables t{};
+      for (int s = 0; s < kSymbols; ++s) {
+        for (int i = 0; i < kSymbols; ++i) {
+          t.target[s][i] = static_cast<int16_t>(i <= s ? i : kTotal - kSymbols + i);
+          t.le[s][i] = static_cast<int16_t>(i <= s ? -1 : 0);
+        }
+      }
+      return t;
+    }();
+    return kTables;
+  }
   // cdf_[0] = 0, cdf_[kSymbols] = kTotal, strictly increasing.
   alignas(16) uint16_t cdf_[kSymbols + 1];
   uint16_t count_ = 0;
-  uint16_t rate_ = 4;  // 4 + (count_ >= 16) + (count_ >= 48) + (count_ >= 128)
 };
 
 class RansEncoder {

@@ -259,12 +259,6 @@ double EstimateBits(const int32_t* q, size_t count) {
   return bits;
 }
 
-inline int ContextOf(size_t kv, const int32_t* q, size_t t, size_t d, size_t D) {
-  const int a = t ? std::min(std::abs(q[(t - 1) * D + d]), 3) : 0;
-  const int b = d ? std::min(std::abs(q[t * D + d - 1]), 2) : 0;
-  return static_cast<int>(kv) * 12 + a * 3 + b;
-}
-
 // Context blocks as floats in the coded (possibly rotated) domain.
 struct Sources {
   std::vector<float> parent, reference, external;
@@ -605,13 +599,20 @@ absl::Status EncodeAt(const BlockGeometry& g, const float* x_orig, const float* 
   std::vector<AdaptiveModel> models(kNumContexts), escapes(2, AdaptiveModel(0.7));
   RansEncoder enc;
   enc.Reserve(g.num_elements() + g.num_elements() / 8);
+  std::vector<uint8_t> up(n.D);
   for (size_t l = 0; l < n.L; ++l) {
     for (size_t kv = 0; kv < 2; ++kv) {
       for (size_t h = 0; h < n.H; ++h) {
         const int32_t* qh = q.data() + n.head(l, kv, h);
+        std::fill(up.begin(), up.end(), static_cast<uint8_t>(kv * 12));  // as in the decoder
         for (size_t t = 0; t < n.T; ++t) {
+          const int32_t* row = qh + t * n.D;
+          int left = 0;
           for (size_t d = 0; d < n.D; ++d) {
-            PutInt(enc, models[ContextOf(kv, qh, t, d, n.D)], escapes[kv], qh[t * n.D + d]);
+            PutInt(enc, models[up[d] + left], escapes[kv], row[d]);
+            const int a = std::abs(row[d]);
+            left = std::min(a, 2);
+            up[d] = static_cast<uint8_t>(kv * 12 + std::min(a, 3) * 3);
           }
         }
       }
@@ -841,35 +842,40 @@ absl::Status DecodeResidual(const BlockGeometry& g, absl::string_view params,
     if (auto s = LoadSource(g, nd.span, nd.name, r, nd.dst); !s.ok()) return s;
   }
 
-  std::vector<int32_t> q(g.num_elements());
+  // Entropy decoding and reconstruction, head by head. The context of q[t][d] is
+  // kv * 12 + 3 * min(|q[t - 1][d]|, 3) + min(|q[t][d - 1]|, 2) (0 outside the head), kept
+  // incrementally: up[d] holds the first two terms for the next row, `left` the last.
+  std::vector<int32_t> qh(n.head_elems());
+  std::vector<uint8_t> up(n.D);
+  std::vector<float> step(n.T);
   std::vector<AdaptiveModel> models(kNumContexts), escapes(2, AdaptiveModel(0.7));
   RansDecoder dec(payload);
   for (size_t l = 0; l < n.L; ++l) {
     for (size_t kv = 0; kv < 2; ++kv) {
+      for (size_t t = 0; t < n.T; ++t) step[t] = steps[l * 2 + kv] * token_scale[t];
+      AdaptiveModel* const m = models.data();
+      AdaptiveModel& esc = escapes[kv];
       for (size_t h = 0; h < n.H; ++h) {
-        int32_t* qh = q.data() + n.head(l, kv, h);
+        std::fill(up.begin(), up.end(), static_cast<uint8_t>(kv * 12));
         for (size_t t = 0; t < n.T; ++t) {
+          int32_t* row = qh.data() + t * n.D;
+          int left = 0;
           for (size_t d = 0; d < n.D; ++d) {
-            GetInt(dec, models[ContextOf(kv, qh, t, d, n.D)], escapes[kv], &qh[t * n.D + d]);
+            GetInt(dec, m[up[d] + left], esc, &row[d]);
+            const int a = std::abs(row[d]);
+            left = std::min(a, 2);
+            up[d] = static_cast<uint8_t>(kv * 12 + std::min(a, 3) * 3);
           }
         }
-      }
-    }
-  }
-  if (auto s = dec.Finish(); !s.ok()) return s;
-  std::vector<float> step(n.T);
-  for (size_t l = 0; l < n.L; ++l) {
-    for (size_t kv = 0; kv < 2; ++kv) {
-      for (size_t t = 0; t < n.T; ++t) step[t] = steps[l * 2 + kv] * token_scale[t];
-      for (size_t h = 0; h < n.H; ++h) {
         const size_t i = (l * 2 + kv) * n.H + h;
         const size_t off = n.head(l, kv, h);
         const float* side = SideOf(choices[i], src, n, off, means.data() + i * n.D);
-        ReconstructHead(q.data() + off, n, choices[i], side,
+        ReconstructHead(qh.data(), n, choices[i], side,
                         kv == 0 && !rope.empty() ? rope.data() : nullptr, step.data(), out + off);
       }
     }
   }
+  if (auto s = dec.Finish(); !s.ok()) return s;
   if (r) {
     for (size_t i = 0; i < g.num_elements(); i += n.D) r->Inverse(out + i);
   }
