@@ -351,7 +351,7 @@ class PlaneCoder {
     double sse = 0;
     for (size_t h = 0; h < n_.H; ++h) {
       double best_bits = INFINITY, best_sse = 0;
-      for (Predictor p : candidates_[h]) {
+      for (Predictor p : Shortlist(h, delta)) {
         const double e = QuantizeOne(h, p);
         double bits = EstimateBits(q_.data() + h * n_.head_elems(), n_.head_elems());
         if (p == Predictor::kChannelMean) bits += 16.0 * n_.D;
@@ -368,6 +368,73 @@ class PlaneCoder {
       sse += best_sse;
     }
     return sse;
+  }
+
+  // The (at most) kShortlist candidates of head h with the fewest estimated bits by an open-loop
+  // proxy: the previous token's original (not reconstructed) vector for temporal / parent, and
+  // bits ~ (N / 2) log2(1 + 12 E / (N delta^2)) for residual energy E over N components, plus
+  // 16 bits per channel mean. Only these are quantized closed loop (measured on tests/data: the
+  // same bits within 0.1%, a third fewer quantization passes).
+  std::vector<Predictor> Shortlist(size_t h, float delta) const {
+    constexpr size_t kShortlist = 2;
+    const std::vector<Predictor>& c = candidates_[h];
+    if (c.size() <= kShortlist) return c;
+    const float* x = x_ + h * n_.head_elems();
+    const size_t D = n_.D;
+    // Residual energies of every predictor in one pass: e_none, e_mean, e_step (rows t >= 1
+    // from the previous row), e_first (row 0 from the parent's last row, if any).
+    const float* mean = means_.data() + h * D;
+    const float* parent = Side(Predictor::kParent, h);
+    float e_none = 0, e_mean = 0, e_step = 0, e_row0 = 0, e_first = 0;
+    float prev[kMaxRow];
+    const bool small = D <= kMaxRow;
+    for (size_t t = 0; t < n_.T; ++t) {
+      const float* xt = x + t * D;
+      if (small && (t > 0 || parent != nullptr)) {
+        std::copy_n(t ? xt - D : parent, D, prev);
+        RopeStep(rope_, D, prev);
+      }
+      for (size_t d = 0; d < D; ++d) {
+        const float v = xt[d], m = v - mean[d];
+        e_none += v * v;
+        e_mean += m * m;
+        if (t == 0) e_row0 += v * v;
+        if (!small || (t == 0 && parent == nullptr)) continue;
+        const float r = v - prev[d];
+        (t ? e_step : e_first) += r * r;
+      }
+    }
+    if (!small) return c;
+    const double count = static_cast<double>(n_.head_elems());
+    std::vector<std::pair<double, Predictor>> scored;
+    for (Predictor p : c) {
+      double e;
+      switch (p) {
+        case Predictor::kNone:
+          e = e_none;
+          break;
+        case Predictor::kChannelMean:
+          e = e_mean;
+          break;
+        case Predictor::kTemporal:
+          e = e_step + e_row0;
+          break;
+        case Predictor::kParent:
+          e = e_step + e_first;
+          break;
+        default:
+          return c;  // centroid / external: quantize every candidate
+      }
+      const double d2 = static_cast<double>(delta) * delta;
+      double bits = 0.5 * count * std::log2(1.0 + 12.0 * e / (count * d2));
+      if (p == Predictor::kChannelMean) bits += 16.0 * n_.D;
+      scored.push_back({bits, p});
+    }
+    std::stable_sort(scored.begin(), scored.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::vector<Predictor> out;
+    for (size_t i = 0; i < kShortlist; ++i) out.push_back(scored[i].second);
+    return out;
   }
 
   // Saves / restores the quantized state (q, reconstruction, choices) of the plane.
