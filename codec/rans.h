@@ -72,8 +72,8 @@ class AdaptiveModel {
   // toward kTotal - (16 - i) (their ceiling), by (distance >> rate). x - (x >> rate) is monotone,
   // so every frequency stays >= 1.
   void Update(int s) {
-    const int rate = 4 + (count_ >= 16) + (count_ >= 48) + (count_ >= 128);
-    count_ += count_ < 128;
+    const int rate = Tables().rate[count_];  // 4 + (count_ >= 16) + (count_ >= 48) + (... 128)
+    count_ = Tables().next_count[count_];    // min(count_ + 1, 128)
 #if defined(__SSE2__)
     // The same arithmetic on all 16 lanes at once, as c + ((target - c + bias) >> rate) with an
     // arithmetic shift: target = i (bias 2^rate - 1, so the shift rounds the negative distance
@@ -102,6 +102,8 @@ class AdaptiveModel {
   struct UpdateTables {
     alignas(16) int16_t target[kSymbols][kSymbols];
     alignas(16) int16_t le[kSymbols][kSymbols];
+    uint8_t rate[129];
+    uint8_t next_count[129];
   };
   static const UpdateTables& Tables() {
     static constexpr UpdateTables kTables = [] {
@@ -112,13 +114,17 @@ class AdaptiveModel {
           t.le[s][i] = static_cast<int16_t>(i <= s ? -1 : 0);
         }
       }
+      for (int c = 0; c <= 128; ++c) {
+        t.rate[c] = static_cast<uint8_t>(4 + (c >= 16) + (c >= 48) + (c >= 128));
+        t.next_count[c] = static_cast<uint8_t>(c < 128 ? c + 1 : 128);
+      }
       return t;
     }();
     return kTables;
   }
   // cdf_[0] = 0, cdf_[kSymbols] = kTotal, strictly increasing.
   alignas(16) uint16_t cdf_[kSymbols + 1];
-  uint16_t count_ = 0;
+  uint8_t count_ = 0;  // symbols seen, saturating at 128
 };
 
 class RansEncoder {

@@ -232,10 +232,18 @@ void ReconstructHead(const int32_t* q, const Dims& n, Predictor p, const float* 
   float* buf = zeros + n.D;
   for (size_t t = 0; t < n.T; ++t) {
     const float* pred = PredictRow(p, side, rec, t, n.D, rope, zeros, buf);
-    for (size_t d = 0; d < n.D; ++d) {
-      const size_t i = t * n.D + d;
-      rec[i] = Reconstruct(pred[d], q[i], step[t]);
+    const int32_t* qt = q + t * n.D;
+    float* rt = rec + t * n.D;
+    const float st = step[t];
+    size_t d = 0;
+#if defined(__SSE2__)
+    const __m128 vst = _mm_set1_ps(st);  // the same pred + q * step, four lanes at a time
+    for (; d + 4 <= n.D; d += 4) {
+      const __m128 qv = _mm_cvtepi32_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qt + d)));
+      _mm_storeu_ps(rt + d, _mm_add_ps(_mm_loadu_ps(pred + d), _mm_mul_ps(qv, vst)));
     }
+#endif
+    for (; d < n.D; ++d) rt[d] = Reconstruct(pred[d], qt[d], st);
   }
 }
 
