@@ -103,26 +103,42 @@ void DetCosSin(double a, double* c, double* s) {  // |a| <= 1: Taylor series
   *s = sn;
 }
 
-// cos / sin of every channel pair, interleaved: {cos theta_0, sin theta_0, cos theta_1, ...}.
+// Per-lane factors of the turn, 2 * D floats: cos[] = {c_0, c_0, c_1, c_1, ...} then
+// sin[] = {-s_0, s_0, -s_1, s_1, ...}, with c_i, s_i = cos, sin theta_i (an odd last channel:
+// 1, 0).
 std::vector<float> RopeTable(size_t D, float log_base) {
-  std::vector<float> t(D / 2 * 2);
+  std::vector<float> t(2 * D, 0.0f);
+  for (size_t d = 0; d < D; ++d) t[d] = 1.0f;
   for (size_t i = 0; i < D / 2; ++i) {
     double c, s;
     DetCosSin(DetExp(-2.0 * static_cast<double>(i) / static_cast<double>(D) * log_base), &c, &s);
-    t[2 * i] = static_cast<float>(c);
-    t[2 * i + 1] = static_cast<float>(s);
+    t[2 * i] = t[2 * i + 1] = static_cast<float>(c);
+    t[D + 2 * i] = -static_cast<float>(s);
+    t[D + 2 * i + 1] = static_cast<float>(s);
   }
   return t;
 }
 
-// Turns each channel pair of `row` by the angles of `rope` (nullptr: unchanged).
-inline void RopeStep(const float* rope, size_t D, float* row) {
-  if (rope == nullptr) return;
-  for (size_t i = 0; i + 1 < D; i += 2) {
-    const float c = rope[i], s = rope[i + 1], a = row[i], b = row[i + 1];
-    row[i] = c * a - s * b;
-    row[i + 1] = s * a + c * b;
+// dst = `src` with each channel pair (a, b) turned by the angles of `rope` (RopeTable):
+// (c a + (-s) b, c b + s a) — the same IEEE operations in the SSE and scalar paths.
+inline void RopeStep(const float* rope, size_t D, const float* src, float* dst) {
+  const float* cs = rope;
+  const float* sn = rope + D;
+  size_t d = 0;
+#if defined(__SSE2__)
+  for (; d + 4 <= D; d += 4) {
+    const __m128 v = _mm_loadu_ps(src + d);
+    const __m128 swapped = _mm_shuffle_ps(v, v, _MM_SHUFFLE(2, 3, 0, 1));
+    _mm_storeu_ps(dst + d, _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(cs + d), v),
+                                      _mm_mul_ps(_mm_loadu_ps(sn + d), swapped)));
   }
+#endif
+  for (; d + 1 < D; d += 2) {
+    const float a = src[d], b = src[d + 1];
+    dst[d] = cs[d] * a + sn[d] * b;
+    dst[d + 1] = cs[d + 1] * b + sn[d + 1] * a;
+  }
+  if (d < D) dst[d] = src[d];  // odd head_dim: the last channel is not turned
 }
 
 // The prediction row of token t of a head into `pred` (D floats). `side`: channel means
@@ -151,8 +167,7 @@ inline const float* PredictRow(Predictor p, const float* side, const float* rec,
       return side + t * D;
   }
   if (rope == nullptr) return src;
-  for (size_t d = 0; d < D; ++d) buf[d] = src[d];
-  RopeStep(rope, D, buf);
+  RopeStep(rope, D, src, buf);
   return buf;
 }
 
@@ -399,8 +414,11 @@ class PlaneCoder {
     for (size_t t = 0; t < n_.T; ++t) {
       const float* xt = x + t * D;
       if (small && (t > 0 || parent != nullptr)) {
-        std::copy_n(t ? xt - D : parent, D, prev);
-        RopeStep(rope_, D, prev);
+        if (rope_) {
+          RopeStep(rope_, D, t ? xt - D : parent, prev);
+        } else {
+          std::copy_n(t ? xt - D : parent, D, prev);
+        }
       }
       for (size_t d = 0; d < D; ++d) {
         const float v = xt[d], m = v - mean[d];
@@ -715,8 +733,11 @@ float ChooseRope(const BlockGeometry& g, const float* x) {
       for (size_t h = 0; h < n.H; ++h) {
         const float* xh = x + n.head(l, 0, h);
         for (size_t t = 1; t < n.T; ++t) {
-          std::copy_n(xh + (t - 1) * n.D, n.D, pred.data());
-          RopeStep(table.empty() ? nullptr : table.data(), n.D, pred.data());
+          if (table.empty()) {
+            std::copy_n(xh + (t - 1) * n.D, n.D, pred.data());
+          } else {
+            RopeStep(table.data(), n.D, xh + (t - 1) * n.D, pred.data());
+          }
           for (size_t d = 0; d < n.D; ++d) {
             const double e = static_cast<double>(xh[t * n.D + d]) - pred[d];
             sse += e * e;
