@@ -23,6 +23,7 @@
 #include "absl/container/inlined_vector.h"
 #include "absl/types/span.h"
 #include "codec/block_codec.h"
+#include "trie/tier_policy.h"
 
 namespace kvtrie {
 
@@ -40,9 +41,10 @@ struct TrieNode {
   uint64_t bytes_stored = 0;   // encoded bytes
   float rel_rms_error_k = 0;   // achieved by the encoding (0 when bit-exact)
   float rel_rms_error_v = 0;
-  std::shared_ptr<const std::string> encoded;  // the encoded block; immutable once published
+  std::shared_ptr<const std::string> encoded;  // the encoded block when hot; null when cold
   uint64_t hits = 0;                           // Gets that returned this node
   uint64_t reference_node_id = 0;  // the centroid this block is a residual of (0 = none)
+  TierState tier;  // hot/cold tier and eviction state, owned by KvStore (trie/tier_policy.h)
 
   // Children by token hash; a bucket holds more than one node only on a hash collision.
   absl::flat_hash_map<uint64_t, absl::InlinedVector<TrieNode*, 1>> children;
