@@ -27,7 +27,7 @@ absl::Status WriteFile(const std::string& path, absl::string_view bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   out.close();
-  if (!out) return absl::UnavailableError(absl::StrCat(path, ": write failed"));
+  if (!out) return absl::FailedPreconditionError(absl::StrCat(path, ": cannot write"));
   return absl::OkStatus();
 }
 
@@ -203,7 +203,7 @@ absl::StatusOr<KvDump> ReadKvDump(const std::string& dir) {
 absl::Status WriteKvDump(const std::string& dir, const KvDump& dump) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
-  if (ec) return absl::UnavailableError(absl::StrCat(dir, ": ", ec.message()));
+  if (ec) return absl::FailedPreconditionError(absl::StrCat(dir, ": ", ec.message()));
   NpyArray a;
   a.dtype = dump.dtype;
   a.shape = {dump.num_layers, dump.num_kv_heads, dump.num_tokens(), dump.head_dim};

@@ -9,7 +9,8 @@
 //   inspect [NODE_ID]    one trie node (0 = the root) and its children; needs --model_id
 //   delete DIR TOKENS    delete the stored prefix of DIR's first TOKENS tokens and its subtree
 //
-// Output is JSON on stdout. Errors are one line on stderr and exit status 1 (2 for usage).
+// Output is JSON on stdout. Errors are one line on stderr and exit status 1 (2 for usage; 3 when
+// `get` finds no stored prefix, so `kvtrie get ... && use OUT` is safe).
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -75,6 +76,7 @@ int Run(const std::vector<char*>& args) {
   ClientOptions options;
   options.target = absl::GetFlag(FLAGS_target);
   options.ns = absl::GetFlag(FLAGS_namespace);
+  if (absl::GetFlag(FLAGS_timeout_seconds) <= 0) return Usage("--timeout_seconds: must be > 0");
   options.timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout_seconds));
   std::unique_ptr<Client> client = Client::Create(options);
 
@@ -125,7 +127,9 @@ int Run(const std::vector<char*>& args) {
     if (!kv.ok()) return Fail(kv.status());
     if (kv->token_ids.empty()) {
       Print({{"matched_tokens", 0}});
-      return 0;
+      std::cerr << "kvtrie: no stored prefix of " << args[2] << "'s token_ids; " << args[3]
+                << " not written\n";
+      return 3;
     }
     for (size_t i = 0; i < kv->token_ids.size(); ++i) kv->surprisal_bits[i] = d->surprisal_bits[i];
     if (auto s = WriteKvDump(args[3], *kv); !s.ok()) return Fail(s);

@@ -45,6 +45,16 @@ absl::Status BlockGeometry::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("dtype: unknown value ", static_cast<int>(dtype)));
   }
+  // Each dimension fits 16 bits, so the product fits 128 bits; a block must fit kMaxBlockBytes so
+  // that every size computed from it fits size_t.
+  const unsigned __int128 bytes = static_cast<unsigned __int128>(num_layers) * 2 * num_kv_heads *
+                                  block_tokens * head_dim * DTypeBytes(dtype);
+  if (bytes > kMaxBlockBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_layers: a block of num_layers=", num_layers, " x 2 x num_kv_heads=", num_kv_heads,
+        " x block_tokens=", block_tokens, " x head_dim=", head_dim, " x ", DTypeBytes(dtype),
+        " bytes exceeds the limit of ", kMaxBlockBytes, " bytes per block"));
+  }
   return absl::OkStatus();
 }
 

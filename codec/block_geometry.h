@@ -51,8 +51,12 @@ struct BlockGeometry {
     return (layer_end - layer_begin) * layer_elements() * DTypeBytes(dtype);
   }
 
-  // OK if every dimension is in [1, 65535] and dtype is valid; otherwise INVALID_ARGUMENT naming
-  // the field (`num_layers`, `num_kv_heads`, `block_tokens`, `head_dim`, `dtype`).
+  // Largest block accepted: 1 GiB (a 405B-parameter model's 16-token fp16 block is ~8 MiB).
+  static constexpr uint64_t kMaxBlockBytes = 1ull << 30;
+
+  // OK if every dimension is in [1, 65535], dtype is valid and the block has at most
+  // kMaxBlockBytes bytes; otherwise INVALID_ARGUMENT naming the field (`num_layers`,
+  // `num_kv_heads`, `block_tokens`, `head_dim`, `dtype`).
   absl::Status Validate() const;
   // "num_layers=5 num_kv_heads=4 block_tokens=16 head_dim=8 dtype=fp16".
   std::string DebugString() const;

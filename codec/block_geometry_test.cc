@@ -27,6 +27,17 @@ TEST(BlockGeometry, ValidateNamesTheField) {
   EXPECT_NE(g.Validate().message().find("dtype"), absl::string_view::npos);
 }
 
+TEST(BlockGeometry, HugeBlocksAreRejectedBeforeTheirSizeOverflows) {
+  // 65312 * 2 * 55813 * 26543 * 47663 * 2 bytes wraps to 16000 in 64 bits.
+  BlockGeometry g{
+      .num_layers = 65312, .num_kv_heads = 55813, .block_tokens = 26543, .head_dim = 47663};
+  absl::Status s = g.Validate();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("exceeds the limit"), absl::string_view::npos) << s;
+  g = {.num_layers = 126, .num_kv_heads = 8, .block_tokens = 16, .head_dim = 128};
+  EXPECT_TRUE(g.Validate().ok());  // Llama-3.1-405B
+}
+
 TEST(Fp16, EveryHalfSurvivesARoundTripThroughFloat) {
   for (uint32_t h = 0; h < 65536; ++h) {
     const float f = HalfToFloat(static_cast<uint16_t>(h));
