@@ -540,7 +540,11 @@ float SearchStep(const BlockGeometry& g, const Dims& n, PlaneCoder& pc, const fl
                  const RandomizedHadamard* rot, double target_sse, float delta, float min_step) {
   constexpr int kMaxPasses = 8;
   constexpr double kAim = 0.995;  // aim a little under the target so the landing step passes
-  float lo = 0, hi = INFINITY;    // largest passing, smallest failing step
+  // A passing step whose error is this close to the target is kept: the error is a noisy
+  // function of the step at the 1% scale (closed loop, dead zone), so chasing the last bf16
+  // ulp costs passes (measured: 0.99 vs none, -2% encode instructions, +0.01% bits).
+  constexpr double kGoodEnough = 0.99;
+  float lo = 0, hi = INFINITY;  // largest passing, smallest failing step
   std::vector<int32_t> lo_q;
   std::vector<float> lo_rec;
   std::vector<Predictor> lo_choice;
@@ -556,6 +560,7 @@ float SearchStep(const BlockGeometry& g, const Dims& n, PlaneCoder& pc, const fl
     } else {
       hi = std::min(hi, delta);
     }
+    if (sse <= target_sse && sse >= kGoodEnough * target_sse) break;  // within ~1% of the step
     double b = 2.0;
     if (prev_delta > 0 && prev_delta != delta && prev_sse > 0 && sse > 0) {
       b = std::log(sse / prev_sse) / std::log(static_cast<double>(delta) / prev_delta);
