@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 
 #include "absl/strings/str_cat.h"
 #include "codec/block_codec.h"
@@ -33,6 +34,40 @@ Client::Client(const ClientOptions& options) : options_(options) {
   args.SetMaxReceiveMessageSize(64 << 20);
   stub_ = v1::KVCache::NewStub(
       grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args));
+}
+
+absl::StatusOr<std::vector<uint8_t>> Client::ReferenceBlock(const std::string& model_id,
+                                                            uint64_t node_id,
+                                                            const BlockGeometry& g) {
+  v1::GetRequest req;
+  req.set_namespace_(options_.ns);
+  req.set_model_id(model_id);
+  req.set_node_id(node_id);
+  req.set_mode(v1::GET_MODE_RECONSTRUCTED);
+  auto ctx = NewContext();
+  std::unique_ptr<grpc::ClientReader<v1::GetResponse>> reader(stub_->Get(ctx.get(), req));
+  v1::GetResponse msg;
+  std::vector<uint8_t> block(g.num_bytes());
+  uint32_t last = 0, layers = 0;
+  if (reader->Read(&msg) && msg.has_header()) last = msg.header().matched_blocks();
+  while (reader->Read(&msg)) {
+    if (!msg.has_block() || last == 0 || msg.block().block_index() != last - 1) continue;
+    const v1::GetBlock& b = msg.block();
+    if (b.layer_begin() >= b.layer_end() || b.layer_end() > g.num_layers ||
+        b.kv().size() != g.layer_range_bytes(b.layer_begin(), b.layer_end())) {
+      ctx->TryCancel();
+      reader->Finish();
+      return absl::DataLossError(absl::StrCat("get: centroid ", node_id, ": malformed block"));
+    }
+    std::copy(b.kv().begin(), b.kv().end(),
+              block.begin() + static_cast<ptrdiff_t>(g.layer_range_bytes(0, b.layer_begin())));
+    layers += b.layer_end() - b.layer_begin();
+  }
+  if (auto s = FromGrpc(reader->Finish()); !s.ok()) return s;
+  if (last == 0 || layers != g.num_layers) {
+    return absl::NotFoundError(absl::StrCat("get: centroid node ", node_id, " is not stored"));
+  }
+  return block;
 }
 
 std::unique_ptr<grpc::ClientContext> Client::NewContext() const {
@@ -100,6 +135,11 @@ absl::StatusOr<v1::PutResponse> Client::Put(const KvDump& kv, const PutOptions& 
       open = writer->Write(req);
     }
   }
+  if (open) {
+    req.Clear();
+    req.mutable_commit();
+    open = writer->Write(req);
+  }
   writer->WritesDone();
   if (auto s = FromGrpc(writer->Finish()); !s.ok()) return s;
   return resp;
@@ -122,7 +162,8 @@ absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
   BlockGeometry g;
   size_t tokens = 0;
   std::vector<uint8_t> block, parent;
-  std::vector<uint32_t> layers_seen;  // per block: layers received
+  std::map<uint64_t, std::vector<uint8_t>> references;  // centroid node id -> reconstruction
+  std::vector<uint32_t> layers_seen;                    // per block: layers received
   auto bad = [&](std::string what) {
     ctx->TryCancel();
     reader->Finish();
@@ -156,6 +197,21 @@ absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
     if (!b.encoded().empty()) {  // RESIDUAL: decode here (client -> codec)
       PredictionContext pctx;
       pctx.parent = parent;
+      if (b.reference_node_id() != 0) {  // a near-duplicate: needs its centroid's reconstruction
+        auto it = references.find(b.reference_node_id());
+        if (it == references.end()) {
+          absl::StatusOr<std::vector<uint8_t>> ref =
+              ReferenceBlock(model_id, b.reference_node_id(), g);
+          if (!ref.ok()) {
+            ctx->TryCancel();
+            reader->Finish();
+            return ref.status();
+          }
+          if (references.size() >= 64) references.clear();  // bound the cache
+          it = references.emplace(b.reference_node_id(), *std::move(ref)).first;
+        }
+        pctx.reference = it->second;
+      }
       if (auto s = DecodeBlock(b.encoded(), absl::MakeSpan(block), pctx); !s.ok()) {
         ctx->TryCancel();
         reader->Finish();

@@ -81,6 +81,10 @@ class Client {
  private:
   explicit Client(const ClientOptions& options);
   std::unique_ptr<grpc::ClientContext> NewContext() const;
+  // The reconstructed block of node `node_id` (a near-duplicate's centroid), fetched with
+  // GetRequest.node_id in RECONSTRUCTED mode; `g` is the model's block geometry.
+  absl::StatusOr<std::vector<uint8_t>> ReferenceBlock(const std::string& model_id, uint64_t node_id,
+                                                      const BlockGeometry& g);
 
   const ClientOptions options_;
   std::unique_ptr<v1::KVCache::Stub> stub_;

@@ -80,6 +80,18 @@ void ToNodeInfo(const NodeView& v, v1::NodeInfo* out) {
                                  : static_cast<v1::Encoding>(v.encoding));
   out->set_num_children(v.num_children);
   out->set_hits(v.hits);
+  out->set_reference_node_id(v.reference_node_id);
+  out->set_dependents(v.dependents);
+  out->set_distance_to_reference_bits(v.distance_to_reference_bits);
+}
+
+void ToHistogram(const uint64_t (&counts)[kHistogramBuckets],
+                 google::protobuf::RepeatedPtrField<v1::HistogramBucket>* out) {
+  for (int i = 0; i < kHistogramBuckets; ++i) {
+    v1::HistogramBucket* b = out->Add();
+    b->set_upper_bits(HistogramUpperBits(i));
+    b->set_count(counts[i]);
+  }
 }
 
 }  // namespace
@@ -124,17 +136,21 @@ grpc::Status KvCacheService::Put(grpc::ServerContext* context,
     }
     encode.encoding = static_cast<Encoding>(e.encoding());
   }
-  if (e.target_rel_rms() < 0 || e.target_rel_rms() >= 1) {
+  if (!(e.target_rel_rms() >= 0 && e.target_rel_rms() < 1)) {  // NaN fails too
     return Invalid(
         absl::StrCat("encoding.target_rel_rms: ", e.target_rel_rms(), " is not in [0, 1)"));
   }
+  if (e.target_rel_rms() > 0 && e.target_rel_rms() < 1e-4) {
+    return Invalid(absl::StrCat("encoding.target_rel_rms: ", e.target_rel_rms(),
+                                " is below fp16 precision (1e-4); use ENCODING_LOSSLESS"));
+  }
   if (e.target_rel_rms() > 0) encode.target_rel_rms = e.target_rel_rms();
-  if (e.target_bits_per_component() < 0 || e.target_bits_per_component() > 32) {
+  if (!(e.target_bits_per_component() >= 0 && e.target_bits_per_component() <= 32)) {
     return Invalid(absl::StrCat("encoding.target_bits_per_component: ",
                                 e.target_bits_per_component(), " is not in [0, 32]"));
   }
   encode.target_bits_per_component = e.target_bits_per_component();
-  if (e.surprisal_step_strength() < 0 || e.surprisal_step_strength() > 4) {
+  if (!(e.surprisal_step_strength() >= 0 && e.surprisal_step_strength() <= 4)) {
     return Invalid(absl::StrCat("encoding.surprisal_step_strength: ", e.surprisal_step_strength(),
                                 " is not in [0, 4]"));
   }
@@ -147,7 +163,15 @@ grpc::Status KvCacheService::Put(grpc::ServerContext* context,
       store_->BeginPut(h.namespace_(), model, {h.token_ids().begin(), h.token_ids().end()},
                        {h.surprisal_bits().begin(), h.surprisal_bits().end()}, encode);
   if (!session.ok()) return ToGrpcStatus(session.status());
+  // Read() also returns false when the client cancels, and IsCancelled() may not know yet: only
+  // an explicit PutCommit tells a complete stream from a cut one.
+  bool committed = false;
   while (reader->Read(&request)) {
+    if (committed) return Invalid("commit: a message followed the PutCommit; nothing stored");
+    if (request.has_commit()) {
+      committed = true;
+      continue;
+    }
     if (request.has_header()) return Invalid("header: sent twice in one Put stream");
     if (!request.has_block()) return Invalid("block: a PutRequest after the header is empty");
     const v1::PutBlock& b = request.block();
@@ -156,8 +180,9 @@ grpc::Status KvCacheService::Put(grpc::ServerContext* context,
         absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(b.kv().data()), b.kv().size()));
     if (!s.ok()) return ToGrpcStatus(s);
   }
-  if (context->IsCancelled()) {
-    return grpc::Status(grpc::StatusCode::CANCELLED, "put: the client cancelled; nothing stored");
+  if (!committed || context->IsCancelled()) {
+    return Invalid(
+        "commit: the stream ended without a PutCommit (cut short or cancelled); nothing stored");
   }
   absl::StatusOr<PutSummary> summary = (*session)->Finish();
   if (!summary.ok()) return ToGrpcStatus(summary.status());
@@ -167,11 +192,13 @@ grpc::Status KvCacheService::Put(grpc::ServerContext* context,
     v1::BlockResult* out = response->add_blocks();
     out->set_block_index(r.block_index);
     out->set_disposition(r.outcome == BlockOutcome::kStored ? v1::BLOCK_STORED
-                                                            : v1::BLOCK_DEDUPLICATED);
+                         : r.outcome == BlockOutcome::kResidualOfCentroid
+                             ? v1::BLOCK_RESIDUAL_OF_CENTROID
+                             : v1::BLOCK_DEDUPLICATED);
     out->set_node_id(r.node_id);
     out->set_bytes_logical(r.bytes_logical);
     out->set_bytes_stored(r.bytes_stored);
-    if (r.outcome == BlockOutcome::kStored) {
+    if (r.outcome != BlockOutcome::kDeduplicated) {
       out->set_encoding(static_cast<v1::Encoding>(r.encoding));
       out->set_bits_per_component(r.bits_per_component);
       out->set_rel_rms_error_k(r.rel_rms_error_k);
@@ -195,8 +222,22 @@ grpc::Status KvCacheService::Get(grpc::ServerContext* context, const v1::GetRequ
     return Invalid(absl::StrCat("mode: unknown value ", static_cast<int>(request->mode())));
   }
   const bool residual = request->mode() == v1::GET_MODE_RESIDUAL;
-  absl::StatusOr<GetResult> got = store_->Get(request->namespace_(), request->model_id(),
-                                              request->token_ids(), request->max_blocks());
+  std::vector<uint32_t> tokens(request->token_ids().begin(), request->token_ids().end());
+  if (request->node_id() != 0) {  // the path to a node (a centroid): its tokens, root first
+    tokens.clear();
+    std::vector<std::vector<uint32_t>> blocks;
+    for (uint64_t id = request->node_id(); id != 0;) {
+      absl::StatusOr<InspectResult> n =
+          store_->Inspect(request->namespace_(), request->model_id(), id);
+      if (!n.ok()) return ToGrpcStatus(n.status());
+      blocks.push_back(n->node.token_ids);
+      id = n->node.parent_id;
+    }
+    for (auto it = blocks.rbegin(); it != blocks.rend(); ++it)
+      tokens.insert(tokens.end(), it->begin(), it->end());
+  }
+  absl::StatusOr<GetResult> got =
+      store_->Get(request->namespace_(), request->model_id(), tokens, request->max_blocks());
   if (!got.ok()) return ToGrpcStatus(got.status());
   v1::GetResponse header;
   const uint32_t bt = got->model.geometry.block_tokens;
@@ -224,7 +265,11 @@ grpc::Status KvCacheService::Get(grpc::ServerContext* context, const v1::GetRequ
     if (residual) {
       out->set_layer_begin(0);
       out->set_layer_end(g.num_layers);
-      out->set_encoded(*b.encoded);
+      // A cold block is read from RocksDB here (DATA_LOSS if it fails its checksum).
+      absl::StatusOr<std::shared_ptr<const std::string>> payload =
+          store_->Payload(request->namespace_(), request->model_id(), b);
+      if (!payload.ok()) return ToGrpcStatus(payload.status());
+      out->set_encoded(**payload);
       if (!writer->Write(msg)) return grpc::Status(grpc::StatusCode::CANCELLED, "client gone");
       continue;
     }
@@ -269,6 +314,34 @@ grpc::Status KvCacheService::Stats(grpc::ServerContext*, const v1::StatsRequest*
     response->set_mean_rel_rms_error_v(s.sum_rel_rms_error_v / s.lossy_nodes);
   }
   response->set_max_rel_rms_error(s.max_rel_rms_error);
+  response->set_hot_nodes(s.hot_nodes);
+  response->set_hot_bytes(s.hot_bytes);
+  response->set_cold_nodes(s.cold_nodes);
+  response->set_cold_bytes(s.cold_bytes);
+  response->set_disk_bytes(s.disk_bytes);
+  response->set_pinned_nodes(s.pinned_nodes);
+  response->set_memory_budget_bytes(s.memory_budget_bytes);
+  response->set_disk_budget_bytes(s.disk_budget_bytes);
+  response->set_demotions(s.demotions);
+  response->set_demoted_bytes(s.demoted_bytes);
+  response->set_promotions(s.promotions);
+  response->set_cold_reads(s.cold_reads);
+  response->set_cold_read_bytes(s.cold_read_bytes);
+  response->set_evictions_disk(s.evictions_disk);
+  response->set_evicted_bytes(s.evicted_bytes);
+  response->set_evictions_data_loss(s.evictions_data_loss);
+  response->set_evictions_deleted(s.evictions_deleted);
+  response->set_pins_expired(s.pins_expired);
+  response->set_puts_rejected_disk_full(s.puts_rejected_disk_full);
+  response->set_centroids(s.cluster.centroids);
+  response->set_residual_nodes(s.cluster.residual_nodes);
+  response->set_near_dup_groups(s.cluster.near_dup_groups);
+  response->set_near_dup_candidates_tried(s.cluster.candidates_tried);
+  response->set_near_dup_gated_by_distance(s.cluster.gated_by_distance);
+  response->set_near_dup_not_smaller(s.cluster.residual_not_smaller);
+  response->set_position_shifted_skipped(s.cluster.position_shifted_skipped);
+  ToHistogram(s.cluster.path_surprisal_histogram, response->mutable_path_surprisal_histogram());
+  ToHistogram(s.cluster.branch_distance_histogram, response->mutable_branch_distance_histogram());
   return grpc::Status::OK;
 }
 
@@ -282,6 +355,13 @@ grpc::Status KvCacheService::Inspect(grpc::ServerContext*, const v1::InspectRequ
   ToModelSpec(r->model, response->mutable_model());
   ToNodeInfo(r->node, response->mutable_node());
   for (const NodeView& c : r->children) ToNodeInfo(c, response->add_children());
+  if (request->distance_to_node_id() != 0) {
+    absl::StatusOr<double> d =
+        store_->TrieDistance(request->namespace_(), request->model_id(), request->node_id(),
+                             request->distance_to_node_id());
+    if (!d.ok()) return ToGrpcStatus(d.status());
+    response->set_trie_distance_bits(*d);
+  }
   return grpc::Status::OK;
 }
 
@@ -295,6 +375,19 @@ grpc::Status KvCacheService::Delete(grpc::ServerContext*, const v1::DeleteReques
   if (!r.ok()) return ToGrpcStatus(r.status());
   response->set_nodes_deleted(r->first);
   response->set_bytes_freed(r->second);
+  return grpc::Status::OK;
+}
+
+grpc::Status KvCacheService::Pin(grpc::ServerContext*, const v1::PinRequest* request,
+                                 v1::PinResponse* response) {
+  if (auto s = CheckName("namespace", request->namespace_(), false); !s.ok()) return s;
+  if (auto s = CheckName("model_id", request->model_id(), true); !s.ok()) return s;
+  if (auto s = CheckTokens("token_ids", request->token_ids_size(), options_.max_tokens); !s.ok())
+    return s;
+  auto r = store_->Pin(request->namespace_(), request->model_id(), request->token_ids(),
+                       request->ttl_seconds(), request->unpin());
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  response->set_node_id(*r);
   return grpc::Status::OK;
 }
 

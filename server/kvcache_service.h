@@ -40,6 +40,8 @@ class KvCacheService final : public v1::KVCache::Service {
                        v1::InspectResponse* response) override;
   grpc::Status Delete(grpc::ServerContext* context, const v1::DeleteRequest* request,
                       v1::DeleteResponse* response) override;
+  grpc::Status Pin(grpc::ServerContext* context, const v1::PinRequest* request,
+                   v1::PinResponse* response) override;
 
  private:
   KvStore* const store_;

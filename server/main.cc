@@ -52,7 +52,22 @@ ABSL_FLAG(int, shutdown_grace_seconds, 10,
           "on SIGTERM, how long running calls may take before they are cancelled");
 ABSL_FLAG(std::string, port_file, "",
           "if set, write the bound port to this file once serving (for tests and scripts)");
+ABSL_FLAG(uint64_t, memory_bytes, 1ull << 30,
+          "hot tier: most payload bytes kept in memory; colder ones are read from RocksDB");
+ABSL_FLAG(uint64_t, disk_bytes, 0,
+          "cold tier: most payload bytes kept in RocksDB; past it the least valuable leaves are "
+          "evicted (0 = unbounded)");
+ABSL_FLAG(uint64_t, memtable_bytes, 32ull << 20,
+          "RocksDB write buffer for payloads (two may be in memory at once)");
+ABSL_FLAG(bool, verify_on_start, false,
+          "read and checksum every payload at start (slow); otherwise each is checked when read");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error or off");
+ABSL_FLAG(bool, near_dup_clusters, true,
+          "store near-duplicate blocks (same tokens at the same depth, other history) as "
+          "residuals of a centroid block when that is smaller");
+ABSL_FLAG(double, cluster_max_distance_bits, kvtrie::NearDupOptions().max_distance_bits,
+          "near-duplicate candidates farther than this trie distance (bits of the two histories "
+          "not shared) are not tried");
 
 namespace kvtrie {
 namespace {
@@ -89,6 +104,12 @@ int Run() {
   store_options.data_dir = absl::GetFlag(FLAGS_data_dir);
   store_options.sync = absl::GetFlag(FLAGS_sync);
   store_options.max_put_bytes = absl::GetFlag(FLAGS_max_put_bytes);
+  store_options.memory_bytes = absl::GetFlag(FLAGS_memory_bytes);
+  store_options.disk_bytes = absl::GetFlag(FLAGS_disk_bytes);
+  store_options.memtable_bytes = absl::GetFlag(FLAGS_memtable_bytes);
+  store_options.verify_payloads_on_open = absl::GetFlag(FLAGS_verify_on_start);
+  store_options.near_dup.enabled = absl::GetFlag(FLAGS_near_dup_clusters);
+  store_options.near_dup.max_distance_bits = absl::GetFlag(FLAGS_cluster_max_distance_bits);
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<std::unique_ptr<KvStore>> store = KvStore::Open(store_options);
   if (!store.ok()) {

@@ -278,7 +278,8 @@ class BadInput : public EndToEnd {
     ExpectSameKv(*got, sessions_[0], 512);
   }
   // Sends `header` and then `blocks` on a raw Put stream; returns the status.
-  grpc::Status RawPut(const v1::PutHeader& header, const std::vector<v1::PutBlock>& blocks) {
+  grpc::Status RawPut(const v1::PutHeader& header, const std::vector<v1::PutBlock>& blocks,
+                      bool commit = true) {
     v1::PutResponse resp;
     grpc::ClientContext ctx;
     auto writer = client_->stub()->Put(&ctx, &resp);
@@ -289,6 +290,11 @@ class BadInput : public EndToEnd {
       req.Clear();
       *req.mutable_block() = b;
       if (!writer->Write(req)) break;
+    }
+    if (commit) {
+      req.Clear();
+      req.mutable_commit();
+      writer->Write(req);
     }
     writer->WritesDone();
     return writer->Finish();
@@ -335,7 +341,12 @@ TEST_F(BadInput, WrongHeadDimIsRejectedNamingHeadDim) {
   // A new model whose spec says head_dim 16 but whose tensors are head_dim 8.
   h.mutable_model()->set_model_id("fresh-model");
   ExpectInvalid(RawPut(h, Blocks(s1, 0, 32)), "head_dim");
+  EXPECT_EQ(client_->Stats()->models(), 1u);  // the failed Put left no model behind
   ExpectUnchanged();
+  // ...so the right spec is still accepted for that model id.
+  KvDump fresh = s1;
+  fresh.model_id = "fresh-model";
+  ASSERT_TRUE(client_->Put(fresh, {}).ok());
 }
 
 TEST_F(BadInput, TokenCountNotMatchingTheTensorsIsRejected) {
@@ -370,6 +381,8 @@ TEST_F(BadInput, TruncatedStreamIsRejectedAndStoresNothing) {
   blocks.back().set_layer_end(2);
   blocks.back().mutable_kv()->resize(blocks.back().kv().size() * 2 / 5);
   ExpectInvalid(RawPut(Header(s3, 512), blocks), "kv: block 31 is missing layers [2, 5)");
+  // Every block whole, but the stream ends without its PutCommit (a cut or cancelled stream).
+  ExpectInvalid(RawPut(Header(s3, 512), Blocks(s3, 0, 32), /*commit=*/false), "commit:");
   // A stream with no header at all.
   {
     v1::PutResponse resp;

@@ -1,13 +1,17 @@
 #include "trie/kv_store.h"
 
+#include <rocksdb/cache.h>
 #include <rocksdb/db.h>
 #include <rocksdb/options.h>
+#include <rocksdb/table.h>
 #include <rocksdb/write_batch.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <filesystem>
+#include <optional>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "trie/store_records.pb.h"
@@ -217,8 +221,13 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
       ctx.parent = parent_kv;
       ctx.surprisal_bits = absl::MakeConstSpan(surprisal_bits_)
                                .subspan(static_cast<size_t>(b) * g.block_tokens, g.block_tokens);
-      absl::StatusOr<EncodedBlock> e = EncodeBlock(g, kv, encode_, ctx);
-      if (!e.ok()) return e.status();
+      // Standalone, or a residual of a near-duplicate centroid when smaller (kv_store_cluster.cc).
+      absl::StatusOr<KvStore::NearDupEncoded> nd =
+          store_->EncodeNewBlock(ns_, model_, matched ? match.node_ids.back() : 0, b, tokens,
+                                 surprisal_bits_, kv, encode_, ctx);
+      if (!nd.ok()) return nd.status();
+      std::optional<EncodedBlock> e(std::move(nd->encoded));
+      ctx.reference = nd->reference;
       if (encode_.encoding == Encoding::kRaw || encode_.encoding == Encoding::kLossless) {
         parent_kv = kv;
       } else {
@@ -229,7 +238,7 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
               absl::StrCat("codec: cannot decode what it encoded: ", s.message()));
         }
       }
-      blocks.push_back({b, *std::move(e), encode_.encoding});
+      blocks.push_back({b, *std::move(e), encode_.encoding, nd->reference_node_id});
     }
     absl::StatusOr<std::vector<uint64_t>> ids =
         blocks.empty() ? std::vector<uint64_t>{}
@@ -248,7 +257,9 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
     for (size_t i = 0; i < blocks.size(); ++i) {
       BlockReport r;
       r.block_index = blocks[i].block_index;
-      r.outcome = BlockOutcome::kStored;
+      r.outcome =
+          blocks[i].reference_node_id ? BlockOutcome::kResidualOfCentroid : BlockOutcome::kStored;
+      r.reference_node_id = blocks[i].reference_node_id;
       r.node_id = (*ids)[i];
       r.bytes_logical = g.num_bytes();
       r.bytes_stored = blocks[i].encoded.bytes.size();
@@ -260,6 +271,7 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
       summary.blocks.push_back(r);
     }
     summary.stored_tokens = num_blocks_ * g.block_tokens;
+    if (matched > 0) store_->TouchPath(ns_, model_.model_id, match.node_ids.back());
     store_->puts_.fetch_add(1, std::memory_order_relaxed);
     store_->blocks_stored_.fetch_add(blocks.size(), std::memory_order_relaxed);
     store_->blocks_deduplicated_.fetch_add(matched, std::memory_order_relaxed);
@@ -274,7 +286,17 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
 KvStore::KvStore(const StoreOptions& options) : options_(options) {}
 
 KvStore::~KvStore() {
+  if (background_) {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    background_->join();
+  }
   if (db_) {
+    // Memtables to SST and blob files, so the next start replays no WAL.
+    rocksdb::Status s = db_->Flush(rocksdb::FlushOptions(), handles_);
+    if (!s.ok()) spdlog::warn("flush at close: {}", s.ToString());
     for (auto* h : handles_) db_->DestroyColumnFamilyHandle(h);
     db_->Close();
   }
@@ -292,9 +314,24 @@ absl::StatusOr<std::unique_ptr<KvStore>> KvStore::Open(const StoreOptions& optio
   db_options.create_if_missing = true;
   db_options.create_missing_column_families = true;
   db_options.max_background_jobs = 2;
+  // RSS: one small block cache for every column family; payload memtables are bounded.
+  rocksdb::BlockBasedTableOptions table;
+  table.block_cache = rocksdb::NewLRUCache(8 << 20);
   rocksdb::ColumnFamilyOptions meta;
-  rocksdb::ColumnFamilyOptions payloads;
+  meta.table_factory.reset(rocksdb::NewBlockBasedTableFactory(table));
+  rocksdb::ColumnFamilyOptions payloads = meta;
   payloads.compression = rocksdb::kNoCompression;  // blocks are already entropy-coded
+  // BlobDB: payloads (KiBs to MiBs) go to blob files at flush and the LSM holds only small
+  // references, so compaction never rewrites KV bytes (write amplification ~1 instead of the
+  // LSM's ~10) and evicted payloads are reclaimed by blob garbage collection.
+  payloads.enable_blob_files = true;
+  payloads.min_blob_size = 512;
+  payloads.blob_file_size = 64 << 20;
+  payloads.blob_compression_type = rocksdb::kNoCompression;
+  payloads.enable_blob_garbage_collection = true;
+  payloads.blob_garbage_collection_age_cutoff = 0.5;
+  payloads.write_buffer_size = options.memtable_bytes;
+  payloads.max_write_buffer_number = 2;
   std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {
       {rocksdb::kDefaultColumnFamilyName, meta},
       {kModelsCf, meta},
@@ -309,6 +346,9 @@ absl::StatusOr<std::unique_ptr<KvStore>> KvStore::Open(const StoreOptions& optio
   store->cf_nodes_ = store->handles_[2];
   store->cf_payloads_ = store->handles_[3];
   if (auto st = store->Recover(); !st.ok()) return st;
+  if (options.background) {
+    store->background_ = std::make_unique<std::thread>([s = store.get()] { s->BackgroundLoop(); });
+  }
   return store;
 }
 
@@ -336,9 +376,13 @@ absl::Status KvStore::Recover() {
   }
   rocksdb::WriteBatch drop;
   std::unique_ptr<rocksdb::Iterator> nodes(db_->NewIterator(rocksdb::ReadOptions(), cf_nodes_));
-  std::unique_ptr<rocksdb::Iterator> payloads(
-      db_->NewIterator(rocksdb::ReadOptions(), cf_payloads_));
-  payloads->SeekToFirst();
+  std::unique_ptr<rocksdb::Iterator> payloads;
+  if (options_.verify_payloads_on_open) {
+    recovery_.payloads_verified = true;
+    payloads.reset(db_->NewIterator(rocksdb::ReadOptions(), cf_payloads_));
+    payloads->SeekToFirst();
+  }
+  const uint64_t now = NowSeconds();
   for (nodes->SeekToFirst(); nodes->Valid(); nodes->Next()) {
     const uint64_t id = DecodeNodeKey(nodes->key());
     next_node_id_ = std::max(next_node_id_, id + 1);
@@ -349,20 +393,28 @@ absl::Status KvStore::Recover() {
     if (ok) model = FindModel(r.namespace_(), r.model_id());
     if (model) parent = model->trie->Find(r.parent_id());
     if (!ok || !parent || r.token_ids_size() != static_cast<int>(model->trie->block_tokens()) ||
-        model->trie->FindChild(parent, r.token_ids()) != nullptr) {
+        model->trie->FindChild(parent, r.token_ids()) != nullptr ||
+        (r.reference_node_id() != 0 && model->trie->Find(r.reference_node_id()) == nullptr)) {
       ++recovery_.dropped_missing_parent;
       drop.Delete(cf_nodes_, nodes->key());
       drop.Delete(cf_payloads_, nodes->key());
       continue;
     }
-    // Payloads iterate in the same key order; skip orphans (a node dropped earlier).
-    while (payloads->Valid() && DecodeNodeKey(payloads->key()) < id) payloads->Next();
+    // Payloads iterate in the same key order; skip orphans (a node dropped earlier). Only with
+    // verify_payloads_on_open: otherwise a payload is checked when it is first read.
     std::shared_ptr<std::string> encoded;
-    if (payloads->Valid() && DecodeNodeKey(payloads->key()) == id) {
-      encoded = std::make_shared<std::string>(payloads->value().ToString());
+    absl::StatusOr<BlockHeader> h = absl::DataLossError("payload missing");
+    if (payloads) {
+      while (payloads->Valid() && DecodeNodeKey(payloads->key()) < id) payloads->Next();
+      if (payloads->Valid() && DecodeNodeKey(payloads->key()) == id) {
+        encoded = std::make_shared<std::string>(payloads->value().ToString());
+        h = ParseBlock(*encoded);
+      }
+    } else if (IsValidEncoding(r.encoding()) && r.bytes_stored() > 0) {
+      h = BlockHeader{};
+      h->geometry = model->info.geometry;
+      h->encoding = static_cast<Encoding>(r.encoding());
     }
-    absl::StatusOr<BlockHeader> h =
-        encoded ? ParseBlock(*encoded) : absl::DataLossError("payload missing");
     if (!h.ok() || !(h->geometry == model->info.geometry)) {
       spdlog::warn("recovery: dropping node {} of '{}'/'{}': {}", id, r.namespace_(), r.model_id(),
                    h.ok() ? std::string("geometry differs from the model")
@@ -377,10 +429,16 @@ absl::Status KvStore::Recover() {
         absl::MakeConstSpan(r.surprisal_bits().data(), r.surprisal_bits_size()));
     node->encoding = h->encoding;
     node->bytes_logical = r.bytes_logical();
-    node->bytes_stored = encoded->size();
+    node->bytes_stored = encoded ? encoded->size() : r.bytes_stored();
     node->rel_rms_error_k = static_cast<float>(r.rel_rms_error_k());
     node->rel_rms_error_v = static_cast<float>(r.rel_rms_error_v());
-    node->encoded = std::move(encoded);
+    node->reference_node_id = r.reference_node_id();  // its centroid (a smaller id: seen before)
+    ClusterAddLocked(model, node);
+    if (r.pinned_until() > now) {
+      node->tier.pinned_until = r.pinned_until();
+      pinned_[id] = {model, node};
+    }
+    TierAddLocked(model, node, std::move(encoded));
     model->bytes_logical += node->bytes_logical;
     model->bytes_stored += node->bytes_stored;
     ++recovery_.nodes;
@@ -440,30 +498,11 @@ absl::StatusOr<std::unique_ptr<PutSession>> KvStore::BeginPut(const std::string&
   }
   {
     absl::MutexLock lock(&mu_);
+    // A new model is created by the commit of its first blocks (CommitBlocks), in the same
+    // batch: a Put that fails or is cut short leaves no model behind to pin a wrong geometry.
     Model* m = FindModel(ns, model.model_id);
     if (m != nullptr) {
       if (auto s = CheckSameModel(ns, m->info, model); !s.ok()) return s;
-    } else {
-      internal::ModelRecord r;
-      r.set_namespace_(ns);
-      r.set_model_id(model.model_id);
-      r.set_num_layers(model.geometry.num_layers);
-      r.set_num_kv_heads(model.geometry.num_kv_heads);
-      r.set_head_dim(model.geometry.head_dim);
-      r.set_dtype(static_cast<uint32_t>(model.geometry.dtype));
-      r.set_block_tokens(model.geometry.block_tokens);
-      rocksdb::WriteOptions wo;
-      wo.sync = options_.sync;
-      if (auto s = FromRocks(
-              db_->Put(wo, cf_models_, ModelKeyString(ns, model.model_id), r.SerializeAsString()),
-              "models");
-          !s.ok()) {
-        return s;
-      }
-      Model fresh;
-      fresh.info = model;
-      fresh.trie = std::make_unique<BlockTrie>(model.geometry.block_tokens, options_.token_hash);
-      models_.emplace(ModelKey(ns, model.model_id), std::move(fresh));
     }
   }
   return std::unique_ptr<PutSession>(
@@ -478,8 +517,22 @@ absl::StatusOr<std::vector<uint64_t>> KvStore::CommitBlocks(const std::string& n
                                                             const std::vector<NewBlock>& blocks) {
   const uint32_t bt = model.geometry.block_tokens;
   absl::MutexLock lock(&mu_);
+  const ModelKey key(ns, model.model_id);
   Model* m = FindModel(ns, model.model_id);
-  if (m == nullptr) return absl::AbortedError("model deleted concurrently");
+  bool created = false;  // this commit creates the model; undone if it fails
+  if (m == nullptr) {
+    if (parent_id != 0) return absl::AbortedError("put: the model was deleted concurrently; retry");
+    Model fresh;
+    fresh.info = model;
+    fresh.trie = std::make_unique<BlockTrie>(model.geometry.block_tokens, options_.token_hash);
+    m = &models_.emplace(key, std::move(fresh)).first->second;
+    created = true;
+  } else if (auto s = CheckSameModel(ns, m->info, model); !s.ok()) {
+    return s;  // created concurrently by a Put with another geometry
+  }
+  auto undo_create = absl::MakeCleanup([&] {
+    if (created) models_.erase(key);
+  });
   TrieNode* parent = m->trie->Find(parent_id);
   if (parent == nullptr || parent->depth != blocks.front().block_index) {
     return absl::AbortedError("prefix changed concurrently");
@@ -487,7 +540,33 @@ absl::StatusOr<std::vector<uint64_t>> KvStore::CommitBlocks(const std::string& n
   if (m->trie->FindChild(parent, token_ids.subspan(blocks.front().block_index * bt, bt))) {
     return absl::AbortedError("block stored concurrently");
   }
+  for (const NewBlock& b : blocks) {  // a centroid deleted since the block was coded against it
+    if (b.reference_node_id != 0 && m->trie->Find(b.reference_node_id) == nullptr) {
+      return absl::AbortedError("centroid deleted concurrently");
+    }
+  }
+  // Disk budget: evict leaves (never `parent`, which is about to have a child) until this fits.
+  uint64_t incoming = 0;
+  for (const NewBlock& b : blocks) incoming += b.encoded.bytes.size();
+  const bool parent_was_candidate = parent->tier.disk.member;
+  evict_queue_.SetMember(parent, m, false);
+  absl::Status room = MakeDiskRoomLocked(incoming);
+  if (!room.ok()) {
+    evict_queue_.SetMember(parent, m, parent_was_candidate && Evictable(*parent));
+    return room;
+  }
   rocksdb::WriteBatch batch;
+  if (created) {
+    internal::ModelRecord r;
+    r.set_namespace_(ns);
+    r.set_model_id(model.model_id);
+    r.set_num_layers(model.geometry.num_layers);
+    r.set_num_kv_heads(model.geometry.num_kv_heads);
+    r.set_head_dim(model.geometry.head_dim);
+    r.set_dtype(static_cast<uint32_t>(model.geometry.dtype));
+    r.set_block_tokens(model.geometry.block_tokens);
+    batch.Put(cf_models_, ModelKeyString(ns, model.model_id), r.SerializeAsString());
+  }
   std::vector<uint64_t> ids;
   uint64_t prev = parent_id;
   for (const NewBlock& b : blocks) {
@@ -505,6 +584,7 @@ absl::StatusOr<std::vector<uint64_t>> KvStore::CommitBlocks(const std::string& n
     r.set_bytes_stored(b.encoded.bytes.size());
     r.set_rel_rms_error_k(b.encoded.rel_rms_error_k);
     r.set_rel_rms_error_v(b.encoded.rel_rms_error_v);
+    r.set_reference_node_id(b.reference_node_id);
     const std::string key = NodeKey(id);
     batch.Put(cf_nodes_, key, r.SerializeAsString());
     batch.Put(cf_payloads_, key, b.encoded.bytes);
@@ -514,6 +594,7 @@ absl::StatusOr<std::vector<uint64_t>> KvStore::CommitBlocks(const std::string& n
   rocksdb::WriteOptions wo;
   wo.sync = options_.sync;
   if (auto s = FromRocks(db_->Write(wo, &batch), "put"); !s.ok()) return s;
+  std::move(undo_create).Cancel();
   next_node_id_ += ids.size();
   // Durable (as promised); now publish, parents first.
   TrieNode* at = parent;
@@ -526,7 +607,9 @@ absl::StatusOr<std::vector<uint64_t>> KvStore::CommitBlocks(const std::string& n
     n->bytes_stored = blocks[i].encoded.bytes.size();
     n->rel_rms_error_k = static_cast<float>(blocks[i].encoded.rel_rms_error_k);
     n->rel_rms_error_v = static_cast<float>(blocks[i].encoded.rel_rms_error_v);
-    n->encoded = std::make_shared<const std::string>(blocks[i].encoded.bytes);
+    n->reference_node_id = blocks[i].reference_node_id;
+    ClusterAddLocked(m, n);
+    TierAddLocked(m, n, std::make_shared<const std::string>(blocks[i].encoded.bytes));
     m->bytes_logical += n->bytes_logical;
     m->bytes_stored += n->bytes_stored;
     at = n;
@@ -543,8 +626,11 @@ absl::Status KvStore::ReconstructNode(const std::string& ns, const std::string& 
     Model* m = FindModel(ns, model_id);
     TrieNode* n = m ? m->trie->Find(node_id) : nullptr;
     if (n == nullptr) return absl::AbortedError("prefix changed concurrently");
+    std::shared_ptr<const rocksdb::Snapshot> snapshot;
     for (; n != nullptr && n->depth > 0; n = n->parent) {
-      chain.push_back({n->id, n->encoded, n->encoding, 0});
+      if (!n->encoded && !snapshot) snapshot = SnapshotLocked();
+      chain.push_back(
+          {n->id, n->encoded, n->encoding, n->reference_node_id, n->encoded ? nullptr : snapshot});
       if (n->encoding == Encoding::kRaw || n->encoding == Encoding::kLossless) break;
     }
   }
@@ -565,12 +651,19 @@ absl::StatusOr<GetResult> KvStore::Get(const std::string& ns, const std::string&
   Model* m = FindModel(ns, model_id);
   if (m == nullptr) return result;  // a miss, not an error
   result.model = m->info;
+  std::shared_ptr<const rocksdb::Snapshot> snapshot;  // one for every cold block of this Get
   for (TrieNode* n : m->trie->Match(token_ids, max_blocks)) {
     ++n->hits;
+    TierTouchLocked(m, n);
     BlockRead r;
     r.node_id = n->id;
     r.encoded = n->encoded;
     r.encoding = n->encoding;
+    r.reference_node_id = n->reference_node_id;
+    if (!n->encoded) {
+      if (!snapshot) snapshot = SnapshotLocked();
+      r.snapshot = snapshot;
+    }
     result.blocks.push_back(std::move(r));
   }
   return result;
@@ -579,48 +672,44 @@ absl::StatusOr<GetResult> KvStore::Get(const std::string& ns, const std::string&
 absl::Status KvStore::DecodeBlock(const std::string& ns, const std::string& model_id,
                                   const BlockRead& block, absl::Span<const uint8_t> parent,
                                   absl::Span<uint8_t> out) {
+  absl::StatusOr<std::shared_ptr<const std::string>> payload = Payload(ns, model_id, block);
+  if (!payload.ok()) return payload.status();  // a bad cold payload is dropped there
   PredictionContext ctx;
   ctx.parent = parent;
-  absl::Status s = kvtrie::DecodeBlock(*block.encoded, out, ctx);
+  std::vector<uint8_t> reference;  // a near-duplicate's centroid, reconstructed
+  if (block.reference_node_id != 0) {
+    reference.resize(out.size());
+    if (auto s = ReconstructNode(ns, model_id, block.reference_node_id, absl::MakeSpan(reference));
+        !s.ok()) {
+      return s;
+    }
+    ctx.reference = reference;
+  }
+  absl::Status s = kvtrie::DecodeBlock(**payload, out, ctx);
   if (!absl::IsDataLoss(s)) return s;
   spdlog::error("node {} of '{}'/'{}' failed to decode, dropping it and its subtree: {}",
                 block.node_id, ns, model_id, std::string(s.message()));
   absl::MutexLock lock(&mu_);
   Model* m = FindModel(ns, model_id);
   TrieNode* n = m ? m->trie->Find(block.node_id) : nullptr;
-  if (n != nullptr && n->encoded == block.encoded) DropNodeLocked(m, n);
+  if (n != nullptr) DropNodeLocked(m, n, DropReason::kDataLoss);  // ids are never reused
   return absl::DataLossError(absl::StrCat("node ", block.node_id, ": ", s.message(),
                                           "; the node and its subtree were dropped"));
 }
 
-void KvStore::DropNodeLocked(Model* model, TrieNode* node) {
-  std::vector<uint64_t> removed;
-  uint64_t logical = 0, stored = 0;
-  std::vector<TrieNode*> stack = {node};
-  while (!stack.empty()) {
-    TrieNode* n = stack.back();
-    stack.pop_back();
-    logical += n->bytes_logical;
-    stored += n->bytes_stored;
-    for (const auto& [h, bucket] : n->children)
-      stack.insert(stack.end(), bucket.begin(), bucket.end());
-  }
-  model->trie->RemoveSubtree(node, &removed);
-  model->bytes_logical -= logical;
-  model->bytes_stored -= stored;
+void KvStore::DropNodeLocked(Model* model, TrieNode* node, DropReason reason) {
   rocksdb::WriteBatch batch;
-  for (uint64_t id : removed) {
-    batch.Delete(cf_nodes_, NodeKey(id));
-    batch.Delete(cf_payloads_, NodeKey(id));
-  }
+  const uint64_t removed = RemoveNodeLocked(model, node, reason, &batch);
   rocksdb::WriteOptions wo;
   wo.sync = options_.sync;
   rocksdb::Status s = db_->Write(wo, &batch);
-  if (!s.ok()) spdlog::error("deleting {} nodes: {}", removed.size(), s.ToString());
+  if (!s.ok()) spdlog::error("deleting {} nodes: {}", removed, s.ToString());
 }
 
 absl::StatusOr<std::pair<uint64_t, uint64_t>> KvStore::Delete(
     const std::string& ns, const std::string& model_id, absl::Span<const uint32_t> token_ids) {
+  // Near-duplicates coded against a node of the subtree are re-encoded first (kv_store_cluster.cc).
+  if (auto s = ReleaseDependentsOfPrefix(ns, model_id, token_ids); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
   Model* m = FindModel(ns, model_id);
   if (m == nullptr) {
@@ -641,6 +730,11 @@ absl::StatusOr<std::pair<uint64_t, uint64_t>> KvStore::Delete(
   }
   const uint64_t before_nodes = m->trie->num_nodes();
   const uint64_t before_bytes = m->bytes_stored;
+  if (SubtreeHasOutsideDependentsLocked(m, path.back())) {
+    return absl::AbortedError(
+        "token_ids: a near-duplicate was coded against this prefix "
+        "meanwhile; retry the Delete");
+  }
   DropNodeLocked(m, path.back());
   deletes_.fetch_add(1, std::memory_order_relaxed);
   return std::make_pair(before_nodes - m->trie->num_nodes(), before_bytes - m->bytes_stored);
@@ -662,8 +756,12 @@ absl::StatusOr<InspectResult> KvStore::Inspect(const std::string& ns, const std:
   InspectResult r;
   r.model = m->info;
   r.node = ToView(*n);
+  ClusterViewLocked(m, *n, &r.node);
   for (const auto& [h, bucket] : n->children) {
-    for (const TrieNode* c : bucket) r.children.push_back(ToView(*c));
+    for (const TrieNode* c : bucket) {
+      r.children.push_back(ToView(*c));
+      ClusterViewLocked(m, *c, &r.children.back());
+    }
   }
   std::sort(r.children.begin(), r.children.end(),
             [](const NodeView& a, const NodeView& b) { return a.node_id < b.node_id; });
@@ -686,7 +784,12 @@ StoreStats KvStore::Stats(const std::string& ns) {
       s.bytes_logical += m.bytes_logical;
       s.bytes_stored += m.bytes_stored;
       s.elements += m.trie->num_nodes() * m.info.geometry.num_elements();
+      ClusterStatsLocked(m, &s.cluster);
       m.trie->ForEach([&](const TrieNode& n) {
+        (n.encoded ? s.hot_nodes : s.cold_nodes) += 1;
+        (n.encoded ? s.hot_bytes : s.cold_bytes) += n.bytes_stored;
+        s.disk_bytes += n.bytes_stored;
+        s.pinned_nodes += n.tier.pinned_until != 0;
         s.max_depth = std::max<uint64_t>(s.max_depth, n.depth);
         if (n.rel_rms_error_k > 0 || n.rel_rms_error_v > 0) {
           ++s.lossy_nodes;
@@ -705,6 +808,19 @@ StoreStats KvStore::Stats(const std::string& ns) {
   s.gets = gets_.load(std::memory_order_relaxed);
   s.puts = puts_.load(std::memory_order_relaxed);
   s.deletes = deletes_.load(std::memory_order_relaxed);
+  s.memory_budget_bytes = options_.memory_bytes;
+  s.disk_budget_bytes = options_.disk_bytes;
+  s.demotions = demotions_.load(std::memory_order_relaxed);
+  s.demoted_bytes = demoted_bytes_.load(std::memory_order_relaxed);
+  s.promotions = promotions_.load(std::memory_order_relaxed);
+  s.cold_reads = cold_reads_.load(std::memory_order_relaxed);
+  s.cold_read_bytes = cold_read_bytes_.load(std::memory_order_relaxed);
+  s.evictions_disk = evictions_disk_.load(std::memory_order_relaxed);
+  s.evicted_bytes = evicted_bytes_.load(std::memory_order_relaxed);
+  s.evictions_data_loss = evictions_data_loss_.load(std::memory_order_relaxed);
+  s.evictions_deleted = evictions_deleted_.load(std::memory_order_relaxed);
+  s.pins_expired = pins_expired_.load(std::memory_order_relaxed);
+  s.puts_rejected_disk_full = puts_rejected_disk_full_.load(std::memory_order_relaxed);
   return s;
 }
 

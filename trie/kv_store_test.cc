@@ -186,7 +186,7 @@ TEST_F(KvStoreTest, CorruptPayloadIsDataLossAndDroppedAtRecovery) {
     for (auto* x : h) db->DestroyColumnFamilyHandle(x);
     delete db;
   }
-  Reopen();
+  Reopen({.verify_payloads_on_open = true});  // by default payloads are checked when read
   EXPECT_EQ(store_->recovery().dropped_bad_payload, 1u);
   EXPECT_EQ(store_->recovery().dropped_missing_parent, 1u);  // its child, block 31
   ExpectBitExact(a, 30);

@@ -1,0 +1,205 @@
+// bench/cluster_bench.cc — near-duplicate clusters (issue 4): stored bytes of the real neardup/
+// and sessions/ dumps (tests/data) under each storage scheme, and each near-duplicate branch's size
+// after its divergence as % of its standalone encoding at the same error target.
+//
+// Schemes, all in one in-process KvStore per row (block_tokens 16):
+//   (a) every session alone, dense fp16 (what a per-request cache without sharing holds);
+//   (b) exact-prefix dedup only (vLLM / SGLang prefix caching): dense bytes of the trie's nodes;
+//   (c) kvtrie without centroids (--near_dup_clusters=false): lossless / residual at the target;
+//   (d) kvtrie with centroids: lossless / residual at the target.
+// Puts go in order n0, n1, n2, n3, s0, s1, s2, s3 into one namespace.
+// Run: build/bench/cluster_bench [--target=0.1] > bench/cluster_bench.md
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "client/kv_dump.h"
+#include "codec/kv_layout.h"
+#include "trie/kv_store.h"
+
+namespace kvtrie {
+namespace {
+
+constexpr uint32_t kBlockTokens = 16;
+const char* const kNames[] = {"neardup/n0",  "neardup/n1",  "neardup/n2",  "neardup/n3",
+                              "sessions/s0", "sessions/s1", "sessions/s2", "sessions/s3"};
+
+struct Run {
+  uint64_t trie_logical = 0;  // dense bytes of the trie's nodes
+  uint64_t stored = 0;        // encoded bytes of the trie's nodes
+  std::map<std::string, PutSummary> puts;
+  ClusterStats cluster;
+};
+
+Run Store(const std::vector<KvDump>& dumps, const EncodeOptions& enc, bool clusters) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("kvtrie_cluster_bench_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  StoreOptions o;
+  o.data_dir = dir.string();
+  o.near_dup.enabled = clusters;
+  auto store = KvStore::Open(o);
+  if (!store.ok()) {
+    std::fprintf(stderr, "open: %s\n", std::string(store.status().message()).c_str());
+    std::exit(1);
+  }
+  Run run;
+  for (size_t i = 0; i < dumps.size(); ++i) {
+    const KvDump& d = dumps[i];
+    ModelInfo m{d.model_id, {d.num_layers, d.num_kv_heads, kBlockTokens, d.head_dim, d.dtype}};
+    auto session = (*store)->BeginPut("bench", m, d.token_ids, d.surprisal_bits, enc);
+    std::vector<uint8_t> block(m.geometry.num_bytes());
+    for (size_t b = 0; session.ok() && b < d.num_tokens() / kBlockTokens; ++b) {
+      GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(block));
+      if (!(*session)->AddLayers(b, 0, 0, block).ok()) std::exit(1);
+    }
+    auto s = (*session)->Finish();
+    if (!s.ok()) {
+      std::fprintf(stderr, "put %s: %s\n", kNames[i], std::string(s.status().message()).c_str());
+      std::exit(1);
+    }
+    run.puts[kNames[i]] = *s;
+  }
+  const StoreStats st = (*store)->Stats("bench");
+  run.trie_logical = st.bytes_logical;
+  run.stored = st.bytes_stored;
+  run.cluster = st.cluster;
+  store->reset();
+  std::filesystem::remove_all(dir);
+  return run;
+}
+
+// Bytes a Put stored (new blocks only), over blocks [from, end).
+uint64_t PutBytes(const PutSummary& s, size_t from = 0) {
+  uint64_t n = 0;
+  for (const BlockReport& r : s.blocks)
+    if (r.block_index >= from) n += r.bytes_stored;
+  return n;
+}
+uint64_t PutLogical(const PutSummary& s) {
+  uint64_t n = 0;
+  for (const BlockReport& r : s.blocks)
+    if (r.outcome != BlockOutcome::kDeduplicated) n += r.bytes_logical;
+  return n;
+}
+
+size_t DivergenceBlock(const KvDump& a, const KvDump& b) {
+  size_t i = 0;
+  while (i < a.num_tokens() && i < b.num_tokens() && a.token_ids[i] == b.token_ids[i]) ++i;
+  return i / kBlockTokens;
+}
+
+int Main(int argc, char** argv) {
+  double target = 0.1;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--target=", 9) == 0) target = std::atof(argv[i] + 9);
+  }
+  std::vector<KvDump> dumps;
+  for (const char* name : kNames) {
+    auto d = ReadKvDump(std::string(KVTRIE_TESTDATA_DIR) + "/" + name);
+    if (!d.ok()) {
+      std::fprintf(stderr, "%s: %s\n", name, std::string(d.status().message()).c_str());
+      return 1;
+    }
+    dumps.push_back(*std::move(d));
+  }
+  const EncodeOptions raw{.encoding = Encoding::kRaw};
+  const EncodeOptions lossless{.encoding = Encoding::kLossless};
+  const EncodeOptions lossy{.encoding = Encoding::kResidual, .target_rel_rms = target};
+  const Run dedup = Store(dumps, raw, false);
+  const Run ll_plain = Store(dumps, lossless, false), ll_cent = Store(dumps, lossless, true);
+  const Run ly_plain = Store(dumps, lossy, false), ly_cent = Store(dumps, lossy, true);
+
+  auto set_bytes = [](const Run& r, const char* prefix, bool logical) {
+    uint64_t n = 0;
+    for (const auto& [name, s] : r.puts)
+      if (name.rfind(prefix, 0) == 0) n += logical ? PutLogical(s) : PutBytes(s);
+    return n;
+  };
+  uint64_t alone_nd = 0, alone_s = 0;
+  for (size_t i = 0; i < dumps.size(); ++i) {
+    const uint64_t b = dumps[i].num_tokens() / kBlockTokens * kBlockTokens * dumps[i].num_layers *
+                       2 * dumps[i].num_kv_heads * dumps[i].head_dim * 2;
+    (i < 4 ? alone_nd : alone_s) += b;
+  }
+  std::printf(
+      "# cluster_bench: near-duplicate clusters on tests/data (stories260K, fp16, "
+      "block_tokens 16)\n\n");
+  std::printf(
+      "Stored bytes; x = smaller than (b) exact-prefix dedup by that factor. Lossy rows: "
+      "residual coding at target relative RMS %.3g (the server default).\n\n",
+      target);
+  std::printf(
+      "| scheme | neardup n0..n3 | x vs (b) | sessions s0..s3 | x vs (b) | all 8 | x vs (b) |\n");
+  std::printf("|---|---:|---:|---:|---:|---:|---:|\n");
+  const uint64_t b_nd = set_bytes(dedup, "neardup", true), b_s = set_bytes(dedup, "sessions", true);
+  auto row = [&](const char* name, uint64_t nd, uint64_t s) {
+    std::printf("| %s | %llu | %.2f | %llu | %.2f | %llu | %.2f |\n", name, (unsigned long long)nd,
+                double(b_nd) / nd, (unsigned long long)s, double(b_s) / s,
+                (unsigned long long)(nd + s), double(b_nd + b_s) / (nd + s));
+  };
+  row("(a) every session alone, fp16", alone_nd, alone_s);
+  row("(b) exact-prefix dedup only (fp16)", b_nd, b_s);
+  row("(c) kvtrie, no centroids, lossless", set_bytes(ll_plain, "neardup", false),
+      set_bytes(ll_plain, "sessions", false));
+  row("(d) kvtrie + centroids, lossless", set_bytes(ll_cent, "neardup", false),
+      set_bytes(ll_cent, "sessions", false));
+  row("(c) kvtrie, no centroids, lossy", set_bytes(ly_plain, "neardup", false),
+      set_bytes(ly_plain, "sessions", false));
+  row("(d) kvtrie + centroids, lossy", set_bytes(ly_cent, "neardup", false),
+      set_bytes(ly_cent, "sessions", false));
+
+  std::printf(
+      "\nEach member branch after its divergence from n0: bytes with centroids / bytes "
+      "of the same blocks standalone (c), same encoding and target. `div` = the block "
+      "holding the changed word (always standalone); `after` = the blocks after it.\n\n");
+  std::printf(
+      "| branch | div block | blocks after | lossless incl. div | lossless after | "
+      "lossy incl. div | lossy after | residual blocks (lossless / lossy) |\n");
+  std::printf("|---|---:|---:|---:|---:|---:|---:|---:|\n");
+  for (int i = 1; i <= 3; ++i) {
+    const std::string name = kNames[i];
+    const size_t div = DivergenceBlock(dumps[0], dumps[i]);
+    auto pct = [&](const Run& c, const Run& p, size_t from) {
+      return 100.0 * PutBytes(c.puts.at(name), from) / PutBytes(p.puts.at(name), from);
+    };
+    auto residuals = [&](const Run& r) {
+      int n = 0;
+      for (const BlockReport& b : r.puts.at(name).blocks)
+        n += b.outcome == BlockOutcome::kResidualOfCentroid;
+      return n;
+    };
+    std::printf("| %s | %zu | %zu | %.1f%% | %.1f%% | %.1f%% | %.1f%% | %d / %d |\n", name.c_str(),
+                div, dumps[i].num_tokens() / kBlockTokens - div - 1, pct(ll_cent, ll_plain, div),
+                pct(ll_cent, ll_plain, div + 1), pct(ly_cent, ly_plain, div),
+                pct(ly_cent, ly_plain, div + 1), residuals(ll_cent), residuals(ly_cent));
+  }
+  const ClusterStats& cs = ly_cent.cluster;
+  std::printf(
+      "\nStats of the lossy run with centroids: centroids %llu, residual nodes %llu, "
+      "near-dup groups %llu, candidates tried %llu, gated by distance %llu, kept "
+      "standalone (residual not smaller) %llu, position-shifted skipped %llu.\n",
+      (unsigned long long)cs.centroids, (unsigned long long)cs.residual_nodes,
+      (unsigned long long)cs.near_dup_groups, (unsigned long long)cs.candidates_tried,
+      (unsigned long long)cs.gated_by_distance, (unsigned long long)cs.residual_not_smaller,
+      (unsigned long long)cs.position_shifted_skipped);
+  std::printf(
+      "\nBranch distance histogram (bits, trie distance of each near-dup group member to "
+      "the group's oldest node):");
+  for (int i = 0; i < kHistogramBuckets; ++i) {
+    if (cs.branch_distance_histogram[i] == 0) continue;
+    std::printf(" <%g: %llu;", HistogramUpperBits(i),
+                (unsigned long long)cs.branch_distance_histogram[i]);
+  }
+  std::printf("\n");
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvtrie
+
+int main(int argc, char** argv) { return kvtrie::Main(argc, argv); }

@@ -1,0 +1,193 @@
+// End-to-end tests of near-duplicate clusters (issue 4) through a real kvtrie-server: Put of the
+// real neardup dumps (tests/data/neardup/n0..n2), RESIDUAL_OF_CENTROID dispositions, Get in both
+// modes (the client library fetches the centroid for RESIDUAL), Inspect's trie distance, Stats'
+// histograms, Delete of the centroid's branch, and namespace isolation.
+#include <grpcpp/grpcpp.h>
+
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "client/client.h"
+#include "client/kv_dump.h"
+#include "gtest/gtest.h"
+#include "tests/server_process.h"
+
+namespace kvtrie {
+namespace {
+
+using testing::ServerProcess;
+constexpr uint32_t kBlockTokens = 16;
+
+KvDump Load(const std::string& name) {
+  absl::StatusOr<KvDump> d = ReadKvDump(std::string(KVTRIE_TESTDATA_DIR) + "/" + name);
+  EXPECT_TRUE(d.ok()) << d.status();
+  return *d;
+}
+
+size_t DivergenceBlock(const KvDump& a, const KvDump& b) {
+  size_t i = 0;
+  while (i < a.num_tokens() && a.token_ids[i] == b.token_ids[i]) ++i;
+  return i / kBlockTokens;
+}
+
+// Relative RMS error of K (or V) over the whole sequence.
+double RelRms(const KvDump& got, const KvDump& want, bool values) {
+  const std::vector<uint8_t>& a = values ? got.v : got.k;
+  const std::vector<uint8_t>& b = values ? want.v : want.k;
+  std::vector<float> x(a.size() / 2), y(b.size() / 2);
+  ToFloat(DType::kFp16, a.data(), x.size(), x.data());
+  ToFloat(DType::kFp16, b.data(), y.size(), y.data());
+  double err = 0, energy = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    err += (double(x[i]) - y[i]) * (double(x[i]) - y[i]);
+    energy += double(y[i]) * y[i];
+  }
+  return std::sqrt(err / energy);
+}
+
+class ClusterEndToEnd : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = testing::FreshDir(::testing::UnitTest::GetInstance()->current_test_info()->name());
+    auto s = ServerProcess::Start(dir_ + "/data");
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = *std::move(s);
+    n0_ = Load("neardup/n0");
+    n1_ = Load("neardup/n1");
+    n2_ = Load("neardup/n2");
+  }
+  void TearDown() override {
+    server_.reset();
+    if (!HasFailure()) std::filesystem::remove_all(dir_);
+  }
+  std::unique_ptr<Client> NewClient(const std::string& ns) {
+    return Client::Create({.target = server_->target(), .ns = ns});
+  }
+  // Blocks of `r` stored as residuals of a centroid.
+  static int Residuals(const v1::PutResponse& r) {
+    int n = 0;
+    for (const v1::BlockResult& b : r.blocks())
+      n += b.disposition() == v1::BLOCK_RESIDUAL_OF_CENTROID;
+    return n;
+  }
+
+  std::string dir_;
+  std::unique_ptr<ServerProcess> server_;
+  KvDump n0_, n1_, n2_;
+};
+
+TEST_F(ClusterEndToEnd, LosslessNearDuplicatesAreCentroidResidualsAndReadBackBitExact) {
+  auto client = NewClient("a");
+  const PutOptions lossless{.encoding = v1::ENCODING_LOSSLESS};
+  ASSERT_TRUE(client->Put(n0_, lossless).ok());
+  absl::StatusOr<v1::PutResponse> r1 = client->Put(n1_, lossless);
+  absl::StatusOr<v1::PutResponse> r2 = client->Put(n2_, lossless);
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  ASSERT_TRUE(r2.ok()) << r2.status();
+  const size_t d1 = DivergenceBlock(n0_, n1_), d2 = DivergenceBlock(n0_, n2_);
+  EXPECT_EQ(Residuals(*r1), static_cast<int>(32 - d1 - 1));  // every block after the divergence
+  EXPECT_EQ(Residuals(*r2), static_cast<int>(32 - d2 - 1));
+  for (const KvDump* d : {&n0_, &n1_, &n2_}) {
+    for (v1::GetMode mode : {v1::GET_MODE_RECONSTRUCTED, v1::GET_MODE_RESIDUAL}) {
+      absl::StatusOr<KvDump> got = client->Get(d->model_id, d->token_ids, {.mode = mode});
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(got->k, d->k) << "mode " << mode;
+      EXPECT_EQ(got->v, d->v) << "mode " << mode;
+    }
+  }
+  // RESIDUAL names the centroid a member block needs.
+  v1::GetRequest req;
+  req.set_namespace_("a");
+  req.set_model_id(n1_.model_id);
+  req.mutable_token_ids()->Add(n1_.token_ids.begin(), n1_.token_ids.end());
+  req.set_mode(v1::GET_MODE_RESIDUAL);
+  grpc::ClientContext ctx;
+  auto reader = client->stub()->Get(&ctx, req);
+  v1::GetResponse msg;
+  uint64_t member = 0, centroid = 0;
+  while (reader->Read(&msg)) {
+    if (msg.has_block() && msg.block().reference_node_id() != 0) {
+      member = msg.block().node_id();
+      centroid = msg.block().reference_node_id();
+    }
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  ASSERT_NE(centroid, 0u);
+  // Inspect: the member's centroid and trie distance; the centroid's dependents.
+  v1::InspectRequest ir;
+  ir.set_namespace_("a");
+  ir.set_model_id(n1_.model_id);
+  ir.set_node_id(member);
+  ir.set_distance_to_node_id(centroid);
+  v1::InspectResponse in;
+  grpc::ClientContext ictx;
+  ASSERT_TRUE(client->stub()->Inspect(&ictx, ir, &in).ok());
+  EXPECT_EQ(in.node().reference_node_id(), centroid);
+  EXPECT_GT(in.trie_distance_bits(), 0);
+  EXPECT_DOUBLE_EQ(in.trie_distance_bits(), in.node().distance_to_reference_bits());
+  auto cin = client->Inspect(n1_.model_id, centroid);
+  ASSERT_TRUE(cin.ok());
+  EXPECT_GE(cin->node().dependents(), 1u);
+  // Stats: clusters and histograms.
+  absl::StatusOr<v1::StatsResponse> st = client->Stats();
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->residual_nodes(), static_cast<uint64_t>(Residuals(*r1) + Residuals(*r2)));
+  EXPECT_GT(st->centroids(), 20u);
+  ASSERT_GT(st->path_surprisal_histogram_size(), 10);
+  uint64_t nodes = 0;
+  for (const auto& b : st->path_surprisal_histogram()) nodes += b.count();
+  EXPECT_EQ(nodes, st->nodes());
+  uint64_t branches = 0;
+  for (const auto& b : st->branch_distance_histogram()) branches += b.count();
+  EXPECT_GT(branches, 40u);
+
+  // Deleting n0's own branch (its centroids) keeps n1 and n2 bit-exact.
+  std::vector<uint32_t> branch(n0_.token_ids.begin(),
+                               n0_.token_ids.begin() + (std::max(d1, d2) + 1) * kBlockTokens);
+  ASSERT_TRUE(client->Delete(n0_.model_id, branch).ok());
+  for (const KvDump* d : {&n1_, &n2_}) {
+    absl::StatusOr<KvDump> got =
+        client->Get(d->model_id, d->token_ids, {.mode = v1::GET_MODE_RESIDUAL});
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->k, d->k);
+    EXPECT_EQ(got->v, d->v);
+  }
+  // Left: n1's blocks coded against n0 blocks that n2 still shares (n0 and n2 part at block d2).
+  EXPECT_EQ(client->Stats()->residual_nodes(), d2 - d1 - 1);
+}
+
+TEST_F(ClusterEndToEnd, LossyNearDuplicatesMeetTheDefaultTargetInBothGetModes) {
+  auto client = NewClient("lossy");
+  const PutOptions lossy{.encoding = v1::ENCODING_RESIDUAL};  // server default target 0.1
+  ASSERT_TRUE(client->Put(n0_, lossy).ok());
+  absl::StatusOr<v1::PutResponse> r1 = client->Put(n1_, lossy);
+  ASSERT_TRUE(r1.ok());
+  EXPECT_GT(Residuals(*r1), 20);
+  for (const v1::BlockResult& b : r1->blocks()) {
+    EXPECT_LE(b.rel_rms_error_k(), 0.1 * 1.0001);
+    EXPECT_LE(b.rel_rms_error_v(), 0.1 * 1.0001);
+  }
+  absl::StatusOr<KvDump> dense = client->Get(n1_.model_id, n1_.token_ids);
+  absl::StatusOr<KvDump> here =
+      client->Get(n1_.model_id, n1_.token_ids, {.mode = v1::GET_MODE_RESIDUAL});
+  ASSERT_TRUE(dense.ok() && here.ok());
+  EXPECT_EQ(dense->k, here->k);  // the client decodes against the centroid as the server does
+  EXPECT_EQ(dense->v, here->v);
+  EXPECT_LE(RelRms(*dense, n1_, false), 0.1);
+  EXPECT_LE(RelRms(*dense, n1_, true), 0.1);
+}
+
+TEST_F(ClusterEndToEnd, NamespacesNeverClusterAcrossEachOther) {
+  const PutOptions lossless{.encoding = v1::ENCODING_LOSSLESS};
+  ASSERT_TRUE(NewClient("a")->Put(n0_, lossless).ok());
+  absl::StatusOr<v1::PutResponse> r = NewClient("b")->Put(n1_, lossless);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(Residuals(*r), 0);
+  EXPECT_EQ(NewClient("b")->Stats("b")->residual_nodes(), 0u);
+  EXPECT_EQ(NewClient("a")->Stats("")->residual_nodes(), 0u);
+}
+
+}  // namespace
+}  // namespace kvtrie

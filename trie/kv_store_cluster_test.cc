@@ -1,0 +1,249 @@
+// Near-duplicate clusters in KvStore, on the real neardup dumps (tests/data/neardup/n0..n3: the
+// GPL-3 preamble with one word changed, then the same Genesis text).
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "client/kv_dump.h"
+#include "codec/kv_layout.h"
+#include "gtest/gtest.h"
+#include "trie/kv_store.h"
+
+namespace kvtrie {
+namespace {
+
+constexpr uint32_t kBlockTokens = 16;
+
+KvDump Load(const std::string& name) {
+  auto d = ReadKvDump(std::string(KVTRIE_TESTDATA_DIR) + "/" + name);
+  EXPECT_TRUE(d.ok()) << d.status();
+  return *d;
+}
+
+ModelInfo Model(const KvDump& d) {
+  return {d.model_id, {d.num_layers, d.num_kv_heads, kBlockTokens, d.head_dim, d.dtype}};
+}
+
+// First block index whose tokens differ from n0's.
+size_t DivergenceBlock(const KvDump& a, const KvDump& b) {
+  size_t i = 0;
+  while (i < a.num_tokens() && i < b.num_tokens() && a.token_ids[i] == b.token_ids[i]) ++i;
+  return i / kBlockTokens;
+}
+
+double RelRms(const BlockGeometry& g, const std::vector<uint8_t>& want,
+              const std::vector<uint8_t>& have, int kv) {
+  std::vector<float> x(g.num_elements()), y(g.num_elements());
+  ToFloat(g.dtype, want.data(), x.size(), x.data());
+  ToFloat(g.dtype, have.data(), y.size(), y.data());
+  double err = 0, energy = 0;
+  const size_t plane = g.plane_elements();
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (static_cast<int>((i / plane) % 2) != kv) continue;
+    err += (double(x[i]) - y[i]) * (double(x[i]) - y[i]);
+    energy += double(x[i]) * x[i];
+  }
+  return std::sqrt(err / energy);
+}
+
+class ClusterStoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("kvtrie_cluster_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::remove_all(dir_);
+    StoreOptions o;
+    o.data_dir = dir_.string();
+    auto s = KvStore::Open(o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    store_ = *std::move(s);
+  }
+  void TearDown() override {
+    store_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+
+  absl::StatusOr<PutSummary> Put(const std::string& ns, const KvDump& d, const EncodeOptions& enc) {
+    ModelInfo m = Model(d);
+    auto session = store_->BeginPut(ns, m, d.token_ids, d.surprisal_bits, enc);
+    if (!session.ok()) return session.status();
+    std::vector<uint8_t> block(m.geometry.num_bytes());
+    for (size_t b = 0; b < d.num_tokens() / kBlockTokens; ++b) {
+      GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(block));
+      if (auto s = (*session)->AddLayers(b, 0, 0, block); !s.ok()) return s;
+    }
+    return (*session)->Finish();
+  }
+
+  // Reads `d` back through Get + DecodeBlock; checks every block is bit-exact (max_rel_rms = 0) or
+  // within max_rel_rms (K and V).
+  void ExpectReadable(const std::string& ns, const KvDump& d, double max_rel_rms) {
+    ModelInfo m = Model(d);
+    auto got = store_->Get(ns, m.model_id, d.token_ids, 0);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_EQ(got->blocks.size(), d.num_tokens() / kBlockTokens);
+    std::vector<uint8_t> want(m.geometry.num_bytes()), have(m.geometry.num_bytes()), parent;
+    for (size_t b = 0; b < got->blocks.size(); ++b) {
+      GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(want));
+      ASSERT_TRUE(
+          store_->DecodeBlock(ns, m.model_id, got->blocks[b], parent, absl::MakeSpan(have)).ok())
+          << "block " << b;
+      if (max_rel_rms == 0) {
+        ASSERT_EQ(want, have) << "block " << b;
+      } else {
+        EXPECT_LE(RelRms(m.geometry, want, have, 0), max_rel_rms * 1.0001) << "K, block " << b;
+        EXPECT_LE(RelRms(m.geometry, want, have, 1), max_rel_rms * 1.0001) << "V, block " << b;
+      }
+      parent = have;
+    }
+  }
+
+  std::filesystem::path dir_;
+  std::unique_ptr<KvStore> store_;
+};
+
+// After the divergence, every n1 / n2 block is a residual of an n0 block at the same depth.
+void ExpectResidualsAfterDivergence(const PutSummary& s, size_t divergence,
+                                    const std::string& what) {
+  size_t residual = 0, after = 0;
+  for (const BlockReport& r : s.blocks) {
+    if (r.block_index < divergence) {
+      EXPECT_EQ(r.outcome, BlockOutcome::kDeduplicated) << what << " block " << r.block_index;
+      continue;
+    }
+    if (r.block_index == divergence) continue;  // holds the changed word
+    ++after;
+    if (r.outcome == BlockOutcome::kResidualOfCentroid) ++residual;
+  }
+  EXPECT_GT(after, 20u) << what;
+  EXPECT_EQ(residual, after) << what << ": blocks after the divergence stored as residuals";
+}
+
+TEST_F(ClusterStoreTest, LosslessNearDuplicatesAreResidualsOfACentroidAndBitExact) {
+  const KvDump n0 = Load("neardup/n0"), n1 = Load("neardup/n1"), n2 = Load("neardup/n2");
+  const EncodeOptions enc{.encoding = Encoding::kLossless};
+  ASSERT_TRUE(Put("ns", n0, enc).ok());
+  auto s1 = Put("ns", n1, enc);
+  auto s2 = Put("ns", n2, enc);
+  ASSERT_TRUE(s1.ok()) << s1.status();
+  ASSERT_TRUE(s2.ok()) << s2.status();
+  ExpectResidualsAfterDivergence(*s1, DivergenceBlock(n0, n1), "n1");
+  ExpectResidualsAfterDivergence(*s2, DivergenceBlock(n0, n2), "n2");
+  ExpectReadable("ns", n0, 0);
+  ExpectReadable("ns", n1, 0);
+  ExpectReadable("ns", n2, 0);
+  const StoreStats st = store_->Stats("ns");
+  EXPECT_GT(st.cluster.centroids, 20u);
+  EXPECT_GE(st.cluster.residual_nodes, 40u);  // n1's and n2's branches
+  // Inspect shows the dependency and the trie distance to the centroid.
+  const BlockReport& last = s1->blocks.back();
+  auto in = store_->Inspect("ns", n1.model_id, last.node_id);
+  ASSERT_TRUE(in.ok());
+  EXPECT_EQ(in->node.reference_node_id, last.reference_node_id);
+  EXPECT_GT(in->node.distance_to_reference_bits, 0);
+  EXPECT_TRUE(store_->HasDependents("ns", n1.model_id, last.reference_node_id));
+}
+
+TEST_F(ClusterStoreTest, LossyNearDuplicatesMeetTheTargetAndDeletingTheCentroidKeepsThem) {
+  const KvDump n0 = Load("neardup/n0"), n1 = Load("neardup/n1"), n2 = Load("neardup/n2");
+  const EncodeOptions enc{.encoding = Encoding::kResidual, .target_rel_rms = 0.1};
+  ASSERT_TRUE(Put("ns", n0, enc).ok());
+  auto s1 = Put("ns", n1, enc);
+  auto s2 = Put("ns", n2, enc);
+  ASSERT_TRUE(s1.ok() && s2.ok());
+  ExpectResidualsAfterDivergence(*s1, DivergenceBlock(n0, n1), "n1");
+  ExpectResidualsAfterDivergence(*s2, DivergenceBlock(n0, n2), "n2");
+  ExpectReadable("ns", n1, 0.1);
+  ExpectReadable("ns", n2, 0.1);
+
+  // Delete n0's own branch (from its first block after the shared prefix): the centroids go, and
+  // n1 and n2 are re-encoded first, so they still read back within the target.
+  const size_t div = std::min(DivergenceBlock(n0, n1), DivergenceBlock(n0, n2));
+  const size_t own = std::max(DivergenceBlock(n0, n1), DivergenceBlock(n0, n2));
+  ASSERT_LT(div, own + 1);
+  std::vector<uint32_t> n0_branch(n0.token_ids.begin(),
+                                  n0.token_ids.begin() + (own + 1) * kBlockTokens);
+  auto del = store_->Delete("ns", n0.model_id, n0_branch);
+  ASSERT_TRUE(del.ok()) << del.status();
+  EXPECT_GT(del->first, 20u);
+  ExpectReadable("ns", n1, 0.1);
+  ExpectReadable("ns", n2, 0.1);
+  EXPECT_FALSE(store_->HasDependents("ns", n1.model_id, s1->blocks.back().reference_node_id));
+}
+
+TEST_F(ClusterStoreTest, LosslessDeleteOfTheCentroidKeepsMembersBitExact) {
+  const KvDump n0 = Load("neardup/n0"), n1 = Load("neardup/n1");
+  const EncodeOptions enc{.encoding = Encoding::kLossless};
+  ASSERT_TRUE(Put("ns", n0, enc).ok());
+  ASSERT_TRUE(Put("ns", n1, enc).ok());
+  const size_t div = DivergenceBlock(n0, n1);
+  std::vector<uint32_t> n0_branch(n0.token_ids.begin(),
+                                  n0.token_ids.begin() + (div + 1) * kBlockTokens);
+  ASSERT_TRUE(store_->Delete("ns", n0.model_id, n0_branch).ok());
+  ExpectReadable("ns", n1, 0);
+  EXPECT_EQ(store_->Stats("ns").cluster.residual_nodes, 0u);
+}
+
+TEST_F(ClusterStoreTest, NamespacesNeverClusterAcrossEachOther) {
+  const KvDump n0 = Load("neardup/n0"), n1 = Load("neardup/n1");
+  const EncodeOptions enc{.encoding = Encoding::kLossless};
+  ASSERT_TRUE(Put("a", n0, enc).ok());
+  auto s = Put("b", n1, enc);
+  ASSERT_TRUE(s.ok());
+  for (const BlockReport& r : s->blocks) {
+    EXPECT_EQ(r.outcome, BlockOutcome::kStored) << "block " << r.block_index;
+  }
+  EXPECT_EQ(store_->Stats("").cluster.residual_nodes, 0u);
+}
+
+TEST_F(ClusterStoreTest, PositionShiftedNearDuplicateIsCountedAsSkipped) {
+  const KvDump n0 = Load("neardup/n0"), n3 = Load("neardup/n3");
+  const EncodeOptions enc{.encoding = Encoding::kLossless};
+  ASSERT_TRUE(Put("ns", n0, enc).ok());
+  auto s = Put("ns", n3, enc);
+  ASSERT_TRUE(s.ok());
+  for (const BlockReport& r : s->blocks) EXPECT_NE(r.outcome, BlockOutcome::kResidualOfCentroid);
+  const StoreStats st = store_->Stats("ns");
+  EXPECT_EQ(st.cluster.residual_nodes, 0u);
+  EXPECT_GT(st.cluster.position_shifted_skipped, 20u);
+}
+
+TEST_F(ClusterStoreTest, DistanceGateOfZeroBitsClustersNothing) {
+  store_.reset();
+  StoreOptions o;
+  o.data_dir = dir_.string();
+  o.near_dup.max_distance_bits = 0;
+  auto opened = KvStore::Open(o);
+  ASSERT_TRUE(opened.ok());
+  store_ = *std::move(opened);
+  const KvDump n0 = Load("neardup/n0"), n1 = Load("neardup/n1");
+  const EncodeOptions enc{.encoding = Encoding::kLossless};
+  ASSERT_TRUE(Put("ns", n0, enc).ok());
+  ASSERT_TRUE(Put("ns", n1, enc).ok());
+  const StoreStats st = store_->Stats("ns");
+  EXPECT_EQ(st.cluster.residual_nodes, 0u);
+  EXPECT_GT(st.cluster.gated_by_distance, 20u);
+  EXPECT_GT(st.cluster.near_dup_groups, 20u);
+}
+
+TEST_F(ClusterStoreTest, ResidualsSurviveARestart) {
+  const KvDump n0 = Load("neardup/n0"), n1 = Load("neardup/n1");
+  const EncodeOptions enc{.encoding = Encoding::kResidual, .target_rel_rms = 0.1};
+  ASSERT_TRUE(Put("ns", n0, enc).ok());
+  ASSERT_TRUE(Put("ns", n1, enc).ok());
+  const uint64_t residuals = store_->Stats("ns").cluster.residual_nodes;
+  ASSERT_GT(residuals, 20u);
+  store_.reset();
+  StoreOptions o;
+  o.data_dir = dir_.string();
+  auto opened = KvStore::Open(o);
+  ASSERT_TRUE(opened.ok());
+  store_ = *std::move(opened);
+  EXPECT_EQ(store_->Stats("ns").cluster.residual_nodes, residuals);
+  ExpectReadable("ns", n1, 0.1);
+}
+
+}  // namespace
+}  // namespace kvtrie
