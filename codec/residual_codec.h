@@ -24,8 +24,10 @@
 //     steps matter for fixed-rate quantizers, not here.
 //   - q is coded in (layer, K/V, head, token, channel) order with adaptive 16-symbol models,
 //     context = (K or V, min(|q| of the same channel one token earlier, 3), min(|q| of the
-//     previous channel, 2)) — 24 models — and an Elias-gamma escape for |q| >= 8.
-// Params (version 1): u8 version, u8 flags (1 = rotated, 2 = token scales, 4 = RoPE-aware keys),
+//     previous channel, 2)) — 24 models, each starting from a geometric prior fitted to its
+//     context (flag 8; without it, all from decay 0.55) — and an Elias-gamma escape for |q| >= 8.
+// Params (version 1): u8 version, u8 flags (1 = rotated, 2 = token scales, 4 = RoPE-aware keys,
+// 8 = context priors; blocks written before flags 4 and 8 existed decode unchanged),
 // [u32 rotation seed], [f32 log(RoPE base), in (0, 40]; never with rotation],
 // [block_tokens x i8 scale codes], num_layers * 2 x u16 bf16 step, num_layers * 2 * num_kv_heads
 // predictor nibbles (packed two per byte), then head_dim x fp16 means per channel-mean head.

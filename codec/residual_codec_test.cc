@@ -269,5 +269,24 @@ TEST(Codec, FlippedBitsOfLossyBlocksAreDataLoss) {
   }
 }
 
+TEST(Codec, KeysAfterRopeArePredictedRotated) {
+  // The dumps' keys are stored after RoPE (base 10000): the encoder finds it, flags it (params
+  // flag 4) and the decoder turns its predictions the same way.
+  const RealBlocks r = LoadRealBlocks("GPL-3");
+  const BlockGeometry& g = r.geometry;
+  EncodeOptions o{.encoding = Encoding::kResidual, .target_rel_rms = 0.1};
+  o.predictors = 1u << static_cast<int>(Predictor::kTemporal);
+  size_t with_rope = 0;
+  for (size_t i = 0; i < r.blocks.size(); i += 5) {
+    absl::StatusOr<EncodedBlock> e = EncodeBlock(g, r.blocks[i], o);
+    ASSERT_TRUE(e.ok()) << e.status();
+    absl::StatusOr<BlockHeader> h = ParseBlock(e->bytes);
+    ASSERT_TRUE(h.ok());
+    if (static_cast<uint8_t>(h->params[1]) & 4) ++with_rope;
+    ExpectWithinTarget(g, r.blocks[i], Decode(e->bytes, g), *e, 0.1);
+  }
+  EXPECT_GT(with_rope, 0u);
+}
+
 }  // namespace
 }  // namespace kvtrie
