@@ -27,10 +27,13 @@
 //     previous channel, 2)) — 24 models, each starting from a geometric prior fitted to its
 //     context (flag 8; without it, all from decay 0.55) — and an Elias-gamma escape for |q| >= 8.
 // Params (version 1): u8 version, u8 flags (1 = rotated, 2 = token scales, 4 = RoPE-aware keys,
-// 8 = context priors; blocks written before flags 4 and 8 existed decode unchanged),
-// [u32 rotation seed], [f32 log(RoPE base), in (0, 40]; never with rotation],
-// [block_tokens x i8 scale codes], num_layers * 2 x u16 bf16 step, num_layers * 2 * num_kv_heads
-// predictor nibbles (packed two per byte), then head_dim x fp16 means per channel-mean head.
+// 8 = context priors, 16 = predictor choices in the payload; blocks written before flags 4-16
+// existed decode unchanged), [u32 rotation seed], [f32 log(RoPE base), in (0, 40]; never with
+// rotation], [block_tokens x i8 scale codes], num_layers * 2 x u16 bf16 step, [without flag 16:
+// num_layers * 2 * num_kv_heads predictor nibbles, packed two per byte], then head_dim x fp16
+// means per channel-mean head.
+// Payload: one rANS stream (rans.h): with flag 16 first the predictor of every head in (layer,
+// K/V, head) order (an adaptive model per K/V), then the quantized residuals.
 // Source: Magarshak 2026 §2 (layer 2, predictive delta coding, surprisal-adaptive quantization);
 // DPCM with the quantizer in the loop (Jayant & Noll, "Digital Coding of Waveforms", ch. 6).
 #ifndef KVTRIE_CODEC_RESIDUAL_CODEC_H_
