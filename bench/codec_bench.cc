@@ -59,6 +59,7 @@ struct Setting {
   bool chain_parent = false;   // context.parent = the previous block's reconstruction
   bool use_surprisal = false;  // context.surprisal_bits from the manifest
   bool centroid = false;       // neardup n1..n3 only: reference = n0's reconstruction
+  bool external = false;       // the per-block tensors RunDump gets go to context.external
 };
 
 struct Result {
@@ -134,7 +135,11 @@ Result RunDump(const Dump& d, const Setting& st, const std::vector<std::vector<u
       c.surprisal_bits =
           absl::MakeConstSpan(d.kv.surprisal_bits).subspan(b * g.block_tokens, g.block_tokens);
     }
-    if (centroid) c.reference = (*centroid)[b];
+    if (centroid && st.external) {
+      c.external = (*centroid)[b];
+    } else if (centroid) {
+      c.reference = (*centroid)[b];
+    }
     double best_enc = INFINITY, best_dec = INFINITY;
     absl::StatusOr<EncodedBlock> e;
     for (int rep = 0; rep < g_repeats; ++rep) {
@@ -285,6 +290,62 @@ void WriteSvg(const std::string& path,
   }
   std::fprintf(f, "</svg>\n");
   std::fclose(f);
+}
+
+// An oracle cross-layer value predictor, to size what a per-model predictor could save: for each
+// layer l >= 1, V_l (all heads) by least squares on [K_l, V_{l-1}, 1] of the same token, fitted
+// on the whole dump (in sample, original rather than reconstructed inputs: an upper bound).
+// Returns one prediction block per block of the dump (K planes and layer 0 zero), in the dtype.
+std::vector<std::vector<uint8_t>> CrossLayerOracle(const Dump& d) {
+  const size_t L = d.g.num_layers, H = d.g.num_kv_heads, D = d.g.head_dim, N = d.kv.num_tokens();
+  const size_t n = L * H * N * D, q = H * D, p = 2 * q + 1;
+  std::vector<float> k(n), v(n), pred(n, 0.0f);
+  ToFloat(d.g.dtype, d.kv.k.data(), n, k.data());
+  ToFloat(d.g.dtype, d.kv.v.data(), n, v.data());
+  auto at = [&](const std::vector<float>& a, size_t l, size_t i, size_t t) {
+    return static_cast<double>(a[((l * H + i / D) * N + t) * D + i % D]);
+  };
+  for (size_t l = 1; l < L; ++l) {
+    std::vector<double> f(p), A(p * p, 0.0), B(p * q, 0.0);
+    auto features = [&](size_t t) {
+      for (size_t i = 0; i < q; ++i) f[i] = at(k, l, i, t), f[q + i] = at(v, l - 1, i, t);
+      f[2 * q] = 1.0;
+    };
+    for (size_t t = 0; t < N; ++t) {
+      features(t);
+      for (size_t i = 0; i < p; ++i) {
+        for (size_t j = 0; j < p; ++j) A[i * p + j] += f[i] * f[j];
+        for (size_t o = 0; o < q; ++o) B[i * q + o] += f[i] * at(v, l, o, t);
+      }
+    }
+    for (size_t i = 0; i < p; ++i) A[i * p + i] += 1e-6 * (A[i * p + i] + 1.0);
+    for (size_t i = 0; i < p; ++i) {  // Gauss-Jordan: A is symmetric positive definite
+      const double piv = A[i * p + i];
+      for (size_t j = 0; j < p; ++j) A[i * p + j] /= piv;
+      for (size_t o = 0; o < q; ++o) B[i * q + o] /= piv;
+      for (size_t r = 0; r < p; ++r) {
+        const double m = A[r * p + i];
+        if (r == i || m == 0) continue;
+        for (size_t j = 0; j < p; ++j) A[r * p + j] -= m * A[i * p + j];
+        for (size_t o = 0; o < q; ++o) B[r * q + o] -= m * B[i * q + o];
+      }
+    }
+    for (size_t t = 0; t < N; ++t) {
+      features(t);
+      for (size_t o = 0; o < q; ++o) {
+        double y = 0;
+        for (size_t i = 0; i < p; ++i) y += f[i] * B[i * q + o];
+        pred[((l * H + o / D) * N + t) * D + o % D] = static_cast<float>(y);
+      }
+    }
+  }
+  std::vector<uint8_t> zk(d.kv.k.size(), 0), pv(d.kv.v.size());
+  FromFloat(d.g.dtype, pred.data(), n, pv.data());
+  std::vector<std::vector<uint8_t>> blocks(d.num_blocks, std::vector<uint8_t>(d.g.num_bytes()));
+  for (size_t b = 0; b < d.num_blocks; ++b) {
+    GatherBlock(d.g, N, zk.data(), pv.data(), b, absl::MakeSpan(blocks[b]));
+  }
+  return blocks;
 }
 
 // MB/s of a plain memcpy of every block (best of g_repeats per block): the in-process yardstick
@@ -439,6 +500,23 @@ int Main(int argc, char** argv) {
     }
   }
   // Near-duplicates: n1..n3 against n0 as centroid (n0 stored at the same target first).
+  {
+    // What a per-model cross-layer value predictor could be worth (see CrossLayerOracle).
+    Setting st{"kvtrie+xlayer-oracle",
+               "e=tq3",
+               {.encoding = Encoding::kResidual, .target_rel_rms = tq3_error},
+               true};
+    st.external = true;
+    Result total;
+    for (const Dump& d : dumps) {
+      const std::vector<std::vector<uint8_t>> oracle = CrossLayerOracle(d);
+      total.Add(RunDump(d, st, &oracle));
+    }
+    std::printf(
+        "\nupper bound: with an oracle cross-layer V predictor (V_l from K_l, V_{l-1}; "
+        "least squares fitted per dump) as context.external:\n");
+    report(st.method, st.label, total);
+  }
   std::printf("\nnear-duplicate branches neardup/n1..n3 as residuals of centroid neardup/n0:\n");
   for (double e : {0.05, 0.1, tq3_error}) {
     char label[32];
