@@ -72,21 +72,26 @@ double QuantizeHead(const float* x, const Dims& n, Predictor p, const float* sid
   std::fill_n(zeros, n.D, 0.0f);
   float* buf = zeros + n.D;
   constexpr float kLimit = static_cast<float>(kMaxQ);
+  float tail_sse = 0, last_step = 0, inv = 0;
+#if defined(__SSE2__)
+  // Four lanes at a time: cvtps rounds to nearest even (the default MXCSR mode), as the scalar
+  // tail does; min/max clamp (and send nan to -kLimit, like the tail). The squared error is
+  // summed in float lanes over the head (128 values for 16 x 8: ample precision for the search;
+  // the target itself is checked on the decoded block in double).
+  __m128 acc = _mm_setzero_ps();
+  const __m128 vhi = _mm_set1_ps(kLimit), vlo = _mm_set1_ps(-kLimit);
+  const __m128 vdz = _mm_set1_ps(dead_zone), vsign = _mm_set1_ps(-0.0f);
+#endif
   for (size_t t = 0; t < n.T; ++t) {
     const float st = step[t];
-    const float inv = 1.0f / st;
+    if (st != last_step) inv = 1.0f / st, last_step = st;
     const float* pred = PredictRow(p, side, rec, t, n.D, rope, zeros, buf);
     const float* xt = x + t * n.D;
     int32_t* qt = q + t * n.D;
     float* rt = rec + t * n.D;
     size_t d = 0;
 #if defined(__SSE2__)
-    // Four lanes at a time: cvtps rounds to nearest even (the default MXCSR mode), as the
-    // scalar tail does; min/max clamp (and send nan to -kLimit, like the tail).
-    __m128 acc = _mm_setzero_ps();
     const __m128 vinv = _mm_set1_ps(inv), vst = _mm_set1_ps(st);
-    const __m128 vhi = _mm_set1_ps(kLimit), vlo = _mm_set1_ps(-kLimit);
-    const __m128 vdz = _mm_set1_ps(dead_zone), vsign = _mm_set1_ps(-0.0f);
     for (; d + 4 <= n.D; d += 4) {
       const __m128 xv = _mm_loadu_ps(xt + d), pv = _mm_loadu_ps(pred + d);
       const __m128 u = _mm_max_ps(_mm_min_ps(_mm_mul_ps(_mm_sub_ps(xv, pv), vinv), vhi), vlo);
@@ -98,11 +103,6 @@ double QuantizeHead(const float* x, const Dims& n, Predictor p, const float* sid
       const __m128 e = _mm_sub_ps(xv, rv);
       acc = _mm_add_ps(acc, _mm_mul_ps(e, e));
     }
-    float lanes[4];
-    _mm_storeu_ps(lanes, acc);
-    float row_sse = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
-#else
-    float row_sse = 0;
 #endif
     for (; d < n.D; ++d) {
       float u = (xt[d] - pred[d]) * inv;
@@ -111,10 +111,15 @@ double QuantizeHead(const float* x, const Dims& n, Predictor p, const float* sid
       qt[d] = static_cast<int32_t>(RoundHalfEven(u));
       rt[d] = Reconstruct(pred[d], qt[d], st);
       const float e = xt[d] - rt[d];
-      row_sse += e * e;
+      tail_sse += e * e;
     }
-    sse += row_sse;
   }
+  sse = tail_sse;
+#if defined(__SSE2__)
+  float lanes[4];
+  _mm_storeu_ps(lanes, acc);
+  sse += static_cast<double>(lanes[0]) + lanes[1] + lanes[2] + lanes[3];
+#endif
   return sse;
 }
 
