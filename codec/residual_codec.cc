@@ -23,6 +23,7 @@ using residual::Bf16Round;
 using residual::ChooseRope;
 using residual::Dims;
 using residual::kMaxQ;
+using residual::LoadLastTokens;
 using residual::LoadSource;
 using residual::PlaneCoder;
 using residual::ReconstructHead;
@@ -224,7 +225,7 @@ absl::Status EncodeResidual(const BlockGeometry& g, const float* x, const Encode
   }
   const RandomizedHadamard* r = rot ? &*rot : nullptr;
   Sources src;
-  if (auto s = LoadSource(g, c.parent, "parent", r, &src.parent); !s.ok()) return s;
+  if (auto s = LoadLastTokens(g, c.parent, "parent", r, &src.parent); !s.ok()) return s;
   if (auto s = LoadSource(g, c.reference, "reference", r, &src.reference); !s.ok()) return s;
   if (auto s = LoadSource(g, c.external, "external", r, &src.external); !s.ok()) return s;
   std::vector<float> xr;
@@ -378,7 +379,9 @@ absl::Status DecodeResidual(const BlockGeometry& g, absl::string_view params,
           "context.", nd.name, ": the block was coded against a ", nd.name, " prediction (",
           PredictorName(static_cast<Predictor>(nd.predictor)), ") that was not supplied"));
     }
-    if (auto s = LoadSource(g, nd.span, nd.name, r, nd.dst); !s.ok()) return s;
+    const auto load =
+        nd.predictor == static_cast<int>(Predictor::kParent) ? LoadLastTokens : LoadSource;
+    if (auto s = load(g, nd.span, nd.name, r, nd.dst); !s.ok()) return s;
   }
 
   // Entropy decoding and reconstruction, head by head. The context of q[t][d] is

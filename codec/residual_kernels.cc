@@ -166,6 +166,25 @@ absl::Status LoadSource(const BlockGeometry& g, absl::Span<const uint8_t> span, 
   return absl::OkStatus();
 }
 
+absl::Status LoadLastTokens(const BlockGeometry& g, absl::Span<const uint8_t> span,
+                            const char* name, const RandomizedHadamard* rot,
+                            std::vector<float>* out) {
+  if (span.empty()) return absl::OkStatus();
+  if (span.size() != g.num_bytes()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("context.", name, ": expected ", g.num_bytes(), " bytes, got ", span.size()));
+  }
+  const Dims n(g);
+  const size_t bytes = DTypeBytes(g.dtype);
+  out->resize(g.num_elements());
+  for (size_t head = 0; head < n.num_heads(); ++head) {
+    const size_t off = head * n.head_elems() + (n.T - 1) * n.D;
+    ToFloat(g.dtype, span.data() + off * bytes, n.D, out->data() + off);
+    if (rot) rot->Forward(out->data() + off);
+  }
+  return absl::OkStatus();
+}
+
 const float* SideOf(Predictor p, const Sources& s, const Dims& n, size_t off, const float* means) {
   switch (p) {
     case Predictor::kChannelMean:

@@ -140,6 +140,11 @@ struct Sources {
 // Errors: INVALID_ARGUMENT naming context.`name` when the span has the wrong size.
 absl::Status LoadSource(const BlockGeometry& g, absl::Span<const uint8_t> span, const char* name,
                         const RandomizedHadamard* rot, std::vector<float>* out);
+// As LoadSource, but only the last token of each head is converted (the rest of `out` is left
+// unset): all the parent predictor reads.
+absl::Status LoadLastTokens(const BlockGeometry& g, absl::Span<const uint8_t> span,
+                            const char* name, const RandomizedHadamard* rot,
+                            std::vector<float>* out);
 
 // Side input of a head for predictor p, or nullptr when the context lacks it.
 const float* SideOf(Predictor p, const Sources& s, const Dims& n, size_t off, const float* means);
