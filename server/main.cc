@@ -44,7 +44,9 @@ ABSL_FLAG(std::string, default_encoding, "lossless",
 ABSL_FLAG(double, default_target_rel_rms, 0.1,
           "relative RMS error target of residual Puts that name none");
 ABSL_FLAG(uint32_t, max_tokens, 1u << 20, "most token ids one request may carry");
-ABSL_FLAG(uint64_t, max_put_bytes, 1ull << 30,
+ABSL_FLAG(uint64_t, max_inflight_put_bytes, 1ull << 30,
+          "most dense KV bytes all unfinished Put streams together may buffer");
+ABSL_FLAG(uint64_t, max_put_bytes, 256ull << 20,
           "most dense KV bytes one Put stream may buffer before it is committed");
 ABSL_FLAG(uint64_t, max_get_message_bytes, 1u << 20,
           "Get splits a block by layer ranges so no message is larger than this");
@@ -104,6 +106,7 @@ int Run() {
   store_options.data_dir = absl::GetFlag(FLAGS_data_dir);
   store_options.sync = absl::GetFlag(FLAGS_sync);
   store_options.max_put_bytes = absl::GetFlag(FLAGS_max_put_bytes);
+  store_options.max_inflight_put_bytes = absl::GetFlag(FLAGS_max_inflight_put_bytes);
   store_options.memory_bytes = absl::GetFlag(FLAGS_memory_bytes);
   store_options.disk_bytes = absl::GetFlag(FLAGS_disk_bytes);
   store_options.memtable_bytes = absl::GetFlag(FLAGS_memtable_bytes);

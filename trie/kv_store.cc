@@ -121,7 +121,9 @@ PutSession::PutSession(KvStore* store, std::string ns, ModelInfo model,
       encode_(encode),
       num_blocks_(static_cast<uint32_t>(token_ids_.size() / model_.geometry.block_tokens)) {}
 
-PutSession::~PutSession() = default;
+PutSession::~PutSession() {
+  store_->inflight_put_bytes_.fetch_sub(buffered_bytes_, std::memory_order_relaxed);
+}
 
 absl::Status PutSession::AddLayers(uint32_t block_index, uint32_t layer_begin, uint32_t layer_end,
                                    absl::Span<const uint8_t> kv) {
@@ -152,11 +154,19 @@ absl::Status PutSession::AddLayers(uint32_t block_index, uint32_t layer_begin, u
   }
   Pending& p = pending_[block_index];
   if (p.kv.empty()) {
-    buffered_bytes_ += g.num_bytes();
-    if (buffered_bytes_ > store_->options_.max_put_bytes) {
+    if (buffered_bytes_ + g.num_bytes() > store_->options_.max_put_bytes) {
       return fail(absl::ResourceExhaustedError(absl::StrCat(
           "kv: this Put buffers more than max_put_bytes=", store_->options_.max_put_bytes,
           " bytes; split it into several Puts")));
+    }
+    const uint64_t inflight =
+        store_->inflight_put_bytes_.fetch_add(g.num_bytes(), std::memory_order_relaxed) +
+        g.num_bytes();
+    buffered_bytes_ += g.num_bytes();  // released by the destructor
+    if (inflight > store_->options_.max_inflight_put_bytes) {
+      return fail(absl::ResourceExhaustedError(
+          absl::StrCat("kv: unfinished Puts hold more than max_inflight_put_bytes=",
+                       store_->options_.max_inflight_put_bytes, " bytes; retry later")));
     }
     p.kv.resize(g.num_bytes());
     p.have.assign(g.num_layers, false);
@@ -212,6 +222,7 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
       if (auto s = store_->ReconstructNode(ns_, model_.model_id, match.node_ids.back(),
                                            absl::MakeSpan(parent_kv));
           !s.ok()) {
+        if (absl::IsAborted(s)) continue;  // the prefix changed under us: match again
         return s;
       }
     }
@@ -406,6 +417,11 @@ absl::Status KvStore::Recover() {
     absl::StatusOr<BlockHeader> h = absl::DataLossError("payload missing");
     if (payloads) {
       while (payloads->Valid() && DecodeNodeKey(payloads->key()) < id) payloads->Next();
+      if (!payloads->status().ok()) {
+        // A read error is not a missing payload: dropping every later node for it would turn one
+        // bad disk block into the loss of the store. Refuse to start instead.
+        return FromRocks(payloads->status(), "payloads (refusing to start; nothing was dropped)");
+      }
       if (payloads->Valid() && DecodeNodeKey(payloads->key()) == id) {
         encoded = std::make_shared<std::string>(payloads->value().ToString());
         h = ParseBlock(*encoded);

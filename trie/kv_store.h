@@ -68,8 +68,10 @@ namespace kvtrie {
 struct StoreOptions {
   std::string data_dir;  // created if missing
   bool sync = false;     // fsync the WAL before acknowledging a Put
-  uint64_t max_put_bytes =
-      1ull << 30;                  // dense bytes one Put may buffer (RESOURCE_EXHAUSTED past it)
+  // Dense bytes one Put may buffer, and all unfinished Puts together (RESOURCE_EXHAUSTED past
+  // either): a Put holds its blocks until its commit, about 3x their size at the peak.
+  uint64_t max_put_bytes = 256ull << 20;
+  uint64_t max_inflight_put_bytes = 1ull << 30;
   EncodeOptions default_encoding;  // used when a Put does not name one
   BlockTrie::TokenHash token_hash = BlockTrie::DefaultTokenHash;  // a seam for collision tests
   NearDupOptions near_dup;  // near-duplicate clusters (trie/cluster_index.h)
@@ -459,6 +461,7 @@ class KvStore {
   // Counters since start (relaxed atomics: statistics only).
   std::atomic<uint64_t> blocks_stored_{0}, blocks_deduplicated_{0}, lookups_{0}, lookup_hits_{0},
       gets_{0}, puts_{0}, deletes_{0};
+  std::atomic<uint64_t> inflight_put_bytes_{0};  // dense bytes buffered by unfinished Puts
 };
 
 }  // namespace kvtrie

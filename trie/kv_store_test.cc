@@ -225,3 +225,34 @@ TEST_F(KvStoreTest, ConcurrentPutsOfOnePrefixStoreItOnce) {
 
 }  // namespace
 }  // namespace kvtrie
+
+namespace kvtrie {
+namespace {
+
+TEST_F(KvStoreTest, UnfinishedPutsTogetherStayUnderTheirByteBudget) {
+  KvDump d = Load("GPL-3");
+  ModelInfo m = Model(d);
+  StoreOptions options;
+  options.max_inflight_put_bytes = 3 * m.geometry.num_bytes();
+  Reopen(options);
+  std::vector<uint8_t> block(m.geometry.num_bytes());
+  GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), 0, absl::MakeSpan(block));
+  auto a = store_->BeginPut("ns", m, d.token_ids, {}, {});
+  auto b = store_->BeginPut("ns", m, d.token_ids, {}, {});
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_TRUE((*a)->AddLayers(0, 0, 0, block).ok());
+  ASSERT_TRUE((*a)->AddLayers(1, 0, 0, block).ok());
+  ASSERT_TRUE((*b)->AddLayers(0, 0, 0, block).ok());
+  absl::Status s = (*b)->AddLayers(1, 0, 0, block);  // the fourth block over a budget of three
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("max_inflight_put_bytes"), std::string::npos) << s;
+  a->reset();  // a finished (here: abandoned) Put gives its bytes back
+  b->reset();
+  auto c = store_->BeginPut("ns", m, d.token_ids, {}, {});
+  ASSERT_TRUE(c.ok());
+  EXPECT_TRUE((*c)->AddLayers(0, 0, 0, block).ok());
+  EXPECT_TRUE((*c)->AddLayers(1, 0, 0, block).ok());
+}
+
+}  // namespace
+}  // namespace kvtrie
