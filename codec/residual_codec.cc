@@ -20,8 +20,10 @@ namespace internal {
 namespace {
 
 using residual::Bf16Round;
+using residual::ChooseGroupCodes;
 using residual::ChooseRope;
 using residual::Dims;
+using residual::GroupScale;
 using residual::kMaxQ;
 using residual::LoadLastTokens;
 using residual::LoadSource;
@@ -41,9 +43,20 @@ constexpr uint8_t kFlagContextPriors = 8;  // models start from kContextDecay, n
 // The predictor of each head opens the payload (adaptive model per K/V, prior kChoiceDecay)
 // instead of taking a nibble of params: ~3 bytes instead of 20 for 5 layers x 4 heads.
 constexpr uint8_t kFlagChoicesInPayload = 16;
-constexpr uint8_t kKnownFlags =
-    kFlagRotated | kFlagTokenScales | kFlagRope | kFlagContextPriors | kFlagChoicesInPayload;
+// StepGroups::kChannelKeysTokenValues: after the predictor choices, the payload holds a scale
+// code per step group (ZigZag, adaptive model per K/V, prior kGroupCodeDecay).
+constexpr uint8_t kFlagGroupScales = 32;
+constexpr uint8_t kKnownFlags = kFlagRotated | kFlagTokenScales | kFlagRope | kFlagContextPriors |
+                                kFlagChoicesInPayload | kFlagGroupScales;
 constexpr double kChoiceDecay = 0.5;
+constexpr double kGroupCodeDecay = 0.6;
+// The exponent of ChooseGroupCodes: step_g ~ rms_g^kGroupExponent (1: each group's step in
+// proportion to its residual RMS, as KIVI's per-group scales). Measured on tests/data with the
+// parent chained (codec_bench --step_groups), bits at equal error versus the plane step: exponent
+// 1: +0.35-0.45 bpc at every target 0.02-0.3; 0.5: +0.11-0.18; 0.25: +0.03-0.06; 0 (codes all
+// 0, side info only): +0.01; -0.5 (finer steps for the larger groups): +0.24-0.34 bpc, but a
+// lower attention error (attn_tv 0.094 vs 0.129 at 0.05, ~0.11 for the plane step at equal bits).
+constexpr double kGroupExponent = 1.0;
 // Rounding offset of the quantizer at coarse targets: q = sign(u) * round(max(|u| - offset, 0)),
 // a dead zone that trades a little error for many more zeros; the step search then takes a
 // slightly finer step. Measured on tests/data at the TurboQuant 3-bit error (0.17): -3.3% bits;
@@ -94,6 +107,8 @@ absl::Status EncodeAt(const BlockGeometry& g, const float* x_orig, const float* 
   const std::vector<float> rope =
       rope_log_base > 0 ? RopeTable(n.D, rope_log_base) : std::vector<float>();
   const float dead_zone = target >= kDeadZoneFrom ? kDeadZoneOffset : 0.0f;
+  const bool grouped = o.step_groups == StepGroups::kChannelKeysTokenValues;
+  std::vector<int8_t> group_codes;  // per plane in (layer, K/V) order: H * D or H * T codes
 
   for (size_t l = 0; l < n.L; ++l) {
     for (size_t kv = 0; kv < 2; ++kv) {
@@ -117,6 +132,18 @@ absl::Status EncodeAt(const BlockGeometry& g, const float* x_orig, const float* 
       } else {
         pc.Evaluate(delta);
       }
+      if (grouped) {
+        // Scales from the plane-step residuals, then the common factor searched again.
+        std::vector<int8_t> codes(n.H * (kv == 0 ? n.D : n.T), 0);
+        if (energy > 0) {
+          codes = ChooseGroupCodes(n, kv, xp, pc, token_scale.data(), delta, kGroupExponent);
+          std::vector<float> scales(codes.size());
+          for (size_t i = 0; i < codes.size(); ++i) scales[i] = GroupScale(codes[i]);
+          pc.SetGroupScales(std::move(scales));
+          delta = SearchStep(g, n, pc, x_orig + off, rot, target_sse, delta, min_step);
+        }
+        group_codes.insert(group_codes.end(), codes.begin(), codes.end());
+      }
       steps[l * 2 + kv] = delta;
       for (size_t h = 0; h < n.H; ++h) {
         const Predictor p = pc.choice()[h];
@@ -138,9 +165,10 @@ absl::Status EncodeAt(const BlockGeometry& g, const float* x_orig, const float* 
   std::string& p = out->params;
   p.clear();
   p.push_back(static_cast<char>(kParamsVersion));
-  p.push_back(static_cast<char>(
-      (rot ? kFlagRotated : 0) | (scale_codes.empty() ? 0 : kFlagTokenScales) |
-      (rope_log_base > 0 ? kFlagRope : 0) | kFlagContextPriors | kFlagChoicesInPayload));
+  p.push_back(static_cast<char>((rot ? kFlagRotated : 0) |
+                                (scale_codes.empty() ? 0 : kFlagTokenScales) |
+                                (rope_log_base > 0 ? kFlagRope : 0) | kFlagContextPriors |
+                                kFlagChoicesInPayload | (grouped ? kFlagGroupScales : 0)));
   if (rot) PutLE<uint32_t>(&p, o.rotation_seed);
   if (rope_log_base > 0) {
     uint32_t bits;
@@ -162,6 +190,14 @@ absl::Status EncodeAt(const BlockGeometry& g, const float* x_orig, const float* 
   AdaptiveModel choice_models[2] = {AdaptiveModel(kChoiceDecay), AdaptiveModel(kChoiceDecay)};
   for (size_t i = 0; i < choices.size(); ++i) {
     enc.Put(choice_models[(i / n.H) % 2], static_cast<int>(choices[i]));
+  }
+  AdaptiveModel group_models[2] = {AdaptiveModel(kGroupCodeDecay), AdaptiveModel(kGroupCodeDecay)};
+  for (size_t l = 0, i = 0; l < n.L && grouped; ++l) {
+    for (size_t kv = 0; kv < 2; ++kv) {
+      for (size_t k = 0; k < n.H * (kv == 0 ? n.D : n.T); ++k, ++i) {
+        enc.Put(group_models[kv], static_cast<int>(ZigZag(group_codes[i])));
+      }
+    }
   }
   for (size_t l = 0; l < n.L; ++l) {
     for (size_t kv = 0; kv < 2; ++kv) {
@@ -354,6 +390,32 @@ absl::Status DecodeResidual(const BlockGeometry& g, absl::string_view params,
     }
     pos += (nh + 1) / 2;
   }
+  // Per plane, the step group scales (empty without flag 32).
+  std::vector<std::vector<float>> group(n.L * 2);
+  if (flags & kFlagGroupScales) {
+    if (!(flags & kFlagChoicesInPayload)) {
+      return absl::DataLossError("residual params: group scales without payload choices");
+    }
+    AdaptiveModel group_models[2] = {AdaptiveModel(kGroupCodeDecay),
+                                     AdaptiveModel(kGroupCodeDecay)};
+    for (size_t pl = 0; pl < group.size(); ++pl) {
+      const size_t kv = pl % 2;
+      group[pl].resize(n.H * (kv == 0 ? n.D : n.T));
+      for (float& s : group[pl]) {
+        const int32_t code = UnZigZag(static_cast<uint32_t>(dec.Get(group_models[kv])));
+        if (code < residual::kMinGroupCode || code > residual::kMaxGroupCode) {
+          return absl::DataLossError("residual payload: group scale out of range");
+        }
+        s = GroupScale(code);
+        // The finest and coarsest step of the group must be a normal positive float.
+        const float lo = steps[pl] * s * TokenScale(kMaxScaleCode);
+        const float hi = steps[pl] * s * TokenScale(-kMaxScaleCode);
+        if (!(lo > 0) || !std::isfinite(hi)) {
+          return absl::DataLossError("residual payload: group step out of range");
+        }
+      }
+    }
+  }
   std::vector<float> means(nh * n.D);
   for (size_t i = 0; i < nh; ++i) {
     if (choices[i] != Predictor::kChannelMean) continue;
@@ -389,7 +451,7 @@ absl::Status DecodeResidual(const BlockGeometry& g, absl::string_view params,
   // incrementally: up[d] holds the first two terms for the next row, `left` the last.
   std::vector<int32_t> qh(n.head_elems());
   std::vector<uint8_t> up(n.D);
-  std::vector<float> step(n.T);
+  std::vector<float> step(n.T), head_step(n.T);
   std::vector<AdaptiveModel> models = InitialModels(flags & kFlagContextPriors),
                              escapes(2, AdaptiveModel(0.7));
   for (size_t l = 0; l < n.L; ++l) {
@@ -412,8 +474,17 @@ absl::Status DecodeResidual(const BlockGeometry& g, absl::string_view params,
         const size_t i = (l * 2 + kv) * n.H + h;
         const size_t off = n.head(l, kv, h);
         const float* side = SideOf(choices[i], src, n, off, means.data() + i * n.D);
+        const std::vector<float>& gs = group[l * 2 + kv];
+        const float* chan = nullptr;
+        const float* st = step.data();
+        if (!gs.empty() && kv == 0) {
+          chan = gs.data() + h * n.D;
+        } else if (!gs.empty()) {  // (plane step * token scale) * group scale, as the encoder
+          for (size_t t = 0; t < n.T; ++t) head_step[t] = step[t] * gs[h * n.T + t];
+          st = head_step.data();
+        }
         ReconstructHead(qh.data(), n, choices[i], side,
-                        kv == 0 && !rope.empty() ? rope.data() : nullptr, step.data(), out + off);
+                        kv == 0 && !rope.empty() ? rope.data() : nullptr, st, out + off, chan);
       }
     }
   }

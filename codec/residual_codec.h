@@ -21,21 +21,26 @@
 //     ||x - x'|| / ||x|| over the plane, after rounding to the model dtype, is <= target_rel_rms.
 //     One step per plane is the MSE-optimal allocation for an entropy-coded uniform quantizer
 //     (equal distortion everywhere: reverse water-filling at high rate); per-channel / per-token
-//     steps matter for fixed-rate quantizers, not here.
+//     steps matter for fixed-rate quantizers, not here. Measured: the option
+//     StepGroups::kChannelKeysTokenValues (flag 32) multiplies the step of each key (head,
+//     channel) and value (head, token) by 2^(c / 2), c = round(2 log2(rms_g / rms)) in [-8, 7]
+//     from the plane-step residuals, then searches the common step again; it costs 0.35-0.45
+//     more bits per component at equal error on tests/data (residual_codec.cc, kGroupExponent);
 //   - q is coded in (layer, K/V, head, token, channel) order with adaptive 16-symbol models,
 //     context = (K or V, min(|q| of the same channel one token earlier, 3), min(|q| of the
 //     previous channel, 2)) — 24 models, each starting from a geometric prior fitted to its
 //     context (flag 8; without it, all from decay 0.55) — and an Elias-gamma escape for |q| >= 8.
 // Params (version 1): u8 version, u8 flags (1 = rotated, 2 = token scales, 4 = RoPE-aware keys,
-// 8 = context priors, 16 = predictor choices in the payload; blocks written before flags 4-16
-// existed decode unchanged), [u32 rotation seed], [f32 log(RoPE base), in (0, 40]; never with
-// rotation], [block_tokens x i8 scale codes], num_layers * 2 x u16 bf16 step, [without flag 16:
-// num_layers * 2 * num_kv_heads predictor nibbles, packed two per byte], then head_dim x fp16
-// means per channel-mean head.
-// Payload: one rANS stream (rans.h): with flag 16 first the predictor of every head in (layer,
-// K/V, head) order (an adaptive model per K/V), then the quantized residuals.
-// Source: Magarshak 2026 §2 (layer 2, predictive delta coding, surprisal-adaptive quantization);
-// DPCM with the quantizer in the loop (Jayant & Noll, "Digital Coding of Waveforms", ch. 6).
+// 8 = context priors, 16 = predictor choices in the payload, 32 = step group scales (needs 16);
+// blocks written before flags 4-32 existed decode unchanged), [u32 rotation seed], [f32 log(RoPE
+// base), in (0, 40]; never with rotation], [block_tokens x i8 scale codes], num_layers * 2 x u16
+// bf16 step, [without flag 16: num_layers * 2 * num_kv_heads predictor nibbles, packed two per
+// byte], then head_dim x fp16 means per channel-mean head. Payload: one rANS stream (rans.h): with
+// flag 16 first the predictor of every head in (layer, K/V, head) order (an adaptive model per
+// K/V), with flag 32 then the ZigZag group scale codes (per plane in (layer, K/V) order: H x D for
+// keys, H x T for values; an adaptive model per K/V), then the quantized residuals. Source:
+// Magarshak 2026 §2 (layer 2, predictive delta coding, surprisal-adaptive quantization); DPCM with
+// the quantizer in the loop (Jayant & Noll, "Digital Coding of Waveforms", ch. 6).
 #ifndef KVTRIE_CODEC_RESIDUAL_CODEC_H_
 #define KVTRIE_CODEC_RESIDUAL_CODEC_H_
 

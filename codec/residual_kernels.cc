@@ -44,6 +44,10 @@ void DetCosSin(double a, double* c, double* s) {  // |a| <= 1: Taylor series
 
 float Bf16Round(float f) { return Bf16ToFloat(FloatToBf16(f)); }
 float TokenScale(int code) { return std::exp2(-static_cast<float>(code) / 4.0f); }
+float GroupScale(int code) {
+  const int e = code >= 0 ? code / 2 : -((1 - code) / 2);  // floor(code / 2)
+  return std::ldexp((code - 2 * e) ? 1.41421356f : 1.0f, e);
+}
 bool NeedsSide(Predictor p) { return p != Predictor::kNone && p != Predictor::kTemporal; }
 
 std::vector<float> RopeTable(size_t D, float log_base) {
@@ -60,7 +64,8 @@ std::vector<float> RopeTable(size_t D, float log_base) {
 }
 
 double QuantizeHead(const float* x, const Dims& n, Predictor p, const float* side,
-                    const float* rope, float dead_zone, const float* step, int32_t* q, float* rec) {
+                    const float* rope, float dead_zone, const float* step, int32_t* q, float* rec,
+                    const float* chan) {
   double sse = 0;
   float small[2 * kMaxRow];
   std::vector<float> big;
@@ -72,6 +77,23 @@ double QuantizeHead(const float* x, const Dims& n, Predictor p, const float* sid
   std::fill_n(zeros, n.D, 0.0f);
   float* buf = zeros + n.D;
   constexpr float kLimit = static_cast<float>(kMaxQ);
+  if (chan != nullptr) {  // a step per channel: the plain scalar loop (an encoder option only)
+    for (size_t t = 0; t < n.T; ++t) {
+      const float* pred = PredictRow(p, side, rec, t, n.D, rope, zeros, buf);
+      for (size_t d = 0; d < n.D; ++d) {
+        const size_t i = t * n.D + d;
+        const float st = step[t] * chan[d];
+        float u = (x[i] - pred[d]) / st;
+        u = u > kLimit ? kLimit : (u < -kLimit ? -kLimit : u);  // also maps nan to -kLimit
+        u = std::copysign(std::max(std::fabs(u) - dead_zone, 0.0f), u);
+        q[i] = static_cast<int32_t>(RoundHalfEven(u));
+        rec[i] = Reconstruct(pred[d], q[i], st);
+        const double e = static_cast<double>(x[i]) - rec[i];
+        sse += e * e;
+      }
+    }
+    return sse;
+  }
   float tail_sse = 0, last_step = 0, inv = 0;
 #if defined(__SSE2__)
   // Four lanes at a time: cvtps rounds to nearest even (the default MXCSR mode), as the scalar
@@ -124,7 +146,7 @@ double QuantizeHead(const float* x, const Dims& n, Predictor p, const float* sid
 }
 
 void ReconstructHead(const int32_t* q, const Dims& n, Predictor p, const float* side,
-                     const float* rope, const float* step, float* rec) {
+                     const float* rope, const float* step, float* rec, const float* chan) {
   float small[2 * kMaxRow];
   std::vector<float> big;
   float* zeros = small;
@@ -139,6 +161,10 @@ void ReconstructHead(const int32_t* q, const Dims& n, Predictor p, const float* 
     const int32_t* qt = q + t * n.D;
     float* rt = rec + t * n.D;
     const float st = step[t];
+    if (chan != nullptr) {  // a step per channel, as in QuantizeHead
+      for (size_t d = 0; d < n.D; ++d) rt[d] = Reconstruct(pred[d], qt[d], st * chan[d]);
+      continue;
+    }
     size_t d = 0;
 #if defined(__SSE2__)
     const __m128 vst = _mm_set1_ps(st);  // the same pred + q * step, four lanes at a time

@@ -46,6 +46,11 @@ struct Dims {
 // context block or channel means.
 float Bf16Round(float f);
 float TokenScale(int code);
+// The step scale 2^(code / 2) of a step group (StepGroups::kChannelKeysTokenValues), code in
+// [kMinGroupCode, kMaxGroupCode]: exact powers of two (ldexp) and sqrt(2) times them, so encoder
+// and decoder agree on any machine.
+constexpr int kMinGroupCode = -8, kMaxGroupCode = 7;
+float GroupScale(int code);
 bool NeedsSide(Predictor p);
 
 // x' = prediction + q * step, the one reconstruction rule of encoder and decoder (the codec is
@@ -123,13 +128,15 @@ inline const float* PredictRow(Predictor p, const float* side, const float* rec,
 }
 
 // Closed-loop quantization of one head. Returns the squared error (in the coded domain).
-// `dead_zone`: the rounding offset (0 = plain rounding).
+// `dead_zone`: the rounding offset (0 = plain rounding). The step of (t, d) is step[t], or
+// step[t] * chan[d] when `chan` (head_dim per-channel scales) is not null.
 double QuantizeHead(const float* x, const Dims& n, Predictor p, const float* side,
-                    const float* rope, float dead_zone, const float* step, int32_t* q, float* rec);
+                    const float* rope, float dead_zone, const float* step, int32_t* q, float* rec,
+                    const float* chan = nullptr);
 
 // The decoder side of QuantizeHead: rec = prediction + q * step, row by row.
 void ReconstructHead(const int32_t* q, const Dims& n, Predictor p, const float* side,
-                     const float* rope, const float* step, float* rec);
+                     const float* rope, const float* step, float* rec, const float* chan = nullptr);
 
 // Context blocks as floats in the coded (possibly rotated) domain.
 struct Sources {

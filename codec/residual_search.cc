@@ -25,6 +25,38 @@ double EstimateBits(const int32_t* q, size_t count) {
   return bits;
 }
 
+std::vector<int8_t> ChooseGroupCodes(const Dims& n, size_t kv, const float* x, const PlaneCoder& pc,
+                                     const float* token_scale, float delta, double exponent) {
+  const size_t groups = n.H * (kv == 0 ? n.D : n.T);
+  std::vector<double> energy(groups, 0.0);
+  double total = 0;
+  for (size_t h = 0; h < n.H; ++h) {
+    for (size_t t = 0; t < n.T; ++t) {
+      const float st = delta * token_scale[t];
+      for (size_t d = 0; d < n.D; ++d) {
+        const size_t i = (h * n.T + t) * n.D + d;
+        // x - prediction = (x - x') + q * step, since x' = prediction + q * step.
+        const double r =
+            static_cast<double>(x[i]) - pc.rec()[i] + static_cast<double>(pc.q()[i]) * st;
+        energy[kv == 0 ? h * n.D + d : h * n.T + t] += r * r;
+        total += r * r;
+      }
+    }
+  }
+  std::vector<int8_t> codes(groups, 0);
+  const double per_group = static_cast<double>(n.plane_elems()) / groups;
+  const double ms = total / n.plane_elems();
+  if (!(ms > 0)) return codes;
+  for (size_t g = 0; g < groups; ++g) {
+    const double ratio = energy[g] / per_group / ms;  // (rms_g / rms)^2
+    if (!(ratio > 0)) continue;
+    const double c = std::round(exponent * std::log2(ratio));  // 2 * exponent * log2(rms_g / rms)
+    codes[g] = static_cast<int8_t>(
+        std::clamp(c, static_cast<double>(kMinGroupCode), static_cast<double>(kMaxGroupCode)));
+  }
+  return codes;
+}
+
 // Squared error of `rec` (coded domain) against `orig` (original domain) after inverse rotation
 // and rounding to the dtype — what the caller will see.
 double DecodedError(const BlockGeometry& g, const Dims& n, const float* orig, const float* rec,

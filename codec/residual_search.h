@@ -183,6 +183,11 @@ class PlaneCoder {
   const int32_t* q() const { return q_.data(); }
   const float* rec() const { return rec_.data(); }
   const float* means(size_t h) const { return means_.data() + h * n_.D; }
+  // Per-group step scales (StepGroups::kChannelKeysTokenValues): H * D for a key plane (per head
+  // and channel), H * T for a value plane (per head and token); empty = none. Head h's step of
+  // (t, d) is then (delta * token_scale[t]) * scale[h][d] for keys, * scale[h][t] for values — the
+  // decoder's arithmetic, in the same order.
+  void SetGroupScales(std::vector<float> scales) { group_ = std::move(scales); }
 
  private:
   const float* Side(Predictor p, size_t h) const {
@@ -193,8 +198,17 @@ class PlaneCoder {
   }
   double QuantizeOne(size_t h, Predictor p) {
     const size_t o = h * n_.head_elems();
-    return QuantizeHead(x_ + o, n_, p, Side(p, h), rope_, dead_zone_, step_.data(), q_.data() + o,
-                        rec_.data() + o);
+    const float* step = step_.data();
+    const float* chan = nullptr;
+    if (!group_.empty() && kv_ == 0) {
+      chan = group_.data() + h * n_.D;
+    } else if (!group_.empty()) {
+      head_step_.resize(n_.T);
+      for (size_t t = 0; t < n_.T; ++t) head_step_[t] = step_[t] * group_[h * n_.T + t];
+      step = head_step_.data();
+    }
+    return QuantizeHead(x_ + o, n_, p, Side(p, h), rope_, dead_zone_, step, q_.data() + o,
+                        rec_.data() + o, chan);
   }
 
   const Dims n_;
@@ -210,7 +224,18 @@ class PlaneCoder {
   std::vector<int32_t> q_;
   std::vector<float> rec_;
   std::vector<float> step_;
+  std::vector<float> group_;      // per-group step scales, empty = one step per plane
+  std::vector<float> head_step_;  // a value head's steps with its token scales applied
 };
+
+// Scale codes (GroupScale) of the step groups of a plane that `pc` has quantized at step `delta`
+// (times `token_scale`, no group scales yet): code = round(2 * exponent * log2(rms_g / rms)),
+// clamped, for rms_g the RMS prediction residual x - prediction of group g (keys: per head and
+// channel, H * D codes; values: per head and token, H * T codes) and rms that of the plane.
+// exponent 1 scales each step with its group's spread (KIVI-like equal relative error); 0 is the
+// plane step.
+std::vector<int8_t> ChooseGroupCodes(const Dims& n, size_t kv, const float* x, const PlaneCoder& pc,
+                                     const float* token_scale, float delta, double exponent);
 
 // Squared error of `rec` (coded domain) against `orig` (original domain) after inverse rotation
 // and rounding to the dtype — what the caller will see.
