@@ -78,12 +78,13 @@ class ClusterStoreTest : public ::testing::Test {
   }
 
   // Reads `d` back through Get + DecodeBlock; checks every block is bit-exact (max_rel_rms = 0) or
-  // within max_rel_rms (K and V).
-  void ExpectReadable(const std::string& ns, const KvDump& d, double max_rel_rms) {
+  // within max_rel_rms (K and V). With `whole` false, whatever prefix of `d` is still stored.
+  void ExpectReadable(const std::string& ns, const KvDump& d, double max_rel_rms,
+                      bool whole = true) {
     ModelInfo m = Model(d);
     auto got = store_->Get(ns, m.model_id, d.token_ids, 0);
     ASSERT_TRUE(got.ok()) << got.status();
-    ASSERT_EQ(got->blocks.size(), d.num_tokens() / kBlockTokens);
+    if (whole) ASSERT_EQ(got->blocks.size(), d.num_tokens() / kBlockTokens);
     std::vector<uint8_t> want(m.geometry.num_bytes()), have(m.geometry.num_bytes()), parent;
     for (size_t b = 0; b < got->blocks.size(); ++b) {
       GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(want));
@@ -243,6 +244,32 @@ TEST_F(ClusterStoreTest, ResidualsSurviveARestart) {
   store_ = *std::move(opened);
   EXPECT_EQ(store_->Stats("ns").cluster.residual_nodes, residuals);
   ExpectReadable("ns", n1, 0.1);
+}
+
+TEST_F(ClusterStoreTest, DiskEvictionNeverTakesACentroidThatMembersNeed) {
+  store_.reset();
+  StoreOptions o;
+  o.data_dir = dir_.string();
+  o.disk_bytes = 450000;  // n0 + n1 fit (~320 KB lossless); s0..s3 then force evictions
+  auto opened = KvStore::Open(o);
+  ASSERT_TRUE(opened.ok());
+  store_ = *std::move(opened);
+  const KvDump n0 = Load("neardup/n0"), n1 = Load("neardup/n1");
+  const EncodeOptions enc{.encoding = Encoding::kLossless};
+  ASSERT_TRUE(Put("ns", n0, enc).ok());
+  ASSERT_TRUE(Put("ns", n1, enc).ok());
+  ASSERT_GT(store_->Stats("ns").cluster.residual_nodes, 20u);
+  for (int i = 0; i < 4; ++i) {
+    auto s = Put("ns", Load("sessions/s" + std::to_string(i)), enc);
+    ASSERT_TRUE(s.ok()) << s.status();
+  }
+  const StoreStats st = store_->Stats("ns");
+  EXPECT_GT(st.evictions_disk, 0u);
+  EXPECT_LE(st.disk_bytes, o.disk_bytes);
+  EXPECT_GT(st.cluster.residual_nodes, 0u);  // some members survived, so did their centroids
+  // Whatever is left of n0 and n1 decodes bit-exact: no member lost its centroid.
+  ExpectReadable("ns", n1, 0, /*whole=*/false);
+  ExpectReadable("ns", n0, 0, /*whole=*/false);
 }
 
 }  // namespace
