@@ -498,7 +498,19 @@ absl::Status KvStore::DecodeBlock(const std::string& ns, const std::string& mode
     reference.resize(out.size());
     if (auto s = ReconstructNode(ns, model_id, block.reference_node_id, absl::MakeSpan(reference));
         !s.ok()) {
-      return s;
+      // The centroid failed its checksum (and was dropped) or is gone. If this member is still
+      // coded against it (not re-encoded meanwhile by a Delete), it can never be decoded again.
+      absl::MutexLock lock(&mu_);
+      Model* m = FindModel(ns, model_id);
+      TrieNode* n = m ? m->trie->Find(block.node_id) : nullptr;
+      if (n == nullptr || n->reference_node_id != block.reference_node_id ||
+          m->trie->Find(block.reference_node_id) != nullptr) {
+        return s;
+      }
+      DropNodeLocked(m, n, DropReason::kDataLoss);
+      return absl::DataLossError(absl::StrCat("node ", block.node_id, ": its centroid ",
+                                              block.reference_node_id, " is lost (", s.message(),
+                                              "); the node and its subtree were dropped"));
     }
     ctx.reference = reference;
   }

@@ -2,6 +2,7 @@
 // GPL-3 preamble with one word changed, then the same Genesis text).
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -268,6 +269,71 @@ TEST_F(ClusterStoreTest, DiskEvictionNeverTakesACentroidThatMembersNeed) {
   EXPECT_LE(st.disk_bytes, o.disk_bytes);
   EXPECT_GT(st.cluster.residual_nodes, 0u);  // some members survived, so did their centroids
   // Whatever is left of n0 and n1 decodes bit-exact: no member lost its centroid.
+  ExpectReadable("ns", n1, 0, /*whole=*/false);
+  ExpectReadable("ns", n0, 0, /*whole=*/false);
+}
+
+}  // namespace
+}  // namespace kvtrie
+
+namespace kvtrie {
+namespace {
+
+// A centroid whose payload rots on disk takes its members with it: they are DATA_LOSS and
+// dropped at once (never ABORTED, never served against a missing reference).
+TEST_F(ClusterStoreTest, MembersOfACorruptCentroidAreDataLossAndDropped) {
+  const KvDump n0 = Load("neardup/n0"), n1 = Load("neardup/n1");
+  const EncodeOptions enc{.encoding = Encoding::kLossless};
+  ASSERT_TRUE(Put("ns", n0, enc).ok());
+  auto s1 = Put("ns", n1, enc);
+  ASSERT_TRUE(s1.ok()) << s1.status();
+  const BlockReport member = s1->blocks[26];
+  ASSERT_EQ(member.outcome, BlockOutcome::kResidualOfCentroid);
+  std::string centroid;
+  {
+    auto got = store_->Get("ns", n0.model_id, n0.token_ids, 0);
+    ASSERT_TRUE(got.ok());
+    ASSERT_EQ(got->blocks[26].node_id, member.reference_node_id);
+    auto payload = store_->Payload("ns", n0.model_id, got->blocks[26]);
+    ASSERT_TRUE(payload.ok());
+    centroid = **payload;
+  }
+  store_.reset();  // flushes: the payloads are now in blob files
+  int flipped = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir_)) {
+    if (e.path().extension() != ".blob") continue;
+    std::fstream f(e.path(), std::ios::in | std::ios::out | std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    const size_t at = bytes.find(centroid);
+    if (at == std::string::npos) continue;
+    f.seekp(static_cast<std::streamoff>(at + centroid.size() / 2));
+    const char c = static_cast<char>(bytes[at + centroid.size() / 2] ^ 0x40);
+    f.write(&c, 1);
+    ++flipped;
+  }
+  ASSERT_EQ(flipped, 1) << "the centroid's payload was not found in a blob file";
+  StoreOptions o;
+  o.data_dir = dir_.string();
+  auto reopened = KvStore::Open(o);
+  ASSERT_TRUE(reopened.ok()) << reopened.status();
+  store_ = *std::move(reopened);
+
+  const ModelInfo m = Model(n1);
+  auto got = store_->Get("ns", m.model_id, n1.token_ids, 0);
+  ASSERT_TRUE(got.ok());
+  ASSERT_EQ(got->blocks.size(), 32u);
+  std::vector<uint8_t> out(m.geometry.num_bytes()), parent;
+  absl::Status s;
+  size_t b = 0;
+  for (; b < got->blocks.size(); ++b) {
+    s = store_->DecodeBlock("ns", m.model_id, got->blocks[b], parent, absl::MakeSpan(out));
+    if (!s.ok()) break;
+    parent = out;
+  }
+  EXPECT_EQ(b, 26u);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  // The member and its subtree are gone; what is left of n1 (and of n0) reads back bit-exact.
+  EXPECT_EQ(store_->Lookup("ns", m.model_id, n1.token_ids).node_ids.size(), 26u);
   ExpectReadable("ns", n1, 0, /*whole=*/false);
   ExpectReadable("ns", n0, 0, /*whole=*/false);
 }
