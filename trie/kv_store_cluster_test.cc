@@ -9,6 +9,7 @@
 #include "client/kv_dump.h"
 #include "codec/kv_layout.h"
 #include "gtest/gtest.h"
+#include "trie/blob_corruption_testing.h"
 #include "trie/kv_store.h"
 
 namespace kvtrie {
@@ -299,19 +300,8 @@ TEST_F(ClusterStoreTest, MembersOfACorruptCentroidAreDataLossAndDropped) {
     centroid = **payload;
   }
   store_.reset();  // flushes: the payloads are now in blob files
-  int flipped = 0;
-  for (const auto& e : std::filesystem::directory_iterator(dir_)) {
-    if (e.path().extension() != ".blob") continue;
-    std::fstream f(e.path(), std::ios::in | std::ios::out | std::ios::binary);
-    std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    const size_t at = bytes.find(centroid);
-    if (at == std::string::npos) continue;
-    f.seekp(static_cast<std::streamoff>(at + centroid.size() / 2));
-    const char c = static_cast<char>(bytes[at + centroid.size() / 2] ^ 0x40);
-    f.write(&c, 1);
-    ++flipped;
-  }
-  ASSERT_EQ(flipped, 1) << "the centroid's payload was not found in a blob file";
+  ASSERT_EQ(FlipByteInBlobFiles(dir_, centroid), 1)
+      << "the centroid's payload was not found in a blob file";
   StoreOptions o;
   o.data_dir = dir_.string();
   auto reopened = KvStore::Open(o);

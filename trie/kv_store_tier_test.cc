@@ -13,6 +13,7 @@
 #include "client/kv_dump.h"
 #include "codec/kv_layout.h"
 #include "gtest/gtest.h"
+#include "trie/blob_corruption_testing.h"
 #include "trie/kv_store.h"
 
 namespace kvtrie {
@@ -241,19 +242,7 @@ TEST_F(TierTest, CorruptBlobOnDiskIsDataLossAndOnlyThatSubtreeIsDropped) {
     victim = *got->blocks[26].encoded;
   }
   store_.reset();  // flushes: the payloads are now in blob files
-  int flipped = 0;
-  for (const auto& e : std::filesystem::directory_iterator(dir_)) {
-    if (e.path().extension() != ".blob") continue;
-    std::fstream f(e.path(), std::ios::in | std::ios::out | std::ios::binary);
-    std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    const size_t at = bytes.find(victim);
-    if (at == std::string::npos) continue;
-    f.seekp(static_cast<std::streamoff>(at + victim.size() / 2));
-    const char c = static_cast<char>(bytes[at + victim.size() / 2] ^ 0x40);
-    f.write(&c, 1);
-    ++flipped;
-  }
-  ASSERT_EQ(flipped, 1) << "the payload was not found in a blob file";
+  ASSERT_EQ(FlipByteInBlobFiles(dir_, victim), 1) << "the payload was not found in a blob file";
   Open({});
   EXPECT_EQ(store_->recovery().dropped_bad_payload, 0u);  // payloads are checked when read
   {  // (a Get's snapshot must not outlive the store)
