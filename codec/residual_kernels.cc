@@ -63,19 +63,37 @@ std::vector<float> RopeTable(size_t D, float log_base) {
   return t;
 }
 
+// Zeros (the prediction of a row that has no context) and one row of scratch; on the stack when
+// head_dim <= kMaxRow.
+class RowScratch {
+ public:
+  explicit RowScratch(size_t d) {
+    if (d > kMaxRow) {
+      big_.resize(2 * d);
+      zeros_ = big_.data();
+    }
+    std::fill_n(zeros_, d, 0.0f);
+    buf_ = zeros_ + d;
+  }
+  RowScratch(const RowScratch&) = delete;
+  RowScratch& operator=(const RowScratch&) = delete;
+  const float* zeros() const { return zeros_; }
+  float* buf() { return buf_; }
+
+ private:
+  float small_[2 * kMaxRow];
+  std::vector<float> big_;
+  float* zeros_ = small_;
+  float* buf_ = nullptr;
+};
+
 double QuantizeHead(const float* x, const Dims& n, Predictor p, const float* side,
                     const float* rope, float dead_zone, const float* step, int32_t* q, float* rec,
                     const float* chan) {
   double sse = 0;
-  float small[2 * kMaxRow];
-  std::vector<float> big;
-  float* zeros = small;
-  if (n.D > kMaxRow) {
-    big.resize(2 * n.D);
-    zeros = big.data();
-  }
-  std::fill_n(zeros, n.D, 0.0f);
-  float* buf = zeros + n.D;
+  RowScratch scratch(n.D);
+  const float* zeros = scratch.zeros();
+  float* buf = scratch.buf();
   constexpr float kLimit = static_cast<float>(kMaxQ);
   if (chan != nullptr) {  // a step per channel: the plain scalar loop (an encoder option only)
     for (size_t t = 0; t < n.T; ++t) {
@@ -147,15 +165,9 @@ double QuantizeHead(const float* x, const Dims& n, Predictor p, const float* sid
 
 void ReconstructHead(const int32_t* q, const Dims& n, Predictor p, const float* side,
                      const float* rope, const float* step, float* rec, const float* chan) {
-  float small[2 * kMaxRow];
-  std::vector<float> big;
-  float* zeros = small;
-  if (n.D > kMaxRow) {
-    big.resize(2 * n.D);
-    zeros = big.data();
-  }
-  std::fill_n(zeros, n.D, 0.0f);
-  float* buf = zeros + n.D;
+  RowScratch scratch(n.D);
+  const float* zeros = scratch.zeros();
+  float* buf = scratch.buf();
   for (size_t t = 0; t < n.T; ++t) {
     const float* pred = PredictRow(p, side, rec, t, n.D, rope, zeros, buf);
     const int32_t* qt = q + t * n.D;
