@@ -224,17 +224,10 @@ grpc::Status KvCacheService::Get(grpc::ServerContext* context, const v1::GetRequ
   const bool residual = request->mode() == v1::GET_MODE_RESIDUAL;
   std::vector<uint32_t> tokens(request->token_ids().begin(), request->token_ids().end());
   if (request->node_id() != 0) {  // the path to a node (a centroid): its tokens, root first
-    tokens.clear();
-    std::vector<std::vector<uint32_t>> blocks;
-    for (uint64_t id = request->node_id(); id != 0;) {
-      absl::StatusOr<InspectResult> n =
-          store_->Inspect(request->namespace_(), request->model_id(), id);
-      if (!n.ok()) return ToGrpcStatus(n.status());
-      blocks.push_back(n->node.token_ids);
-      id = n->node.parent_id;
-    }
-    for (auto it = blocks.rbegin(); it != blocks.rend(); ++it)
-      tokens.insert(tokens.end(), it->begin(), it->end());
+    absl::StatusOr<std::vector<uint32_t>> path =
+        store_->PathTokens(request->namespace_(), request->model_id(), request->node_id());
+    if (!path.ok()) return ToGrpcStatus(path.status());
+    tokens = *std::move(path);
   }
   absl::StatusOr<GetResult> got =
       store_->Get(request->namespace_(), request->model_id(), tokens, request->max_blocks());

@@ -569,6 +569,29 @@ absl::StatusOr<std::pair<uint64_t, uint64_t>> KvStore::Delete(
   return std::make_pair(before_nodes - m->trie->num_nodes(), before_bytes - m->bytes_stored);
 }
 
+absl::StatusOr<std::vector<uint32_t>> KvStore::PathTokens(const std::string& ns,
+                                                          const std::string& model_id,
+                                                          uint64_t node_id) {
+  absl::MutexLock lock(&mu_);
+  Model* m = FindModel(ns, model_id);
+  if (m == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("model_id: '", model_id, "' has no KV in namespace '", ns, "'"));
+  }
+  const TrieNode* n = m->trie->Find(node_id);
+  if (n == nullptr) {
+    return absl::NotFoundError(absl::StrCat("node_id: ", node_id, " is not a node of '", model_id,
+                                            "' in namespace '", ns, "'"));
+  }
+  const size_t bt = m->trie->block_tokens();
+  std::vector<uint32_t> tokens(static_cast<size_t>(n->depth) * bt);
+  for (; n->depth > 0; n = n->parent) {
+    std::copy(n->token_ids.begin(), n->token_ids.end(),
+              tokens.begin() + static_cast<ptrdiff_t>((n->depth - 1) * bt));
+  }
+  return tokens;
+}
+
 absl::StatusOr<InspectResult> KvStore::Inspect(const std::string& ns, const std::string& model_id,
                                                uint64_t node_id) {
   absl::MutexLock lock(&mu_);

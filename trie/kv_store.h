@@ -302,6 +302,11 @@ class KvStore {
                                                        const std::string& model_id,
                                                        absl::Span<const uint32_t> token_ids);
 
+  // The token ids of the prefix that ends with node `node_id` (depth * block_tokens ids, root
+  // first). Errors: NOT_FOUND naming `model_id` or `node_id`.
+  absl::StatusOr<std::vector<uint32_t>> PathTokens(const std::string& ns,
+                                                   const std::string& model_id, uint64_t node_id);
+
   // One node (0 = root) and its children. Errors: NOT_FOUND naming `model_id` or `node_id`.
   absl::StatusOr<InspectResult> Inspect(const std::string& ns, const std::string& model_id,
                                         uint64_t node_id);
