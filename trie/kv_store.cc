@@ -278,6 +278,26 @@ KvStore::Model* KvStore::FindModel(const std::string& ns, const std::string& mod
   return it == models_.end() ? nullptr : &it->second;
 }
 
+absl::StatusOr<KvStore::Model*> KvStore::FindModelOrNotFound(const std::string& ns,
+                                                             const std::string& model_id) {
+  Model* m = FindModel(ns, model_id);
+  if (m == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("model_id: '", model_id, "' has no KV in namespace '", ns, "'"));
+  }
+  return m;
+}
+
+absl::StatusOr<TrieNode*> KvStore::FindNodeOrNotFound(Model* model, const std::string& ns,
+                                                      uint64_t node_id) {
+  TrieNode* n = model->trie->Find(node_id);
+  if (n == nullptr) {
+    return absl::NotFoundError(absl::StrCat("node_id: ", node_id, " is not a node of '",
+                                            model->info.model_id, "' in namespace '", ns, "'"));
+  }
+  return n;
+}
+
 MatchResult KvStore::Lookup(const std::string& ns, const std::string& model_id,
                             absl::Span<const uint32_t> token_ids) {
   lookups_.fetch_add(1, std::memory_order_relaxed);
@@ -540,11 +560,9 @@ absl::StatusOr<std::pair<uint64_t, uint64_t>> KvStore::Delete(
   // Near-duplicates coded against a node of the subtree are re-encoded first (kv_store_cluster.cc).
   if (auto s = ReleaseDependentsOfPrefix(ns, model_id, token_ids); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
-  Model* m = FindModel(ns, model_id);
-  if (m == nullptr) {
-    return absl::NotFoundError(
-        absl::StrCat("model_id: '", model_id, "' has no KV in namespace '", ns, "'"));
-  }
+  absl::StatusOr<Model*> found = FindModelOrNotFound(ns, model_id);
+  if (!found.ok()) return found.status();
+  Model* m = *found;
   const uint32_t bt = m->info.geometry.block_tokens;
   if (token_ids.empty() || token_ids.size() % bt != 0) {
     return absl::InvalidArgumentError(absl::StrCat("token_ids: ", token_ids.size(),
@@ -573,16 +591,12 @@ absl::StatusOr<std::vector<uint32_t>> KvStore::PathTokens(const std::string& ns,
                                                           const std::string& model_id,
                                                           uint64_t node_id) {
   absl::MutexLock lock(&mu_);
-  Model* m = FindModel(ns, model_id);
-  if (m == nullptr) {
-    return absl::NotFoundError(
-        absl::StrCat("model_id: '", model_id, "' has no KV in namespace '", ns, "'"));
-  }
-  const TrieNode* n = m->trie->Find(node_id);
-  if (n == nullptr) {
-    return absl::NotFoundError(absl::StrCat("node_id: ", node_id, " is not a node of '", model_id,
-                                            "' in namespace '", ns, "'"));
-  }
+  absl::StatusOr<Model*> found = FindModelOrNotFound(ns, model_id);
+  if (!found.ok()) return found.status();
+  Model* m = *found;
+  absl::StatusOr<TrieNode*> node = FindNodeOrNotFound(m, ns, node_id);
+  if (!node.ok()) return node.status();
+  const TrieNode* n = *node;
   const size_t bt = m->trie->block_tokens();
   std::vector<uint32_t> tokens(static_cast<size_t>(n->depth) * bt);
   for (; n->depth > 0; n = n->parent) {
@@ -595,16 +609,12 @@ absl::StatusOr<std::vector<uint32_t>> KvStore::PathTokens(const std::string& ns,
 absl::StatusOr<InspectResult> KvStore::Inspect(const std::string& ns, const std::string& model_id,
                                                uint64_t node_id) {
   absl::MutexLock lock(&mu_);
-  Model* m = FindModel(ns, model_id);
-  if (m == nullptr) {
-    return absl::NotFoundError(
-        absl::StrCat("model_id: '", model_id, "' has no KV in namespace '", ns, "'"));
-  }
-  TrieNode* n = m->trie->Find(node_id);
-  if (n == nullptr) {
-    return absl::NotFoundError(absl::StrCat("node_id: ", node_id, " is not a node of '", model_id,
-                                            "' in namespace '", ns, "'"));
-  }
+  absl::StatusOr<Model*> found = FindModelOrNotFound(ns, model_id);
+  if (!found.ok()) return found.status();
+  Model* m = *found;
+  absl::StatusOr<TrieNode*> node = FindNodeOrNotFound(m, ns, node_id);
+  if (!node.ok()) return node.status();
+  TrieNode* n = *node;
   InspectResult r;
   r.model = m->info;
   r.node = ToView(*n);

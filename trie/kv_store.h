@@ -367,6 +367,12 @@ class KvStore {
   absl::Status Recover();
   Model* FindModel(const std::string& ns, const std::string& model_id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // FindModel, or NOT_FOUND naming `model_id`.
+  absl::StatusOr<Model*> FindModelOrNotFound(const std::string& ns, const std::string& model_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Node `node_id` of `model` (0 = the root), or NOT_FOUND naming `node_id`.
+  absl::StatusOr<TrieNode*> FindNodeOrNotFound(Model* model, const std::string& ns,
+                                               uint64_t node_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // One encoded block of a Put, ready to commit.
   struct NewBlock {
     uint32_t block_index = 0;

@@ -144,18 +144,14 @@ bool KvStore::HasDependents(const std::string& ns, const std::string& model_id, 
 absl::StatusOr<double> KvStore::TrieDistance(const std::string& ns, const std::string& model_id,
                                              uint64_t a, uint64_t b) {
   absl::MutexLock lock(&mu_);
-  Model* m = FindModel(ns, model_id);
-  if (m == nullptr) {
-    return absl::NotFoundError(
-        absl::StrCat("model_id: '", model_id, "' has no KV in namespace '", ns, "'"));
-  }
-  const TrieNode* na = m->trie->Find(a);
-  const TrieNode* nb = m->trie->Find(b);
-  if (na == nullptr || nb == nullptr) {
-    return absl::NotFoundError(
-        absl::StrCat("node_id: ", na == nullptr ? a : b, " is not a node of '", model_id, "'"));
-  }
-  return TrieDistanceBits(na, nb);
+  absl::StatusOr<Model*> found = FindModelOrNotFound(ns, model_id);
+  if (!found.ok()) return found.status();
+  Model* m = *found;
+  absl::StatusOr<TrieNode*> na = FindNodeOrNotFound(m, ns, a);
+  if (!na.ok()) return na.status();
+  absl::StatusOr<TrieNode*> nb = FindNodeOrNotFound(m, ns, b);
+  if (!nb.ok()) return nb.status();
+  return TrieDistanceBits(*na, *nb);
 }
 
 void KvStore::ClusterViewLocked(Model* model, const TrieNode& node, NodeView* view) {

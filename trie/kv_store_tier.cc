@@ -280,11 +280,9 @@ absl::StatusOr<uint64_t> KvStore::Pin(const std::string& ns, const std::string& 
                                       absl::Span<const uint32_t> token_ids, uint64_t ttl_seconds,
                                       bool unpin) {
   absl::MutexLock lock(&mu_);
-  Model* m = FindModel(ns, model_id);
-  if (m == nullptr) {
-    return absl::NotFoundError(
-        absl::StrCat("model_id: '", model_id, "' has no KV in namespace '", ns, "'"));
-  }
+  absl::StatusOr<Model*> found = FindModelOrNotFound(ns, model_id);
+  if (!found.ok()) return found.status();
+  Model* m = *found;
   const uint32_t bt = m->info.geometry.block_tokens;
   if (token_ids.size() < bt) {
     return absl::InvalidArgumentError(
