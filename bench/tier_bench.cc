@@ -69,7 +69,7 @@ int Main(int argc, char** argv) {
       auto got = (*store)->Get(ns, model.model_id, d->token_ids, 0);
       parent.clear();
       for (const BlockRead& b : got->blocks) {
-        auto payload = (*store)->Payload(ns, model.model_id, b);
+        auto payload = (*store)->ReadPayload(ns, model.model_id, b);
         if (!payload.ok()) return 1;
         bytes += (*payload)->size();
         ++n;

@@ -241,7 +241,8 @@ grpc::Status KvCacheService::Get(grpc::ServerContext* context, const v1::GetRequ
   if (!writer->Write(header)) return grpc::Status(grpc::StatusCode::CANCELLED, "client gone");
 
   const BlockGeometry& g = got->model.geometry;
-  std::vector<uint8_t> kv, parent;
+  std::vector<uint8_t> kv(g.num_bytes());
+  DecodeChain chain(g, nullptr);  // the store reads the centroids
   const size_t layer_bytes = g.num_layers ? g.layer_range_bytes(0, 1) : 1;
   const uint32_t layers_per_message =
       static_cast<uint32_t>(std::max<uint64_t>(1, options_.max_get_message_bytes / layer_bytes));
@@ -260,15 +261,14 @@ grpc::Status KvCacheService::Get(grpc::ServerContext* context, const v1::GetRequ
       out->set_layer_end(g.num_layers);
       // A cold block is read from RocksDB here (DATA_LOSS if it fails its checksum).
       absl::StatusOr<std::shared_ptr<const std::string>> payload =
-          store_->Payload(request->namespace_(), request->model_id(), b);
+          store_->ReadPayload(request->namespace_(), request->model_id(), b);
       if (!payload.ok()) return ToGrpcStatus(payload.status());
       out->set_encoded(**payload);
       if (!writer->Write(msg)) return grpc::Status(grpc::StatusCode::CANCELLED, "client gone");
       continue;
     }
-    kv.resize(g.num_bytes());
-    absl::Status s = store_->DecodeBlock(request->namespace_(), request->model_id(), b, parent,
-                                         absl::MakeSpan(kv));
+    absl::Status s = store_->ReadAndDecodeBlock(request->namespace_(), request->model_id(), b,
+                                                &chain, absl::MakeSpan(kv));
     if (!s.ok()) return ToGrpcStatus(s);
     for (uint32_t l = 0; l < g.num_layers; l += layers_per_message) {
       const uint32_t end = std::min(g.num_layers, l + layers_per_message);
@@ -277,7 +277,6 @@ grpc::Status KvCacheService::Get(grpc::ServerContext* context, const v1::GetRequ
       out->set_kv(kv.data() + g.layer_range_bytes(0, l), g.layer_range_bytes(l, end));
       if (!writer->Write(msg)) return grpc::Status(grpc::StatusCode::CANCELLED, "client gone");
     }
-    parent.swap(kv);
   }
   return grpc::Status::OK;
 }

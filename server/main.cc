@@ -4,6 +4,7 @@
 //
 // Serves grpc.health.v1.Health (status SERVING for "" and "kvtrie.v1.KVCache") and server
 // reflection (v1alpha, what gRPC 1.51 ships), so grpcurl can list, describe and call it.
+// If the store fails (a write to disk failed; it then refuses writes), health turns NOT_SERVING.
 // SIGTERM or SIGINT: health turns NOT_SERVING, new calls are refused, running calls get
 // --shutdown_grace_seconds to finish and are then cancelled, the store is flushed and closed,
 // and the process exits 0.
@@ -28,6 +29,8 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "grpc/health/v1/health.pb.h"
 #include "server/kvcache_service.h"
 #include "trie/kv_store.h"
@@ -158,6 +161,19 @@ int Run() {
     std::rename(tmp.c_str(), path.c_str());  // appears whole or not at all
   }
 
+  // A failed store write makes the store refuse writes until restart (trie/record_store.h):
+  // health turns NOT_SERVING so the orchestrator restarts or drains this instance.
+  absl::Notification stopping;
+  std::thread health_watch([&] {
+    while (!stopping.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
+      if (absl::Status h = (*store)->health(); !h.ok()) {
+        spdlog::critical("{}; health is NOT_SERVING", std::string(h.message()));
+        server->GetHealthCheckService()->SetServingStatus(kServiceName, false);
+        server->GetHealthCheckService()->SetServingStatus(false);
+        return;
+      }
+    }
+  });
   std::thread waiter([&] {
     int sig = 0;
     sigwait(&signals, &sig);
@@ -169,6 +185,8 @@ int Run() {
   });
   server->Wait();
   waiter.join();
+  stopping.Notify();
+  health_watch.join();
   store->reset();  // flushes and closes RocksDB
   spdlog::info("kvtrie-server stopped");
   return 0;

@@ -7,7 +7,8 @@
 // surprisal (bits) and its path surprisal -log2 P(prefix) (the paper's Layer 1 edge weights).
 //
 // Longest-prefix match costs one hash and one token comparison per block: O(tokens).
-// Not thread-safe: the owner (KvStore) serializes access.
+// Not thread-safe: the owner (ModelShard, trie/model_shard.h) serializes access. The hot payload
+// copy and the eviction state of a node are not here: TierManager (trie/tier_manager.h) owns them.
 // Source: radix tree over token blocks as in SGLang's RadixAttention and vLLM's prefix caching
 // (hash of the block's tokens chained with its parent); Magarshak 2026 §1 for the surprisal.
 #ifndef KVTRIE_TRIE_BLOCK_TRIE_H_
@@ -23,12 +24,11 @@
 #include "absl/container/inlined_vector.h"
 #include "absl/types/span.h"
 #include "codec/block_codec.h"
-#include "trie/tier_policy.h"
 
 namespace kvtrie {
 
 struct TrieNode {
-  uint64_t id = 0;  // unique in the store; 0 for the root
+  uint64_t id = 0;  // unique in its (namespace, model) trie; 0 for the root
   TrieNode* parent = nullptr;
   uint32_t depth = 0;                 // in blocks; root = 0, its children 1
   std::vector<uint32_t> token_ids;    // block_tokens ids (empty for the root)
@@ -41,10 +41,10 @@ struct TrieNode {
   uint64_t bytes_stored = 0;   // encoded bytes
   float rel_rms_error_k = 0;   // achieved by the encoding (0 when bit-exact)
   float rel_rms_error_v = 0;
-  std::shared_ptr<const std::string> encoded;  // the encoded block when hot; null when cold
-  uint64_t hits = 0;                           // Gets that returned this node
+  uint64_t hits = 0;               // Gets that returned this node
   uint64_t reference_node_id = 0;  // the centroid this block is a residual of (0 = none)
-  TierState tier;  // hot/cold tier and eviction state, owned by KvStore (trie/tier_policy.h)
+  // Set while a delete or eviction of this node is being written: readers no longer match it.
+  bool removing = false;
 
   // Children by token hash; a bucket holds more than one node only on a hash collision.
   absl::flat_hash_map<uint64_t, absl::InlinedVector<TrieNode*, 1>> children;

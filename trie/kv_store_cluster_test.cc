@@ -11,6 +11,7 @@
 #include "gtest/gtest.h"
 #include "trie/blob_corruption_testing.h"
 #include "trie/kv_store.h"
+#include "trie/kv_store_testing.h"
 
 namespace kvtrie {
 namespace {
@@ -79,19 +80,21 @@ class ClusterStoreTest : public ::testing::Test {
     return (*session)->Finish();
   }
 
-  // Reads `d` back through Get + DecodeBlock; checks every block is bit-exact (max_rel_rms = 0) or
-  // within max_rel_rms (K and V). With `whole` false, whatever prefix of `d` is still stored.
+  // Reads `d` back through Get + ReadAndDecodeBlock; checks every block is bit-exact (max_rel_rms =
+  // 0) or within max_rel_rms (K and V). With `whole` false, whatever prefix of `d` is still stored.
   void ExpectReadable(const std::string& ns, const KvDump& d, double max_rel_rms,
                       bool whole = true) {
     ModelInfo m = Model(d);
     auto got = store_->Get(ns, m.model_id, d.token_ids, 0);
     ASSERT_TRUE(got.ok()) << got.status();
     if (whole) ASSERT_EQ(got->blocks.size(), d.num_tokens() / kBlockTokens);
-    std::vector<uint8_t> want(m.geometry.num_bytes()), have(m.geometry.num_bytes()), parent;
+    std::vector<uint8_t> want(m.geometry.num_bytes()), have(m.geometry.num_bytes());
+    DecodeChain chain(m.geometry, nullptr);
     for (size_t b = 0; b < got->blocks.size(); ++b) {
       GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(want));
       ASSERT_TRUE(
-          store_->DecodeBlock(ns, m.model_id, got->blocks[b], parent, absl::MakeSpan(have)).ok())
+          store_->ReadAndDecodeBlock(ns, m.model_id, got->blocks[b], &chain, absl::MakeSpan(have))
+              .ok())
           << "block " << b;
       if (max_rel_rms == 0) {
         ASSERT_EQ(want, have) << "block " << b;
@@ -99,7 +102,6 @@ class ClusterStoreTest : public ::testing::Test {
         EXPECT_LE(RelRms(m.geometry, want, have, 0), max_rel_rms * 1.0001) << "K, block " << b;
         EXPECT_LE(RelRms(m.geometry, want, have, 1), max_rel_rms * 1.0001) << "V, block " << b;
       }
-      parent = have;
     }
   }
 
@@ -146,7 +148,8 @@ TEST_F(ClusterStoreTest, LosslessNearDuplicatesAreResidualsOfACentroidAndBitExac
   ASSERT_TRUE(in.ok());
   EXPECT_EQ(in->node.reference_node_id, last.reference_node_id);
   EXPECT_GT(in->node.distance_to_reference_bits, 0);
-  EXPECT_TRUE(store_->HasDependents("ns", n1.model_id, last.reference_node_id));
+  EXPECT_TRUE(
+      KvStoreTestPeer::HasDependents(store_.get(), "ns", n1.model_id, last.reference_node_id));
 }
 
 TEST_F(ClusterStoreTest, LossyNearDuplicatesMeetTheTargetAndDeletingTheCentroidKeepsThem) {
@@ -173,7 +176,8 @@ TEST_F(ClusterStoreTest, LossyNearDuplicatesMeetTheTargetAndDeletingTheCentroidK
   EXPECT_GT(del->first, 20u);
   ExpectReadable("ns", n1, 0.1);
   ExpectReadable("ns", n2, 0.1);
-  EXPECT_FALSE(store_->HasDependents("ns", n1.model_id, s1->blocks.back().reference_node_id));
+  EXPECT_FALSE(KvStoreTestPeer::HasDependents(store_.get(), "ns", n1.model_id,
+                                              s1->blocks.back().reference_node_id));
 }
 
 TEST_F(ClusterStoreTest, LosslessDeleteOfTheCentroidKeepsMembersBitExact) {
@@ -295,7 +299,7 @@ TEST_F(ClusterStoreTest, MembersOfACorruptCentroidAreDataLossAndDropped) {
     auto got = store_->Get("ns", n0.model_id, n0.token_ids, 0);
     ASSERT_TRUE(got.ok());
     ASSERT_EQ(got->blocks[26].node_id, member.reference_node_id);
-    auto payload = store_->Payload("ns", n0.model_id, got->blocks[26]);
+    auto payload = store_->ReadPayload("ns", n0.model_id, got->blocks[26]);
     ASSERT_TRUE(payload.ok());
     centroid = **payload;
   }
@@ -312,13 +316,13 @@ TEST_F(ClusterStoreTest, MembersOfACorruptCentroidAreDataLossAndDropped) {
   auto got = store_->Get("ns", m.model_id, n1.token_ids, 0);
   ASSERT_TRUE(got.ok());
   ASSERT_EQ(got->blocks.size(), 32u);
-  std::vector<uint8_t> out(m.geometry.num_bytes()), parent;
+  std::vector<uint8_t> out(m.geometry.num_bytes());
+  DecodeChain chain(m.geometry, nullptr);
   absl::Status s;
   size_t b = 0;
   for (; b < got->blocks.size(); ++b) {
-    s = store_->DecodeBlock("ns", m.model_id, got->blocks[b], parent, absl::MakeSpan(out));
+    s = store_->ReadAndDecodeBlock("ns", m.model_id, got->blocks[b], &chain, absl::MakeSpan(out));
     if (!s.ok()) break;
-    parent = out;
   }
   EXPECT_EQ(b, 26u);
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;

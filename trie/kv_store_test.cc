@@ -10,6 +10,8 @@
 #include "client/kv_dump.h"
 #include "codec/kv_layout.h"
 #include "gtest/gtest.h"
+#include "trie/kv_store_testing.h"
+#include "trie/record_store.h"
 
 namespace kvtrie {
 namespace {
@@ -69,13 +71,14 @@ class KvStoreTest : public testing::Test {
     auto got = store_->Get("ns", m.model_id, d.token_ids, 0);
     ASSERT_TRUE(got.ok()) << got.status();
     ASSERT_EQ(got->blocks.size(), want_blocks);
-    std::vector<uint8_t> want(m.geometry.num_bytes()), have(m.geometry.num_bytes()), parent;
+    std::vector<uint8_t> want(m.geometry.num_bytes()), have(m.geometry.num_bytes());
+    DecodeChain chain(m.geometry, nullptr);
     for (size_t b = 0; b < want_blocks; ++b) {
       GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(want));
       ASSERT_TRUE(
-          store_->DecodeBlock("ns", m.model_id, got->blocks[b], parent, absl::MakeSpan(have)).ok());
+          store_->ReadAndDecodeBlock("ns", m.model_id, got->blocks[b], &chain, absl::MakeSpan(have))
+              .ok());
       ASSERT_EQ(have, want) << "block " << b;
-      parent = have;
     }
   }
 
@@ -177,8 +180,7 @@ TEST_F(KvStoreTest, CorruptPayloadIsDataLossAndDroppedAtRecovery) {
     std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {
         {"default", {}}, {"models", {}}, {"nodes", {}}, {"payloads", {}}};
     ASSERT_TRUE(rocksdb::DB::Open({}, dir_.string(), cfs, &h, &db).ok());
-    std::string key(8, '\0');
-    for (int i = 0; i < 8; ++i) key[i] = static_cast<char>(victim >> (56 - 8 * i));
+    const std::string key = NodeKey(/*shard_id=*/1, victim);  // the first model of the store
     std::string v;
     ASSERT_TRUE(db->Get({}, h[3], key, &v).ok());
     v[v.size() / 2] ^= 0x10;

@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "trie/blob_corruption_testing.h"
 #include "trie/kv_store.h"
+#include "trie/kv_store_testing.h"
 
 namespace kvtrie {
 namespace {
@@ -80,14 +81,14 @@ class TierTest : public testing::Test {
     auto got = store_->Get(ns, m.model_id, d.token_ids, 0);
     EXPECT_TRUE(got.ok()) << got.status();
     if (!got.ok()) return 0;
-    std::vector<uint8_t> want(m.geometry.num_bytes()), have(m.geometry.num_bytes()), parent;
+    std::vector<uint8_t> want(m.geometry.num_bytes()), have(m.geometry.num_bytes());
+    DecodeChain chain(m.geometry, nullptr);
     for (size_t b = 0; b < got->blocks.size(); ++b) {
       GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(want));
       absl::Status s =
-          store_->DecodeBlock(ns, m.model_id, got->blocks[b], parent, absl::MakeSpan(have));
+          store_->ReadAndDecodeBlock(ns, m.model_id, got->blocks[b], &chain, absl::MakeSpan(have));
       EXPECT_TRUE(s.ok()) << s;
       EXPECT_EQ(have, want) << ns << " block " << b;
-      parent = have;
     }
     return got->blocks.size();
   }
@@ -217,18 +218,6 @@ TEST_F(TierTest, PinHoldsAPrefixUntilItsTtlAndPinsThatFillTheDiskRejectPuts) {
   EXPECT_LE(store_->Stats("").disk_bytes, 1u << 20);
 }
 
-TEST_F(TierTest, DependentsKeepACentroidLeaf) {
-  Open({.disk_bytes = 1 << 20});
-  ASSERT_TRUE(Put("c", dumps_[4]).ok());
-  const auto ids = store_->Lookup("c", dumps_[4].model_id, dumps_[4].token_ids).node_ids;
-  ASSERT_TRUE(store_->AddDependents(ids.back(), 1).ok());
-  for (size_t i = 5; i < std::size(kDumps); ++i) ASSERT_TRUE(Put("x", dumps_[i]).ok());
-  for (size_t i = 0; i < 4; ++i) ASSERT_TRUE(Put("x", dumps_[i]).ok());
-  EXPECT_EQ(Stored("c", dumps_[4]), 32u);
-  ASSERT_TRUE(store_->AddDependents(ids.back(), -1).ok());
-  EXPECT_EQ(store_->AddDependents(1u << 30, 1).code(), absl::StatusCode::kNotFound);
-}
-
 // Flips a byte of one payload inside RocksDB's blob file (a real on-disk corruption).
 TEST_F(TierTest, CorruptBlobOnDiskIsDataLossAndOnlyThatSubtreeIsDropped) {
   Open({});
@@ -249,7 +238,7 @@ TEST_F(TierTest, CorruptBlobOnDiskIsDataLossAndOnlyThatSubtreeIsDropped) {
     auto got = store_->Get("ns", dumps_[0].model_id, dumps_[0].token_ids, 0);
     ASSERT_TRUE(got.ok());
     ASSERT_EQ(got->blocks.size(), 32u);
-    auto bad = store_->Payload("ns", dumps_[0].model_id, got->blocks[26]);
+    auto bad = store_->ReadPayload("ns", dumps_[0].model_id, got->blocks[26]);
     EXPECT_EQ(bad.status().code(), absl::StatusCode::kDataLoss) << bad.status();
   }
   EXPECT_EQ(Stored("ns", dumps_[0]), 26u);  // block 26 and its 5 descendants are dropped

@@ -1,12 +1,15 @@
-// PutSession: one Put stream of KvStore (declared in trie/kv_store.h): buffering of blocks and
-// layer ranges, and the all-or-nothing encode-and-commit at Finish.
+// PutSession (trie/put_session.h): buffering of blocks and layer ranges, and the
+// all-or-nothing encode-and-commit at Finish.
+#include "trie/put_session.h"
+
 #include <algorithm>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "trie/kv_store.h"
+#include "codec/decode_chain.h"
+#include "trie/model_shard.h"
 
 namespace kvtrie {
 namespace {
@@ -29,11 +32,11 @@ std::string RangeString(const std::vector<bool>& have) {
 
 }  // namespace
 
-PutSession::PutSession(KvStore* store, std::string ns, ModelInfo model,
+PutSession::PutSession(ModelShard* shard, ShardContext* context, ModelInfo model,
                        std::vector<uint32_t> token_ids, std::vector<float> surprisal_bits,
                        EncodeOptions encode)
-    : store_(store),
-      ns_(std::move(ns)),
+    : shard_(shard),
+      context_(context),
       model_(std::move(model)),
       token_ids_(std::move(token_ids)),
       surprisal_bits_(std::move(surprisal_bits)),
@@ -41,7 +44,7 @@ PutSession::PutSession(KvStore* store, std::string ns, ModelInfo model,
       num_blocks_(static_cast<uint32_t>(token_ids_.size() / model_.geometry.block_tokens)) {}
 
 PutSession::~PutSession() {
-  store_->inflight_put_bytes_.fetch_sub(buffered_bytes_, std::memory_order_relaxed);
+  context_->inflight_put_bytes.fetch_sub(buffered_bytes_, std::memory_order_relaxed);
 }
 
 absl::Status PutSession::AddLayers(uint32_t block_index, uint32_t layer_begin, uint32_t layer_end,
@@ -73,19 +76,19 @@ absl::Status PutSession::AddLayers(uint32_t block_index, uint32_t layer_begin, u
   }
   Pending& p = pending_[block_index];
   if (p.kv.empty()) {
-    if (buffered_bytes_ + g.num_bytes() > store_->options_.max_put_bytes) {
+    if (buffered_bytes_ + g.num_bytes() > context_->options->max_put_bytes) {
       return fail(absl::ResourceExhaustedError(absl::StrCat(
-          "kv: this Put buffers more than max_put_bytes=", store_->options_.max_put_bytes,
+          "kv: this Put buffers more than max_put_bytes=", context_->options->max_put_bytes,
           " bytes; split it into several Puts")));
     }
     const uint64_t inflight =
-        store_->inflight_put_bytes_.fetch_add(g.num_bytes(), std::memory_order_relaxed) +
+        context_->inflight_put_bytes.fetch_add(g.num_bytes(), std::memory_order_relaxed) +
         g.num_bytes();
     buffered_bytes_ += g.num_bytes();  // released by the destructor
-    if (inflight > store_->options_.max_inflight_put_bytes) {
+    if (inflight > context_->options->max_inflight_put_bytes) {
       return fail(absl::ResourceExhaustedError(
           absl::StrCat("kv: unfinished Puts hold more than max_inflight_put_bytes=",
-                       store_->options_.max_inflight_put_bytes, " bytes; retry later")));
+                       context_->options->max_inflight_put_bytes, " bytes; retry later")));
     }
     p.kv.resize(g.num_bytes());
     p.have.assign(g.num_layers, false);
@@ -120,8 +123,9 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
   const absl::Span<const uint32_t> tokens(token_ids_);
   constexpr int kAttempts = 4;
   for (int attempt = 0; attempt < kAttempts; ++attempt) {
-    const MatchResult match = store_->Lookup(ns_, model_.model_id, tokens);
+    const MatchResult match = shard_->Lookup(tokens);
     const uint32_t matched = static_cast<uint32_t>(match.node_ids.size());
+    const uint64_t anchor = matched ? match.node_ids.back() : 0;
     // Every full block must be stored already or sent now.
     for (uint32_t b = matched; b < num_blocks_; ++b) {
       if (!pending_.contains(b)) {
@@ -133,47 +137,43 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
             "token_ids"));
       }
     }
-    // Encode the new blocks in order; each is predicted from its parent's reconstruction.
-    std::vector<KvStore::NewBlock> blocks;
-    std::vector<uint8_t> parent_kv;
+    // Encode the new blocks in order; each is predicted from its parent's reconstruction, kept
+    // by the decode chain (what a reader will decode).
+    std::vector<ModelShard::NewBlock> blocks;
+    DecodeChain chain(g, nullptr);
+    std::vector<uint8_t> recon(g.num_bytes());
     if (matched > 0) {
-      parent_kv.resize(g.num_bytes());
-      if (auto s = store_->ReconstructNode(ns_, model_.model_id, match.node_ids.back(),
-                                           absl::MakeSpan(parent_kv));
-          !s.ok()) {
+      if (auto s = shard_->ReconstructNode(anchor, absl::MakeSpan(recon)); !s.ok()) {
         if (absl::IsAborted(s)) continue;  // the prefix changed under us: match again
         return s;
       }
+      chain.NextDense(recon);
     }
     for (uint32_t b = matched; b < num_blocks_; ++b) {
       const std::vector<uint8_t>& kv = pending_.at(b).kv;
       PredictionContext ctx;
-      ctx.parent = parent_kv;
+      ctx.parent = chain.parent();
       ctx.surprisal_bits = absl::MakeConstSpan(surprisal_bits_)
                                .subspan(static_cast<size_t>(b) * g.block_tokens, g.block_tokens);
-      // Standalone, or a residual of a near-duplicate centroid when smaller (kv_store_cluster.cc).
-      absl::StatusOr<KvStore::NearDupEncoded> nd =
-          store_->EncodeNewBlock(ns_, model_, matched ? match.node_ids.back() : 0, b, tokens,
-                                 surprisal_bits_, kv, encode_, ctx);
+      // Standalone, or a residual of a near-duplicate centroid when smaller.
+      absl::StatusOr<ModelShard::NearDupEncoded> nd =
+          shard_->EncodeNewBlock(model_, anchor, b, tokens, surprisal_bits_, kv, encode_, ctx);
       if (!nd.ok()) return nd.status();
-      std::optional<EncodedBlock> e(std::move(nd->encoded));
-      ctx.reference = nd->reference;
       if (encode_.encoding == Encoding::kRaw || encode_.encoding == Encoding::kLossless) {
-        parent_kv = kv;
+        chain.NextDense(kv);
       } else {
-        parent_kv.resize(g.num_bytes());
-        ctx.surprisal_bits = {};
-        if (auto s = kvtrie::DecodeBlock(e->bytes, absl::MakeSpan(parent_kv), ctx); !s.ok()) {
+        if (nd->reference_node_id != 0) chain.AddReference(nd->reference_node_id, nd->reference);
+        if (auto s = chain.Next(nd->encoded.bytes, nd->reference_node_id, absl::MakeSpan(recon));
+            !s.ok()) {
           return absl::InternalError(
               absl::StrCat("codec: cannot decode what it encoded: ", s.message()));
         }
       }
-      blocks.push_back({b, *std::move(e), encode_.encoding, nd->reference_node_id});
+      blocks.push_back({b, std::move(nd->encoded), encode_.encoding, nd->reference_node_id});
     }
     absl::StatusOr<std::vector<uint64_t>> ids =
         blocks.empty() ? std::vector<uint64_t>{}
-                       : store_->CommitBlocks(ns_, model_, matched ? match.node_ids.back() : 0,
-                                              tokens, surprisal_bits_, blocks);
+                       : shard_->Commit(model_, anchor, tokens, surprisal_bits_, blocks);
     if (absl::IsAborted(ids.status())) continue;  // the prefix changed under us: match again
     if (!ids.ok()) return ids.status();
     for (uint32_t b = 0; b < matched; ++b) {
@@ -201,10 +201,7 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
       summary.blocks.push_back(r);
     }
     summary.stored_tokens = num_blocks_ * g.block_tokens;
-    if (matched > 0) store_->TouchPath(ns_, model_.model_id, match.node_ids.back());
-    store_->puts_.fetch_add(1, std::memory_order_relaxed);
-    store_->blocks_stored_.fetch_add(blocks.size(), std::memory_order_relaxed);
-    store_->blocks_deduplicated_.fetch_add(matched, std::memory_order_relaxed);
+    shard_->CountPut(blocks.size(), matched, anchor);
     return summary;
   }
   return absl::AbortedError("put: the prefix kept changing under concurrent Puts; retry");

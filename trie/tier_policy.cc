@@ -2,45 +2,41 @@
 
 #include <algorithm>
 
-#include "trie/block_trie.h"
-
 namespace kvtrie {
 
-double GdsfValue(const TrieNode& node) {
-  const double kib = std::max<double>(1.0, static_cast<double>(node.bytes_stored) / 1024.0);
-  return static_cast<double>(std::max<uint64_t>(1, node.tier.refs)) * (1.0 + node.depth) / kib;
+double GdsfValue(uint64_t refs, uint32_t depth, uint64_t bytes_stored) {
+  const double kib = std::max<double>(1.0, static_cast<double>(bytes_stored) / 1024.0);
+  return static_cast<double>(std::max<uint64_t>(1, refs)) * (1.0 + depth) / kib;
 }
 
-void GdsfQueue::Access(TrieNode* node, void* owner, bool member) {
-  SetMember(node, owner, false);
-  (node->tier.*slot_).priority = clock_ + GdsfValue(*node);
-  (node->tier.*slot_).protected_segment = node->tier.refs >= 2;
-  SetMember(node, owner, member);
+void GdsfQueue::Access(QueueSlot* slot, uint64_t seq, void* item, uint64_t refs, uint32_t depth,
+                       uint64_t bytes_stored, bool member) {
+  SetMember(slot, seq, item, false);
+  slot->priority = clock_ + GdsfValue(refs, depth, bytes_stored);
+  slot->protected_segment = refs >= 2;
+  SetMember(slot, seq, item, member);
 }
 
-void GdsfQueue::SetMember(TrieNode* node, void* owner, bool member) {
-  QueueSlot& s = node->tier.*slot_;
-  if (s.member == member) return;
+void GdsfQueue::SetMember(QueueSlot* slot, uint64_t seq, void* item, bool member) {
+  if (slot->member == member) return;
   if (member) {
-    order_[Key{s.protected_segment, s.priority, node->id}] = {node, owner};
+    order_[Key{slot->protected_segment, slot->priority, seq}] = {slot, item};
   } else {
-    order_.erase(Key{s.protected_segment, s.priority, node->id});
+    order_.erase(Key{slot->protected_segment, slot->priority, seq});
   }
-  s.member = member;
+  slot->member = member;
 }
 
-GdsfQueue::Entry GdsfQueue::Lowest() const {
-  return order_.empty() ? Entry{} : order_.begin()->second;
-}
+void* GdsfQueue::Lowest() const { return order_.empty() ? nullptr : order_.begin()->second.second; }
 
-GdsfQueue::Entry GdsfQueue::Pop() {
-  if (order_.empty()) return {};
+void* GdsfQueue::Pop() {
+  if (order_.empty()) return nullptr;
   auto it = order_.begin();
-  Entry e = it->second;
+  auto [slot, item] = it->second;
   clock_ = std::max(clock_, std::get<1>(it->first));
-  (e.node->tier.*slot_).member = false;
+  slot->member = false;
   order_.erase(it);
-  return e;
+  return item;
 }
 
 }  // namespace kvtrie

@@ -1,0 +1,47 @@
+#include "codec/decode_chain.h"
+
+#include "absl/strings/str_cat.h"
+#include "codec/block_codec.h"
+
+namespace kvtrie {
+
+DecodeChain::DecodeChain(const BlockGeometry& geometry, FetchReference fetch)
+    : geometry_(geometry), fetch_(std::move(fetch)) {}
+
+void DecodeChain::AddReference(uint64_t node_id, absl::Span<const uint8_t> block) {
+  if (references_.size() >= kMaxReferences) references_.clear();  // bound the cache
+  references_[node_id].assign(block.begin(), block.end());
+}
+
+absl::Status DecodeChain::Next(absl::string_view encoded, uint64_t reference_node_id,
+                               absl::Span<uint8_t> out) {
+  if (out.size() != geometry_.num_bytes()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("out: ", out.size(), " bytes, the block has ", geometry_.num_bytes()));
+  }
+  PredictionContext ctx;
+  ctx.parent = parent_;
+  if (reference_node_id != 0) {
+    auto it = references_.find(reference_node_id);
+    if (it == references_.end()) {
+      if (!fetch_) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("reference node ", reference_node_id, ": no way to fetch it"));
+      }
+      std::vector<uint8_t> ref(geometry_.num_bytes());
+      if (absl::Status s = fetch_(reference_node_id, absl::MakeSpan(ref)); !s.ok()) return s;
+      if (references_.size() >= kMaxReferences) references_.clear();
+      it = references_.emplace(reference_node_id, std::move(ref)).first;
+    }
+    ctx.reference = it->second;
+  }
+  if (absl::Status s = DecodeBlock(encoded, out, ctx); !s.ok()) return s;
+  parent_.assign(out.begin(), out.end());
+  return absl::OkStatus();
+}
+
+void DecodeChain::NextDense(absl::Span<const uint8_t> block) {
+  parent_.assign(block.begin(), block.end());
+}
+
+}  // namespace kvtrie

@@ -1,0 +1,25 @@
+// trie/kv_store_testing.h — test-only access to a KvStore's internals.
+#ifndef KVTRIE_TRIE_KV_STORE_TESTING_H_
+#define KVTRIE_TRIE_KV_STORE_TESTING_H_
+
+#include <cstdint>
+#include <string>
+
+#include "trie/kv_store.h"
+
+namespace kvtrie {
+
+class KvStoreTestPeer {
+ public:
+  // One background pass now: memory demotion to the low watermark, expired pins, disk budget.
+  static void RunTierMaintenance(KvStore* store);
+  // True if some stored block is a residual of `node_id`.
+  static bool HasDependents(KvStore* store, const std::string& ns, const std::string& model_id,
+                            uint64_t node_id);
+  // The data folder as RocksDB accounts it (trie/record_store.h).
+  static uint64_t DiskUsage(KvStore* store);
+};
+
+}  // namespace kvtrie
+
+#endif  // KVTRIE_TRIE_KV_STORE_TESTING_H_

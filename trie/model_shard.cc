@@ -1,0 +1,502 @@
+#include "trie/model_shard.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace kvtrie {
+// Field-by-field comparison so the error names the field that differs.
+absl::Status CheckSameModel(const std::string& ns, const ModelInfo& stored,
+                            const ModelInfo& request) {
+  const BlockGeometry& a = stored.geometry;
+  const BlockGeometry& b = request.geometry;
+  auto mismatch = [&](absl::string_view field, std::string have, std::string want) {
+    return absl::InvalidArgumentError(absl::StrCat("model.", field, ": namespace '", ns,
+                                                   "' stores model '", stored.model_id, "' with ",
+                                                   field, "=", have, ", request has ", want));
+  };
+  if (a.num_layers != b.num_layers)
+    return mismatch("num_layers", absl::StrCat(a.num_layers), absl::StrCat(b.num_layers));
+  if (a.num_kv_heads != b.num_kv_heads)
+    return mismatch("num_kv_heads", absl::StrCat(a.num_kv_heads), absl::StrCat(b.num_kv_heads));
+  if (a.head_dim != b.head_dim)
+    return mismatch("head_dim", absl::StrCat(a.head_dim), absl::StrCat(b.head_dim));
+  if (a.dtype != b.dtype)
+    return mismatch("dtype", std::string(DTypeName(a.dtype)), std::string(DTypeName(b.dtype)));
+  if (a.block_tokens != b.block_tokens)
+    return mismatch("block_tokens", absl::StrCat(a.block_tokens), absl::StrCat(b.block_tokens));
+  return absl::OkStatus();
+}
+
+namespace {
+
+NodeView ToView(const TrieNode& n) {
+  NodeView v;
+  v.node_id = n.id;
+  v.parent_id = n.parent ? n.parent->id : 0;
+  v.depth = n.depth;
+  v.token_offset = n.depth == 0 ? 0 : n.token_offset();
+  v.token_ids = n.token_ids;
+  v.surprisal_bits = n.surprisal_bits;
+  v.path_surprisal_bits = n.path_surprisal_bits;
+  v.bytes_logical = n.bytes_logical;
+  v.bytes_stored = n.bytes_stored;
+  v.encoding = n.encoding;
+  v.rel_rms_error_k = n.rel_rms_error_k;
+  v.rel_rms_error_v = n.rel_rms_error_v;
+  v.num_children = static_cast<uint32_t>(n.num_children());
+  v.hits = n.hits;
+  return v;
+}
+
+// Corruption of RocksDB's own files (an SST of the index, the MANIFEST) is not a bad payload:
+// the payload may be fine and readable after a repair or restart. A blob record whose bytes fail
+// their checksum is a bad payload.
+bool IsBadPayloadBytes(const absl::Status& s) {
+  if (!absl::IsDataLoss(s)) return false;
+  const absl::string_view m = s.message();
+  return !absl::StrContains(m, ".sst") && absl::StrContains(absl::AsciiStrToLower(m), "blob");
+}
+
+}  // namespace
+
+ModelShard::ModelShard(ShardContext* context, std::string ns, ModelInfo model, uint64_t shard_id,
+                       bool committed)
+    : context_(context),
+      ns_(std::move(ns)),
+      shard_id_(shard_id),
+      model_(std::move(model)),
+      committed_(committed),
+      trie_(std::make_unique<BlockTrie>(model_.geometry.block_tokens,
+                                        context->options->token_hash)) {}
+
+bool ModelShard::committed() const {
+  absl::MutexLock lock(&mu_);
+  return committed_;
+}
+
+ModelInfo ModelShard::model() const {
+  absl::MutexLock lock(&mu_);
+  return model_;
+}
+
+absl::Status ModelShard::CheckModel(const ModelInfo& request) const {
+  absl::MutexLock lock(&mu_);
+  if (!committed_) return absl::OkStatus();
+  return CheckSameModel(ns_, model_, request);
+}
+
+absl::Status ModelShard::NoModel() const {
+  return absl::NotFoundError(
+      absl::StrCat("model_id: '", model_.model_id, "' has no KV in namespace '", ns_, "'"));
+}
+
+TrieNode* ModelShard::FindLive(uint64_t id) {
+  TrieNode* n = trie_->Find(id);
+  return n == nullptr || n->removing ? nullptr : n;
+}
+
+absl::StatusOr<TrieNode*> ModelShard::FindNodeOrNotFound(uint64_t node_id) {
+  if (!committed_) return NoModel();
+  TrieNode* n = FindLive(node_id);
+  if (n == nullptr) {
+    return absl::NotFoundError(absl::StrCat("node_id: ", node_id, " is not a node of '",
+                                            model_.model_id, "' in namespace '", ns_, "'"));
+  }
+  return n;
+}
+
+std::vector<TrieNode*> ModelShard::MatchLive(absl::Span<const uint32_t> token_ids,
+                                             size_t max_blocks) {
+  std::vector<TrieNode*> path = trie_->Match(token_ids, max_blocks);
+  for (size_t i = 0; i < path.size(); ++i) {
+    if (path[i]->removing) {
+      path.resize(i);
+      break;
+    }
+  }
+  return path;
+}
+
+NodeMeta ModelShard::MetaOf(const TrieNode& n) const {
+  NodeMeta m;
+  m.ns = ns_;
+  m.model_id = model_.model_id;
+  m.parent_id = n.parent ? n.parent->id : 0;
+  m.token_ids = n.token_ids;
+  m.surprisal_bits = n.surprisal_bits;
+  m.encoding = n.encoding;
+  m.bytes_logical = n.bytes_logical;
+  m.bytes_stored = n.bytes_stored;
+  m.rel_rms_error_k = n.rel_rms_error_k;
+  m.rel_rms_error_v = n.rel_rms_error_v;
+  m.pinned_until = context_->tiers->PinnedUntil(Ref(n.id));
+  m.reference_node_id = n.reference_node_id;
+  return m;
+}
+
+bool ModelShard::EvictableLocked(const TrieNode& n) const {
+  return n.depth > 0 && n.children.empty() && !n.removing && !clusters_.HasDependents(n.id);
+}
+
+void ModelShard::UpdateEvictableLocked(TrieNode* n) {
+  if (n != nullptr && n->depth > 0) context_->tiers->SetEvictable(Ref(n->id), EvictableLocked(*n));
+}
+
+void ModelShard::CountNodeLocked(const TrieNode& n, int sign) {
+  const auto add = [sign](uint64_t* v, uint64_t d) { *v = sign > 0 ? *v + d : *v - d; };
+  add(&bytes_logical_, n.bytes_logical);
+  add(&bytes_stored_, n.bytes_stored);
+  if (nodes_at_depth_.size() <= n.depth) nodes_at_depth_.resize(n.depth + 1, 0);
+  add(&nodes_at_depth_[n.depth], 1);
+  if (n.rel_rms_error_k > 0 || n.rel_rms_error_v > 0) {
+    add(&lossy_nodes_, 1);
+    sum_rel_rms_k_ += sign * static_cast<double>(n.rel_rms_error_k);
+    sum_rel_rms_v_ += sign * static_cast<double>(n.rel_rms_error_v);
+    const float e = std::max(n.rel_rms_error_k, n.rel_rms_error_v);
+    if (sign > 0) {
+      ++lossy_errors_[e];
+    } else if (auto it = lossy_errors_.find(e); it != lossy_errors_.end() && --it->second == 0) {
+      lossy_errors_.erase(it);
+    }
+  }
+}
+
+TrieNode* ModelShard::PublishLocked(TrieNode* parent, uint64_t id, const NodeMeta& meta,
+                                    std::shared_ptr<const std::string> payload) {
+  TrieNode* n = trie_->AddChild(parent, id, meta.token_ids, meta.surprisal_bits);
+  n->encoding = meta.encoding;
+  n->bytes_logical = meta.bytes_logical;
+  n->bytes_stored = meta.bytes_stored;
+  n->rel_rms_error_k = static_cast<float>(meta.rel_rms_error_k);
+  n->rel_rms_error_v = static_cast<float>(meta.rel_rms_error_v);
+  n->reference_node_id = meta.reference_node_id;
+  next_id_ = std::max(next_id_, id + 1);
+  clusters_.Add(*n);
+  CountNodeLocked(*n, +1);
+  context_->tiers->Add(Ref(id), n->depth, n->bytes_stored, std::move(payload), EvictableLocked(*n),
+                       meta.pinned_until);
+  UpdateEvictableLocked(parent);  // no longer a leaf
+  if (n->reference_node_id != 0) UpdateEvictableLocked(trie_->Find(n->reference_node_id));
+  return n;
+}
+
+void ModelShard::Recover(uint64_t id, absl::StatusOr<NodeMeta> meta, const std::string* payload,
+                         bool verified, RecoveryStats* stats, RecordBatch* drop) {
+  absl::MutexLock lock(&mu_);
+  next_id_ = std::max(next_id_, id + 1);
+  TrieNode* parent = meta.ok() ? trie_->Find(meta->parent_id) : nullptr;
+  if (!meta.ok() || parent == nullptr || meta->token_ids.size() != trie_->block_tokens() ||
+      trie_->FindChild(parent, meta->token_ids) != nullptr ||
+      (meta->reference_node_id != 0 && trie_->Find(meta->reference_node_id) == nullptr)) {
+    ++stats->dropped_missing_parent;
+    drop->DeleteNode(shard_id_, id);
+    return;
+  }
+  // With verified payloads, the bytes are parsed (CRC-checked); otherwise they are checked when
+  // first read.
+  std::shared_ptr<const std::string> hot;
+  absl::Status bad;
+  if (verified) {
+    if (payload == nullptr) {
+      bad = absl::DataLossError("payload missing");
+    } else if (absl::StatusOr<BlockHeader> h = ParseBlock(*payload); !h.ok()) {
+      bad = h.status();
+    } else if (!(h->geometry == model_.geometry)) {
+      bad = absl::DataLossError("geometry differs from the model");
+    } else {
+      meta->encoding = h->encoding;
+      meta->bytes_stored = payload->size();
+      hot = std::make_shared<const std::string>(*payload);
+    }
+  } else if (meta->bytes_stored == 0) {
+    bad = absl::DataLossError("record has no payload");
+  }
+  if (!bad.ok()) {
+    spdlog::warn("recovery: dropping node {} of '{}'/'{}': {}", id, ns_, model_.model_id,
+                 std::string(bad.message()));
+    ++stats->dropped_bad_payload;
+    drop->DeleteNode(shard_id_, id);
+    return;
+  }
+  PublishLocked(parent, id, *meta, std::move(hot));
+  ++stats->nodes;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reads
+
+MatchResult ModelShard::Lookup(absl::Span<const uint32_t> token_ids) {
+  lookups_.fetch_add(1, std::memory_order_relaxed);
+  MatchResult result;
+  absl::MutexLock lock(&mu_);
+  if (!committed_) return result;
+  result.block_tokens = model_.geometry.block_tokens;
+  for (TrieNode* n : MatchLive(token_ids, 0)) result.node_ids.push_back(n->id);
+  if (!result.node_ids.empty()) lookup_hits_.fetch_add(1, std::memory_order_relaxed);
+  return result;
+}
+
+GetResult ModelShard::Get(absl::Span<const uint32_t> token_ids, size_t max_blocks) {
+  gets_.fetch_add(1, std::memory_order_relaxed);
+  GetResult result;
+  absl::MutexLock lock(&mu_);
+  if (!committed_) return result;  // a miss, not an error
+  result.model = model_;
+  std::shared_ptr<const ReadSnapshot> snapshot;  // one for every cold block of this Get
+  for (TrieNode* n : MatchLive(token_ids, max_blocks)) {
+    ++n->hits;
+    context_->tiers->Touch(Ref(n->id));
+    BlockRead r;
+    r.node_id = n->id;
+    r.encoded = context_->tiers->HotCopy(Ref(n->id));
+    r.encoding = n->encoding;
+    r.reference_node_id = n->reference_node_id;
+    if (!r.encoded) {
+      if (!snapshot) snapshot = context_->records->Snapshot();
+      r.snapshot = snapshot;
+    }
+    result.blocks.push_back(std::move(r));
+  }
+  return result;
+}
+
+absl::Status ModelShard::ReadPayloadInternal(const BlockRead& block,
+                                             std::shared_ptr<const std::string>* out,
+                                             std::vector<Corrupt>* corrupt) {
+  if (block.encoded) {
+    *out = block.encoded;
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::string> value =
+      context_->records->ReadPayload(shard_id_, block.node_id, block.snapshot.get());
+  absl::Status bad;
+  if (absl::IsNotFound(value.status())) {
+    absl::MutexLock lock(&mu_);
+    if (FindLive(block.node_id) == nullptr) {
+      return absl::NotFoundError(
+          absl::StrCat("node_id: ", block.node_id, " was deleted while it was read"));
+    }
+    bad = value.status();
+  } else if (IsBadPayloadBytes(value.status())) {
+    bad = value.status();
+  } else if (!value.ok()) {
+    // RocksDB's own files failed (or I/O): the payload may be good; refuse, drop nothing.
+    return absl::Status(value.status().code(),
+                        absl::StrCat(value.status().message(), " (nothing was dropped)"));
+  } else if (absl::StatusOr<BlockHeader> h = ParseBlock(*value); !h.ok()) {
+    bad = h.status();
+  }
+  if (!bad.ok()) {
+    corrupt->push_back({block.node_id, std::string(bad.message())});
+    return absl::DataLossError(absl::StrCat("node ", block.node_id, ": ", bad.message(),
+                                            "; the node and its subtree were dropped"));
+  }
+  auto payload = std::make_shared<const std::string>(*std::move(value));
+  context_->tiers->ColdRead(Ref(block.node_id), payload);
+  *out = std::move(payload);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const std::string>> ModelShard::ReadPayload(const BlockRead& block) {
+  std::vector<Corrupt> corrupt;
+  std::shared_ptr<const std::string> payload;
+  absl::Status s = ReadPayloadInternal(block, &payload, &corrupt);
+  DropCorrupt(corrupt);
+  if (!s.ok()) return s;
+  return payload;
+}
+
+absl::Status ModelShard::ReadAndDecodeInternal(const BlockRead& block, DecodeChain* chain,
+                                               absl::Span<uint8_t> out,
+                                               std::vector<Corrupt>* corrupt) {
+  std::shared_ptr<const std::string> payload;
+  if (auto s = ReadPayloadInternal(block, &payload, corrupt); !s.ok()) return s;
+  if (block.reference_node_id != 0 && !chain->HasReference(block.reference_node_id)) {
+    std::vector<uint8_t> reference(out.size());
+    absl::Status s =
+        ReconstructInternal(block.reference_node_id, absl::MakeSpan(reference), corrupt);
+    if (!s.ok()) {
+      // The centroid failed its check (and is dropped) or is gone. If this member is still coded
+      // against it (not re-encoded meanwhile by a Delete), it can never be decoded again.
+      absl::MutexLock lock(&mu_);
+      TrieNode* n = FindLive(block.node_id);
+      bool gone = FindLive(block.reference_node_id) == nullptr;
+      for (const TrieNode* a = trie_->Find(block.reference_node_id); !gone && a != nullptr;
+           a = a->parent) {  // dropped with a corrupt ancestor?
+        gone = std::any_of(corrupt->begin(), corrupt->end(),
+                           [&](const Corrupt& c) { return c.node_id == a->id; });
+      }
+      const bool lost = n != nullptr && n->reference_node_id == block.reference_node_id && gone;
+      if (!lost) return s;
+      corrupt->push_back({block.node_id, "its centroid is lost"});
+      return absl::DataLossError(absl::StrCat("node ", block.node_id, ": its centroid ",
+                                              block.reference_node_id, " is lost (", s.message(),
+                                              "); the node and its subtree were dropped"));
+    }
+    chain->AddReference(block.reference_node_id, reference);
+  }
+  absl::Status s = chain->Next(*payload, block.reference_node_id, out);
+  if (!absl::IsDataLoss(s)) return s;
+  spdlog::error("node {} of '{}'/'{}' failed to decode, dropping it and its subtree: {}",
+                block.node_id, ns_, model_.model_id, std::string(s.message()));
+  corrupt->push_back({block.node_id, std::string(s.message())});
+  return absl::DataLossError(absl::StrCat("node ", block.node_id, ": ", s.message(),
+                                          "; the node and its subtree were dropped"));
+}
+
+absl::Status ModelShard::ReadAndDecodeBlock(const BlockRead& block, DecodeChain* chain,
+                                            absl::Span<uint8_t> out) {
+  std::vector<Corrupt> corrupt;
+  absl::Status s = ReadAndDecodeInternal(block, chain, out, &corrupt);
+  DropCorrupt(corrupt);
+  return s;
+}
+
+absl::Status ModelShard::ReconstructInternal(uint64_t node_id, absl::Span<uint8_t> out,
+                                             std::vector<Corrupt>* corrupt) {
+  // The node's ancestors, root first, up to the nearest one that needs no parent context.
+  std::vector<BlockRead> path;
+  BlockGeometry g;
+  {
+    absl::MutexLock lock(&mu_);
+    TrieNode* n = FindLive(node_id);
+    if (n == nullptr) return absl::AbortedError("prefix changed concurrently");
+    g = model_.geometry;
+    std::shared_ptr<const ReadSnapshot> snapshot;
+    for (; n != nullptr && n->depth > 0; n = n->parent) {
+      BlockRead r{n->id, context_->tiers->HotCopy(Ref(n->id)), n->encoding, n->reference_node_id,
+                  nullptr};
+      if (!r.encoded) {
+        if (!snapshot) snapshot = context_->records->Snapshot();
+        r.snapshot = snapshot;
+      }
+      path.push_back(std::move(r));
+      if (n->encoding == Encoding::kRaw || n->encoding == Encoding::kLossless) break;
+    }
+  }
+  std::reverse(path.begin(), path.end());
+  DecodeChain chain(g, nullptr);  // references are fetched by ReadAndDecodeInternal
+  for (const BlockRead& b : path) {
+    if (auto s = ReadAndDecodeInternal(b, &chain, out, corrupt); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ModelShard::ReconstructNode(uint64_t node_id, absl::Span<uint8_t> out) {
+  std::vector<Corrupt> corrupt;
+  absl::Status s = ReconstructInternal(node_id, out, &corrupt);
+  DropCorrupt(corrupt);
+  return s;
+}
+
+absl::StatusOr<std::vector<uint32_t>> ModelShard::PathTokens(uint64_t node_id) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<TrieNode*> node = FindNodeOrNotFound(node_id);
+  if (!node.ok()) return node.status();
+  const TrieNode* n = *node;
+  const size_t bt = trie_->block_tokens();
+  std::vector<uint32_t> tokens(static_cast<size_t>(n->depth) * bt);
+  for (; n->depth > 0; n = n->parent) {
+    std::copy(n->token_ids.begin(), n->token_ids.end(),
+              tokens.begin() + static_cast<ptrdiff_t>((n->depth - 1) * bt));
+  }
+  return tokens;
+}
+
+absl::StatusOr<InspectResult> ModelShard::Inspect(uint64_t node_id) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<TrieNode*> node = FindNodeOrNotFound(node_id);
+  if (!node.ok()) return node.status();
+  TrieNode* n = *node;
+  InspectResult r;
+  r.model = model_;
+  r.node = ToView(*n);
+  ClusterViewLocked(*n, &r.node);
+  for (const auto& [h, bucket] : n->children) {
+    for (const TrieNode* c : bucket) {
+      if (c->removing) continue;
+      r.children.push_back(ToView(*c));
+      ClusterViewLocked(*c, &r.children.back());
+    }
+  }
+  std::sort(r.children.begin(), r.children.end(),
+            [](const NodeView& a, const NodeView& b) { return a.node_id < b.node_id; });
+  return r;
+}
+
+absl::StatusOr<double> ModelShard::TrieDistance(uint64_t a, uint64_t b) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<TrieNode*> na = FindNodeOrNotFound(a);
+  if (!na.ok()) return na.status();
+  absl::StatusOr<TrieNode*> nb = FindNodeOrNotFound(b);
+  if (!nb.ok()) return nb.status();
+  return TrieDistanceBits(*na, *nb);
+}
+
+bool ModelShard::HasDependents(uint64_t node_id) {
+  absl::MutexLock lock(&mu_);
+  return clusters_.HasDependents(node_id);
+}
+
+void ModelShard::AddTotalsLocked(StoreStats* s) {
+  ++s->models;
+  s->nodes += trie_->num_nodes();
+  s->bytes_logical += bytes_logical_;
+  s->bytes_stored += bytes_stored_;
+  s->elements += trie_->num_nodes() * model_.geometry.num_elements();
+  for (size_t d = nodes_at_depth_.size(); d-- > 1;) {
+    if (nodes_at_depth_[d] != 0) {
+      s->max_depth = std::max<uint64_t>(s->max_depth, d);
+      break;
+    }
+  }
+  s->lossy_nodes += lossy_nodes_;
+  s->sum_rel_rms_error_k += sum_rel_rms_k_;
+  s->sum_rel_rms_error_v += sum_rel_rms_v_;
+  if (!lossy_errors_.empty()) {
+    s->max_rel_rms_error = std::max<double>(s->max_rel_rms_error, lossy_errors_.rbegin()->first);
+  }
+  clusters_.AddStats(trie_.get(), &s->cluster);
+}
+
+void ModelShard::AddStats(StoreStats* s) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (committed_) AddTotalsLocked(s);
+  }
+  const TierManager::Counters t = context_->tiers->CountersOf(this);
+  s->hot_nodes += t.hot_nodes;
+  s->hot_bytes += t.hot_bytes;
+  s->cold_nodes += t.nodes - t.hot_nodes;
+  s->cold_bytes += t.disk_bytes - t.hot_bytes;
+  s->disk_bytes += t.disk_bytes;
+  s->pinned_nodes += t.pinned_nodes;
+  s->demotions += t.demotions;
+  s->demoted_bytes += t.demoted_bytes;
+  s->promotions += t.promotions;
+  s->cold_reads += t.cold_reads;
+  s->cold_read_bytes += t.cold_read_bytes;
+  s->pins_expired += t.pins_expired;
+  s->puts_rejected_disk_full += t.puts_rejected_disk_full;
+  const auto get = [](const std::atomic<uint64_t>& a) { return a.load(std::memory_order_relaxed); };
+  s->blocks_stored += get(blocks_stored_);
+  s->blocks_deduplicated += get(blocks_deduplicated_);
+  s->lookups += get(lookups_);
+  s->lookup_hits += get(lookup_hits_);
+  s->gets += get(gets_);
+  s->puts += get(puts_);
+  s->deletes += get(deletes_);
+  s->evictions_disk += get(evictions_disk_);
+  s->evicted_bytes += get(evicted_bytes_);
+  s->evictions_data_loss += get(evictions_data_loss_);
+  s->evictions_deleted += get(evictions_deleted_);
+}
+
+}  // namespace kvtrie

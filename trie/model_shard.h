@@ -1,0 +1,226 @@
+// trie/model_shard.h
+//
+// ModelShard: one (namespace, model) of the store — its BlockTrie, its near-duplicate
+// ClusterIndex (the one owner of "dependents": which nodes are coded against which centroid),
+// its counters, and every read and write of its nodes. KvStore (trie/kv_store.h) validates a
+// request and routes it here; payload bytes live in the RecordStore (disk) and the TierManager
+// (hot copies).
+//
+// Locks (no lock is held across a RocksDB write or fsync except write_mu_, which only writers of
+// this shard take):
+//   write_mu_  serializes this shard's writers (Put commits, Delete, Pin, evictions, drops,
+//              re-encodes), as LevelDB's writer queue does. A writer takes it, prepares its batch
+//              under mu_, releases mu_, writes (the WAL; with --sync the fsync), then takes mu_
+//              again and publishes. So what it checked under mu_ still holds when it publishes,
+//              and memory changes only after the write succeeded.
+//   mu_        guards the trie, the index and the counters; held for memory work only. Readers
+//              (Lookup, Get, Inspect, Stats) take only mu_, so they never wait for a disk write.
+// Lock order: write_mu_ -> mu_ -> TierManager::mu_ -> RecordStore::error_mu_. A thread holds
+// the locks of at most one shard; eviction for the disk budget runs with none held.
+//
+// A node being deleted or evicted is marked `removing` under mu_ before its deletes are written,
+// so no reader starts on it; a reader that started before holds the hot copy or a RocksDB
+// snapshot taken before the write.
+//
+// Node ids are 1, 2, ... per shard (so they tell nothing of another namespace), never reused in
+// a process; recovery continues after the largest.
+#ifndef KVTRIE_TRIE_MODEL_SHARD_H_
+#define KVTRIE_TRIE_MODEL_SHARD_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "codec/decode_chain.h"
+#include "trie/block_trie.h"
+#include "trie/cluster_index.h"
+#include "trie/record_store.h"
+#include "trie/store_types.h"
+#include "trie/tier_manager.h"
+
+namespace kvtrie {
+
+// INVALID_ARGUMENT naming the first field of `request` that differs from the `stored` model.
+absl::Status CheckSameModel(const std::string& ns, const ModelInfo& stored,
+                            const ModelInfo& request);
+
+// What every shard of a store shares.
+struct ShardContext {
+  const StoreOptions* options = nullptr;
+  RecordStore* records = nullptr;
+  TierManager* tiers = nullptr;
+  // Evicts leaves (of any shard) until `incoming` more payload bytes fit the disk budget.
+  // RESOURCE_EXHAUSTED if pins and dependents hold it. Call with no shard lock held.
+  std::function<absl::Status(uint64_t incoming)> make_disk_room;
+  std::atomic<uint64_t> inflight_put_bytes{0};  // dense bytes buffered by unfinished Puts
+};
+
+class ModelShard {
+ public:
+  // One encoded block of a Put, ready to commit.
+  struct NewBlock {
+    uint32_t block_index = 0;
+    EncodedBlock encoded;
+    Encoding encoding = Encoding::kRaw;
+    uint64_t reference_node_id = 0;  // the centroid it is a residual of (0 = standalone)
+  };
+  // A new block encoded standalone or against a near-duplicate centroid.
+  struct NearDupEncoded {
+    EncodedBlock encoded;
+    uint64_t reference_node_id = 0;  // 0 = standalone
+    std::vector<uint8_t> reference;  // the centroid's reconstruction when reference_node_id != 0
+  };
+
+  // `committed`: the model record is on disk (recovered); otherwise the shard was created by a
+  // Put and its model is written with its first blocks.
+  ModelShard(ShardContext* context, std::string ns, ModelInfo model, uint64_t shard_id,
+             bool committed);
+  ModelShard(const ModelShard&) = delete;
+  ModelShard& operator=(const ModelShard&) = delete;
+
+  const std::string& ns() const { return ns_; }
+  uint64_t shard_id() const { return shard_id_; }
+  const ShardContext& context() const { return *context_; }
+  // The model if its record is on disk. INVALID_ARGUMENT naming the field if `request` differs.
+  bool committed() const;
+  ModelInfo model() const;
+  absl::Status CheckModel(const ModelInfo& request) const;
+
+  // Recovery (before the store serves): adds a node read from disk, or adds its deletes to `drop`.
+  void Recover(uint64_t id, absl::StatusOr<NodeMeta> meta, const std::string* payload,
+               bool verified, RecoveryStats* stats, RecordBatch* drop);
+
+  // --- Reads ---
+  MatchResult Lookup(absl::Span<const uint32_t> token_ids);
+  GetResult Get(absl::Span<const uint32_t> token_ids, size_t max_blocks);
+  // The payload of a block of a Get (hot copy, or read in the Get's snapshot and promoted when
+  // read often). DATA_LOSS when the bytes are bad (the node and its subtree are dropped) or when
+  // RocksDB's own files fail their checks (nothing dropped); NOT_FOUND if deleted meanwhile.
+  absl::StatusOr<std::shared_ptr<const std::string>> ReadPayload(const BlockRead& block);
+  // Reads block `block` and decodes it as the next block of `chain` (fetching its centroid).
+  // A block that fails its check, or whose centroid is lost, is DATA_LOSS and dropped.
+  absl::Status ReadAndDecodeBlock(const BlockRead& block, DecodeChain* chain,
+                                  absl::Span<uint8_t> out);
+  // Decodes node `node_id` into `out`, its ancestors first when it predicts from them. ABORTED
+  // if the node is gone.
+  absl::Status ReconstructNode(uint64_t node_id, absl::Span<uint8_t> out);
+  absl::StatusOr<std::vector<uint32_t>> PathTokens(uint64_t node_id);
+  absl::StatusOr<InspectResult> Inspect(uint64_t node_id);
+  absl::StatusOr<double> TrieDistance(uint64_t a, uint64_t b);
+  bool HasDependents(uint64_t node_id);
+  // Adds this shard's totals and counters to `out` (O(1): counters kept as they change).
+  void AddStats(StoreStats* out);
+
+  // --- Writes ---
+  // Writes `blocks` (consecutive, the first a child of `parent_id`) in one batch and publishes
+  // them; creates the model record with the first. Returns their node ids. ABORTED if
+  // `parent_id` is gone or a block exists; INVALID_ARGUMENT if the model was created meanwhile
+  // with another geometry; RESOURCE_EXHAUSTED if the disk budget is held; the store's errors.
+  absl::StatusOr<std::vector<uint64_t>> Commit(const ModelInfo& model, uint64_t parent_id,
+                                               absl::Span<const uint32_t> token_ids,
+                                               absl::Span<const float> surprisal_bits,
+                                               const std::vector<NewBlock>& blocks);
+  absl::StatusOr<std::pair<uint64_t, uint64_t>> Delete(absl::Span<const uint32_t> token_ids);
+  absl::StatusOr<uint64_t> Pin(absl::Span<const uint32_t> token_ids, uint64_t ttl_seconds,
+                               bool unpin);
+  // Evicts those of `ids` that are still evictable leaves. Returns the bytes freed.
+  absl::StatusOr<uint64_t> Evict(const std::vector<uint64_t>& ids);
+  // Counts a finished Put.
+  void CountPut(uint64_t stored, uint64_t deduplicated, uint64_t touched_node);
+
+  // --- Near-duplicate clusters (model_shard_cluster.cc) ---
+  // Encodes block `block_index` of a Put whose stored prefix ends at `anchor_id`: standalone, or
+  // as a residual of the candidate centroid that makes it smallest, when smaller.
+  absl::StatusOr<NearDupEncoded> EncodeNewBlock(
+      const ModelInfo& model, uint64_t anchor_id, uint32_t block_index,
+      absl::Span<const uint32_t> token_ids, absl::Span<const float> surprisal_bits,
+      absl::Span<const uint8_t> kv, const EncodeOptions& options, const PredictionContext& context);
+
+ private:
+  using NodeRef = TierManager::NodeRef;
+  enum class DropReason { kDeleted, kDataLoss, kDisk };
+  // A node that a read found bad: dropped by the caller (with write_mu_).
+  struct Corrupt {
+    uint64_t node_id = 0;
+    std::string why;
+  };
+
+  NodeRef Ref(uint64_t id) const { return {this, id}; }
+  TrieNode* FindLive(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<TrieNode*> FindNodeOrNotFound(uint64_t node_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status NoModel() const;
+  std::vector<TrieNode*> MatchLive(absl::Span<const uint32_t> token_ids, size_t max_blocks)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  NodeMeta MetaOf(const TrieNode& n) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool EvictableLocked(const TrieNode& n) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UpdateEvictableLocked(TrieNode* n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds a node to the trie, the index, the counters and the tiers.
+  TrieNode* PublishLocked(TrieNode* parent, uint64_t id, const NodeMeta& meta,
+                          std::shared_ptr<const std::string> payload)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CountNodeLocked(const TrieNode& n, int sign) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AddTotalsLocked(StoreStats* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::vector<TrieNode*> SubtreeLocked(TrieNode* node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes the subtrees of `roots` (marked removing, deletes written) from memory.
+  void RemoveLocked(const std::vector<TrieNode*>& roots, DropReason reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks, writes the deletes of, and removes the subtrees of `roots`. REQUIRES write_mu_.
+  absl::Status RemoveSubtrees(const std::vector<uint64_t>& roots, DropReason reason,
+                              uint64_t* removed_nodes, uint64_t* removed_bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status ReadPayloadInternal(const BlockRead& block, std::shared_ptr<const std::string>* out,
+                                   std::vector<Corrupt>* corrupt);
+  absl::Status ReadAndDecodeInternal(const BlockRead& block, DecodeChain* chain,
+                                     absl::Span<uint8_t> out, std::vector<Corrupt>* corrupt);
+  absl::Status ReconstructInternal(uint64_t node_id, absl::Span<uint8_t> out,
+                                   std::vector<Corrupt>* corrupt);
+  // Drops the nodes a read found bad (and their subtrees). Takes write_mu_ unless held.
+  void DropCorrupt(const std::vector<Corrupt>& corrupt);
+  void DropCorruptLocked(const std::vector<Corrupt>& corrupt)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
+  // Near-duplicates (model_shard_cluster.cc): re-encodes, bit-exact and standalone, every block
+  // outside node_id's subtree coded against a node inside it, so the subtree can go.
+  absl::Status ReleaseDependentsLocked(uint64_t node_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
+  absl::Status ReplaceEncodingLocked(uint64_t node_id, const EncodedBlock& encoded,
+                                     Encoding encoding) ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
+  bool SubtreeHasOutsideDependentsLocked(TrieNode* root) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ClusterViewLocked(const TrieNode& node, NodeView* view) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  ShardContext* const context_;
+  const std::string ns_;
+  const uint64_t shard_id_;
+
+  absl::Mutex write_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  mutable absl::Mutex mu_;
+  ModelInfo model_ ABSL_GUARDED_BY(mu_);
+  bool committed_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<BlockTrie> trie_ ABSL_GUARDED_BY(mu_);
+  ClusterIndex clusters_ ABSL_GUARDED_BY(mu_);  // near-duplicates of trie_, and dependents
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  // Totals over the trie, kept as nodes come and go.
+  uint64_t bytes_logical_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t bytes_stored_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t lossy_nodes_ ABSL_GUARDED_BY(mu_) = 0;
+  double sum_rel_rms_k_ ABSL_GUARDED_BY(mu_) = 0;
+  double sum_rel_rms_v_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<float, uint64_t> lossy_errors_ ABSL_GUARDED_BY(mu_);  // max(k, v) -> nodes
+  std::vector<uint64_t> nodes_at_depth_ ABSL_GUARDED_BY(mu_);
+  // Counters since start (relaxed atomics: statistics only).
+  std::atomic<uint64_t> blocks_stored_{0}, blocks_deduplicated_{0}, lookups_{0}, lookup_hits_{0},
+      gets_{0}, puts_{0}, deletes_{0}, evictions_disk_{0}, evicted_bytes_{0},
+      evictions_data_loss_{0}, evictions_deleted_{0};
+};
+
+}  // namespace kvtrie
+
+#endif  // KVTRIE_TRIE_MODEL_SHARD_H_

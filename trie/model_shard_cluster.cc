@@ -1,0 +1,167 @@
+// ModelShard: near-duplicate clusters (trie/cluster_index.h). Encoding a Put's new block
+// against a centroid, re-encoding a centroid's dependents before it leaves, and the cluster part
+// of Inspect.
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "trie/model_shard.h"
+
+namespace kvtrie {
+namespace {
+
+bool Clusterable(Encoding e) { return e == Encoding::kLossless || e == Encoding::kResidual; }
+
+}  // namespace
+
+bool ModelShard::SubtreeHasOutsideDependentsLocked(TrieNode* root) {
+  for (TrieNode* n : SubtreeLocked(root)) {
+    for (uint64_t d : clusters_.Dependents(n->id)) {
+      const TrieNode* a = trie_->Find(d);
+      while (a != nullptr && a != root) a = a->parent;
+      if (a == nullptr) return true;
+    }
+  }
+  return false;
+}
+
+absl::StatusOr<ModelShard::NearDupEncoded> ModelShard::EncodeNewBlock(
+    const ModelInfo& model, uint64_t anchor_id, uint32_t block_index,
+    absl::Span<const uint32_t> token_ids, absl::Span<const float> surprisal_bits,
+    absl::Span<const uint8_t> kv, const EncodeOptions& options, const PredictionContext& context) {
+  const BlockGeometry& g = model.geometry;
+  const uint32_t bt = g.block_tokens;
+  NearDupEncoded out;
+  absl::StatusOr<EncodedBlock> standalone = EncodeBlock(g, kv, options, context);
+  if (!standalone.ok()) return standalone.status();
+  out.encoded = *std::move(standalone);
+  const NearDupOptions& nd = context_->options->near_dup;
+  if (!nd.enabled || !Clusterable(options.encoding)) return out;
+
+  std::vector<ClusterIndex::Candidate> candidates;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!committed_) return out;
+    TrieNode* anchor = anchor_id == 0 ? trie_->root() : FindLive(anchor_id);
+    if (anchor == nullptr) return out;  // changed concurrently: Commit will retry
+    double path = anchor->path_surprisal_bits;
+    for (size_t i = static_cast<size_t>(anchor->depth) * bt;
+         i < static_cast<size_t>(block_index + 1) * bt && i < surprisal_bits.size(); ++i) {
+      path += surprisal_bits[i];
+    }
+    candidates =
+        clusters_.FindCandidates(trie_.get(), anchor, block_index + 1,
+                                 token_ids.subspan(static_cast<size_t>(block_index) * bt, bt), path,
+                                 nd.max_distance_bits, nd.max_candidates);
+    clusters_.CountTried(candidates.size());
+  }
+  if (candidates.empty()) return out;
+
+  bool found = false;
+  std::vector<uint8_t> reference(g.num_bytes());
+  for (const ClusterIndex::Candidate& c : candidates) {
+    absl::Status s = ReconstructNode(c.node_id, absl::MakeSpan(reference));
+    if (!s.ok()) continue;  // gone meanwhile: not a candidate any more
+    PredictionContext ctx = context;
+    ctx.reference = reference;
+    EncodeOptions o = options;
+    o.reference_node_id = c.node_id;
+    absl::StatusOr<EncodedBlock> e = EncodeBlock(g, kv, o, ctx);
+    if (!e.ok()) return e.status();
+    absl::StatusOr<BlockHeader> h = ParseBlock(e->bytes);
+    if (!h.ok() || h->reference_node_id != c.node_id) continue;  // did not use the centroid
+    if (e->bytes.size() < out.encoded.bytes.size()) {
+      out.encoded = *std::move(e);
+      out.reference_node_id = c.node_id;
+      out.reference = reference;
+      found = true;
+    }
+  }
+  if (!found) {
+    absl::MutexLock lock(&mu_);
+    clusters_.CountNotSmaller();
+  }
+  return out;
+}
+
+void ModelShard::ClusterViewLocked(const TrieNode& node, NodeView* view) {
+  view->reference_node_id = node.reference_node_id;
+  view->dependents = static_cast<uint32_t>(clusters_.NumDependents(node.id));
+  if (node.reference_node_id != 0) {
+    if (const TrieNode* c = trie_->Find(node.reference_node_id)) {
+      view->distance_to_reference_bits = TrieDistanceBits(&node, c);
+    }
+  }
+}
+
+absl::Status ModelShard::ReleaseDependentsLocked(uint64_t node_id) {
+  // Dependents outside node_id's subtree of any node inside it, parents first.
+  std::vector<uint64_t> outside;
+  BlockGeometry g;
+  {
+    absl::MutexLock lock(&mu_);
+    TrieNode* root = FindLive(node_id);
+    if (root == nullptr) return absl::OkStatus();  // nothing left to protect
+    g = model_.geometry;
+    for (TrieNode* n : SubtreeLocked(root)) {
+      for (uint64_t d : clusters_.Dependents(n->id)) {
+        const TrieNode* dn = FindLive(d);
+        if (dn == nullptr) continue;
+        const TrieNode* a = dn;
+        while (a != nullptr && a != root) a = a->parent;
+        if (a == nullptr) outside.push_back(d);
+      }
+    }
+  }
+  std::sort(outside.begin(), outside.end());  // ids grow with depth along a path
+  for (uint64_t d : outside) {
+    // Store the dependent's exact current reconstruction bit-exact and standalone: every value a
+    // reader gets (and every descendant's prediction context) stays the same, so the error
+    // target it met still holds and nothing below it needs re-encoding.
+    std::vector<uint8_t> recon(g.num_bytes());
+    std::vector<Corrupt> corrupt;
+    absl::Status s = ReconstructInternal(d, absl::MakeSpan(recon), &corrupt);
+    DropCorruptLocked(corrupt);
+    if (absl::IsAborted(s)) continue;  // dropped meanwhile
+    if (!s.ok()) return s;
+    absl::StatusOr<EncodedBlock> e = EncodeBlock(g, recon, {.encoding = Encoding::kLossless});
+    if (!e.ok()) return e.status();
+    if (auto st = ReplaceEncodingLocked(d, *e, Encoding::kLossless); !st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ModelShard::ReplaceEncodingLocked(uint64_t node_id, const EncodedBlock& encoded,
+                                               Encoding encoding) {
+  RecordBatch batch(context_->records);
+  {
+    absl::MutexLock lock(&mu_);
+    TrieNode* n = FindLive(node_id);
+    if (n == nullptr) return absl::OkStatus();  // deleted meanwhile
+    NodeMeta m = MetaOf(*n);
+    m.encoding = encoding;
+    m.bytes_stored = encoded.bytes.size();
+    m.rel_rms_error_k = n->rel_rms_error_k;
+    m.rel_rms_error_v = n->rel_rms_error_v;
+    m.reference_node_id = 0;
+    batch.PutNode(shard_id_, node_id, m, &encoded.bytes);
+  }
+  // The disk budget may be passed by the growth of a re-encoded block until the Delete that
+  // asked for it frees its subtree (and the background pass evicts).
+  if (auto s = context_->records->Write(batch); !s.ok()) return s;
+  absl::MutexLock lock(&mu_);
+  TrieNode* n = trie_->Find(node_id);  // write_mu_: still there
+  const uint64_t old_centroid = n->reference_node_id;
+  clusters_.Remove(*n);
+  CountNodeLocked(*n, -1);
+  n->bytes_stored = encoded.bytes.size();
+  n->encoding = encoding;
+  n->reference_node_id = 0;
+  CountNodeLocked(*n, +1);
+  clusters_.Add(*n);
+  // Hot copy swapped (making room like a Put: the memory bound holds); disk bytes follow.
+  context_->tiers->Replace(Ref(node_id), std::make_shared<const std::string>(encoded.bytes));
+  UpdateEvictableLocked(FindLive(old_centroid));
+  return absl::OkStatus();
+}
+
+}  // namespace kvtrie

@@ -1,0 +1,334 @@
+#include "trie/record_store.h"
+
+#include <rocksdb/cache.h>
+#include <rocksdb/db.h>
+#include <rocksdb/options.h>
+#include <rocksdb/table.h>
+#include <rocksdb/transaction_log.h>
+#include <rocksdb/write_batch.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+#include "trie/store_records.pb.h"
+
+namespace kvtrie {
+namespace {
+
+constexpr char kModelsCf[] = "models";
+constexpr char kNodesCf[] = "nodes";
+constexpr char kPayloadsCf[] = "payloads";
+
+uint64_t DecodeBigEndian(const char* p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v = v << 8 | static_cast<uint8_t>(p[i]);
+  return v;
+}
+
+std::string ModelKey(const std::string& ns, const std::string& model_id) {
+  return absl::StrCat(ns, std::string(1, '\0'), model_id);
+}
+
+internal::NodeRecord ToRecord(const NodeMeta& m) {
+  internal::NodeRecord r;
+  r.set_namespace_(m.ns);
+  r.set_model_id(m.model_id);
+  r.set_parent_id(m.parent_id);
+  r.mutable_token_ids()->Add(m.token_ids.begin(), m.token_ids.end());
+  r.mutable_surprisal_bits()->Add(m.surprisal_bits.begin(), m.surprisal_bits.end());
+  r.set_encoding(static_cast<uint32_t>(m.encoding));
+  r.set_bytes_logical(m.bytes_logical);
+  r.set_bytes_stored(m.bytes_stored);
+  r.set_rel_rms_error_k(m.rel_rms_error_k);
+  r.set_rel_rms_error_v(m.rel_rms_error_v);
+  r.set_pinned_until(m.pinned_until);
+  r.set_reference_node_id(m.reference_node_id);
+  return r;
+}
+
+absl::StatusOr<NodeMeta> FromRecord(const rocksdb::Slice& value) {
+  internal::NodeRecord r;
+  if (!r.ParseFromArray(value.data(), static_cast<int>(value.size()))) {
+    return absl::DataLossError("node record does not parse");
+  }
+  if (!IsValidEncoding(r.encoding())) {
+    return absl::DataLossError(absl::StrCat("node record: unknown encoding ", r.encoding()));
+  }
+  NodeMeta m;
+  m.ns = r.namespace_();
+  m.model_id = r.model_id();
+  m.parent_id = r.parent_id();
+  m.token_ids.assign(r.token_ids().begin(), r.token_ids().end());
+  m.surprisal_bits.assign(r.surprisal_bits().begin(), r.surprisal_bits().end());
+  m.encoding = static_cast<Encoding>(r.encoding());
+  m.bytes_logical = r.bytes_logical();
+  m.bytes_stored = r.bytes_stored();
+  m.rel_rms_error_k = r.rel_rms_error_k();
+  m.rel_rms_error_v = r.rel_rms_error_v();
+  m.pinned_until = r.pinned_until();
+  m.reference_node_id = r.reference_node_id();
+  return m;
+}
+
+}  // namespace
+
+std::string NodeKey(uint64_t shard_id, uint64_t node_id) {
+  std::string k(16, '\0');
+  for (int i = 0; i < 8; ++i) {
+    k[i] = static_cast<char>((shard_id >> (56 - 8 * i)) & 0xff);
+    k[8 + i] = static_cast<char>((node_id >> (56 - 8 * i)) & 0xff);
+  }
+  return k;
+}
+
+absl::Status FromRocks(const rocksdb::Status& s, absl::string_view what) {
+  if (s.ok()) return absl::OkStatus();
+  std::string msg = absl::StrCat(what, ": RocksDB: ", s.ToString());
+  if (s.IsCorruption()) return absl::DataLossError(msg);
+  if (s.IsNoSpace()) return absl::ResourceExhaustedError(msg);
+  if (s.IsIOError() || s.IsBusy() || s.IsTryAgain() || s.IsTimedOut()) {
+    return absl::UnavailableError(msg);
+  }
+  return absl::InternalError(msg);
+}
+
+// ---------------------------------------------------------------------------------------------
+// RecordBatch
+
+RecordBatch::RecordBatch(const RecordStore* store)
+    : store_(store), batch_(std::make_unique<rocksdb::WriteBatch>()) {}
+RecordBatch::~RecordBatch() = default;
+
+size_t RecordBatch::count() const { return batch_->Count(); }
+
+void RecordBatch::PutModel(uint64_t shard_id, const std::string& ns, const ModelInfo& model) {
+  internal::ModelRecord r;
+  r.set_namespace_(ns);
+  r.set_model_id(model.model_id);
+  r.set_num_layers(model.geometry.num_layers);
+  r.set_num_kv_heads(model.geometry.num_kv_heads);
+  r.set_head_dim(model.geometry.head_dim);
+  r.set_dtype(static_cast<uint32_t>(model.geometry.dtype));
+  r.set_block_tokens(model.geometry.block_tokens);
+  r.set_shard_id(shard_id);
+  batch_->Put(store_->cf_models_, ModelKey(ns, model.model_id), r.SerializeAsString());
+}
+
+void RecordBatch::PutNode(uint64_t shard_id, uint64_t node_id, const NodeMeta& meta,
+                          const std::string* payload) {
+  const std::string key = NodeKey(shard_id, node_id);
+  batch_->Put(store_->cf_nodes_, key, ToRecord(meta).SerializeAsString());
+  if (payload != nullptr) batch_->Put(store_->cf_payloads_, key, *payload);
+}
+
+void RecordBatch::DeleteNode(uint64_t shard_id, uint64_t node_id) {
+  const std::string key = NodeKey(shard_id, node_id);
+  batch_->Delete(store_->cf_nodes_, key);
+  batch_->Delete(store_->cf_payloads_, key);
+}
+
+// ---------------------------------------------------------------------------------------------
+// RecordStore
+
+absl::StatusOr<std::unique_ptr<RecordStore>> RecordStore::Open(const Options& options) {
+  std::error_code ec;
+  std::filesystem::create_directories(options.data_dir, ec);
+  if (ec) {
+    return absl::UnavailableError(
+        absl::StrCat("data_dir: cannot create '", options.data_dir, "': ", ec.message()));
+  }
+  std::unique_ptr<RecordStore> store(new RecordStore(options));
+  rocksdb::DBOptions db_options;
+  db_options.create_if_missing = true;
+  db_options.create_missing_column_families = true;
+  db_options.max_background_jobs = 2;
+  if (options.env != nullptr) db_options.env = options.env;
+  // The folder stays bounded: all column families flush together (the small ones would otherwise
+  // never flush and RocksDB would keep every WAL file for them), and the WAL is capped.
+  db_options.atomic_flush = true;
+  db_options.max_log_file_size = 1 << 20;  // LOG
+  db_options.keep_log_file_num = 2;
+  uint64_t memtable = options.memtable_bytes;
+  if (options.disk_bytes != 0)
+    memtable = std::clamp<uint64_t>(options.disk_bytes / 16, 64 << 10, memtable);
+  db_options.max_total_wal_size = 4 * memtable;
+  // RSS: one small block cache for every column family; payload memtables are bounded.
+  rocksdb::BlockBasedTableOptions table;
+  table.block_cache = rocksdb::NewLRUCache(8 << 20);
+  rocksdb::ColumnFamilyOptions meta;
+  meta.table_factory.reset(rocksdb::NewBlockBasedTableFactory(table));
+  meta.write_buffer_size = std::min<uint64_t>(memtable, 4 << 20);
+  rocksdb::ColumnFamilyOptions payloads = meta;
+  payloads.compression = rocksdb::kNoCompression;  // blocks are already entropy-coded
+  // BlobDB: payloads (KiBs to MiBs) go to blob files at flush and the LSM holds only small
+  // references, so compaction never rewrites KV bytes (write amplification ~1 instead of the
+  // LSM's ~10) and evicted payloads are reclaimed by blob garbage collection.
+  payloads.enable_blob_files = true;
+  payloads.min_blob_size = 512;
+  payloads.blob_file_size = std::min<uint64_t>(64 << 20, std::max<uint64_t>(memtable, 1 << 20));
+  payloads.blob_compression_type = rocksdb::kNoCompression;
+  payloads.enable_blob_garbage_collection = true;
+  payloads.blob_garbage_collection_age_cutoff = 0.5;
+  payloads.write_buffer_size = memtable;
+  payloads.max_write_buffer_number = 2;
+  std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {
+      {rocksdb::kDefaultColumnFamilyName, meta},
+      {kModelsCf, meta},
+      {kNodesCf, meta},
+      {kPayloadsCf, payloads},
+  };
+  rocksdb::DB* db = nullptr;
+  rocksdb::Status s = rocksdb::DB::Open(db_options, options.data_dir, cfs, &store->handles_, &db);
+  if (!s.ok()) return FromRocks(s, absl::StrCat("data_dir '", options.data_dir, "'"));
+  store->db_.reset(db);
+  store->cf_models_ = store->handles_[1];
+  store->cf_nodes_ = store->handles_[2];
+  store->cf_payloads_ = store->handles_[3];
+  return store;
+}
+
+RecordStore::RecordStore(const Options& options) : options_(options) {}
+
+RecordStore::~RecordStore() {
+  if (!db_) return;
+  // Memtables to SST and blob files, so the next start replays no WAL.
+  if (health().ok()) {
+    rocksdb::Status s = db_->Flush(rocksdb::FlushOptions(), handles_);
+    if (!s.ok()) spdlog::warn("flush at close: {}", s.ToString());
+  }
+  for (auto* h : handles_) db_->DestroyColumnFamilyHandle(h);
+  rocksdb::Status s = db_->Close();
+  if (!s.ok()) spdlog::warn("close: {}", s.ToString());
+}
+
+absl::Status RecordStore::ForEachModel(
+    const std::function<absl::Status(uint64_t, const std::string&, const ModelInfo&)>& fn) {
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), cf_models_));
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    internal::ModelRecord r;
+    if (!r.ParseFromArray(it->value().data(), static_cast<int>(it->value().size()))) {
+      return absl::DataLossError("models: unreadable record");
+    }
+    if (r.shard_id() == 0) {
+      return absl::FailedPreconditionError(
+          "data_dir: written by an older kvtrie (one global node id sequence); this version "
+          "numbers nodes per model: start it on an empty --data_dir");
+    }
+    ModelInfo m;
+    m.model_id = r.model_id();
+    m.geometry = {r.num_layers(), r.num_kv_heads(), r.block_tokens(), r.head_dim(),
+                  static_cast<DType>(r.dtype())};
+    if (auto st = m.geometry.Validate(); !st.ok()) {
+      return absl::DataLossError(absl::StrCat("models: bad record: ", st.message()));
+    }
+    if (auto st = fn(r.shard_id(), r.namespace_(), m); !st.ok()) return st;
+  }
+  return FromRocks(it->status(), "models");
+}
+
+absl::Status RecordStore::ForEachNode(
+    bool with_payloads,
+    const std::function<void(uint64_t, uint64_t, absl::StatusOr<NodeMeta>, const std::string*)>&
+        fn) {
+  std::unique_ptr<rocksdb::Iterator> nodes(db_->NewIterator(rocksdb::ReadOptions(), cf_nodes_));
+  std::unique_ptr<rocksdb::Iterator> payloads;
+  if (with_payloads) {
+    payloads.reset(db_->NewIterator(rocksdb::ReadOptions(), cf_payloads_));
+    payloads->SeekToFirst();
+  }
+  std::string payload;
+  for (nodes->SeekToFirst(); nodes->Valid(); nodes->Next()) {
+    const rocksdb::Slice key = nodes->key();
+    if (key.size() != 16) {
+      return absl::FailedPreconditionError(
+          "data_dir: node keys of an older kvtrie; start it on an empty --data_dir");
+    }
+    const uint64_t shard = DecodeBigEndian(key.data());
+    const uint64_t id = DecodeBigEndian(key.data() + 8);
+    const std::string* found = nullptr;
+    if (payloads) {
+      // Payloads iterate in the same key order; skip orphans (a node dropped earlier).
+      while (payloads->Valid() && payloads->key().compare(key) < 0) payloads->Next();
+      if (!payloads->status().ok()) {
+        // A read error is not a missing payload: dropping every later node for it would turn one
+        // bad disk block into the loss of the store. Refuse to start instead.
+        return FromRocks(payloads->status(), "payloads (refusing to start; nothing was dropped)");
+      }
+      if (payloads->Valid() && payloads->key() == key) {
+        payload = payloads->value().ToString();
+        found = &payload;
+      }
+    }
+    fn(shard, id, FromRecord(nodes->value()), found);
+  }
+  return FromRocks(nodes->status(), "nodes (refusing to start; nothing was dropped)");
+}
+
+absl::Status RecordStore::Write(RecordBatch& batch) {
+  if (absl::Status h = health(); !h.ok()) return h;
+  if (batch.count() == 0) return absl::OkStatus();
+  rocksdb::WriteOptions wo;
+  wo.sync = options_.sync;
+  absl::Status s = FromRocks(db_->Write(wo, batch.batch_.get()), "write");
+  if (!s.ok()) {
+    Fail(s);
+    return health();
+  }
+  return s;
+}
+
+absl::StatusOr<std::string> RecordStore::ReadPayload(uint64_t shard_id, uint64_t node_id,
+                                                     const ReadSnapshot* snapshot) {
+  rocksdb::ReadOptions ro;
+  ro.snapshot = snapshot ? snapshot->snapshot : nullptr;
+  ro.verify_checksums = true;
+  std::string value;
+  rocksdb::Status s = db_->Get(ro, cf_payloads_, NodeKey(shard_id, node_id), &value);
+  if (s.IsNotFound()) {
+    return absl::NotFoundError(absl::StrCat("payload of node ", node_id, " is missing"));
+  }
+  if (!s.ok()) return FromRocks(s, absl::StrCat("reading the payload of node ", node_id));
+  return value;
+}
+
+std::shared_ptr<const ReadSnapshot> RecordStore::Snapshot() {
+  rocksdb::DB* db = db_.get();
+  auto* snap = new ReadSnapshot{db->GetSnapshot()};
+  return std::shared_ptr<const ReadSnapshot>(snap, [db](const ReadSnapshot* s) {
+    db->ReleaseSnapshot(s->snapshot);
+    delete s;
+  });
+}
+
+absl::Status RecordStore::health() const {
+  absl::MutexLock lock(&error_mu_);
+  return sticky_;
+}
+
+void RecordStore::Fail(const absl::Status& error) {
+  absl::MutexLock lock(&error_mu_);
+  if (!sticky_.ok() || error.ok()) return;
+  spdlog::critical("store failed, refusing writes until restart: {}", error.ToString());
+  sticky_ = absl::UnavailableError(absl::StrCat("store failed: ", error.message()));
+}
+
+uint64_t RecordStore::DiskUsage() {
+  uint64_t total = 0, v = 0;
+  for (auto* h : handles_) {
+    if (db_->GetIntProperty(h, "rocksdb.total-sst-files-size", &v)) total += v;
+    if (db_->GetIntProperty(h, "rocksdb.total-blob-file-size", &v)) total += v;
+  }
+  rocksdb::VectorLogPtr wal;
+  if (db_->GetSortedWalFiles(wal).ok()) {
+    for (const auto& f : wal) total += f->SizeFileBytes();
+  }
+  return total;
+}
+
+absl::Status RecordStore::Flush() {
+  return FromRocks(db_->Flush(rocksdb::FlushOptions(), handles_), "flush");
+}
+
+}  // namespace kvtrie

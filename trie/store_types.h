@@ -1,0 +1,182 @@
+// trie/store_types.h
+//
+// The values KvStore (trie/kv_store.h) takes and returns: options, the model of a trie, match
+// and Get results, Put reports, node views and statistics. Plain structs, no behaviour.
+#ifndef KVTRIE_TRIE_STORE_TYPES_H_
+#define KVTRIE_TRIE_STORE_TYPES_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "codec/block_codec.h"
+#include "trie/block_trie.h"
+#include "trie/cluster_index.h"
+
+namespace rocksdb {
+class Env;
+}  // namespace rocksdb
+
+namespace kvtrie {
+
+struct StoreOptions {
+  std::string data_dir;  // created if missing
+  bool sync = false;     // fsync the WAL before acknowledging a write
+  // Dense bytes one Put may buffer, and all unfinished Puts together (RESOURCE_EXHAUSTED past
+  // either): a Put holds its blocks until its commit, about 3x their size at the peak.
+  uint64_t max_put_bytes = 256ull << 20;
+  uint64_t max_inflight_put_bytes = 1ull << 30;
+  EncodeOptions default_encoding;  // used when a Put does not name one
+  BlockTrie::TokenHash token_hash = BlockTrie::DefaultTokenHash;  // a seam for collision tests
+  NearDupOptions near_dup;  // near-duplicate clusters (trie/cluster_index.h)
+  // Tiers (trie/tier_manager.h). 0 = unbounded.
+  uint64_t memory_bytes = 1ull << 30;  // hot payload bytes in memory
+  // The data folder: payloads, node records, RocksDB's WAL, memtables and files, within the
+  // slack stated in trie/record_store.h.
+  uint64_t disk_bytes = 0;
+  uint32_t promote_after_cold_reads = 2;
+  uint64_t memtable_bytes = 32ull << 20;  // RocksDB write buffer of the payloads (x2 in flight)
+  bool verify_payloads_on_open = false;   // read and CRC-check every payload in Open (slow)
+  bool background = true;                 // run the background demotion / TTL / disk thread
+  // Seam for TTL tests: the wall clock in unix seconds.
+  std::function<uint64_t()> now_seconds;
+  // Seam for fault injection: the RocksDB Env (files, clock); null = rocksdb::Env::Default().
+  // Not owned; must outlive the store.
+  rocksdb::Env* env = nullptr;
+};
+
+struct ModelInfo {
+  std::string model_id;
+  BlockGeometry geometry;  // block_tokens included
+};
+
+struct RecoveryStats {
+  uint64_t models = 0;
+  uint64_t nodes = 0;
+  uint64_t dropped_missing_parent = 0;
+  uint64_t dropped_bad_payload = 0;  // missing or failed its checksum
+  bool payloads_verified = false;    // verify_payloads_on_open was set
+};
+
+struct MatchResult {
+  uint32_t block_tokens = 0;  // 0 if the model is unknown
+  std::vector<uint64_t> node_ids;
+};
+
+// A RocksDB snapshot (trie/record_store.h); opaque outside the record store.
+struct ReadSnapshot;
+
+// A block of a Get, in order from the root.
+struct BlockRead {
+  uint64_t node_id = 0;
+  std::shared_ptr<const std::string> encoded;  // the hot copy; null when cold
+  Encoding encoding = Encoding::kRaw;
+  uint64_t reference_node_id = 0;
+  // Set when the payload was cold at Get time: the RocksDB view in which it is read, so a
+  // concurrent eviction cannot take it away mid-stream.
+  std::shared_ptr<const ReadSnapshot> snapshot;
+};
+
+struct GetResult {
+  ModelInfo model;
+  std::vector<BlockRead> blocks;
+};
+
+enum class BlockOutcome { kStored, kDeduplicated, kResidualOfCentroid };
+
+struct BlockReport {
+  uint32_t block_index = 0;
+  BlockOutcome outcome = BlockOutcome::kStored;
+  uint64_t node_id = 0;
+  uint64_t bytes_logical = 0;
+  uint64_t bytes_stored = 0;
+  Encoding encoding = Encoding::kRaw;
+  double bits_per_component = 0;
+  double rel_rms_error_k = 0;
+  double rel_rms_error_v = 0;
+  double max_abs_error = 0;
+  uint64_t reference_node_id = 0;  // kResidualOfCentroid: the centroid node
+};
+
+struct PutSummary {
+  uint32_t stored_tokens = 0;
+  uint32_t tail_tokens_ignored = 0;
+  std::vector<BlockReport> blocks;  // one per full block, in order
+};
+
+struct NodeView {
+  uint64_t node_id = 0;
+  uint64_t parent_id = 0;
+  uint32_t depth = 0;
+  uint32_t token_offset = 0;
+  std::vector<uint32_t> token_ids;
+  std::vector<float> surprisal_bits;
+  double path_surprisal_bits = 0;
+  uint64_t bytes_logical = 0;
+  uint64_t bytes_stored = 0;
+  Encoding encoding = Encoding::kRaw;
+  double rel_rms_error_k = 0;
+  double rel_rms_error_v = 0;
+  uint32_t num_children = 0;
+  uint64_t hits = 0;
+  uint64_t reference_node_id = 0;         // the centroid this block is a residual of (0 = none)
+  uint32_t dependents = 0;                // blocks stored as residuals of this one
+  double distance_to_reference_bits = 0;  // trie distance to the centroid (bits)
+};
+
+struct InspectResult {
+  ModelInfo model;
+  NodeView node;
+  std::vector<NodeView> children;
+};
+
+// Totals of one namespace (every counter strictly of its own models) or of the whole server.
+struct StoreStats {
+  uint64_t namespaces = 0;
+  uint64_t models = 0;
+  uint64_t nodes = 0;
+  uint64_t bytes_logical = 0;
+  uint64_t bytes_stored = 0;
+  uint64_t max_depth = 0;
+  uint64_t elements = 0;  // stored KV components
+  uint64_t lossy_nodes = 0;
+  double sum_rel_rms_error_k = 0;  // over lossy nodes
+  double sum_rel_rms_error_v = 0;
+  double max_rel_rms_error = 0;
+  // Counters since this process started.
+  uint64_t blocks_stored = 0;
+  uint64_t blocks_deduplicated = 0;
+  uint64_t lookups = 0;
+  uint64_t lookup_hits = 0;
+  uint64_t gets = 0;
+  uint64_t puts = 0;
+  uint64_t deletes = 0;
+  // Tiers: nodes and payload bytes (the budgets are server-wide).
+  uint64_t hot_nodes = 0;
+  uint64_t hot_bytes = 0;  // payload bytes in memory
+  uint64_t cold_nodes = 0;
+  uint64_t cold_bytes = 0;  // payload bytes only in RocksDB
+  uint64_t disk_bytes = 0;  // payload bytes in RocksDB (hot and cold: written through)
+  uint64_t pinned_nodes = 0;
+  uint64_t memory_budget_bytes = 0;
+  uint64_t disk_budget_bytes = 0;
+  // Tier counters since start.
+  uint64_t demotions = 0;  // hot -> cold, for the memory budget
+  uint64_t demoted_bytes = 0;
+  uint64_t promotions = 0;  // cold -> hot, read often enough
+  uint64_t cold_reads = 0;  // payloads read from RocksDB
+  uint64_t cold_read_bytes = 0;
+  uint64_t evictions_disk = 0;  // nodes deleted for the disk budget
+  uint64_t evicted_bytes = 0;
+  uint64_t evictions_data_loss = 0;  // nodes dropped because a payload failed its check
+  uint64_t evictions_deleted = 0;    // nodes removed by Delete
+  uint64_t pins_expired = 0;
+  uint64_t puts_rejected_disk_full = 0;  // RESOURCE_EXHAUSTED: pins hold the disk budget
+  ClusterStats cluster;  // near-duplicate clusters and the surprisal / distance histograms
+};
+
+}  // namespace kvtrie
+
+#endif  // KVTRIE_TRIE_STORE_TYPES_H_
