@@ -55,7 +55,11 @@ uint64_t ClusterIndex::WindowKey(absl::Span<const uint32_t> window) {
 }
 
 void ClusterIndex::Add(const TrieNode& node) {
-  groups_[GroupKey(node.depth, node.token_ids)].push_back(node.id);
+  const uint64_t group = GroupKey(node.depth, node.token_ids);
+  std::vector<uint64_t>& members = groups_[group];
+  members.push_back(node.id);
+  if (members.size() == 2) multi_groups_.insert(group);
+  ++path_surprisal_histogram_[HistogramBucket(node.path_surprisal_bits)];
   const uint32_t half = static_cast<uint32_t>(node.token_ids.size() / 2);
   if (half > 0) {
     const absl::Span<const uint32_t> t(node.token_ids);
@@ -73,8 +77,12 @@ void ClusterIndex::Remove(const TrieNode& node) {
     v.erase(std::remove_if(v.begin(), v.end(), pred), v.end());
     if (v.empty()) map.erase(it);
   };
-  erase_from(groups_, GroupKey(node.depth, node.token_ids),
-             [&](uint64_t id) { return id == node.id; });
+  const uint64_t group = GroupKey(node.depth, node.token_ids);
+  erase_from(groups_, group, [&](uint64_t id) { return id == node.id; });
+  if (auto it = groups_.find(group); it == groups_.end() || it->second.size() < 2) {
+    multi_groups_.erase(group);
+  }
+  --path_surprisal_histogram_[HistogramBucket(node.path_surprisal_bits)];
   const uint32_t half = static_cast<uint32_t>(node.token_ids.size() / 2);
   if (half > 0) {
     const absl::Span<const uint32_t> t(node.token_ids);
@@ -164,11 +172,11 @@ void ClusterIndex::AddStats(BlockTrie* trie, ClusterStats* out) const {
   ClusterStats s = counters_;
   s.centroids = dependents_.size();
   for (const auto& [c, members] : dependents_) s.residual_nodes += members.size();
-  trie->ForEach([&](const TrieNode& n) {
-    ++s.path_surprisal_histogram[HistogramBucket(n.path_surprisal_bits)];
-  });
-  for (const auto& [key, ids] : groups_) {
-    if (ids.size() < 2) continue;
+  for (int i = 0; i < kHistogramBuckets; ++i) {
+    s.path_surprisal_histogram[i] = path_surprisal_histogram_[i];
+  }
+  for (uint64_t key : multi_groups_) {  // only groups of near-duplicates: no walk of the trie
+    const std::vector<uint64_t>& ids = groups_.at(key);
     const TrieNode* first = trie->Find(*std::min_element(ids.begin(), ids.end()));
     if (first == nullptr) continue;
     ++s.near_dup_groups;

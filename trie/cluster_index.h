@@ -22,7 +22,8 @@
 // of a stored one, within the distance limit) and counted as skipped in the stats.
 //
 // Namespaces: there is one index per (namespace, model) trie, so clusters never cross namespaces.
-// Not thread-safe: the owner (KvStore) serializes access under its mutex.
+// Not thread-safe: the owner (ModelShard) serializes access under its mutex. It is the one owner
+// of "dependents" (which nodes are coded against which centroid).
 // Source: Magarshak 2026 §1 (layer 1, probabilistic prefix deduplication, d_T).
 #ifndef KVTRIE_TRIE_CLUSTER_INDEX_H_
 #define KVTRIE_TRIE_CLUSTER_INDEX_H_
@@ -104,7 +105,8 @@ class ClusterIndex {
   void CountTried(uint64_t n) { counters_.candidates_tried += n; }
   void CountNotSmaller() { ++counters_.residual_not_smaller; }
 
-  // Adds this index's numbers (and the trie's histograms) to `out`.
+  // Adds this index's numbers and histograms to `out`: O(near-duplicate groups), no walk of the
+  // trie (counters are kept as nodes are added and removed).
   void AddStats(BlockTrie* trie, ClusterStats* out) const;
 
  private:
@@ -117,6 +119,8 @@ class ClusterIndex {
   // position-shifted near-duplicates.
   absl::flat_hash_map<uint64_t, std::vector<std::pair<uint64_t, uint32_t>>> windows_;
   absl::flat_hash_map<uint64_t, absl::flat_hash_set<uint64_t>> dependents_;  // centroid -> members
+  absl::flat_hash_set<uint64_t> multi_groups_;  // groups_ keys holding two or more nodes
+  uint64_t path_surprisal_histogram_[kHistogramBuckets] = {};  // over indexed nodes
   ClusterStats counters_;
 };
 

@@ -256,5 +256,54 @@ TEST_F(KvStoreTest, UnfinishedPutsTogetherStayUnderTheirByteBudget) {
   EXPECT_TRUE((*c)->AddLayers(1, 0, 0, block).ok());
 }
 
+// Issue 12 item 3: node ids and counters of one namespace tell nothing about another.
+TEST_F(KvStoreTest, NodeIdsAreNumberedPerNamespace) {
+  KvDump d = Load("sessions/s0");
+  ASSERT_TRUE(Put(d).ok());
+  const std::vector<uint64_t> ns_ids = store_->Lookup("ns", d.model_id, d.token_ids).node_ids;
+  ModelInfo m = Model(d);
+  auto session = store_->BeginPut("b", m, d.token_ids, d.surprisal_bits, {});
+  ASSERT_TRUE(session.ok());
+  std::vector<uint8_t> block(m.geometry.num_bytes());
+  for (size_t b = 0; b < d.num_tokens() / 16; ++b) {
+    GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(block));
+    ASSERT_TRUE((*session)->AddLayers(b, 0, 0, block).ok());
+  }
+  auto put = (*session)->Finish();
+  ASSERT_TRUE(put.ok()) << put.status();
+  // The same ids as a store that never saw "ns": 1, 2, ... (not 33, 34, ...).
+  EXPECT_EQ(store_->Lookup("b", d.model_id, d.token_ids).node_ids, ns_ids);
+  EXPECT_EQ(put->blocks.front().node_id, 1u);
+}
+
+TEST_F(KvStoreTest, StatsOfANamespaceCountOnlyItsOwnCalls) {
+  KvDump d = Load("sessions/s0");
+  ASSERT_TRUE(Put(d).ok());
+  ASSERT_TRUE(Put(d).ok());  // deduplicated
+  for (int i = 0; i < 5; ++i) store_->Lookup("ns", d.model_id, d.token_ids);
+  ASSERT_TRUE(store_->Get("ns", d.model_id, d.token_ids, 0).ok());
+  auto session = store_->BeginPut(
+      "b", Model(d), std::vector<uint32_t>(d.token_ids.begin(), d.token_ids.begin() + 16), {}, {});
+  ASSERT_TRUE(session.ok());
+  std::vector<uint8_t> block(Model(d).geometry.num_bytes());
+  GatherBlock(Model(d).geometry, d.num_tokens(), d.k.data(), d.v.data(), 0, absl::MakeSpan(block));
+  ASSERT_TRUE((*session)->AddLayers(0, 0, 0, block).ok());
+  ASSERT_TRUE((*session)->Finish().ok());
+  store_->Lookup("b", d.model_id, d.token_ids);
+  const StoreStats b = store_->Stats("b");
+  EXPECT_EQ(b.puts, 1u);
+  EXPECT_EQ(b.blocks_stored, 1u);
+  EXPECT_EQ(b.blocks_deduplicated, 0u);
+  EXPECT_EQ(b.lookups, 1u);
+  EXPECT_EQ(b.lookup_hits, 1u);
+  EXPECT_EQ(b.gets, 0u);
+  EXPECT_EQ(b.nodes, 1u);
+  const StoreStats a = store_->Stats("ns");
+  EXPECT_EQ(a.puts, 2u);
+  EXPECT_EQ(a.blocks_deduplicated, 32u);
+  EXPECT_EQ(a.gets, 1u);
+  EXPECT_EQ(store_->Stats("").puts, 3u);  // the server sees all
+}
+
 }  // namespace
 }  // namespace kvtrie

@@ -232,13 +232,18 @@ void ModelShard::Recover(uint64_t id, absl::StatusOr<NodeMeta> meta, const std::
 // ---------------------------------------------------------------------------------------------
 // Reads
 
-MatchResult ModelShard::Lookup(absl::Span<const uint32_t> token_ids) {
-  lookups_.fetch_add(1, std::memory_order_relaxed);
+MatchResult ModelShard::Match(absl::Span<const uint32_t> token_ids) {
   MatchResult result;
   absl::MutexLock lock(&mu_);
   if (!committed_) return result;
   result.block_tokens = model_.geometry.block_tokens;
   for (TrieNode* n : MatchLive(token_ids, 0)) result.node_ids.push_back(n->id);
+  return result;
+}
+
+MatchResult ModelShard::Lookup(absl::Span<const uint32_t> token_ids) {
+  lookups_.fetch_add(1, std::memory_order_relaxed);
+  MatchResult result = Match(token_ids);
   if (!result.node_ids.empty()) lookup_hits_.fetch_add(1, std::memory_order_relaxed);
   return result;
 }

@@ -101,7 +101,8 @@ class ModelShard {
                bool verified, RecoveryStats* stats, RecordBatch* drop);
 
   // --- Reads ---
-  MatchResult Lookup(absl::Span<const uint32_t> token_ids);
+  MatchResult Lookup(absl::Span<const uint32_t> token_ids);  // counted in Stats
+  MatchResult Match(absl::Span<const uint32_t> token_ids);   // not counted (a Put's own match)
   GetResult Get(absl::Span<const uint32_t> token_ids, size_t max_blocks);
   // The payload of a block of a Get (hot copy, or read in the Get's snapshot and promoted when
   // read often). DATA_LOSS when the bytes are bad (the node and its subtree are dropped) or when

@@ -123,7 +123,7 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
   const absl::Span<const uint32_t> tokens(token_ids_);
   constexpr int kAttempts = 4;
   for (int attempt = 0; attempt < kAttempts; ++attempt) {
-    const MatchResult match = shard_->Lookup(tokens);
+    const MatchResult match = shard_->Match(tokens);
     const uint32_t matched = static_cast<uint32_t>(match.node_ids.size());
     const uint64_t anchor = matched ? match.node_ids.back() : 0;
     // Every full block must be stored already or sent now.

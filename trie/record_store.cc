@@ -272,11 +272,11 @@ absl::Status RecordStore::Write(RecordBatch& batch) {
   rocksdb::WriteOptions wo;
   wo.sync = options_.sync;
   absl::Status s = FromRocks(db_->Write(wo, batch.batch_.get()), "write");
-  if (!s.ok()) {
-    Fail(s);
-    return health();
-  }
-  return s;
+  if (s.ok()) return s;
+  Fail(s);
+  // This write keeps its own code (RESOURCE_EXHAUSTED for ENOSPC, UNAVAILABLE for I/O); the
+  // ones after it get the sticky UNAVAILABLE.
+  return absl::Status(s.code(), absl::StrCat("store failed: ", s.message()));
 }
 
 absl::StatusOr<std::string> RecordStore::ReadPayload(uint64_t shard_id, uint64_t node_id,

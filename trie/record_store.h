@@ -136,7 +136,7 @@ class RecordStore {
                                const std::string* payload)>& fn);
 
   // Writes `batch` (fsynced when Options::sync). Errors: the sticky error if set; otherwise the
-  // write's (which then becomes the sticky error).
+  // write's, "store failed: ..." with its own code (which then sets the sticky error).
   absl::Status Write(RecordBatch& batch);
 
   // The payload of a node, in `snapshot` if set. Errors: NOT_FOUND if there is none; DATA_LOSS
