@@ -7,6 +7,7 @@
 #include <cmath>
 #include <map>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -35,12 +36,24 @@ class KvStore::Impl {
   std::vector<ModelShard*> ShardsOf(const std::string& ns);  // all when ns is empty
   // Evicts leaves of any shard until `incoming` more bytes fit. Holds no lock across shards.
   absl::Status MakeDiskRoom(uint64_t incoming);
+  // Collects blob garbage when the folder holds much more than the payloads (the files of
+  // evicted payloads), so the folder stays within RecordStore::FolderBound.
+  void CollectGarbageIfNeeded() {
+    if (!gc_mu_.TryLock()) return;  // another thread is collecting
+    absl::Cleanup unlock = [this] { gc_mu_.Unlock(); };
+    const uint64_t usage = records_->DiskUsage(), payload = tiers_->stored_bytes();
+    if (usage > payload + options_.disk_bytes / 4) {
+      if (absl::Status s = records_->CollectGarbage(); !s.ok()) spdlog::error("{}", s.ToString());
+    }
+  }
 
   const StoreOptions options_;
   RecoveryStats recovery_;
   std::unique_ptr<RecordStore> records_;
   std::unique_ptr<TierManager> tiers_;
   ShardContext context_;
+  absl::Mutex gc_mu_;  // one CollectGarbageIfNeeded at a time
+  std::atomic<uint64_t> evicted_since_check_{0};
   std::atomic<uint64_t> lookups_unrouted_{0}, gets_unrouted_{0};  // for no stored model
 
  private:
@@ -110,6 +123,7 @@ absl::Status KvStore::Impl::Open() {
   if (options_.background) {
     tiers_->StartBackground([this] {
       if (options_.disk_bytes == 0 || !records_->health().ok()) return;
+      CollectGarbageIfNeeded();
       if (absl::Status s = MakeDiskRoom(0); !s.ok() && !absl::IsResourceExhausted(s)) {
         spdlog::error("background eviction: {}", s.ToString());
       }
@@ -152,7 +166,14 @@ absl::Status KvStore::Impl::MakeDiskRoom(uint64_t incoming) {
     for (auto& [owner, ids] : by_shard) {
       // Owners are this store's shards, which live as long as the store.
       auto* shard = const_cast<ModelShard*>(static_cast<const ModelShard*>(owner));
-      if (absl::StatusOr<uint64_t> freed = shard->Evict(ids); !freed.ok()) return freed.status();
+      absl::StatusOr<uint64_t> freed = shard->Evict(ids);
+      if (!freed.ok()) return freed.status();
+      // Writers check for garbage too (not only the 100 ms pass), every disk_bytes / 16 evicted,
+      // so the folder's bound does not depend on how fast they write.
+      if (evicted_since_check_.fetch_add(*freed) + *freed > options_.disk_bytes / 16) {
+        evicted_since_check_ = 0;
+        CollectGarbageIfNeeded();
+      }
     }
   }
   if (tiers_->DiskExcess(incoming) == 0) return absl::OkStatus();

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
@@ -16,6 +17,7 @@
 #include "trie/blob_corruption_testing.h"
 #include "trie/kv_store.h"
 #include "trie/kv_store_testing.h"
+#include "trie/record_store.h"
 
 namespace kvtrie {
 namespace {
@@ -216,6 +218,45 @@ TEST_F(TierTest, PinHoldsAPrefixUntilItsTtlAndPinsThatFillTheDiskRejectPuts) {
   EXPECT_TRUE(Put(ns, *d).ok());
   EXPECT_EQ(Stored("p0", dumps_[5]), 32u);
   EXPECT_LE(store_->Stats("").disk_bytes, 1u << 20);
+}
+
+uint64_t FolderBytes(const std::filesystem::path& dir) {  // what `du --apparent-size` counts
+  uint64_t total = 0;
+  std::error_code ec;  // RocksDB deletes files while we list them
+  for (const auto& e : std::filesystem::recursive_directory_iterator(dir, ec)) {
+    const uint64_t size = e.file_size(ec);
+    if (!ec && e.is_regular_file(ec)) total += size;
+  }
+  return total;
+}
+
+// The disk budget bounds the whole data folder (WAL, memtables' logs, SST and blob files), not
+// just payload bytes: a long run of small Puts at a 4 MiB budget stays within the bound stated in
+// trie/record_store.h (the folder was 1.29 GB, 39 WAL files, before the WAL was bound).
+TEST_F(TierTest, DiskBudgetBoundsTheWholeDataFolder) {
+  constexpr uint64_t kBudget = 4 << 20;
+  Open({.memory_bytes = 1 << 20, .disk_bytes = kBudget});
+  uint64_t peak = 0;
+  const KvDump& d = dumps_[4];
+  const ModelInfo m = Model(d);
+  std::vector<uint8_t> block(m.geometry.num_bytes());
+  for (int i = 0; i < 2000; ++i) {  // 2000 one-block Puts of 10 KiB: ~20 MiB written
+    const size_t b = static_cast<size_t>(i) % (d.num_tokens() / 16);
+    std::vector<uint32_t> tokens(d.token_ids.begin() + b * 16, d.token_ids.begin() + b * 16 + 16);
+    auto session =
+        store_->BeginPut("n" + std::to_string(i), m, tokens, {}, {.encoding = Encoding::kRaw});
+    ASSERT_TRUE(session.ok());
+    GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(block));
+    ASSERT_TRUE((*session)->AddLayers(0, 0, 0, block).ok());
+    auto put = (*session)->Finish();
+    ASSERT_TRUE(put.ok()) << put.status();
+    if (i % 100 == 99) peak = std::max(peak, FolderBytes(dir_));
+  }
+  std::printf("peak data folder %llu bytes at a %llu-byte budget\n",
+              static_cast<unsigned long long>(peak), static_cast<unsigned long long>(kBudget));
+  EXPECT_LE(store_->Stats("").disk_bytes, kBudget);
+  EXPECT_LE(peak, RecordStore::FolderBound(kBudget)) << "peak folder size " << peak;
+  EXPECT_GT(store_->Stats("").evictions_disk, 1200u);  // the run was ~5x the budget
 }
 
 // Flips a byte of one payload inside RocksDB's blob file (a real on-disk corruption).

@@ -148,8 +148,9 @@ absl::StatusOr<std::unique_ptr<RecordStore>> RecordStore::Open(const Options& op
   // The folder stays bounded: all column families flush together (the small ones would otherwise
   // never flush and RocksDB would keep every WAL file for them), and the WAL is capped.
   db_options.atomic_flush = true;
-  db_options.max_log_file_size = 1 << 20;  // LOG
+  db_options.max_log_file_size = 256 << 10;  // LOG and one LOG.old.*: at most 512 KiB
   db_options.keep_log_file_num = 2;
+  db_options.max_manifest_file_size = 512 << 10;
   uint64_t memtable = options.memtable_bytes;
   if (options.disk_bytes != 0)
     memtable = std::clamp<uint64_t>(options.disk_bytes / 16, 64 << 10, memtable);
@@ -171,6 +172,12 @@ absl::StatusOr<std::unique_ptr<RecordStore>> RecordStore::Open(const Options& op
   payloads.blob_compression_type = rocksdb::kNoCompression;
   payloads.enable_blob_garbage_collection = true;
   payloads.blob_garbage_collection_age_cutoff = 0.5;
+  if (options.disk_bytes != 0) {
+    // A bounded folder: relocate live blobs out of files that are mostly garbage (evicted
+    // payloads) soon, so dead bytes do not hold the budget.
+    payloads.blob_garbage_collection_age_cutoff = 0.75;
+    payloads.blob_garbage_collection_force_threshold = 0.5;
+  }
   payloads.write_buffer_size = memtable;
   payloads.max_write_buffer_number = 2;
   std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {
@@ -325,6 +332,14 @@ uint64_t RecordStore::DiskUsage() {
     for (const auto& f : wal) total += f->SizeFileBytes();
   }
   return total;
+}
+
+absl::Status RecordStore::CollectGarbage() {
+  rocksdb::CompactRangeOptions o;
+  o.blob_garbage_collection_policy = rocksdb::BlobGarbageCollectionPolicy::kForce;
+  o.blob_garbage_collection_age_cutoff = 1.0;
+  o.bottommost_level_compaction = rocksdb::BottommostLevelCompaction::kForce;
+  return FromRocks(db_->CompactRange(o, cf_payloads_, nullptr, nullptr), "blob garbage collection");
 }
 
 absl::Status RecordStore::Flush() {

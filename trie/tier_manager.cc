@@ -238,7 +238,7 @@ void TierManager::ExpirePins() {
 bool TierManager::Reserve(uint64_t bytes) {
   absl::MutexLock lock(&mu_);
   const uint64_t budget = options_.disk_bytes;
-  if (budget != 0 && disk_bytes_ + reserved_ + overhead_ + bytes > budget) return false;
+  if (budget != 0 && disk_bytes_ + reserved_ + bytes > budget) return false;
   reserved_ += bytes;
   return true;
 }
@@ -251,7 +251,7 @@ void TierManager::Unreserve(uint64_t bytes) {
 uint64_t TierManager::DiskExcess(uint64_t incoming) const {
   absl::MutexLock lock(&mu_);
   const uint64_t budget = options_.disk_bytes;
-  const uint64_t want = disk_bytes_ + reserved_ + overhead_ + incoming;
+  const uint64_t want = disk_bytes_ + reserved_ + incoming;
   return budget == 0 || want <= budget ? 0 : want - budget;
 }
 
@@ -289,11 +289,6 @@ TierManager::Counters TierManager::CountersOf(Owner owner) const {
 uint64_t TierManager::stored_bytes() const {
   absl::MutexLock lock(&mu_);
   return disk_bytes_;
-}
-
-void TierManager::SetOverheadBytes(uint64_t bytes) {
-  absl::MutexLock lock(&mu_);
-  overhead_ = bytes;
 }
 
 }  // namespace kvtrie

@@ -16,6 +16,8 @@
 // The background pass keeps them under 90% of it so writers rarely pay for that.
 // Disk bound: a writer reserves its bytes first (Reserve; false when they do not fit) and the
 // caller evicts PopVictims() (lowest-GDSF evictable leaves) through their shards to make room.
+// What counts: payload bytes + reservations; the rest of the data folder is bounded by the
+// RecordStore (trie/record_store.h states the bound).
 //
 // Lock order: ModelShard::write_mu_ -> ModelShard::mu_ -> TierManager::mu_ ->
 // RecordStore::error_mu_. TierManager calls nothing while holding mu_; the background thread
@@ -104,9 +106,6 @@ class TierManager {
 
   Counters CountersOf(Owner owner) const;
   uint64_t stored_bytes() const;
-  // Extra bytes the data folder holds beyond the payloads (measured by the caller): counted
-  // against disk_bytes (record_store.h).
-  void SetOverheadBytes(uint64_t bytes);
 
  private:
   struct Entry {
@@ -142,7 +141,6 @@ class TierManager {
   uint64_t hot_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t disk_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // payload bytes stored
   uint64_t reserved_ ABSL_GUARDED_BY(mu_) = 0;    // bytes of writes in flight
-  uint64_t overhead_ ABSL_GUARDED_BY(mu_) = 0;    // the folder beyond the payloads
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::unique_ptr<std::thread> background_;
 };
