@@ -7,6 +7,7 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
+#include "client/residual_chain.h"
 #include "codec/block_codec.h"
 #include "codec/kv_layout.h"
 
@@ -219,9 +220,9 @@ absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
   out.model_id = model_id;
   BlockGeometry g;
   size_t tokens = 0;
-  std::vector<uint8_t> block, parent;
-  std::map<uint64_t, std::vector<uint8_t>> references;  // centroid node id -> reconstruction
-  std::vector<uint32_t> layers_seen;                    // per block: layers received
+  std::vector<uint8_t> block;
+  std::unique_ptr<ResidualChain> chain;  // RESIDUAL mode: decodes the blocks in order
+  std::vector<uint32_t> layers_seen;     // per block: layers received
   auto bad = [&](std::string what) {
     ctx->TryCancel();
     reader->Finish();
@@ -247,37 +248,23 @@ absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
     out.v.resize(seq_bytes);
     block.resize(g.num_bytes());
     layers_seen.assign(msg.header().matched_blocks(), 0);
+    chain = std::make_unique<ResidualChain>(
+        g, [&](uint64_t node_id) { return ReferenceBlock(model_id, node_id, g); });
   }
   while (reader->Read(&msg)) {
     if (!msg.has_block()) return bad("a second header");
     const v1::GetBlock& b = msg.block();
     if (b.block_index() >= layers_seen.size()) return bad("block_index past the match");
     if (!b.encoded().empty()) {  // RESIDUAL: decode here (client -> codec)
-      PredictionContext pctx;
-      pctx.parent = parent;
-      if (b.reference_node_id() != 0) {  // a near-duplicate: needs its centroid's reconstruction
-        auto it = references.find(b.reference_node_id());
-        if (it == references.end()) {
-          absl::StatusOr<std::vector<uint8_t>> ref =
-              ReferenceBlock(model_id, b.reference_node_id(), g);
-          if (!ref.ok()) {
-            ctx->TryCancel();
-            reader->Finish();
-            return ref.status();
-          }
-          if (references.size() >= 64) references.clear();  // bound the cache
-          it = references.emplace(b.reference_node_id(), *std::move(ref)).first;
-        }
-        pctx.reference = it->second;
-      }
-      if (auto s = DecodeBlock(b.encoded(), absl::MakeSpan(block), pctx); !s.ok()) {
+      if (absl::Status s = chain->Decode(b.block_index(), b.reference_node_id(), b.encoded(),
+                                         absl::MakeSpan(block));
+          !s.ok()) {
         ctx->TryCancel();
         reader->Finish();
         return s;
       }
       layers_seen[b.block_index()] = g.num_layers;
       ScatterBlock(g, tokens, block, b.block_index(), out.k.data(), out.v.data());
-      parent = block;
       continue;
     }
     const uint32_t end = b.layer_end();

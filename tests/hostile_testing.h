@@ -91,8 +91,8 @@ inline grpc::Status RawPut(v1::KVCache::Stub* stub, const std::vector<v1::PutReq
   return writer->Finish();
 }
 
-// The whole stored prefix of each dump, read back at construction; Expect() checks that the
-// server still returns exactly those bytes and the same Stats totals.
+// What `client`'s namespace stores for each dump, read back at construction; Expect() checks
+// that the server still returns exactly those bytes and the same Stats of that namespace.
 class StoredSnapshot {
  public:
   StoredSnapshot(Client* client, std::vector<const KvDump*> dumps)
