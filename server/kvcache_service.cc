@@ -242,7 +242,7 @@ grpc::Status KvCacheService::Put(grpc::ServerContext* context,
     if (!s.ok()) return ToGrpcStatus(s);
     if (IsLossyEncoding(encode.encoding) && b.layer_begin() < model.geometry.num_layers) {
       if (absl::Status s = CheckFinite(model.geometry, b.layer_begin(), kv); !s.ok()) {
-        return Invalid(absl::StrCat("block.kv: block ", b.block_index(), " ", s.message(), "; ",
+        return Invalid(absl::StrCat("kv: block ", b.block_index(), " ", s.message(), "; ",
                                     EncodingName(encode.encoding),
                                     " needs finite values (lossless and raw store any value "
                                     "exactly); nothing stored"));
@@ -341,7 +341,13 @@ grpc::Status KvCacheService::Get(grpc::ServerContext* context, const v1::GetRequ
     for (int retry = 0; absl::IsAborted(s) && retry < kGetRetries; ++retry) {
       absl::StatusOr<GetResult> again =
           store_->Get(request->namespace_(), request->model_id(), tokens, request->max_blocks());
-      if (!again.ok() || again->blocks.size() <= i || again->blocks[i].node_id != b.node_id) break;
+      if (!again.ok()) break;
+      if (again->blocks.size() <= i || again->blocks[i].node_id != b.node_id) {
+        // The block itself went (a Delete of its prefix): what this Get promised is gone.
+        return grpc::Status(grpc::StatusCode::ABORTED,
+                            absl::StrCat("token_ids: blocks [", i, ", ", got->blocks.size(),
+                                         ") were deleted while this Get streamed them; retry"));
+      }
       for (size_t j = i; j < again->blocks.size() && j < got->blocks.size() &&
                          again->blocks[j].node_id == got->blocks[j].node_id;
            ++j) {

@@ -99,7 +99,7 @@ absl::Status PutLimits::Stream::Reserve(uint64_t bytes) {
   if (limit != 0 && (bytes > limit || held > limit - bytes)) {
     if (held == 0) owner_->ns_bytes_.erase(ns_);
     return absl::ResourceExhaustedError(
-        absl::StrCat("block.kv: namespace '", ns_, "' has ", held,
+        absl::StrCat("kv: namespace '", ns_, "' has ", held,
                      " bytes in unfinished Put streams; this block's ", bytes,
                      " would pass the server's --max_inflight_put_bytes_per_namespace=", limit));
   }

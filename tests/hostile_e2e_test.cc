@@ -82,7 +82,7 @@ TEST_F(Hostile, NonFiniteValuesInLossyPutsAreRejectedNamingBlockLayerAndElement)
       absl::StatusOr<v1::PutResponse> r =
           client->Put(bad, {.encoding = e, .layers_per_message = layers_per_message});
       ASSERT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
-      EXPECT_NE(r.status().message().find("block.kv: block 1 layer 2 K head 1 token 4 channel 3 "
+      EXPECT_NE(r.status().message().find("kv: block 1 layer 2 K head 1 token 4 channel 3 "
                                           "is NaN"),
                 std::string::npos)
           << r.status();
