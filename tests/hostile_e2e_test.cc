@@ -236,7 +236,12 @@ TEST_F(Hostile, StalledPutIsCancelledAfterItsIdleDeadlineAndReleasesItsBudget) {
     EXPECT_EQ(s.error_code(), grpc::StatusCode::CANCELLED) << s.error_message();
     EXPECT_LT(waited, 10.0);
   }
+  // The client may see CANCELLED a moment before the server's handler has let go of the bytes.
   absl::StatusOr<v1::PutResponse> r = other->Put(s1_);
+  for (int i = 0; i < 100 && absl::IsResourceExhausted(r.status()); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    r = other->Put(s1_);
+  }
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->blocks_stored(), 32u);
   EXPECT_EQ(client->Stats("")->nodes(), 32u);  // the stalled Put stored nothing
@@ -253,7 +258,7 @@ TEST_F(Hostile, OneTenantHoldingManyStreamsDoesNotStarveAnother) {
   for (int i = 0; i < 16; ++i) {
     streams.push_back(std::make_unique<StalledPut>(greedy->stub(), s0_, "greedy", 4));
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  std::this_thread::sleep_for(std::chrono::seconds(1));  // the server reads every block sent
   // Another tenant's 32-block Put fits in what the greedy namespace may not take.
   auto polite = NewClient("polite");
   absl::StatusOr<v1::PutResponse> r = polite->Put(s1_);
@@ -286,12 +291,10 @@ TEST_F(Hostile, ThreadCountStaysBoundedUnderManyIdleStreams) {
   // Other calls still get through while the streams are open.
   absl::StatusOr<v1::StatsResponse> stats = client->Stats();
   EXPECT_TRUE(stats.ok()) << stats.status();
-  int exhausted = 0;
-  for (int i = 0; i < 100; ++i) {  // the last ones were refused
-    grpc::Status st = streams[streams.size() - 1 - i]->Finish();
-    exhausted += st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED;
-  }
-  EXPECT_EQ(exhausted, 100);
+  int exhausted = 0;  // all but the 16 admitted were refused
+  for (auto& s : streams)
+    exhausted += s->Finish().error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED;
+  EXPECT_GE(exhausted, 300 - 16);
   streams.clear();
   ASSERT_TRUE(client->Put(s0_).ok());
 }

@@ -24,11 +24,15 @@ common=(-G Ninja -DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14
 # RSS bounds are meaningless under ASan (see above).
 asan_exclude='^TierTest.HotBytesNeverExceedTheBudget'
 
-run_asan() {
-  echo "== ASan + UBSan stage (build-asan)"
+build_asan() {
   cmake -S . -B build-asan "${common[@]}" -DKVTRIE_SANITIZE=address -DKVTRIE_BUILD_FUZZERS=ON \
     >/dev/null
-  ninja -C build-asan
+  ninja -C build-asan "$@"
+}
+
+run_asan() {
+  echo "== ASan + UBSan stage (build-asan)"
+  build_asan
   export ASAN_OPTIONS=abort_on_error=1:detect_leaks=1:detect_container_overflow=0
   export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
   export LSAN_OPTIONS="suppressions=$PWD/tests/lsan.supp:print_suppressions=0"
@@ -50,7 +54,8 @@ run_tsan() {
 
 case "$stage" in
   asan) run_asan ;;
+  asan-build) shift; build_asan "$@" ;;  # for bench/fuzz_long.sh
   tsan) run_tsan ;;
   all) run_asan && run_tsan ;;
-  *) echo "usage: $0 [asan|tsan|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [asan|tsan|all|asan-build [targets]]" >&2; exit 2 ;;
 esac
