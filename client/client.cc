@@ -7,15 +7,49 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
+#include "client/residual_chain.h"
 #include "codec/block_codec.h"
 #include "codec/kv_layout.h"
 
 namespace kvtrie {
 namespace {
 
+// Token ids (and as many surprisal values) per Put message: 128K x 8 bytes = 1 MiB.
+constexpr size_t kTokensPerMessage = 128 * 1024;
+
 absl::Status FromGrpc(const grpc::Status& s) {
   if (s.ok()) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+// proto3 `string` fields must be UTF-8: a server cannot parse a message with invalid UTF-8 and
+// answers only INTERNAL (unary) or sees the stream end (Put). Checked here to name the field.
+absl::Status CheckUtf8(absl::string_view field, absl::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<uint8_t>(s[i]);
+    size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xe ? 3 : (c >> 3) == 0x1e ? 4 : 0;
+    bool ok = n != 0 && i + n <= s.size() && !(n == 2 && c < 0xc2);
+    uint32_t cp = n == 1 ? c : c & (0x7f >> n);
+    for (size_t k = 1; ok && k < n; ++k) {
+      const auto d = static_cast<uint8_t>(s[i + k]);
+      ok = (d & 0xc0) == 0x80;
+      cp = (cp << 6) | (d & 0x3f);
+    }
+    if (ok && n == 3) ok = cp >= 0x800 && (cp < 0xd800 || cp > 0xdfff);
+    if (ok && n == 4) ok = cp >= 0x10000 && cp <= 0x10ffff;
+    if (!ok) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": not valid UTF-8 (byte ", i, "); proto3 strings must be UTF-8"));
+    }
+    i += n;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckNames(absl::string_view ns, absl::string_view model_id) {
+  if (auto s = CheckUtf8("namespace", ns); !s.ok()) return s;
+  return CheckUtf8("model_id", model_id);
 }
 
 BlockGeometry GeometryOf(const v1::ModelSpec& m) {
@@ -79,6 +113,7 @@ std::unique_ptr<grpc::ClientContext> Client::NewContext() const {
 
 absl::StatusOr<v1::LookupResponse> Client::Lookup(const std::string& model_id,
                                                   absl::Span<const uint32_t> token_ids) {
+  if (auto s = CheckNames(options_.ns, model_id); !s.ok()) return s;
   v1::LookupRequest req;
   req.set_namespace_(options_.ns);
   req.set_model_id(model_id);
@@ -93,6 +128,7 @@ absl::StatusOr<v1::PutResponse> Client::Put(const KvDump& kv, const PutOptions& 
   const BlockGeometry g{kv.num_layers, kv.num_kv_heads, options.block_tokens, kv.head_dim,
                         kv.dtype};
   if (auto s = g.Validate(); !s.ok()) return s;
+  if (auto s = CheckNames(options_.ns, kv.model_id); !s.ok()) return s;
   const size_t seq_bytes =
       g.num_layers * g.num_kv_heads * kv.num_tokens() * g.head_dim * DTypeBytes(g.dtype);
   if (kv.k.size() != seq_bytes || kv.v.size() != seq_bytes) {
@@ -113,12 +149,34 @@ absl::StatusOr<v1::PutResponse> Client::Put(const KvDump& kv, const PutOptions& 
   m->set_head_dim(g.head_dim);
   m->set_dtype(static_cast<v1::DType>(g.dtype));
   m->set_block_tokens(g.block_tokens);
-  h->mutable_token_ids()->Add(kv.token_ids.begin(), kv.token_ids.end());
-  h->mutable_surprisal_bits()->Add(kv.surprisal_bits.begin(), kv.surprisal_bits.end());
+  // The first kTokensPerMessage token ids (and surprisal) in the header, the rest in PutTokens
+  // messages, so no message passes gRPC's default 4 MiB limit (1M tokens with surprisal: 8 MB).
+  const auto chunk = [&](const auto& values, size_t begin) {
+    const size_t end = std::min(values.size(), begin + kTokensPerMessage);
+    return std::make_pair(values.begin() + static_cast<ptrdiff_t>(std::min(begin, end)),
+                          values.begin() + static_cast<ptrdiff_t>(end));
+  };
+  {
+    auto [tb, te] = chunk(kv.token_ids, 0);
+    h->mutable_token_ids()->Add(tb, te);
+    auto [sb, se] = chunk(kv.surprisal_bits, 0);
+    h->mutable_surprisal_bits()->Add(sb, se);
+  }
   h->mutable_encoding()->set_encoding(options.encoding);
   h->mutable_encoding()->set_target_rel_rms(options.target_rel_rms);
   h->mutable_encoding()->set_bits(options.bits);
   bool open = writer->Write(req);
+  for (size_t begin = kTokensPerMessage;
+       open && (begin < kv.token_ids.size() || begin < kv.surprisal_bits.size());
+       begin += kTokensPerMessage) {
+    req.Clear();
+    v1::PutTokens* t = req.mutable_tokens();
+    auto [tb, te] = chunk(kv.token_ids, begin);
+    t->mutable_token_ids()->Add(tb, te);
+    auto [sb, se] = chunk(kv.surprisal_bits, begin);
+    t->mutable_surprisal_bits()->Add(sb, se);
+    open = writer->Write(req);
+  }
   std::vector<uint8_t> block(g.num_bytes());
   const uint32_t per_msg = options.layers_per_message ? options.layers_per_message : g.num_layers;
   const size_t blocks = kv.num_tokens() / g.block_tokens;
@@ -148,6 +206,7 @@ absl::StatusOr<v1::PutResponse> Client::Put(const KvDump& kv, const PutOptions& 
 absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
                                    absl::Span<const uint32_t> token_ids,
                                    const GetOptions& options) {
+  if (auto s = CheckNames(options_.ns, model_id); !s.ok()) return s;
   v1::GetRequest req;
   req.set_namespace_(options_.ns);
   req.set_model_id(model_id);
@@ -161,9 +220,9 @@ absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
   out.model_id = model_id;
   BlockGeometry g;
   size_t tokens = 0;
-  std::vector<uint8_t> block, parent;
-  std::map<uint64_t, std::vector<uint8_t>> references;  // centroid node id -> reconstruction
-  std::vector<uint32_t> layers_seen;                    // per block: layers received
+  std::vector<uint8_t> block;
+  std::unique_ptr<ResidualChain> chain;  // RESIDUAL mode: decodes the blocks in order
+  std::vector<uint32_t> layers_seen;     // per block: layers received
   auto bad = [&](std::string what) {
     ctx->TryCancel();
     reader->Finish();
@@ -189,37 +248,23 @@ absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
     out.v.resize(seq_bytes);
     block.resize(g.num_bytes());
     layers_seen.assign(msg.header().matched_blocks(), 0);
+    chain = std::make_unique<ResidualChain>(
+        g, [&](uint64_t node_id) { return ReferenceBlock(model_id, node_id, g); });
   }
   while (reader->Read(&msg)) {
     if (!msg.has_block()) return bad("a second header");
     const v1::GetBlock& b = msg.block();
     if (b.block_index() >= layers_seen.size()) return bad("block_index past the match");
     if (!b.encoded().empty()) {  // RESIDUAL: decode here (client -> codec)
-      PredictionContext pctx;
-      pctx.parent = parent;
-      if (b.reference_node_id() != 0) {  // a near-duplicate: needs its centroid's reconstruction
-        auto it = references.find(b.reference_node_id());
-        if (it == references.end()) {
-          absl::StatusOr<std::vector<uint8_t>> ref =
-              ReferenceBlock(model_id, b.reference_node_id(), g);
-          if (!ref.ok()) {
-            ctx->TryCancel();
-            reader->Finish();
-            return ref.status();
-          }
-          if (references.size() >= 64) references.clear();  // bound the cache
-          it = references.emplace(b.reference_node_id(), *std::move(ref)).first;
-        }
-        pctx.reference = it->second;
-      }
-      if (auto s = DecodeBlock(b.encoded(), absl::MakeSpan(block), pctx); !s.ok()) {
+      if (absl::Status s = chain->Decode(b.block_index(), b.reference_node_id(), b.encoded(),
+                                         absl::MakeSpan(block));
+          !s.ok()) {
         ctx->TryCancel();
         reader->Finish();
         return s;
       }
       layers_seen[b.block_index()] = g.num_layers;
       ScatterBlock(g, tokens, block, b.block_index(), out.k.data(), out.v.data());
-      parent = block;
       continue;
     }
     const uint32_t end = b.layer_end();
@@ -245,6 +290,8 @@ absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
 }
 
 absl::StatusOr<v1::StatsResponse> Client::Stats(const std::string& ns_override) {
+  if (auto s = CheckUtf8("namespace", ns_override.empty() ? options_.ns : ns_override); !s.ok())
+    return s;
   v1::StatsRequest req;
   req.set_namespace_(ns_override.empty() ? options_.ns : ns_override);
   v1::StatsResponse resp;
@@ -254,6 +301,7 @@ absl::StatusOr<v1::StatsResponse> Client::Stats(const std::string& ns_override) 
 }
 
 absl::StatusOr<v1::InspectResponse> Client::Inspect(const std::string& model_id, uint64_t node_id) {
+  if (auto s = CheckNames(options_.ns, model_id); !s.ok()) return s;
   v1::InspectRequest req;
   req.set_namespace_(options_.ns);
   req.set_model_id(model_id);
@@ -266,6 +314,7 @@ absl::StatusOr<v1::InspectResponse> Client::Inspect(const std::string& model_id,
 
 absl::StatusOr<v1::DeleteResponse> Client::Delete(const std::string& model_id,
                                                   absl::Span<const uint32_t> token_ids) {
+  if (auto s = CheckNames(options_.ns, model_id); !s.ok()) return s;
   v1::DeleteRequest req;
   req.set_namespace_(options_.ns);
   req.set_model_id(model_id);

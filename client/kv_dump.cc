@@ -1,7 +1,9 @@
 #include "client/kv_dump.h"
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -91,6 +93,9 @@ absl::StatusOr<NpyArray> ReadNpy(const std::string& path) {
       return absl::InvalidArgumentError(absl::StrCat(path, ": shape: bad dimension '", dim, "'"));
     }
     a.shape.push_back(d);
+    if (d != 0 && count > (std::numeric_limits<size_t>::max() / 8) / d) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": shape: too many elements"));
+    }
     count *= d;
   }
   const size_t data_start = header_start + header_len;
@@ -133,7 +138,8 @@ absl::StatusOr<KvDump> ReadKvManifest(const std::string& dir) {
   }
   KvDump d;
   auto get_uint = [&](const char* key, uint32_t* out) -> absl::Status {
-    if (!m.contains(key) || !m[key].is_number_unsigned()) {
+    if (!m.contains(key) || !m[key].is_number_unsigned() ||
+        m[key].get<uint64_t>() > std::numeric_limits<uint32_t>::max()) {
       return absl::InvalidArgumentError(absl::StrCat(path, ": ", key, ": missing or not a count"));
     }
     *out = m[key].get<uint32_t>();
@@ -158,14 +164,19 @@ absl::StatusOr<KvDump> ReadKvManifest(const std::string& dir) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": token_ids: missing"));
   }
   for (const auto& t : m["token_ids"]) {
-    if (!t.is_number_unsigned()) {
+    if (!t.is_number_unsigned() || t.get<uint64_t>() > std::numeric_limits<uint32_t>::max()) {
       return absl::InvalidArgumentError(absl::StrCat(path, ": token_ids: not all unsigned ints"));
     }
     d.token_ids.push_back(t.get<uint32_t>());
   }
   if (m.contains("surprisal_bits") && m["surprisal_bits"].is_array()) {
     for (const auto& s : m["surprisal_bits"]) {
-      d.surprisal_bits.push_back(s.is_number() ? s.get<float>() : 0.0f);
+      const double bits = s.is_number() ? s.get<double>() : 0.0;
+      if (!(std::fabs(bits) <= std::numeric_limits<float>::max())) {  // NaN fails too
+        return absl::InvalidArgumentError(absl::StrCat(
+            path, ": surprisal_bits: value ", d.surprisal_bits.size(), " is not a finite float"));
+      }
+      d.surprisal_bits.push_back(static_cast<float>(bits));
     }
     if (d.surprisal_bits.size() != d.token_ids.size()) {
       return absl::InvalidArgumentError(

@@ -148,6 +148,15 @@ int Run(const std::vector<char*>& args) {
   if (cmd == "stats") {
     absl::StatusOr<v1::StatsResponse> r = client->Stats();
     if (!r.ok()) return Fail(r.status());
+    // Only the histogram buckets that count something (the server sends all 48).
+    for (auto* h :
+         {r->mutable_path_surprisal_histogram(), r->mutable_branch_distance_histogram()}) {
+      google::protobuf::RepeatedPtrField<v1::HistogramBucket> kept;
+      for (const v1::HistogramBucket& b : *h) {
+        if (b.count() != 0) *kept.Add() = b;
+      }
+      h->Swap(&kept);
+    }
     Print(ProtoToJson(*r));
     return 0;
   }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -38,6 +39,57 @@ T GetLE(const char* p) {
 }  // namespace
 
 bool IsValidEncoding(uint32_t value) { return value >= 1 && value <= 6; }
+
+bool IsLossyEncoding(Encoding encoding) {
+  return encoding == Encoding::kResidual || encoding == Encoding::kInt8 ||
+         encoding == Encoding::kKivi2 || encoding == Encoding::kTurboQuant;
+}
+
+absl::Status CheckFinite(const BlockGeometry& g, uint32_t layer_begin,
+                         absl::Span<const uint8_t> kv) {
+  const size_t width = DTypeBytes(g.dtype);
+  const size_t n = kv.size() / width;
+  for (size_t i = 0; i < n; ++i) {
+    const uint8_t* p = kv.data() + i * width;
+    bool finite = true, nan = false;
+    switch (g.dtype) {
+      case DType::kFp16: {
+        const uint16_t h = static_cast<uint16_t>(p[0] | (p[1] << 8));
+        finite = (h & 0x7c00) != 0x7c00;
+        nan = !finite && (h & 0x03ff) != 0;
+        break;
+      }
+      case DType::kBf16: {
+        const uint16_t b = static_cast<uint16_t>(p[0] | (p[1] << 8));
+        finite = (b & 0x7f80) != 0x7f80;
+        nan = !finite && (b & 0x007f) != 0;
+        break;
+      }
+      case DType::kFp32: {
+        float f;
+        std::memcpy(&f, p, 4);
+        finite = std::isfinite(f);
+        nan = std::isnan(f);
+        break;
+      }
+    }
+    if (finite) continue;
+    // Block layout: [layer][K/V][head][token][channel].
+    size_t r = i;
+    const size_t channel = r % g.head_dim;
+    r /= g.head_dim;
+    const size_t token = r % g.block_tokens;
+    r /= g.block_tokens;
+    const size_t head = r % g.num_kv_heads;
+    r /= g.num_kv_heads;
+    const size_t kv_index = r % 2;
+    const size_t layer = layer_begin + r / 2;
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " ", kv_index == 0 ? "K" : "V",
+                                                   " head ", head, " token ", token, " channel ",
+                                                   channel, " is ", nan ? "NaN" : "infinite"));
+  }
+  return absl::OkStatus();
+}
 
 absl::string_view EncodingName(Encoding encoding) {
   switch (encoding) {
@@ -76,6 +128,30 @@ absl::string_view PredictorName(Predictor predictor) {
 }
 
 namespace {
+
+// The largest finite value of `dtype`.
+float MaxFinite(DType dtype) {
+  switch (dtype) {
+    case DType::kFp16:
+      return 65504.0f;
+    case DType::kBf16:
+      return Bf16ToFloat(0x7f7f);
+    case DType::kFp32:
+      break;
+  }
+  return std::numeric_limits<float>::max();
+}
+
+// FromFloat of a lossy reconstruction: finite values beyond the dtype's range saturate to its
+// largest finite value (a quantizer may overshoot the input's absmax by half a step). NaN stays.
+void FromFloatSaturating(DType dtype, float* y, size_t n, void* out) {
+  const float limit = MaxFinite(dtype);
+  for (size_t i = 0; i < n; ++i) {
+    if (y[i] > limit) y[i] = limit;
+    if (y[i] < -limit) y[i] = -limit;
+  }
+  FromFloat(dtype, y, n, out);
+}
 
 // Fills the error statistics of `result` from the original and decoded blocks (as floats).
 void MeasureError(const BlockGeometry& g, const float* x, const float* y, EncodedBlock* result) {
@@ -163,6 +239,11 @@ absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
     case Encoding::kInt8:
     case Encoding::kKivi2:
     case Encoding::kTurboQuant: {
+      if (auto s = CheckFinite(geometry, 0, kv); !s.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("kv: ", s.message(), "; encoding ", EncodingName(options.encoding),
+                         " needs finite values (raw and lossless store any value exactly)"));
+      }
       std::vector<float> x(geometry.num_elements());
       ToFloat(geometry.dtype, kv.data(), x.size(), x.data());
       internal::LossyOutput lossy;
@@ -179,9 +260,26 @@ absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
                                              lossy.params, lossy.payload);
       // What the decoder returns: the reconstruction rounded to the dtype.
       std::vector<uint8_t> decoded(geometry.num_bytes());
-      FromFloat(geometry.dtype, lossy.recon.data(), lossy.recon.size(), decoded.data());
+      FromFloatSaturating(geometry.dtype, lossy.recon.data(), lossy.recon.size(), decoded.data());
+      if (auto s = CheckFinite(geometry, 0, decoded); !s.ok()) {
+        // Never store what would decode to a value the Put did not send.
+        return absl::InvalidArgumentError(absl::StrCat(
+            "kv: ", s.message(), " after encoding ", EncodingName(options.encoding),
+            ": the block holds values outside the range this encoding can represent; use "
+            "lossless"));
+      }
       ToFloat(geometry.dtype, decoded.data(), lossy.recon.size(), lossy.recon.data());
       MeasureError(geometry, x.data(), lossy.recon.data(), &result);
+      // An error larger than the block's largest magnitude means the encoding's own fields (fp16
+      // scales, norms, float arithmetic) could not hold the values: refuse rather than store it.
+      float max_abs = 0;
+      for (float v : x) max_abs = std::max(max_abs, std::fabs(v));
+      if (max_abs > 0 && result.max_abs_error >= max_abs) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("kv: values up to ", max_abs, " are outside the range encoding ",
+                         EncodingName(options.encoding), " can represent (error ",
+                         result.max_abs_error, "); use lossless"));
+      }
       std::memcpy(result.predictor_count, lossy.predictor_count, sizeof(result.predictor_count));
       break;
     }
@@ -296,7 +394,7 @@ absl::Status DecodeBlock(absl::string_view encoded, absl::Span<uint8_t> out,
               ? internal::DecodeResidual(h->geometry, h->params, h->payload, context, y.data())
               : internal::DecodeBaseline(h->encoding, h->geometry, h->params, h->payload, y.data());
       if (!s.ok()) return s;
-      FromFloat(h->geometry.dtype, y.data(), y.size(), out.data());
+      FromFloatSaturating(h->geometry.dtype, y.data(), y.size(), out.data());
       return absl::OkStatus();
     }
   }

@@ -129,10 +129,24 @@ struct EncodedBlock {
 };
 
 // Encodes `kv` (exactly geometry.num_bytes() bytes). Errors: INVALID_ARGUMENT naming the field if
-// the geometry is invalid or `kv` has the wrong size.
+// the geometry is invalid or `kv` has the wrong size; for the lossy encodings (kResidual, kInt8,
+// kKivi2, kTurboQuant) also INVALID_ARGUMENT naming the element if `kv` holds a NaN or an
+// infinity (CheckFinite), or a value the encoding cannot represent (its reconstruction would not
+// be finite, e.g. kInt8 of an fp32 value above 65504 * 127, whose fp16 scale overflows). kRaw and
+// kLossless store every bit pattern exactly. Lossy decoders saturate finite reconstructions to the
+// dtype's largest finite value (kInt8 of fp16 65504 is 65504, never Inf).
 absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
                                          absl::Span<const uint8_t> kv, const EncodeOptions& options,
                                          const PredictionContext& context = {});
+
+// True for the encodings that are not bit-exact (kResidual, kInt8, kKivi2, kTurboQuant).
+bool IsLossyEncoding(Encoding encoding);
+
+// OK if every element of `kv` — layers [layer_begin, layer_begin + kv.size() / layer bytes) of a
+// block of `geometry`, block layout — is finite. Otherwise INVALID_ARGUMENT naming the first
+// non-finite element: "layer 2 V head 1 token 5 channel 3 is NaN". `kv` must hold whole layers.
+absl::Status CheckFinite(const BlockGeometry& geometry, uint32_t layer_begin,
+                         absl::Span<const uint8_t> kv);
 
 // The parsed envelope of an encoded block; views point into the encoded bytes.
 struct BlockHeader {

@@ -12,6 +12,12 @@
 namespace kvtrie {
 namespace {
 
+// Reads of a Get retried when a block's centroid was deleted concurrently.
+constexpr int kGetRetries = 3;
+
+// Pins longer than this are refused (a larger TTL would overflow the expiry time).
+constexpr uint64_t kMaxPinTtlSeconds = 100ull * 366 * 24 * 3600;
+
 grpc::Status Invalid(std::string message) {
   return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::move(message));
 }
@@ -94,10 +100,50 @@ void ToHistogram(const uint64_t (&counts)[kHistogramBuckets],
   }
 }
 
+// The encoding of a Put: `defaults` (the server's) overridden by what the header names.
+grpc::Status ToEncodeOptions(const v1::EncodingSpec& e, const EncodeOptions& defaults,
+                             EncodeOptions* out) {
+  *out = defaults;
+  if (e.encoding() != v1::ENCODING_UNSPECIFIED) {
+    if (!IsValidEncoding(static_cast<uint32_t>(e.encoding()))) {
+      return Invalid(absl::StrCat("encoding.encoding: ",
+                                  v1::Encoding_Name(e.encoding()).empty()
+                                      ? absl::StrCat(static_cast<int>(e.encoding()))
+                                      : v1::Encoding_Name(e.encoding()),
+                                  " is not supported by this server"));
+    }
+    out->encoding = static_cast<Encoding>(e.encoding());
+  }
+  if (!(e.target_rel_rms() >= 0 && e.target_rel_rms() < 1)) {  // NaN fails too
+    return Invalid(
+        absl::StrCat("encoding.target_rel_rms: ", e.target_rel_rms(), " is not in [0, 1)"));
+  }
+  if (e.target_rel_rms() > 0 && e.target_rel_rms() < 1e-4) {
+    return Invalid(absl::StrCat("encoding.target_rel_rms: ", e.target_rel_rms(),
+                                " is below fp16 precision (1e-4); use ENCODING_LOSSLESS"));
+  }
+  if (e.target_rel_rms() > 0) out->target_rel_rms = e.target_rel_rms();
+  if (!(e.target_bits_per_component() >= 0 && e.target_bits_per_component() <= 32)) {
+    return Invalid(absl::StrCat("encoding.target_bits_per_component: ",
+                                e.target_bits_per_component(), " is not in [0, 32]"));
+  }
+  out->target_bits_per_component = e.target_bits_per_component();
+  if (!(e.surprisal_step_strength() >= 0 && e.surprisal_step_strength() <= 4)) {
+    return Invalid(absl::StrCat("encoding.surprisal_step_strength: ", e.surprisal_step_strength(),
+                                " is not in [0, 4]"));
+  }
+  out->surprisal_step_strength = e.surprisal_step_strength();
+  if (e.bits() > 8) {
+    return Invalid(absl::StrCat("encoding.bits: ", e.bits(), " is not in [1, 8]"));
+  }
+  if (e.bits() > 0) out->turboquant_bits = static_cast<int>(e.bits());
+  return grpc::Status::OK;
+}
+
 }  // namespace
 
 KvCacheService::KvCacheService(KvStore* store, const ServiceOptions& options)
-    : store_(store), options_(options) {}
+    : store_(store), options_(options), put_limits_(options.put_limits) {}
 
 grpc::Status KvCacheService::Lookup(grpc::ServerContext*, const v1::LookupRequest* request,
                                     v1::LookupResponse* response) {
@@ -116,74 +162,94 @@ grpc::Status KvCacheService::Lookup(grpc::ServerContext*, const v1::LookupReques
 grpc::Status KvCacheService::Put(grpc::ServerContext* context,
                                  grpc::ServerReader<v1::PutRequest>* reader,
                                  v1::PutResponse* response) {
+  // Admitted before the first message: a slot, the idle deadline, then the namespace's bytes.
+  absl::StatusOr<std::unique_ptr<PutLimits::Stream>> stream =
+      put_limits_.Admit([context] { context->TryCancel(); });
+  if (!stream.ok()) return ToGrpcStatus(stream.status());
+  const auto cut_short = [&] {
+    if ((*stream)->idle_cancelled()) {
+      return grpc::Status(grpc::StatusCode::CANCELLED,
+                          absl::StrCat("put: no message for --put_idle_timeout_seconds=",
+                                       absl::ToDoubleSeconds(options_.put_limits.idle_timeout),
+                                       "; nothing stored"));
+    }
+    return Invalid(
+        "commit: the stream ended without a PutCommit (cut short or cancelled); nothing stored");
+  };
   v1::PutRequest request;
-  if (!reader->Read(&request)) return Invalid("header: the stream ended before its header");
+  if (!reader->Read(&request)) {
+    if ((*stream)->idle_cancelled()) return cut_short();
+    return Invalid(
+        "header: the stream ended before its header (or its first message did not parse: "
+        "namespace and model.model_id must be valid UTF-8)");
+  }
+  (*stream)->Touch();
   if (!request.has_header()) return Invalid("header: the first PutRequest must be a header");
-  const v1::PutHeader& h = request.header();
+  const v1::PutHeader h = std::move(*request.mutable_header());
   if (auto s = CheckName("namespace", h.namespace_(), false); !s.ok()) return s;
+  (*stream)->SetNamespace(h.namespace_());
   ModelInfo model;
   if (auto s = ToModelInfo(h.model(), &model); !s.ok()) return s;
   if (auto s = CheckTokens("token_ids", h.token_ids_size(), options_.max_tokens); !s.ok()) return s;
-  EncodeOptions encode = options_.default_encoding;
-  const v1::EncodingSpec& e = h.encoding();
-  if (e.encoding() != v1::ENCODING_UNSPECIFIED) {
-    if (!IsValidEncoding(static_cast<uint32_t>(e.encoding()))) {
-      return Invalid(absl::StrCat("encoding.encoding: ",
-                                  v1::Encoding_Name(e.encoding()).empty()
-                                      ? absl::StrCat(static_cast<int>(e.encoding()))
-                                      : v1::Encoding_Name(e.encoding()),
-                                  " is not supported by this server"));
+  EncodeOptions encode;
+  if (auto s = ToEncodeOptions(h.encoding(), options_.default_encoding, &encode); !s.ok()) return s;
+  std::vector<uint32_t> token_ids(h.token_ids().begin(), h.token_ids().end());
+  std::vector<float> surprisal(h.surprisal_bits().begin(), h.surprisal_bits().end());
+  // PutTokens: more token ids and surprisal, before the first block.
+  bool more = reader->Read(&request);
+  while (more && request.has_tokens()) {
+    (*stream)->Touch();
+    const v1::PutTokens& t = request.tokens();
+    if (token_ids.size() + t.token_ids_size() > options_.max_tokens) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("tokens.token_ids: more than the server's --max_tokens=",
+                                       options_.max_tokens, " tokens in one Put"));
     }
-    encode.encoding = static_cast<Encoding>(e.encoding());
+    if (surprisal.size() + t.surprisal_bits_size() > options_.max_tokens) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("tokens.surprisal_bits: more than the server's "
+                                       "--max_tokens=",
+                                       options_.max_tokens, " values in one Put"));
+    }
+    token_ids.insert(token_ids.end(), t.token_ids().begin(), t.token_ids().end());
+    surprisal.insert(surprisal.end(), t.surprisal_bits().begin(), t.surprisal_bits().end());
+    more = reader->Read(&request);
   }
-  if (!(e.target_rel_rms() >= 0 && e.target_rel_rms() < 1)) {  // NaN fails too
-    return Invalid(
-        absl::StrCat("encoding.target_rel_rms: ", e.target_rel_rms(), " is not in [0, 1)"));
-  }
-  if (e.target_rel_rms() > 0 && e.target_rel_rms() < 1e-4) {
-    return Invalid(absl::StrCat("encoding.target_rel_rms: ", e.target_rel_rms(),
-                                " is below fp16 precision (1e-4); use ENCODING_LOSSLESS"));
-  }
-  if (e.target_rel_rms() > 0) encode.target_rel_rms = e.target_rel_rms();
-  if (!(e.target_bits_per_component() >= 0 && e.target_bits_per_component() <= 32)) {
-    return Invalid(absl::StrCat("encoding.target_bits_per_component: ",
-                                e.target_bits_per_component(), " is not in [0, 32]"));
-  }
-  encode.target_bits_per_component = e.target_bits_per_component();
-  if (!(e.surprisal_step_strength() >= 0 && e.surprisal_step_strength() <= 4)) {
-    return Invalid(absl::StrCat("encoding.surprisal_step_strength: ", e.surprisal_step_strength(),
-                                " is not in [0, 4]"));
-  }
-  encode.surprisal_step_strength = e.surprisal_step_strength();
-  if (e.bits() > 8) {
-    return Invalid(absl::StrCat("encoding.bits: ", e.bits(), " is not in [1, 8]"));
-  }
-  if (e.bits() > 0) encode.turboquant_bits = static_cast<int>(e.bits());
   absl::StatusOr<std::unique_ptr<PutSession>> session =
-      store_->BeginPut(h.namespace_(), model, {h.token_ids().begin(), h.token_ids().end()},
-                       {h.surprisal_bits().begin(), h.surprisal_bits().end()}, encode);
+      store_->BeginPut(h.namespace_(), model, std::move(token_ids), std::move(surprisal), encode);
   if (!session.ok()) return ToGrpcStatus(session.status());
   // Read() also returns false when the client cancels, and IsCancelled() may not know yet: only
   // an explicit PutCommit tells a complete stream from a cut one.
   bool committed = false;
-  while (reader->Read(&request)) {
+  for (; more; more = reader->Read(&request)) {
+    (*stream)->Touch();
     if (committed) return Invalid("commit: a message followed the PutCommit; nothing stored");
     if (request.has_commit()) {
       committed = true;
+      (*stream)->Committed();
       continue;
     }
     if (request.has_header()) return Invalid("header: sent twice in one Put stream");
+    if (request.has_tokens()) {
+      return Invalid("tokens: a PutTokens after a block; every token id must come first");
+    }
     if (!request.has_block()) return Invalid("block: a PutRequest after the header is empty");
     const v1::PutBlock& b = request.block();
-    absl::Status s = (*session)->AddLayers(
-        b.block_index(), b.layer_begin(), b.layer_end(),
-        absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(b.kv().data()), b.kv().size()));
+    const auto kv =
+        absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(b.kv().data()), b.kv().size());
+    if (absl::Status s = (*stream)->Reserve(kv.size()); !s.ok()) return ToGrpcStatus(s);
+    absl::Status s = (*session)->AddLayers(b.block_index(), b.layer_begin(), b.layer_end(), kv);
     if (!s.ok()) return ToGrpcStatus(s);
+    if (IsLossyEncoding(encode.encoding) && b.layer_begin() < model.geometry.num_layers) {
+      if (absl::Status s = CheckFinite(model.geometry, b.layer_begin(), kv); !s.ok()) {
+        return Invalid(absl::StrCat("kv: block ", b.block_index(), " ", s.message(), "; ",
+                                    EncodingName(encode.encoding),
+                                    " needs finite values (lossless and raw store any value "
+                                    "exactly); nothing stored"));
+      }
+    }
   }
-  if (!committed || context->IsCancelled()) {
-    return Invalid(
-        "commit: the stream ended without a PutCommit (cut short or cancelled); nothing stored");
-  }
+  if (!committed || context->IsCancelled()) return cut_short();
   absl::StatusOr<PutSummary> summary = (*session)->Finish();
   if (!summary.ok()) return ToGrpcStatus(summary.status());
   response->set_stored_tokens(summary->stored_tokens);
@@ -269,6 +335,27 @@ grpc::Status KvCacheService::Get(grpc::ServerContext* context, const v1::GetRequ
     }
     absl::Status s = store_->ReadAndDecodeBlock(request->namespace_(), request->model_id(), b,
                                                 &chain, absl::MakeSpan(kv));
+    // ABORTED: the centroid this block is a residual of was deleted while the Get ran. Delete
+    // first re-encodes its dependents as bit-exact standalone copies under the same node ids,
+    // so read the rest of the prefix again and decode the same node (bounded).
+    for (int retry = 0; absl::IsAborted(s) && retry < kGetRetries; ++retry) {
+      absl::StatusOr<GetResult> again =
+          store_->Get(request->namespace_(), request->model_id(), tokens, request->max_blocks());
+      if (!again.ok()) break;
+      if (again->blocks.size() <= i || again->blocks[i].node_id != b.node_id) {
+        // The block itself went (a Delete of its prefix): what this Get promised is gone.
+        return grpc::Status(grpc::StatusCode::ABORTED,
+                            absl::StrCat("token_ids: blocks [", i, ", ", got->blocks.size(),
+                                         ") were deleted while this Get streamed them; retry"));
+      }
+      for (size_t j = i; j < again->blocks.size() && j < got->blocks.size() &&
+                         again->blocks[j].node_id == got->blocks[j].node_id;
+           ++j) {
+        got->blocks[j] = again->blocks[j];
+      }
+      s = store_->ReadAndDecodeBlock(request->namespace_(), request->model_id(), b, &chain,
+                                     absl::MakeSpan(kv));
+    }
     if (!s.ok()) return ToGrpcStatus(s);
     for (uint32_t l = 0; l < g.num_layers; l += layers_per_message) {
       const uint32_t end = std::min(g.num_layers, l + layers_per_message);
@@ -376,6 +463,11 @@ grpc::Status KvCacheService::Pin(grpc::ServerContext*, const v1::PinRequest* req
   if (auto s = CheckName("model_id", request->model_id(), true); !s.ok()) return s;
   if (auto s = CheckTokens("token_ids", request->token_ids_size(), options_.max_tokens); !s.ok())
     return s;
+  if (request->ttl_seconds() > kMaxPinTtlSeconds) {
+    return Invalid(absl::StrCat("ttl_seconds: ", request->ttl_seconds(),
+                                " is more than 100 years (", kMaxPinTtlSeconds,
+                                "); use 0 to pin until unpinned"));
+  }
   auto r = store_->Pin(request->namespace_(), request->model_id(), request->token_ids(),
                        request->ttl_seconds(), request->unpin());
   if (!r.ok()) return ToGrpcStatus(r.status());

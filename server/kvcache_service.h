@@ -5,12 +5,16 @@
 // proto/kvtrie/v1/kvtrie.proto for the contract of each call.
 //
 // Uses gRPC's synchronous API: each call runs on a thread of gRPC's pool. Thread-safe.
+// Put streams are admitted by PutLimits (server/put_limits.h): a bounded number at once, a
+// per-namespace budget of buffered bytes, an idle deadline. A Get whose block's centroid is
+// deleted concurrently reads that block again (at most 3 times) before it answers ABORTED.
 #ifndef KVTRIE_SERVER_KVCACHE_SERVICE_H_
 #define KVTRIE_SERVER_KVCACHE_SERVICE_H_
 
 #include <cstdint>
 
 #include "kvtrie/v1/kvtrie.grpc.pb.h"
+#include "server/put_limits.h"
 #include "trie/kv_store.h"
 
 namespace kvtrie {
@@ -19,6 +23,7 @@ struct ServiceOptions {
   uint32_t max_tokens = 1u << 20;             // token ids one request may carry
   uint64_t max_get_message_bytes = 1u << 20;  // a GetBlock is split by layers above this
   EncodeOptions default_encoding;             // for ENCODING_UNSPECIFIED
+  PutLimitOptions put_limits;                 // streams, per-namespace bytes, idle deadline
 };
 
 class KvCacheService final : public v1::KVCache::Service {
@@ -46,6 +51,7 @@ class KvCacheService final : public v1::KVCache::Service {
  private:
   KvStore* const store_;
   const ServiceOptions options_;
+  PutLimits put_limits_;
 };
 
 }  // namespace kvtrie

@@ -10,12 +10,14 @@
 // and the process exits 0.
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/resource_quota.h>
 #include <grpcpp/server.h>
 #include <grpcpp/server_builder.h>
 #include <signal.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -51,6 +53,19 @@ ABSL_FLAG(uint64_t, max_inflight_put_bytes, 1ull << 30,
           "most dense KV bytes all unfinished Put streams together may buffer");
 ABSL_FLAG(uint64_t, max_put_bytes, 256ull << 20,
           "most dense KV bytes one Put stream may buffer before it is committed");
+// Put streams (issue 12): server/put_limits.h.
+ABSL_FLAG(double, put_idle_timeout_seconds, 60,
+          "a Put stream that sends no message for this long is cancelled and its buffered bytes "
+          "released (0 = never)");
+ABSL_FLAG(uint32_t, max_concurrent_put_streams, 256,
+          "most Put streams open at once; more are refused with RESOURCE_EXHAUSTED (0 = no "
+          "bound; --max_threads still applies)");
+ABSL_FLAG(uint64_t, max_inflight_put_bytes_per_namespace, 256ull << 20,
+          "most dense KV bytes one namespace's unfinished Put streams together may buffer "
+          "(0 = only --max_inflight_put_bytes)");
+ABSL_FLAG(int, max_threads, 512,
+          "most threads gRPC may run calls on; calls past it are refused with "
+          "RESOURCE_EXHAUSTED");
 ABSL_FLAG(uint64_t, max_get_message_bytes, 1u << 20,
           "Get splits a block by layer ranges so no message is larger than this");
 ABSL_FLAG(int, shutdown_grace_seconds, 10,
@@ -138,17 +153,32 @@ int Run() {
   service_options.max_get_message_bytes = absl::GetFlag(FLAGS_max_get_message_bytes);
   service_options.default_encoding.encoding = *encoding;
   service_options.default_encoding.target_rel_rms = absl::GetFlag(FLAGS_default_target_rel_rms);
+  service_options.put_limits.max_concurrent_streams =
+      absl::GetFlag(FLAGS_max_concurrent_put_streams);
+  service_options.put_limits.max_inflight_bytes_per_namespace =
+      absl::GetFlag(FLAGS_max_inflight_put_bytes_per_namespace);
+  service_options.put_limits.idle_timeout =
+      absl::Seconds(std::max(0.0, absl::GetFlag(FLAGS_put_idle_timeout_seconds)));
   KvCacheService service(store->get(), service_options);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  // One server per port: without this gRPC sets SO_REUSEPORT and a second server on the same
+  // port would serve (and split the calls) beside the first.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Bounded threads: past --max_threads gRPC answers new calls RESOURCE_EXHAUSTED.
+  grpc::ResourceQuota quota("kvtrie-server");
+  quota.SetMaxThreads(absl::GetFlag(FLAGS_max_threads));
+  builder.SetResourceQuota(quota);
   int port = 0;
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {
-    spdlog::critical("cannot listen on {}", absl::GetFlag(FLAGS_listen));
+    spdlog::critical(
+        "cannot listen on {}: the address is in use (another kvtrie-server?) or not available",
+        absl::GetFlag(FLAGS_listen));
     return 1;
   }
   server->GetHealthCheckService()->SetServingStatus(kServiceName, true);

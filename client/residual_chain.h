@@ -1,0 +1,51 @@
+// client/residual_chain.h
+//
+// ResidualChain: decodes the blocks of a Get in RESIDUAL mode (GetBlock.encoded, the stored
+// encoding of codec/block_codec.h) as the C++ client receives them. Block i may be predicted from
+// block i-1's reconstruction (its parent) and, when its envelope names a centroid
+// (reference_node_id != 0), from that centroid block's reconstruction, which `fetch` returns
+// (the client reads it with GetRequest.node_id); the last 64 centroids are cached.
+//
+// Errors (the stream is then unusable): DATA_LOSS naming the block when it arrives out of order,
+// its envelope fails its checks, its geometry differs from the model's, its reference id differs
+// from GetBlock.reference_node_id, or a centroid has the wrong size; `fetch`'s errors; the codec's
+// (FAILED_PRECONDITION for a prediction the client cannot supply).
+// Not thread-safe (one Get).
+#ifndef KVTRIE_CLIENT_RESIDUAL_CHAIN_H_
+#define KVTRIE_CLIENT_RESIDUAL_CHAIN_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "codec/block_geometry.h"
+
+namespace kvtrie {
+
+class ResidualChain {
+ public:
+  // The reconstruction of centroid node `node_id` (geometry.num_bytes() bytes).
+  using FetchReference = std::function<absl::StatusOr<std::vector<uint8_t>>(uint64_t node_id)>;
+
+  ResidualChain(const BlockGeometry& geometry, FetchReference fetch);
+
+  // Decodes block `block_index` (0, 1, 2, ... in order) into `out` (geometry.num_bytes()).
+  absl::Status Decode(uint32_t block_index, uint64_t reference_node_id, absl::string_view encoded,
+                      absl::Span<uint8_t> out);
+
+ private:
+  const BlockGeometry geometry_;
+  const FetchReference fetch_;
+  uint32_t next_block_ = 0;
+  std::vector<uint8_t> parent_;                          // block next_block_ - 1
+  std::map<uint64_t, std::vector<uint8_t>> references_;  // centroid node id -> reconstruction
+};
+
+}  // namespace kvtrie
+
+#endif  // KVTRIE_CLIENT_RESIDUAL_CHAIN_H_

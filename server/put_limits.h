@@ -1,0 +1,109 @@
+// server/put_limits.h
+//
+// PutLimits: what one tenant's Put streams may hold of the server (issue 12, item 4). Each Put
+// stream is admitted before its first message and holds:
+//   - a slot of `max_concurrent_streams` (0 = unbounded): past it a new stream is refused with
+//     RESOURCE_EXHAUSTED, so idle streams cannot grow the server's threads without bound (gRPC's
+//     sync server runs each stream on a thread; main.cc also caps the threads);
+//   - the dense KV bytes it has received (PutBlock.kv), charged to its namespace against
+//     `max_inflight_bytes_per_namespace` (0 = unbounded): past it that namespace's block is
+//     refused with RESOURCE_EXHAUSTED, while other namespaces keep the store-wide budget
+//     (StoreOptions::max_inflight_put_bytes) for themselves;
+//   - an idle deadline: a stream that receives no message for `idle_timeout` (0 = none) is
+//     cancelled through its `cancel` callback (grpc::ServerContext::TryCancel; the client sees
+//     CANCELLED), so its handler returns and its buffered bytes are released.
+// Everything a Stream holds is released when it is destroyed.
+//
+// Thread-safe. One background thread checks idle deadlines (when idle_timeout > 0); the
+// cancel callbacks run on it, under the mutex, so they must not call back into PutLimits.
+#ifndef KVTRIE_SERVER_PUT_LIMITS_H_
+#define KVTRIE_SERVER_PUT_LIMITS_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace kvtrie {
+
+struct PutLimitOptions {
+  uint32_t max_concurrent_streams = 0;                 // 0 = unbounded
+  uint64_t max_inflight_bytes_per_namespace = 0;       // 0 = unbounded
+  absl::Duration idle_timeout = absl::ZeroDuration();  // 0 = none
+};
+
+class PutLimits {
+ public:
+  class Stream;
+
+  explicit PutLimits(const PutLimitOptions& options);
+  ~PutLimits();  // every Stream must be gone
+  PutLimits(const PutLimits&) = delete;
+  PutLimits& operator=(const PutLimits&) = delete;
+
+  // Admits a new stream. `cancel` cancels it (called at most once, from the watchdog thread).
+  // Errors: RESOURCE_EXHAUSTED when max_concurrent_streams are open.
+  absl::StatusOr<std::unique_ptr<Stream>> Admit(std::function<void()> cancel);
+
+  int open_streams() const;
+  uint64_t inflight_bytes(const std::string& ns) const;
+
+ private:
+  friend class Stream;
+  void Release(Stream* stream);
+  void WatchdogLoop();
+
+  const PutLimitOptions options_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_set<Stream*> streams_ ABSL_GUARDED_BY(mu_);  // every admitted, live stream
+  absl::flat_hash_map<std::string, uint64_t> ns_bytes_ ABSL_GUARDED_BY(mu_);  // by namespace
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread watchdog_;
+};
+
+// One admitted Put stream. Not thread-safe (one handler), except that the watchdog reads its
+// last activity and cancels it.
+class PutLimits::Stream {
+ public:
+  ~Stream();  // releases the slot and the bytes
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+
+  // A message arrived: restarts the idle deadline.
+  void Touch();
+  // The namespace bytes are charged to (set once, from the header).
+  void SetNamespace(const std::string& ns);
+  // Charges `bytes` more to the namespace. Errors: RESOURCE_EXHAUSTED naming the namespace and
+  // the flag, with nothing charged.
+  absl::Status Reserve(uint64_t bytes);
+  // The commit arrived: the idle deadline no longer applies (encoding may take a while).
+  void Committed() { committed_.store(true, std::memory_order_relaxed); }
+  // True once the watchdog cancelled this stream for its idle deadline.
+  bool idle_cancelled() const { return idle_cancelled_.load(std::memory_order_acquire); }
+
+ private:
+  friend class PutLimits;
+  Stream(PutLimits* owner, std::function<void()> cancel);
+
+  PutLimits* const owner_;
+  const std::function<void()> cancel_;
+  std::string ns_;
+  uint64_t bytes_ = 0;  // charged to ns_ (guarded by owner_->mu_ for the map, written here only)
+  std::atomic<int64_t> last_activity_ns_;  // absl::GetCurrentTimeNanos() of the last message
+  std::atomic<bool> idle_cancelled_{false};
+  std::atomic<bool> committed_{false};
+};
+
+}  // namespace kvtrie
+
+#endif  // KVTRIE_SERVER_PUT_LIMITS_H_
