@@ -159,6 +159,12 @@ grpc::Status KvCacheService::Put(grpc::ServerContext* context,
     return Invalid(absl::StrCat("encoding.bits: ", e.bits(), " is not in [1, 8]"));
   }
   if (e.bits() > 0) encode.turboquant_bits = static_cast<int>(e.bits());
+  if (e.profile() == v1::EncodingSpec::PROFILE_FAST) {
+    encode.profile = Profile::kFast;
+  } else if (e.profile() != v1::EncodingSpec::PROFILE_COMPACT) {
+    return Invalid(absl::StrCat("encoding.profile: ", static_cast<int>(e.profile()),
+                                " is not supported by this server"));
+  }
   absl::StatusOr<std::unique_ptr<PutSession>> session =
       store_->BeginPut(h.namespace_(), model, {h.token_ids().begin(), h.token_ids().end()},
                        {h.surprisal_bits().begin(), h.surprisal_bits().end()}, encode);

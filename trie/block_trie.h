@@ -6,7 +6,8 @@
 // so a hash collision can never return another prefix's KV. Each node also carries its tokens'
 // surprisal (bits) and its path surprisal -log2 P(prefix) (the paper's Layer 1 edge weights).
 //
-// Longest-prefix match costs one hash and one token comparison per block: O(tokens).
+// Longest-prefix match costs one token comparison per block, plus one hash where a node has more
+// than one child: O(tokens).
 // Not thread-safe: the owner (KvStore) serializes access.
 // Source: radix tree over token blocks as in SGLang's RadixAttention and vLLM's prefix caching
 // (hash of the block's tokens chained with its parent); Magarshak 2026 §1 for the surprisal.
@@ -48,6 +49,9 @@ struct TrieNode {
 
   // Children by token hash; a bucket holds more than one node only on a hash collision.
   absl::flat_hash_map<uint64_t, absl::InlinedVector<TrieNode*, 1>> children;
+  // The child when there is exactly one, else nullptr (kept by BlockTrie): Match walks a chain
+  // of single children by comparing tokens, without hashing or probing `children`.
+  TrieNode* only_child = nullptr;
   size_t num_children() const;
 
   // Token position of the block's first token.
