@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "codec/block_codec.h"
+#include "codec/rans_interleaved.h"
 #include "codec/testing_blocks.h"
 #include "gtest/gtest.h"
 
@@ -80,6 +81,31 @@ TEST(FastResidual, LlamaShapedBlockRoundTripsOnSimdAndScalarPaths) {
   std::vector<uint8_t> again(g.num_bytes());
   ASSERT_TRUE(DecodeBlock(e->bytes, absl::MakeSpan(again)).ok());
   EXPECT_EQ(again, out);
+}
+
+TEST(FastResidual, ScalarAndSimdPathsAgreeBitForBit) {
+  const RealBlocks r = LoadRealBlocks("GPL-3");
+  const BlockGeometry g{2, 8, 16, 128, DType::kFp16};
+  const std::vector<uint8_t> block = TiledBlock(r, g, 7);
+  for (double target : {0.01, 0.1}) {  // 0.01: many bucket symbols
+    absl::StatusOr<EncodedBlock> e = EncodeBlock(g, block, Fast(target));
+    ASSERT_TRUE(e.ok()) << e.status();
+    std::vector<uint8_t> simd(g.num_bytes()), scalar(g.num_bytes());
+    ASSERT_TRUE(DecodeBlock(e->bytes, absl::MakeSpan(simd)).ok());
+    irans::SetSimdForTesting(false);
+    const absl::Status s = DecodeBlock(e->bytes, absl::MakeSpan(scalar));
+    absl::StatusOr<EncodedBlock> e2 = EncodeBlock(g, block, Fast(target));  // scalar encoder
+    irans::SetSimdForTesting(true);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(simd, scalar);
+    ASSERT_TRUE(e2.ok());
+    std::vector<uint8_t> out(g.num_bytes());
+    ASSERT_TRUE(DecodeBlock(e2->bytes, absl::MakeSpan(out)).ok());
+    for (int kv = 0; kv < 2; ++kv) {
+      EXPECT_LE(RelRms(g, block, simd, kv), target);
+      EXPECT_LE(RelRms(g, block, out, kv), target);
+    }
+  }
 }
 
 TEST(FastResidual, RejectsOptionsItDoesNotHave) {

@@ -1,6 +1,7 @@
 #include "codec/rans_interleaved.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 
@@ -312,10 +313,16 @@ __attribute__((target("avx2,popcnt"))) absl::Status DecodeAvx2(
 
 }  // namespace
 
+namespace {
+std::atomic<bool> simd_enabled{true};
+}  // namespace
+
+void SetSimdForTesting(bool enabled) { simd_enabled.store(enabled); }
+
 bool HasAvx2() {
 #ifdef KVTRIE_IRANS_AVX2
   static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt");
-  return has;
+  return has && simd_enabled.load(std::memory_order_relaxed);
 #else
   return false;
 #endif

@@ -81,7 +81,10 @@ absl::Status DecodeSegment(absl::string_view segment, int lanes, size_t run,
 absl::Status DecodeSegmentScalar(absl::string_view segment, int lanes, size_t run,
                                  absl::Span<const DecodeTable* const> tables,
                                  absl::Span<uint8_t> symbols);
+// True if the CPU has AVX2 (and popcnt) and SIMD is not turned off for a test.
 bool HasAvx2();
+// Tests: false makes every fast-profile kernel take its scalar path (process-wide).
+void SetSimdForTesting(bool enabled);
 
 }  // namespace irans
 }  // namespace kvtrie
