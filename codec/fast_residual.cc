@@ -25,6 +25,8 @@ using residual::Bf16Round;
 using residual::Dims;
 
 constexpr size_t kMinSegmentSymbols = 65536;  // planes are grouped into segments of >= this
+// ... but of at most this many planes: a decoder holds a 16 KiB table per plane of a segment.
+constexpr size_t kMaxSegmentPlanes = 64;
 constexpr size_t kMinLaneSymbols = 1024;      // a lane's 4-byte state is < 0.4 % of its bits
 constexpr float kDeadZoneOffset = 0.1f;       // as the compact profile (residual_codec.cc)
 constexpr double kDeadZoneFrom = 0.1;
@@ -44,7 +46,8 @@ struct Layout {
 Layout ChooseLayout(const Dims& n) {
   Layout lo;
   const size_t pe = n.plane_elems(), planes = n.L * 2;
-  lo.planes_per_segment = std::min(planes, std::max<size_t>(1, (kMinSegmentSymbols + pe - 1) / pe));
+  lo.planes_per_segment = std::min({planes, kMaxSegmentPlanes,
+                                    std::max<size_t>(1, (kMinSegmentSymbols + pe - 1) / pe)});
   const size_t seg = lo.planes_per_segment * pe;
   lo.lanes = irans::kMaxLanes;
   while (lo.lanes > 1 && (seg / lo.lanes < kMinLaneSymbols || pe % lo.lanes != 0)) lo.lanes /= 2;
@@ -351,7 +354,7 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
   lo.planes_per_segment =
       static_cast<uint8_t>(params[4]) | (static_cast<size_t>(static_cast<uint8_t>(params[5])) << 8);
   if (lo.lanes < 1 || lo.lanes > irans::kMaxLanes || (lo.lanes & (lo.lanes - 1)) || pe % lo.lanes ||
-      lo.planes_per_segment < 1 || lo.planes_per_segment > planes) {
+      lo.planes_per_segment < 1 || lo.planes_per_segment > std::min(planes, kMaxSegmentPlanes)) {
     return absl::DataLossError("fast residual params: bad lane layout");
   }
   absl::string_view in = params.substr(6);

@@ -167,7 +167,7 @@ void EncodeSegment(absl::Span<const uint8_t> symbols, int lanes, size_t run,
   std::fill(x, x + lanes, kLow);
   // Words are written backwards from the end (at most one per symbol), so they end up in the
   // decoder's order.
-  std::vector<uint16_t> words(n + 1);
+  std::vector<uint16_t> words(n + 2);
   uint16_t* const wend = words.data() + words.size();
   uint16_t* wp = wend;
   const size_t mask = static_cast<size_t>(lanes) - 1;
@@ -176,10 +176,12 @@ void EncodeSegment(absl::Span<const uint8_t> symbols, int lanes, size_t run,
     for (size_t i = std::min(n, (r + 1) * run); i-- > r * run;) {
       const EncSymbol& e = table[symbols[i]];
       uint32_t& s = x[i & mask];
-      if (s >= e.x_max) {
-        *--wp = static_cast<uint16_t>(s);
-        s >>= 16;
-      }
+      // Branch-free renormalization (the branch is taken about half the time): the word is
+      // written below wp either way and kept only when the state had to shrink.
+      const uint32_t emit = s >= e.x_max;
+      wp[-1] = static_cast<uint16_t>(s);
+      wp -= emit;
+      s >>= 16 * emit;
       const uint32_t q =
           static_cast<uint32_t>((static_cast<unsigned __int128>(s) * e.rcp) >> kRcpShift);
       s = (q << kScaleBits) + (s - q * e.freq) + e.start;
