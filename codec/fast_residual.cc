@@ -1,6 +1,7 @@
 #include "codec/fast_residual.h"
 
 #include <algorithm>
+#include <array>
 #include <cfloat>
 #include <cmath>
 #include <cstring>
@@ -24,11 +25,12 @@ using namespace fast;  // NOLINT: the profile's own kernels
 using residual::Bf16Round;
 using residual::Dims;
 
+constexpr uint8_t kFlagSharedTables = 1;      // params flags: one table per K/V, after the planes
 constexpr size_t kMinSegmentSymbols = 65536;  // planes are grouped into segments of >= this
 // ... but of at most this many planes: a decoder holds a 16 KiB table per plane of a segment.
 constexpr size_t kMaxSegmentPlanes = 64;
-constexpr size_t kMinLaneSymbols = 1024;      // a lane's 4-byte state is < 0.4 % of its bits
-constexpr float kDeadZoneOffset = 0.1f;       // as the compact profile (residual_codec.cc)
+constexpr size_t kMinLaneSymbols = 1024;  // a lane's 4-byte state is < 0.4 % of its bits
+constexpr float kDeadZoneOffset = 0.1f;   // as the compact profile (residual_codec.cc)
 constexpr double kDeadZoneFrom = 0.1;
 constexpr int kMaxSearchPasses = 12;
 
@@ -46,8 +48,8 @@ struct Layout {
 Layout ChooseLayout(const Dims& n) {
   Layout lo;
   const size_t pe = n.plane_elems(), planes = n.L * 2;
-  lo.planes_per_segment = std::min({planes, kMaxSegmentPlanes,
-                                    std::max<size_t>(1, (kMinSegmentSymbols + pe - 1) / pe)});
+  lo.planes_per_segment = std::min(
+      {planes, kMaxSegmentPlanes, std::max<size_t>(1, (kMinSegmentSymbols + pe - 1) / pe)});
   const size_t seg = lo.planes_per_segment * pe;
   lo.lanes = irans::kMaxLanes;
   while (lo.lanes > 1 && (seg / lo.lanes < kMinLaneSymbols || pe % lo.lanes != 0)) lo.lanes /= 2;
@@ -220,6 +222,8 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   BitWriter bits;
   std::vector<irans::Table> tables(planes);
   std::vector<uint64_t> escape_bits(planes, 0);
+  std::vector<std::string> plane_params(planes);
+  std::vector<std::array<uint32_t, irans::kMaxSymbols>> plane_counts(planes);
   std::string& p = out->params;
   p.clear();
   const Layout lo = ChooseLayout(n);
@@ -247,25 +251,61 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
     uint8_t* const sym = symbols.data() + pl * pe;
     const uint64_t bits_before = bits.bits();
     MapSymbols(pc.q.data(), pe, sym);
-    uint32_t counts[irans::kMaxSymbols];
+    uint32_t* const counts = plane_counts[pl].data();
     Histogram(sym, pe, counts);
     EncodeBuckets(pc.q.data(), pe, sym, counts, &bits);
     escape_bits[pl] = bits.bits() - bits_before;
     tables[pl] = irans::NormalizeCounts(counts, irans::kMaxSymbols);
-    PutLE<uint16_t>(&p, FloatToBf16(pc.step));
+    std::string& pp = plane_params[pl];
+    PutLE<uint16_t>(&pp, FloatToBf16(pc.step));
     for (size_t h = 0; h < n.H; h += 4) {
       uint8_t b = 0;
       for (size_t k = 0; k < 4 && h + k < n.H; ++k) b |= pc.pred[h + k] << (2 * k);
-      p.push_back(static_cast<char>(b));
+      pp.push_back(static_cast<char>(b));
     }
-    PutVarint(&p, escape_bits[pl]);
-    irans::WriteTable(tables[pl], &p);
+    PutVarint(&pp, escape_bits[pl]);
     for (size_t h = 0; h < n.H; ++h) {
       ++out->predictor_count[side][static_cast<int>(kPredictorOf[pc.pred[h]])];
       if (pc.pred[h] != kPredMean) continue;
       for (size_t d = 0; d < n.D; ++d)
         PutLE<uint16_t>(&means_out, FloatToHalf(pc.means[h * n.D + d]));
     }
+  }
+  // Tables: one per plane, or one per K/V for the whole block when that costs fewer bits (small
+  // blocks, where a table is a large share of a plane's bits).
+  irans::Table shared[2];
+  {
+    std::array<uint32_t, irans::kMaxSymbols> side_counts[2] = {};
+    for (size_t pl = 0; pl < planes; ++pl)
+      for (int k = 0; k < irans::kMaxSymbols; ++k) side_counts[pl % 2][k] += plane_counts[pl][k];
+    double own = 0, common = 0;
+    std::string scratch;
+    for (int side = 0; side < 2; ++side) {
+      shared[side] = irans::NormalizeCounts(side_counts[side].data(), irans::kMaxSymbols);
+      scratch.clear();
+      irans::WriteTable(shared[side], &scratch);
+      common += 8.0 * scratch.size();
+    }
+    for (size_t pl = 0; pl < planes; ++pl) {
+      scratch.clear();
+      irans::WriteTable(tables[pl], &scratch);
+      own += 8.0 * scratch.size() +
+             irans::CostBits(tables[pl], plane_counts[pl].data(), irans::kMaxSymbols);
+      common += irans::CostBits(shared[pl % 2], plane_counts[pl].data(), irans::kMaxSymbols);
+    }
+    if (common < own) {
+      p[1] = static_cast<char>(kFlagSharedTables);
+      for (size_t pl = 0; pl < planes; ++pl) tables[pl] = shared[pl % 2];
+    }
+  }
+  const bool shared_tables = p[1] & kFlagSharedTables;
+  for (size_t pl = 0; pl < planes; ++pl) {
+    p += plane_params[pl];
+    if (!shared_tables) irans::WriteTable(tables[pl], &p);
+  }
+  if (shared_tables) {
+    irans::WriteTable(shared[0], &p);
+    irans::WriteTable(shared[1], &p);
   }
   p += means_out;
   for (int kv = 0; kv < 2; ++kv) {
@@ -346,7 +386,7 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
   const size_t eb = DTypeBytes(g.dtype);
   if (out.size() != g.num_bytes()) return absl::InvalidArgumentError("out: wrong size");
   if (params.size() < 6 || static_cast<uint8_t>(params[0]) != kFastResidualParamsVersion ||
-      params[1] != 0 || params[3] != 0) {
+      (static_cast<uint8_t>(params[1]) & ~kFlagSharedTables) != 0 || params[3] != 0) {
     return absl::DataLossError("fast residual params: bad version or flags");
   }
   Layout lo;
@@ -357,6 +397,7 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
       lo.planes_per_segment < 1 || lo.planes_per_segment > std::min(planes, kMaxSegmentPlanes)) {
     return absl::DataLossError("fast residual params: bad lane layout");
   }
+  const bool shared_tables = static_cast<uint8_t>(params[1]) & kFlagSharedTables;
   absl::string_view in = params.substr(6);
   std::vector<PlaneInfo> info(planes);
   std::vector<uint8_t> preds(planes * n.H);
@@ -393,7 +434,17 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
     pi.bits = nbits;
     pi.bits_at = num_bits;
     num_bits += nbits;
+    if (shared_tables) continue;
     if (auto s = irans::ReadTable(&in, &pi.table); !s.ok()) return s;
+  }
+  if (shared_tables) {
+    irans::Table side[2];
+    for (irans::Table& t : side) {
+      if (auto s = irans::ReadTable(&in, &t); !s.ok()) return s;
+    }
+    for (size_t pl = 0; pl < planes; ++pl) info[pl].table = side[pl % 2];
+  }
+  for (PlaneInfo& pi : info) {
     for (int sym = kDirect; sym < pi.table.num_symbols; ++sym)
       pi.escapable |= pi.table.freq[sym] > 0;
   }

@@ -52,6 +52,7 @@ TEST(FastResidual, MeetsTheErrorTargetOnRealBlocksWithoutTheParent) {
       absl::StatusOr<BlockHeader> h = ParseBlock(e->bytes);
       ASSERT_TRUE(h.ok());
       EXPECT_EQ(h->profile, Profile::kFast);
+      EXPECT_EQ(h->params[1], 1);  // small blocks: one table per K/V beats one per plane
       std::vector<uint8_t> out(g.num_bytes());
       ASSERT_TRUE(DecodeBlock(e->bytes, absl::MakeSpan(out)).ok());  // no context needed
       for (uint32_t l = 0; l < g.num_layers; ++l) {
@@ -77,6 +78,7 @@ TEST(FastResidual, LlamaShapedBlockRoundTripsOnSimdAndScalarPaths) {
   absl::StatusOr<BlockHeader> h = ParseBlock(e->bytes);
   ASSERT_TRUE(h.ok());
   EXPECT_EQ(static_cast<uint8_t>(h->params[2]), 32);  // 32 lanes
+  EXPECT_EQ(h->params[1], 0);                          // a table per plane
   // Re-encoding the decoded block is deterministic and decoding is too.
   std::vector<uint8_t> again(g.num_bytes());
   ASSERT_TRUE(DecodeBlock(e->bytes, absl::MakeSpan(again)).ok());
