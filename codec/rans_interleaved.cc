@@ -157,6 +157,94 @@ void BuildDecodeTable(const Table& t, DecodeTable* d) {
   }
 }
 
+namespace {
+
+#ifdef KVTRIE_IRANS_AVX2
+// The encoder's per-symbol values, one array per field for AVX2 gathers.
+struct EncTable {
+  alignas(32) uint32_t x_max[kMaxSymbols];
+  alignas(32) uint32_t freq[kMaxSymbols];
+  alignas(32) uint32_t start[kMaxSymbols];
+  alignas(32) float inv[kMaxSymbols];  // 1 / freq, rounded: q within 1 of floor(x / freq)
+};
+
+// compress[m][j]: the lanes of mask m in increasing order, in the top popcount(m) positions.
+struct CompressTable {
+  alignas(32) uint32_t v[256][8];
+  CompressTable() {
+    for (int m = 0; m < 256; ++m) {
+      const int k = __builtin_popcount(m);
+      int at = 8 - k;
+      for (int j = 0; j < 8; ++j) v[m][j] = 0;
+      for (int j = 0; j < 8; ++j)
+        if (m >> j & 1) v[m][at++] = j;
+    }
+  }
+};
+const CompressTable& Compress() {
+  static const CompressTable* const t = new CompressTable;
+  return *t;
+}
+
+// The scalar encoder's loop, 8 lanes per AVX2 register (lanes % 8 == 0): the same states and the
+// same words in the same order. Writes may reach 8 words below *wp (the buffer has that slack).
+__attribute__((target("avx2,popcnt"))) void EncodeAvx2(const uint8_t* symbols, size_t n, int lanes,
+                                                       size_t run, const EncTable* tables,
+                                                       uint32_t* x, uint16_t** wpp) {
+  const int groups = lanes / 8;
+  __m256i xs[kMaxLanes / 8];
+  for (int g = 0; g < groups; ++g)
+    xs[g] = _mm256_loadu_si256(reinterpret_cast<__m256i*>(x + 8 * g));
+  const CompressTable& ct = Compress();
+  const __m256i low16 = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256 two = _mm256_set1_ps(2.0f);
+  uint16_t* wp = *wpp;
+  for (size_t r = n / lanes; r-- > 0;) {
+    const size_t i0 = r * lanes;
+    const EncTable& t = tables[i0 / run];
+    for (int g = groups; g-- > 0;) {
+      const __m256i idx = _mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(symbols + i0 + 8 * g)));
+      const __m256i x_max = _mm256_i32gather_epi32(reinterpret_cast<const int*>(t.x_max), idx, 4);
+      const __m256i freq = _mm256_i32gather_epi32(reinterpret_cast<const int*>(t.freq), idx, 4);
+      const __m256i start = _mm256_i32gather_epi32(reinterpret_cast<const int*>(t.start), idx, 4);
+      const __m256 inv = _mm256_i32gather_ps(t.inv, idx, 4);
+      __m256i s = xs[g];
+      const __m256i emit = _mm256_cmpeq_epi32(_mm256_max_epu32(s, x_max), s);  // s >= x_max
+      const int m = _mm256_movemask_ps(_mm256_castsi256_ps(emit));
+      if (m != 0) {
+        const __m256i moved = _mm256_permutevar8x32_epi32(
+            s, _mm256_load_si256(reinterpret_cast<const __m256i*>(ct.v[m])));
+        const __m256i w = _mm256_shuffle_epi8(moved, low16);
+        _mm_storeu_si128(
+            reinterpret_cast<__m128i*>(wp - 8),
+            _mm_unpacklo_epi64(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+        wp -= __builtin_popcount(m);
+        s = _mm256_blendv_epi8(s, _mm256_srli_epi32(s, 16), emit);
+      }
+      // q = floor(s / freq): s < freq << 20 here, so the float estimate is within 1.
+      const __m256 sf = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(s, 1)), two);
+      __m256i q = _mm256_cvttps_epi32(_mm256_mul_ps(sf, inv));
+      __m256i rem = _mm256_sub_epi32(s, _mm256_mullo_epi32(q, freq));
+      const __m256i neg = _mm256_cmpgt_epi32(_mm256_setzero_si256(), rem);  // -1 where rem < 0
+      q = _mm256_add_epi32(q, neg);
+      rem = _mm256_add_epi32(rem, _mm256_and_si256(neg, freq));
+      const __m256i big = _mm256_cmpgt_epi32(rem, _mm256_sub_epi32(freq, one));  // rem >= freq
+      q = _mm256_sub_epi32(q, big);
+      rem = _mm256_sub_epi32(rem, _mm256_and_si256(big, freq));
+      xs[g] = _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(q, kScaleBits), rem), start);
+    }
+  }
+  for (int g = 0; g < groups; ++g)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + 8 * g), xs[g]);
+  *wpp = wp;
+}
+#endif
+
+}  // namespace
+
 void EncodeSegment(absl::Span<const uint8_t> symbols, int lanes, size_t run,
                    absl::Span<const Table* const> tables, std::string* out) {
   const size_t n = symbols.size();
@@ -167,11 +255,32 @@ void EncodeSegment(absl::Span<const uint8_t> symbols, int lanes, size_t run,
   std::fill(x, x + lanes, kLow);
   // Words are written backwards from the end (at most one per symbol), so they end up in the
   // decoder's order.
-  std::vector<uint16_t> words(n + 2);
-  uint16_t* const wend = words.data() + words.size();
+  // Reused per thread up to 32 MiB (no zeroing or page faults per call); larger ones are local.
+  thread_local std::vector<uint16_t> reused;
+  std::vector<uint16_t> local;
+  std::vector<uint16_t>& words = n + 2 <= (16u << 20) ? reused : local;
+  if (words.size() < n + 16) words.resize(n + 16);  // 8 words of slack below for EncodeAvx2
+  uint16_t* const wend = words.data() + n + 16;
   uint16_t* wp = wend;
   const size_t mask = static_cast<size_t>(lanes) - 1;
-  for (size_t r = (n + run - 1) / run; r-- > 0;) {  // runs backwards, one table each
+  bool simd = false;
+#ifdef KVTRIE_IRANS_AVX2
+  if (lanes >= 8 && HasAvx2()) {
+    std::vector<EncTable> soa(tables.size());
+    for (size_t t = 0; t < tables.size(); ++t) {
+      const EncSymbol* e = enc.data() + t * kMaxSymbols;
+      for (int k = 0; k < kMaxSymbols; ++k) {
+        soa[t].x_max[k] = e[k].x_max;
+        soa[t].freq[k] = e[k].freq;
+        soa[t].start[k] = e[k].start;
+        soa[t].inv[k] = e[k].freq ? 1.0f / static_cast<float>(e[k].freq) : 0.0f;
+      }
+    }
+    EncodeAvx2(symbols.data(), n, lanes, run, soa.data(), x, &wp);
+    simd = true;
+  }
+#endif
+  for (size_t r = (n + run - 1) / run; !simd && r-- > 0;) {  // runs backwards, one table each
     const EncSymbol* table = enc.data() + r * kMaxSymbols;
     for (size_t i = std::min(n, (r + 1) * run); i-- > r * run;) {
       const EncSymbol& e = table[symbols[i]];
