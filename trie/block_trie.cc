@@ -41,15 +41,14 @@ std::vector<TrieNode*> BlockTrie::Match(absl::Span<const uint32_t> token_ids,
   const TrieNode* node = &root_;
   const uint32_t* tokens = token_ids.data();
   const size_t block_bytes = block_tokens_ * sizeof(uint32_t);
+  const bool inline_tokens = block_tokens_ <= TrieNode::kInlineTokens;
   for (size_t b = 0; b < blocks; ++b, tokens += block_tokens_) {
     TrieNode* child = node->only_child;
     if (child != nullptr) {
       // One child: its tokens decide; no other child could match.
-      if (child->token_ids.size() != block_tokens_ ||
-          std::memcmp(child->token_ids.data(), tokens, block_bytes) != 0) {
-        break;
-      }
       if (TrieNode* next = child->only_child) __builtin_prefetch(next);
+      const uint32_t* have = inline_tokens ? child->inline_tokens : child->token_ids.data();
+      if (std::memcmp(have, tokens, block_bytes) != 0) break;
     } else {
       child = FindChild(node, absl::MakeConstSpan(tokens, block_tokens_));
       if (child == nullptr) break;
@@ -67,6 +66,9 @@ TrieNode* BlockTrie::AddChild(TrieNode* parent, uint64_t id, absl::Span<const ui
   node->parent = parent;
   node->depth = parent->depth + 1;
   node->token_ids.assign(block.begin(), block.end());
+  if (block.size() <= TrieNode::kInlineTokens) {
+    std::copy(block.begin(), block.end(), node->inline_tokens);
+  }
   node->surprisal_bits.assign(surprisal_bits.begin(), surprisal_bits.end());
   double sum = 0;
   for (float s : surprisal_bits) sum += s;

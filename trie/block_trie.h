@@ -29,6 +29,14 @@
 namespace kvtrie {
 
 struct TrieNode {
+  // Match's fast path, first so that it shares the node's first cache lines: the child when
+  // there is exactly one, else nullptr, and a copy of this node's tokens when block_tokens <=
+  // kInlineTokens (kept by BlockTrie). A chain of single children is walked by comparing tokens,
+  // one node (no separate token buffer) per block, without hashing or probing `children`.
+  static constexpr size_t kInlineTokens = 16;
+  TrieNode* only_child = nullptr;
+  uint32_t inline_tokens[kInlineTokens] = {};
+
   uint64_t id = 0;  // unique in the store; 0 for the root
   TrieNode* parent = nullptr;
   uint32_t depth = 0;                 // in blocks; root = 0, its children 1
@@ -49,9 +57,7 @@ struct TrieNode {
 
   // Children by token hash; a bucket holds more than one node only on a hash collision.
   absl::flat_hash_map<uint64_t, absl::InlinedVector<TrieNode*, 1>> children;
-  // The child when there is exactly one, else nullptr (kept by BlockTrie): Match walks a chain
-  // of single children by comparing tokens, without hashing or probing `children`.
-  TrieNode* only_child = nullptr;
+
   size_t num_children() const;
 
   // Token position of the block's first token.
