@@ -78,7 +78,7 @@ struct PlaneCode {
 };
 
 struct Scratch {
-  std::vector<float> x, rec, rt, zeros;
+  std::vector<float> x, rec, rt, zeros, l1;
   std::vector<int32_t> q;
   std::vector<uint8_t> dt;
 };
@@ -139,15 +139,21 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, Plan
     for (size_t t = 0; t < n.T; ++t)
       for (size_t d = 0; d < D; ++d) m[d] += xh[t * D + d];
     for (size_t d = 0; d < D; ++d) m[d] = HalfToFloat(FloatToHalf(m[d] / n.T));
-    float l1[3] = {0, 0, 0};  // float partial sums vectorize; an estimate needs no more
+    // Per-channel partial sums (the inner loop vectorizes), then their total.
+    float* acc = s->l1.data();  // [3][D]
+    std::fill(acc, acc + 3 * D, 0.0f);
     for (size_t t = 0; t < n.T; ++t) {
+      const float* row = xh + t * D;
+      const float* prev = t ? row - D : s->zeros.data();
       for (size_t d = 0; d < D; ++d) {
-        const float v = xh[t * D + d];
-        l1[kPredNone] += std::fabs(v);
-        l1[kPredMean] += std::fabs(v - m[d]);
-        l1[kPredTemporal] += std::fabs(t ? v - xh[(t - 1) * D + d] : v);
+        acc[d] += std::fabs(row[d]);
+        acc[D + d] += std::fabs(row[d] - m[d]);
+        acc[2 * D + d] += std::fabs(row[d] - prev[d]);
       }
     }
+    double l1[3] = {0, 0, 0};
+    for (int p = 0; p < 3; ++p)
+      for (size_t d = 0; d < D; ++d) l1[p] += acc[p * D + d];
     double best = INFINITY;
     for (uint8_t p = 0; p < 3; ++p) {
       const double bits =
@@ -216,6 +222,7 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   s.rec.resize(pe);
   s.rt.resize(pe);
   s.zeros.assign(n.D, 0.0f);
+  s.l1.resize(3 * n.D);
   s.q.resize(pe);
   s.dt.resize(pe * eb);
   // Reused per thread up to 16 MiB (no zeroing or page faults per block); larger ones are local.
