@@ -164,6 +164,7 @@ absl::StatusOr<v1::PutResponse> Client::Put(const KvDump& kv, const PutOptions& 
   }
   h->mutable_encoding()->set_encoding(options.encoding);
   h->mutable_encoding()->set_target_rel_rms(options.target_rel_rms);
+  h->mutable_encoding()->set_profile(options.profile);
   h->mutable_encoding()->set_bits(options.bits);
   bool open = writer->Write(req);
   for (size_t begin = kTokensPerMessage;

@@ -42,6 +42,8 @@ struct PutOptions {
   uint32_t first_block = 0;
   // Layers per PutBlock message (0 = the whole block in one message).
   uint32_t layers_per_message = 0;
+  // RESIDUAL / LOSSLESS coder (kvtrie.v1.EncodingSpec.Profile).
+  v1::EncodingSpec::Profile profile = v1::EncodingSpec::PROFILE_COMPACT;
 };
 
 struct GetOptions {

@@ -10,6 +10,8 @@
 #include "codec/baselines.h"
 #include "codec/centroid_lossless.h"
 #include "codec/crc32c.h"
+#include "codec/fast_lossless.h"
+#include "codec/fast_residual.h"
 #include "codec/lossless.h"
 #include "codec/residual_codec.h"
 
@@ -21,6 +23,7 @@ constexpr uint8_t kFormatVersion = 1;
 constexpr size_t kFixedHeader = 24;
 constexpr char kLosslessHalfWords = 2;
 constexpr char kLosslessCentroidDiff = 3;  // centroid_lossless.h; needs context.reference
+constexpr uint8_t kFlagFastProfile = 1;    // envelope flags bit 0: Profile::kFast
 
 template <typename T>
 void PutLE(std::string* out, T v) {
@@ -174,14 +177,14 @@ void MeasureError(const BlockGeometry& g, const float* x, const float* y, Encode
 namespace internal {
 std::string WriteEnvelope(Encoding encoding, const BlockGeometry& geometry,
                           uint64_t reference_node_id, absl::string_view params,
-                          absl::string_view payload) {
+                          absl::string_view payload, Profile profile) {
   std::string out;
   out.reserve(kFixedHeader + 12 + params.size() + payload.size());
   out.append(kMagic, 4);
   PutLE<uint8_t>(&out, kFormatVersion);
   PutLE<uint8_t>(&out, static_cast<uint8_t>(encoding));
   PutLE<uint8_t>(&out, static_cast<uint8_t>(geometry.dtype));
-  PutLE<uint8_t>(&out, 0);
+  PutLE<uint8_t>(&out, profile == Profile::kFast ? kFlagFastProfile : 0);
   PutLE<uint16_t>(&out, static_cast<uint16_t>(geometry.num_layers));
   PutLE<uint16_t>(&out, static_cast<uint16_t>(geometry.num_kv_heads));
   PutLE<uint16_t>(&out, static_cast<uint16_t>(geometry.block_tokens));
@@ -207,6 +210,31 @@ absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
   }
   const absl::string_view raw(reinterpret_cast<const char*>(kv.data()), kv.size());
   EncodedBlock result;
+  if (options.profile == Profile::kFast && options.encoding == Encoding::kLossless) {
+    std::string payload;
+    CompressFastLossless(geometry, kv, &payload);
+    result.bytes = internal::WriteEnvelope(Encoding::kLossless, geometry, 0,
+                                           std::string(1, kFastLosslessParamsVersion), payload,
+                                           Profile::kFast);
+    result.bits_per_component = 8.0 * result.bytes.size() / geometry.num_elements();
+    return result;
+  }
+  if (options.profile == Profile::kFast && options.encoding == Encoding::kResidual) {
+    internal::FastOutput fast;
+    absl::Status s = internal::EncodeFastResidual(geometry, kv, options, &fast);
+    if (s.ok()) {
+      result.bytes = internal::WriteEnvelope(Encoding::kResidual, geometry, 0, fast.params,
+                                             fast.payload, Profile::kFast);
+      result.bits_per_component = 8.0 * result.bytes.size() / geometry.num_elements();
+      result.rel_rms_error_k = fast.rel_rms_error[0];
+      result.rel_rms_error_v = fast.rel_rms_error[1];
+      result.max_abs_error = fast.max_abs_error;
+      std::memcpy(result.predictor_count, fast.predictor_count, sizeof(result.predictor_count));
+      return result;
+    }
+    // A NaN or an infinity: the compact profile handles those.
+    if (!absl::IsFailedPrecondition(s)) return s;
+  }
   switch (options.encoding) {
     case Encoding::kRaw:
       result.bytes = internal::WriteEnvelope(Encoding::kRaw, geometry, 0, {}, raw);
@@ -321,6 +349,15 @@ absl::StatusOr<BlockHeader> ParseBlock(absl::string_view encoded) {
   if (!IsValidDType(dtype)) {
     return absl::DataLossError(absl::StrCat("encoded block: unknown dtype ", dtype));
   }
+  const uint8_t flags = static_cast<uint8_t>(p[7]);
+  if (flags & ~kFlagFastProfile) {
+    return absl::DataLossError(absl::StrCat("encoded block: unknown flags ", flags));
+  }
+  if ((flags & kFlagFastProfile) && encoding != static_cast<uint8_t>(Encoding::kResidual) &&
+      encoding != static_cast<uint8_t>(Encoding::kLossless)) {
+    return absl::DataLossError("encoded block: fast profile of an encoding that has none");
+  }
+  h.profile = (flags & kFlagFastProfile) ? Profile::kFast : Profile::kCompact;
   h.encoding = static_cast<Encoding>(encoding);
   h.geometry.dtype = static_cast<DType>(dtype);
   h.geometry.num_layers = GetLE<uint16_t>(p + 8);
@@ -358,6 +395,15 @@ absl::Status DecodeBlock(absl::string_view encoded, absl::Span<uint8_t> out,
   if (out.size() != h->geometry.num_bytes()) {
     return absl::InvalidArgumentError(absl::StrCat("out: block needs ", h->geometry.num_bytes(),
                                                    " bytes, buffer has ", out.size()));
+  }
+  if (h->profile == Profile::kFast) {
+    if (h->encoding == Encoding::kResidual) {
+      return internal::DecodeFastResidual(h->geometry, h->params, h->payload, out);
+    }
+    if (h->params.size() != 1 || static_cast<uint8_t>(h->params[0]) != kFastLosslessParamsVersion) {
+      return absl::DataLossError("lossless params: unknown fast mode");
+    }
+    return DecompressFastLossless(h->geometry, h->payload, out);
   }
   switch (h->encoding) {
     case Encoding::kRaw:

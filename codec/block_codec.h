@@ -8,7 +8,8 @@
 //   4   1  format_version (1)
 //   5   1  encoding (Encoding)
 //   6   1  dtype (DType)
-//   7   1  flags (reserved, 0)
+//   7   1  flags: bit 0 = the fast profile (Profile::kFast: fast_residual.h, fast_lossless.h;
+//            codec/FORMAT.md); other bits 0
 //   8   2  num_layers    10  2  num_kv_heads    12  2  block_tokens    14  2  head_dim
 //   16  8  reference node id (the centroid a residual is taken against; 0 = none)
 //   24  4  params_len P, then P bytes of encoding parameters (quantizer steps, predictor choice)
@@ -72,8 +73,20 @@ enum class StepGroups : uint8_t {
   kChannelKeysTokenValues = 1,
 };
 
+// Which coder a kResidual or kLossless block uses. Values match kvtrie.v1.EncodingSpec.Profile.
+enum class Profile : uint8_t {
+  // kResidual: adaptive context-modelled rANS, predictors incl. the parent (residual_codec.h);
+  // kLossless: context-modelled half words (lossless.h). Smallest.
+  kCompact = 0,
+  // kResidual: static tables, 32 interleaved rANS lanes, no parent predictor (fast_residual.h);
+  // kLossless: high byte plane + zstd, low bytes as is (fast_lossless.h). Built for GB/s.
+  kFast = 1,
+};
+
 struct EncodeOptions {
   Encoding encoding = Encoding::kLossless;
+  // kResidual / kLossless: the coder (Profile). kFast ignores the parent and reference contexts.
+  Profile profile = Profile::kCompact;
   // kResidual: target relative RMS error ||x - x'|| / ||x|| per (layer, K/V), e.g. 0.05, measured
   // on the decoded block in the model dtype. Met exactly or better (smaller).
   double target_rel_rms = 0.0;
@@ -152,6 +165,7 @@ absl::Status CheckFinite(const BlockGeometry& geometry, uint32_t layer_begin,
 struct BlockHeader {
   uint32_t format_version = 0;
   Encoding encoding = Encoding::kRaw;
+  Profile profile = Profile::kCompact;  // flags bit 0
   BlockGeometry geometry;
   uint64_t reference_node_id = 0;
   absl::string_view params;
@@ -171,7 +185,7 @@ namespace internal {
 // Builds the envelope around `params` and `payload`.
 std::string WriteEnvelope(Encoding encoding, const BlockGeometry& geometry,
                           uint64_t reference_node_id, absl::string_view params,
-                          absl::string_view payload);
+                          absl::string_view payload, Profile profile = Profile::kCompact);
 }  // namespace internal
 
 }  // namespace kvtrie

@@ -137,6 +137,12 @@ grpc::Status ToEncodeOptions(const v1::EncodingSpec& e, const EncodeOptions& def
     return Invalid(absl::StrCat("encoding.bits: ", e.bits(), " is not in [1, 8]"));
   }
   if (e.bits() > 0) out->turboquant_bits = static_cast<int>(e.bits());
+  if (e.profile() == v1::EncodingSpec::PROFILE_FAST) {
+    out->profile = Profile::kFast;
+  } else if (e.profile() != v1::EncodingSpec::PROFILE_COMPACT) {
+    return Invalid(absl::StrCat("encoding.profile: ", static_cast<int>(e.profile()),
+                                " is not supported by this server"));
+  }
   return grpc::Status::OK;
 }
 

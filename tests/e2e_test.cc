@@ -258,6 +258,43 @@ TEST_F(EndToEnd, ResidualEncodingMeetsItsErrorTargetThroughTheServer) {
   EXPECT_NE(bad.status().message().find("encoding.target_rel_rms"), std::string::npos);
 }
 
+TEST_F(EndToEnd, FastProfileBlocksMeetTheTargetAndDecodeAnywhere) {
+  constexpr double kTarget = 0.1;
+  auto client = NewClient("fast");
+  const KvDump& s = sessions_[1];
+  absl::StatusOr<v1::PutResponse> r = client->Put(s, {.encoding = v1::ENCODING_RESIDUAL,
+                                                      .target_rel_rms = kTarget,
+                                                      .profile = v1::EncodingSpec::PROFILE_FAST});
+  ASSERT_TRUE(r.ok()) << r.status();
+  for (const v1::BlockResult& b : r->blocks()) {
+    EXPECT_LE(b.rel_rms_error_k(), kTarget * 1.0001);
+    EXPECT_LE(b.rel_rms_error_v(), kTarget * 1.0001);
+  }
+  absl::StatusOr<KvDump> dense = client->Get(s.model_id, s.token_ids);
+  absl::StatusOr<KvDump> decoded_here =
+      client->Get(s.model_id, s.token_ids, {.mode = v1::GET_MODE_RESIDUAL});
+  ASSERT_TRUE(dense.ok()) << dense.status();
+  ASSERT_TRUE(decoded_here.ok()) << decoded_here.status();
+  EXPECT_EQ(dense->k, decoded_here->k);
+  EXPECT_EQ(dense->v, decoded_here->v);
+  EXPECT_LE(RelRms(*dense, s, 512, false), kTarget);
+  EXPECT_GT(RelRms(*dense, s, 512, false), 0);
+  // Lossless fast is bit-exact.
+  auto exact = NewClient("fast-lossless");
+  ASSERT_TRUE(
+      exact->Put(s, {.encoding = v1::ENCODING_LOSSLESS, .profile = v1::EncodingSpec::PROFILE_FAST})
+          .ok());
+  absl::StatusOr<KvDump> back = exact->Get(s.model_id, s.token_ids);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->k, s.k);
+  EXPECT_EQ(back->v, s.v);
+  // FAST has no bits budget: the error names the field.
+  absl::StatusOr<v1::PutResponse> bad = exact->Put(s, {.encoding = v1::ENCODING_RESIDUAL,
+                                                       .target_rel_rms = 1.5,
+                                                       .profile = v1::EncodingSpec::PROFILE_FAST});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 // ---- Bad input ----
 
 class BadInput : public EndToEnd {

@@ -3,6 +3,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cstring>
 
 namespace kvtrie {
 
@@ -36,10 +37,22 @@ std::vector<TrieNode*> BlockTrie::Match(absl::Span<const uint32_t> token_ids,
   std::vector<TrieNode*> path;
   size_t blocks = token_ids.size() / block_tokens_;
   if (max_blocks != 0) blocks = std::min(blocks, max_blocks);
+  path.reserve(blocks);
   const TrieNode* node = &root_;
-  for (size_t b = 0; b < blocks; ++b) {
-    TrieNode* child = FindChild(node, token_ids.subspan(b * block_tokens_, block_tokens_));
-    if (child == nullptr) break;
+  const uint32_t* tokens = token_ids.data();
+  const size_t block_bytes = block_tokens_ * sizeof(uint32_t);
+  const bool inline_tokens = block_tokens_ <= TrieNode::kInlineTokens;
+  for (size_t b = 0; b < blocks; ++b, tokens += block_tokens_) {
+    TrieNode* child = node->only_child;
+    if (child != nullptr) {
+      // One child: its tokens decide; no other child could match.
+      if (TrieNode* next = child->only_child) __builtin_prefetch(next);
+      const uint32_t* have = inline_tokens ? child->inline_tokens : child->token_ids.data();
+      if (std::memcmp(have, tokens, block_bytes) != 0) break;
+    } else {
+      child = FindChild(node, absl::MakeConstSpan(tokens, block_tokens_));
+      if (child == nullptr) break;
+    }
     path.push_back(child);
     node = child;
   }
@@ -53,12 +66,16 @@ TrieNode* BlockTrie::AddChild(TrieNode* parent, uint64_t id, absl::Span<const ui
   node->parent = parent;
   node->depth = parent->depth + 1;
   node->token_ids.assign(block.begin(), block.end());
+  if (block.size() <= TrieNode::kInlineTokens) {
+    std::copy(block.begin(), block.end(), node->inline_tokens);
+  }
   node->surprisal_bits.assign(surprisal_bits.begin(), surprisal_bits.end());
   double sum = 0;
   for (float s : surprisal_bits) sum += s;
   node->path_surprisal_bits = parent->path_surprisal_bits + sum;
   TrieNode* raw = node.get();
   parent->children[hash_(block)].push_back(raw);
+  parent->only_child = parent->num_children() == 1 ? raw : nullptr;
   by_id_[id] = std::move(node);
   return raw;
 }
@@ -82,6 +99,10 @@ void BlockTrie::RemoveSubtree(TrieNode* node, std::vector<uint64_t>* removed) {
   auto& vec = bucket->second;
   vec.erase(std::find(vec.begin(), vec.end(), node));
   if (vec.empty()) parent->children.erase(bucket);
+  parent->only_child = nullptr;
+  if (parent->children.size() == 1 && parent->children.begin()->second.size() == 1) {
+    parent->only_child = parent->children.begin()->second.front();
+  }
   for (auto it = order.rbegin(); it != order.rend(); ++it) {
     removed->push_back((*it)->id);
     by_id_.erase((*it)->id);

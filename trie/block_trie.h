@@ -6,7 +6,8 @@
 // so a hash collision can never return another prefix's KV. Each node also carries its tokens'
 // surprisal (bits) and its path surprisal -log2 P(prefix) (the paper's Layer 1 edge weights).
 //
-// Longest-prefix match costs one hash and one token comparison per block: O(tokens).
+// Longest-prefix match costs one token comparison per block, plus one hash where a node has more
+// than one child: O(tokens).
 // Not thread-safe: the owner (ModelShard, trie/model_shard.h) serializes access. The hot payload
 // copy and the eviction state of a node are not here: TierManager (trie/tier_manager.h) owns them.
 // Source: radix tree over token blocks as in SGLang's RadixAttention and vLLM's prefix caching
@@ -28,6 +29,14 @@
 namespace kvtrie {
 
 struct TrieNode {
+  // Match's fast path, first so that it shares the node's first cache lines: the child when
+  // there is exactly one, else nullptr, and a copy of this node's tokens when block_tokens <=
+  // kInlineTokens (kept by BlockTrie). A chain of single children is walked by comparing tokens,
+  // one node (no separate token buffer) per block, without hashing or probing `children`.
+  static constexpr size_t kInlineTokens = 16;
+  TrieNode* only_child = nullptr;
+  uint32_t inline_tokens[kInlineTokens] = {};
+
   uint64_t id = 0;  // unique in its (namespace, model) trie; 0 for the root
   TrieNode* parent = nullptr;
   uint32_t depth = 0;                 // in blocks; root = 0, its children 1
@@ -48,6 +57,7 @@ struct TrieNode {
 
   // Children by token hash; a bucket holds more than one node only on a hash collision.
   absl::flat_hash_map<uint64_t, absl::InlinedVector<TrieNode*, 1>> children;
+
   size_t num_children() const;
 
   // Token position of the block's first token.

@@ -42,6 +42,38 @@ TEST(BlockTrie, MatchReturnsTheLongestStoredBlockAlignedPrefix) {
   EXPECT_EQ(trie.Match(a, /*max_blocks=*/2).size(), 2u);
 }
 
+TEST(BlockTrie, SingleChildWalkFollowsAddsAndRemovals) {
+  // Constant hash: every lookup that goes through `children` collides, so only token
+  // comparisons can tell the branches apart, on the single-child walk and off it.
+  BlockTrie trie(4, [](absl::Span<const uint32_t>) { return uint64_t{7}; });
+  uint64_t id = 1;
+  auto a = Tokens(16, 100);
+  Insert(trie, a, &id);
+  EXPECT_EQ(trie.root()->only_child, trie.Match(a)[0]);
+  auto b = a;
+  b[9] = 1;  // shares blocks 0-1 with a, then branches
+  TrieNode* b_leaf = Insert(trie, b, &id);
+  EXPECT_EQ(trie.Match(a).size(), 4u);
+  EXPECT_EQ(trie.Match(b).size(), 4u);
+  EXPECT_EQ(trie.Match(b).back(), b_leaf);
+  TrieNode* fork = trie.Match(a)[1];
+  EXPECT_EQ(fork->only_child, nullptr);  // two children
+  // Remove a's branch: the fork has one child again and the walk takes it.
+  std::vector<uint64_t> removed;
+  trie.RemoveSubtree(trie.Match(a)[2], &removed);
+  EXPECT_EQ(removed.size(), 2u);
+  EXPECT_EQ(fork->only_child, trie.Match(b)[2]);
+  EXPECT_EQ(trie.Match(a).size(), 2u);
+  EXPECT_EQ(trie.Match(b).size(), 4u);
+  // A different block below a single child never matches it.
+  auto c = b;
+  c[15] = 0;
+  EXPECT_EQ(trie.Match(c).size(), 3u);
+  trie.RemoveSubtree(trie.Match(b)[2], &removed);
+  EXPECT_EQ(fork->only_child, nullptr);  // no children
+  EXPECT_EQ(trie.Match(b).size(), 2u);
+}
+
 TEST(BlockTrie, SharedPrefixIsStoredOnce) {
   BlockTrie trie(4);
   uint64_t id = 1;

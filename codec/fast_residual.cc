@@ -1,0 +1,524 @@
+#include "codec/fast_residual.h"
+
+#include <algorithm>
+#include <array>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#include "absl/strings/str_cat.h"
+#include "codec/fast_residual_kernels.h"
+#include "codec/rans.h"
+#include "codec/rans_interleaved.h"
+#include "codec/residual_kernels.h"
+
+namespace kvtrie {
+namespace internal {
+namespace {
+
+using namespace fast;  // NOLINT: the profile's own kernels
+using residual::Bf16Round;
+using residual::Dims;
+
+constexpr uint8_t kFlagSharedTables = 1;      // params flags: one table per K/V, after the planes
+constexpr size_t kMinSegmentSymbols = 65536;  // planes are grouped into segments of >= this
+// ... but of at most this many planes: a decoder holds a 16 KiB table per plane of a segment.
+constexpr size_t kMaxSegmentPlanes = 64;
+constexpr size_t kMinLaneSymbols = 1024;  // a lane's 4-byte state is < 0.4 % of its bits
+constexpr float kDeadZoneOffset = 0.1f;   // as the compact profile (residual_codec.cc)
+constexpr double kDeadZoneFrom = 0.1;
+constexpr int kMaxSearchPasses = 12;
+
+constexpr Predictor kPredictorOf[3] = {Predictor::kNone, Predictor::kChannelMean,
+                                       Predictor::kTemporal};
+
+struct Layout {
+  size_t planes_per_segment = 1;
+  int lanes = 1;
+  size_t num_segments(size_t planes) const {
+    return (planes + planes_per_segment - 1) / planes_per_segment;
+  }
+};
+
+Layout ChooseLayout(const Dims& n) {
+  Layout lo;
+  const size_t pe = n.plane_elems(), planes = n.L * 2;
+  lo.planes_per_segment = std::min(
+      {planes, kMaxSegmentPlanes, std::max<size_t>(1, (kMinSegmentSymbols + pe - 1) / pe)});
+  const size_t seg = lo.planes_per_segment * pe;
+  lo.lanes = irans::kMaxLanes;
+  while (lo.lanes > 1 && (seg / lo.lanes < kMinLaneSymbols || pe % lo.lanes != 0)) lo.lanes /= 2;
+  return lo;
+}
+
+template <typename T>
+void PutLE(std::string* out, T v) {
+  for (size_t i = 0; i < sizeof(T); ++i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+void PutVarint(std::string* out, uint64_t v) {
+  while (v >= 128) {
+    out->push_back(static_cast<char>((v & 127) | 128));
+    v >>= 7;
+  }
+  out->push_back(static_cast<char>(v));
+}
+
+// One plane's encoder state.
+struct PlaneCode {
+  float step = 1.0f;
+  std::vector<uint8_t> pred;  // per head
+  std::vector<float> means;   // per head x D, fp16-exact (only mean heads are sent)
+  std::vector<int32_t> q;     // plane_elems
+  double sse = 0, energy = 0, max_abs = 0;
+};
+
+struct Scratch {
+  std::vector<float> x, rec, rt, zeros, l1;
+  std::vector<int32_t> q;
+  std::vector<uint8_t> dt;
+};
+
+// Quantizes the plane at `step`; returns the squared error after rounding to the dtype.
+double QuantizePlane(const Dims& n, DType dtype, const float* x, const PlaneCode& pc, float step,
+                     float dz, Scratch* s, int32_t* q, double* max_abs) {
+  const size_t he = n.head_elems();
+  if (dtype == DType::kFp16 && n.D % 8 == 0 && HasAvx2F16c()) {
+    double sse = 0;
+    float mx = 0;
+    for (size_t h = 0; h < n.H; ++h) {
+      sse += QuantizeHeadFp16(x + h * he, n.T, n.D, pc.pred[h], pc.means.data() + h * n.D,
+                              s->zeros.data(), step, dz, q + h * he, s->rec.data() + h * he, &mx);
+    }
+    *max_abs = mx;
+    return sse;
+  }
+  for (size_t h = 0; h < n.H; ++h) {
+    QuantizeHead(x + h * he, n.T, n.D, pc.pred[h], pc.means.data() + h * n.D, s->zeros.data(), step,
+                 dz, q + h * he, s->rec.data() + h * he);
+  }
+  const size_t pe = n.plane_elems();
+  FromFloat(dtype, s->rec.data(), pe, s->dt.data());
+  ToFloat(dtype, s->dt.data(), pe, s->rt.data());
+  float mx = 0;
+  const double sse = SumSquares(x, s->rt.data(), pe, &mx);
+  *max_abs = mx;
+  return sse;
+}
+
+// Chooses the predictors and the step of one plane (x: pe floats) and quantizes it.
+// `hint`: the chosen step over the first guess in the previous plane of the same K/V (0 = none);
+// updated, so that the first pass usually meets the target.
+void EncodePlane(const Dims& n, DType dtype, const float* x, double target, PlaneCode* pc,
+                 Scratch* s, float* hint) {
+  const size_t pe = n.plane_elems(), he = n.head_elems(), D = n.D;
+  pc->pred.assign(n.H, kPredNone);
+  pc->means.assign(n.H * D, 0.0f);
+  pc->q.assign(pe, 0);
+  float max_x = 0;
+  const double energy = SumSquares(x, nullptr, pe, &max_x);
+  pc->energy = energy;
+  pc->sse = 0;
+  pc->max_abs = 0;
+  if (energy == 0) {
+    pc->step = 1.0f;
+    return;
+  }
+  const float dz = target >= kDeadZoneFrom ? kDeadZoneOffset : 0.0f;
+  const float min_step = std::max(2.0f * max_x / kMaxQ, 1e-30f);
+  float step =
+      Bf16Round(std::max(static_cast<float>(target * std::sqrt(12.0 * energy / pe)), min_step));
+  // Predictors from an open-loop L1 estimate of the bits at the first step.
+  for (size_t h = 0; h < n.H; ++h) {
+    const float* xh = x + h * he;
+    float* m = pc->means.data() + h * D;
+    for (size_t t = 0; t < n.T; ++t)
+      for (size_t d = 0; d < D; ++d) m[d] += xh[t * D + d];
+    for (size_t d = 0; d < D; ++d) m[d] = HalfToFloat(FloatToHalf(m[d] / n.T));
+    // Per-channel partial sums (the inner loop vectorizes), then their total.
+    float* acc = s->l1.data();  // [3][D]
+    std::fill(acc, acc + 3 * D, 0.0f);
+    for (size_t t = 0; t < n.T; ++t) {
+      const float* row = xh + t * D;
+      const float* prev = t ? row - D : s->zeros.data();
+      for (size_t d = 0; d < D; ++d) {
+        acc[d] += std::fabs(row[d]);
+        acc[D + d] += std::fabs(row[d] - m[d]);
+        acc[2 * D + d] += std::fabs(row[d] - prev[d]);
+      }
+    }
+    double l1[3] = {0, 0, 0};
+    for (int p = 0; p < 3; ++p)
+      for (size_t d = 0; d < D; ++d) l1[p] += acc[p * D + d];
+    double best = INFINITY;
+    for (uint8_t p = 0; p < 3; ++p) {
+      const double bits =
+          he * std::log2(1.0 + 2.0 * l1[p] / (he * step)) + (p == kPredMean ? 16.0 * D : 0);
+      if (bits < best) best = bits, pc->pred[h] = p;
+    }
+  }
+  const float guess = step;
+  if (*hint > 0) step = std::max(Bf16Round(guess * *hint * 0.995f), min_step);
+  // Step search: the high-rate model (error ~ step^2) from each pass, bf16 steps, keep the
+  // coarsest step that met the target.
+  const double target_sse = target * target * energy;
+  bool met = false;
+  float tried_lo = 0;
+  for (int pass = 0; pass < kMaxSearchPasses; ++pass) {
+    double mx = 0;
+    const double sse = QuantizePlane(n, dtype, x, *pc, step, dz, s, s->q.data(), &mx);
+    float next;
+    if (sse <= target_sse) {
+      met = true;
+      pc->step = step;
+      pc->sse = sse;
+      pc->max_abs = mx;
+      pc->q.swap(s->q);
+      if (sse >= 0.95 * target_sse || pass >= 3) break;
+      next = Bf16Round(step *
+                       static_cast<float>(std::sqrt(target_sse / std::max(sse, 1e-300)) * 0.995));
+      next = std::min(next, Bf16Round(step * 2.0f));
+      if (next <= step || (tried_lo > 0 && next >= tried_lo)) break;
+    } else {
+      tried_lo = step;
+      if (met && pass >= 3) break;
+      next = Bf16Round(step * static_cast<float>(std::sqrt(target_sse / sse) * 0.995));
+      if (next >= step) next = Bf16Round(step * 0.99f);
+      if (next >= step) next = step * 0.5f;
+      if (next < min_step) next = min_step;
+      if (next == step) break;
+    }
+    step = next;
+  }
+  *hint = met ? pc->step / guess : 0;
+  if (!met) {  // the finest step: best effort (the target is below the dtype's resolution)
+    double mx = 0;
+    pc->sse = QuantizePlane(n, dtype, x, *pc, step, dz, s, pc->q.data(), &mx);
+    pc->step = step;
+    pc->max_abs = mx;
+  }
+}
+
+}  // namespace
+
+absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t> kv,
+                                const EncodeOptions& o, FastOutput* out) {
+  if (!(o.target_rel_rms > 0) || !std::isfinite(o.target_rel_rms)) {
+    return absl::InvalidArgumentError("target_rel_rms: the FAST profile needs target_rel_rms > 0");
+  }
+  if (o.target_bits_per_component > 0 || o.rotate || o.surprisal_step_strength > 0 ||
+      o.step_groups != StepGroups::kPlane) {
+    return absl::InvalidArgumentError(
+        "profile: FAST has no bits budget, rotation, surprisal steps or step groups");
+  }
+  const Dims n(g);
+  const size_t pe = n.plane_elems(), planes = n.L * 2, eb = DTypeBytes(g.dtype);
+  Scratch s;
+  s.x.resize(pe);
+  s.rec.resize(pe);
+  s.rt.resize(pe);
+  s.zeros.assign(n.D, 0.0f);
+  s.l1.resize(3 * n.D);
+  s.q.resize(pe);
+  s.dt.resize(pe * eb);
+  // Reused per thread up to 16 MiB (no zeroing or page faults per block); larger ones are local.
+  thread_local std::vector<uint8_t> reused;
+  std::vector<uint8_t> local;
+  std::vector<uint8_t>& symbols = g.num_elements() <= (16u << 20) ? reused : local;
+  if (symbols.size() < g.num_elements()) symbols.resize(g.num_elements());
+  BitWriter bits;
+  std::vector<irans::Table> tables(planes);
+  std::vector<uint64_t> escape_bits(planes, 0);
+  std::vector<std::string> plane_params(planes);
+  std::vector<std::array<uint32_t, irans::kMaxSymbols>> plane_counts(planes);
+  std::string& p = out->params;
+  p.clear();
+  const Layout lo = ChooseLayout(n);
+  p.push_back(static_cast<char>(kFastResidualParamsVersion));
+  p.push_back(0);  // flags
+  p.push_back(static_cast<char>(lo.lanes));
+  p.push_back(0);  // reserved
+  PutLE<uint16_t>(&p, static_cast<uint16_t>(lo.planes_per_segment));
+  std::string means_out;
+  double sse[2] = {0, 0}, energy[2] = {0, 0};
+  out->max_abs_error = 0;
+  std::memset(out->predictor_count, 0, sizeof(out->predictor_count));
+  PlaneCode pc;
+  float hint[2] = {0, 0};
+  for (size_t pl = 0; pl < planes; ++pl) {
+    const size_t side = pl % 2;  // K or V
+    ToFloat(g.dtype, kv.data() + pl * pe * eb, pe, s.x.data());
+    if (AnyNonFinite(s.x.data(), pe))
+      return absl::FailedPreconditionError("kv: NaN or infinity (FAST profile)");
+    EncodePlane(n, g.dtype, s.x.data(), o.target_rel_rms, &pc, &s, &hint[side]);
+    sse[side] += pc.sse;
+    energy[side] += pc.energy;
+    out->max_abs_error = std::max(out->max_abs_error, pc.max_abs);
+    // Symbols and bucket offsets.
+    uint8_t* const sym = symbols.data() + pl * pe;
+    const uint64_t bits_before = bits.bits();
+    MapSymbols(pc.q.data(), pe, sym);
+    uint32_t* const counts = plane_counts[pl].data();
+    Histogram(sym, pe, counts);
+    EncodeBuckets(pc.q.data(), pe, sym, counts, &bits);
+    escape_bits[pl] = bits.bits() - bits_before;
+    tables[pl] = irans::NormalizeCounts(counts, irans::kMaxSymbols);
+    std::string& pp = plane_params[pl];
+    PutLE<uint16_t>(&pp, FloatToBf16(pc.step));
+    for (size_t h = 0; h < n.H; h += 4) {
+      uint8_t b = 0;
+      for (size_t k = 0; k < 4 && h + k < n.H; ++k) b |= pc.pred[h + k] << (2 * k);
+      pp.push_back(static_cast<char>(b));
+    }
+    PutVarint(&pp, escape_bits[pl]);
+    for (size_t h = 0; h < n.H; ++h) {
+      ++out->predictor_count[side][static_cast<int>(kPredictorOf[pc.pred[h]])];
+      if (pc.pred[h] != kPredMean) continue;
+      for (size_t d = 0; d < n.D; ++d)
+        PutLE<uint16_t>(&means_out, FloatToHalf(pc.means[h * n.D + d]));
+    }
+  }
+  // Tables: one per plane, or one per K/V for the whole block when that costs fewer bits (small
+  // blocks, where a table is a large share of a plane's bits).
+  irans::Table shared[2];
+  {
+    std::array<uint32_t, irans::kMaxSymbols> side_counts[2] = {};
+    for (size_t pl = 0; pl < planes; ++pl)
+      for (int k = 0; k < irans::kMaxSymbols; ++k) side_counts[pl % 2][k] += plane_counts[pl][k];
+    double own = 0, common = 0;
+    std::string scratch;
+    for (int side = 0; side < 2; ++side) {
+      shared[side] = irans::NormalizeCounts(side_counts[side].data(), irans::kMaxSymbols);
+      scratch.clear();
+      irans::WriteTable(shared[side], &scratch);
+      common += 8.0 * scratch.size();
+    }
+    for (size_t pl = 0; pl < planes; ++pl) {
+      scratch.clear();
+      irans::WriteTable(tables[pl], &scratch);
+      own += 8.0 * scratch.size() +
+             irans::CostBits(tables[pl], plane_counts[pl].data(), irans::kMaxSymbols);
+      common += irans::CostBits(shared[pl % 2], plane_counts[pl].data(), irans::kMaxSymbols);
+    }
+    if (common < own) {
+      p[1] = static_cast<char>(kFlagSharedTables);
+      for (size_t pl = 0; pl < planes; ++pl) tables[pl] = shared[pl % 2];
+    }
+  }
+  const bool shared_tables = p[1] & kFlagSharedTables;
+  for (size_t pl = 0; pl < planes; ++pl) {
+    p += plane_params[pl];
+    if (!shared_tables) irans::WriteTable(tables[pl], &p);
+  }
+  if (shared_tables) {
+    irans::WriteTable(shared[0], &p);
+    irans::WriteTable(shared[1], &p);
+  }
+  p += means_out;
+  for (int kv = 0; kv < 2; ++kv) {
+    out->rel_rms_error[kv] = energy[kv] > 0 ? std::sqrt(sse[kv] / energy[kv]) : std::sqrt(sse[kv]);
+  }
+  // Payload: segment sizes, segments, escapes.
+  std::string& pay = out->payload;
+  pay.clear();
+  const size_t ns = lo.num_segments(planes);
+  pay.resize(4 * ns);
+  std::vector<const irans::Table*> tp(planes);
+  for (size_t pl = 0; pl < planes; ++pl) tp[pl] = &tables[pl];
+  for (size_t sg = 0; sg < ns; ++sg) {
+    const size_t first = sg * lo.planes_per_segment;
+    const size_t count = std::min(lo.planes_per_segment, planes - first);
+    const size_t before = pay.size();
+    irans::EncodeSegment(absl::MakeConstSpan(symbols).subspan(first * pe, count * pe), lo.lanes, pe,
+                         absl::MakeConstSpan(tp).subspan(first, count), &pay);
+    const uint32_t size = static_cast<uint32_t>(pay.size() - before);
+    std::memcpy(pay.data() + 4 * sg, &size, 4);
+  }
+  bits.Finish(&pay);
+  return absl::OkStatus();
+}
+
+// ---- decoder --------------------------------------------------------------------------------
+
+namespace {
+
+struct PlaneInfo {
+  float step = 0;
+  size_t preds = 0;        // offset into the predictor array
+  size_t means = 0;        // index of its first mean head in the means array
+  uint64_t bits = 0;       // bucket offset bits of the plane
+  uint64_t bits_at = 0;    // where they start in the bit stream
+  bool escapable = false;  // the table gives a bucket symbol a nonzero frequency
+  irans::Table table;
+};
+
+// q of a plane as floats: the direct symbols, then every bucket symbol from its offset bits.
+absl::Status PlaneValues(const uint8_t* sym, size_t n, const PlaneInfo& pi, const uint8_t* bits,
+                         float* qf) {
+  DirectValues(sym, n, qf);
+  if (!pi.escapable)
+    return pi.bits == 0 ? absl::OkStatus() : absl::DataLossError("fast residual: unused bits");
+  uint64_t pos = pi.bits_at;
+  const uint64_t end = pi.bits_at + pi.bits;
+  for (size_t i = 0; i < n; ++i) {
+#if defined(__SSE2__)
+    if ((i & 15) == 0 && i + 16 <= n) {  // skip 16 direct symbols at a time
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sym + i));
+      if (_mm_movemask_epi8(_mm_cmpgt_epi8(v, _mm_set1_epi8(kDirect - 1))) == 0) {
+        i += 15;
+        continue;
+      }
+    }
+#endif
+    if (sym[i] < kDirect) continue;
+    const int b = sym[i] - kDirect;
+    const int nb = BucketBits(b);
+    if (end - pos < static_cast<uint64_t>(nb)) {
+      return absl::DataLossError("fast residual: bucket bits past the plane's");
+    }
+    const uint32_t z = kBucket.base[b] + ReadBits(bits, pos, nb);
+    pos += nb;
+    qf[i] = static_cast<float>(UnZigZag(z));
+  }
+  if (pos != end) return absl::DataLossError("fast residual: unused bucket bits");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params,
+                                absl::string_view payload, absl::Span<uint8_t> out) {
+  const Dims n(g);
+  const size_t pe = n.plane_elems(), he = n.head_elems(), planes = n.L * 2;
+  const size_t eb = DTypeBytes(g.dtype);
+  if (out.size() != g.num_bytes()) return absl::InvalidArgumentError("out: wrong size");
+  if (params.size() < 6 || static_cast<uint8_t>(params[0]) != kFastResidualParamsVersion ||
+      (static_cast<uint8_t>(params[1]) & ~kFlagSharedTables) != 0 || params[3] != 0) {
+    return absl::DataLossError("fast residual params: bad version or flags");
+  }
+  Layout lo;
+  lo.lanes = static_cast<uint8_t>(params[2]);
+  lo.planes_per_segment =
+      static_cast<uint8_t>(params[4]) | (static_cast<size_t>(static_cast<uint8_t>(params[5])) << 8);
+  if (lo.lanes < 1 || lo.lanes > irans::kMaxLanes || (lo.lanes & (lo.lanes - 1)) || pe % lo.lanes ||
+      lo.planes_per_segment < 1 || lo.planes_per_segment > std::min(planes, kMaxSegmentPlanes)) {
+    return absl::DataLossError("fast residual params: bad lane layout");
+  }
+  const bool shared_tables = static_cast<uint8_t>(params[1]) & kFlagSharedTables;
+  absl::string_view in = params.substr(6);
+  std::vector<PlaneInfo> info(planes);
+  std::vector<uint8_t> preds(planes * n.H);
+  size_t num_means = 0;
+  uint64_t num_bits = 0;
+  for (size_t pl = 0; pl < planes; ++pl) {
+    PlaneInfo& pi = info[pl];
+    const size_t pred_bytes = (n.H + 3) / 4;
+    if (in.size() < 2 + pred_bytes) return absl::DataLossError("fast residual params: truncated");
+    pi.step = Bf16ToFloat(static_cast<uint8_t>(in[0]) | (static_cast<uint8_t>(in[1]) << 8));
+    if (!(pi.step > 0) || !std::isfinite(pi.step)) {
+      return absl::DataLossError("fast residual params: bad step");
+    }
+    pi.preds = pl * n.H;
+    pi.means = num_means;
+    for (size_t h = 0; h < n.H; ++h) {
+      const uint8_t c = (static_cast<uint8_t>(in[2 + h / 4]) >> (2 * (h % 4))) & 3;
+      if (c > kPredTemporal) return absl::DataLossError("fast residual params: unknown predictor");
+      preds[pl * n.H + h] = c;
+      num_means += c == kPredMean;
+    }
+    in.remove_prefix(2 + pred_bytes);
+    uint64_t nbits = 0;
+    for (int shift = 0;; shift += 7) {
+      if (in.empty() || shift > 35) return absl::DataLossError("fast residual params: bad count");
+      const uint8_t b = static_cast<uint8_t>(in[0]);
+      in.remove_prefix(1);
+      nbits |= static_cast<uint64_t>(b & 127) << shift;
+      if (!(b & 128)) break;
+    }
+    if (nbits > pe * BucketBits(kBuckets - 1)) {
+      return absl::DataLossError("fast residual params: bad bucket bit count");
+    }
+    pi.bits = nbits;
+    pi.bits_at = num_bits;
+    num_bits += nbits;
+    if (shared_tables) continue;
+    if (auto s = irans::ReadTable(&in, &pi.table); !s.ok()) return s;
+  }
+  if (shared_tables) {
+    irans::Table side[2];
+    for (irans::Table& t : side) {
+      if (auto s = irans::ReadTable(&in, &t); !s.ok()) return s;
+    }
+    for (size_t pl = 0; pl < planes; ++pl) info[pl].table = side[pl % 2];
+  }
+  for (PlaneInfo& pi : info) {
+    for (int sym = kDirect; sym < pi.table.num_symbols; ++sym)
+      pi.escapable |= pi.table.freq[sym] > 0;
+  }
+  if (in.size() != num_means * n.D * 2) {
+    return absl::DataLossError("fast residual params: channel means do not match");
+  }
+  std::vector<float> means(num_means * n.D);
+  for (size_t i = 0; i < means.size(); ++i) {
+    means[i] =
+        HalfToFloat(static_cast<uint8_t>(in[2 * i]) | (static_cast<uint8_t>(in[2 * i + 1]) << 8));
+  }
+  // Payload.
+  const size_t ns = lo.num_segments(planes);
+  if (payload.size() < 4 * ns) return absl::DataLossError("fast residual payload: truncated");
+  std::vector<size_t> seg_at(ns + 1);
+  seg_at[0] = 4 * ns;
+  for (size_t sg = 0; sg < ns; ++sg) {
+    uint32_t size;
+    std::memcpy(&size, payload.data() + 4 * sg, 4);
+    if (size > payload.size() - seg_at[sg]) {
+      return absl::DataLossError("fast residual payload: segment past the end");
+    }
+    seg_at[sg + 1] = seg_at[sg] + size;
+  }
+  if (payload.size() - seg_at[ns] != (num_bits + 7) / 8) {
+    return absl::DataLossError("fast residual payload: bucket bits do not match");
+  }
+  std::vector<uint8_t> bits(payload.size() - seg_at[ns] + 8, 0);  // padded for ReadBits
+  std::memcpy(bits.data(), payload.data() + seg_at[ns], payload.size() - seg_at[ns]);
+  std::vector<irans::DecodeTable> dtab(lo.planes_per_segment);
+  std::vector<const irans::DecodeTable*> dtp(lo.planes_per_segment);
+  std::vector<uint8_t> symbols(lo.planes_per_segment * pe);
+  std::vector<float> rec(he), qf(pe), zeros(n.D, 0.0f);
+  for (size_t sg = 0; sg < ns; ++sg) {
+    const size_t first = sg * lo.planes_per_segment;
+    const size_t count = std::min(lo.planes_per_segment, planes - first);
+    for (size_t k = 0; k < count; ++k) {
+      irans::BuildDecodeTable(info[first + k].table, &dtab[k]);
+      dtp[k] = &dtab[k];
+    }
+    if (auto s = irans::DecodeSegment(payload.substr(seg_at[sg], seg_at[sg + 1] - seg_at[sg]),
+                                      lo.lanes, pe, absl::MakeConstSpan(dtp).subspan(0, count),
+                                      absl::MakeSpan(symbols).subspan(0, count * pe));
+        !s.ok()) {
+      return s;
+    }
+    for (size_t k = 0; k < count; ++k) {
+      const size_t pl = first + k;
+      const PlaneInfo& pi = info[pl];
+      if (auto s = PlaneValues(symbols.data() + k * pe, pe, pi, bits.data(), qf.data()); !s.ok()) {
+        return s;
+      }
+      size_t mean_i = pi.means;
+      for (size_t h = 0; h < n.H; ++h) {
+        const uint8_t pr = preds[pi.preds + h];
+        const float* m = pr == kPredMean ? means.data() + (mean_i++) * n.D : zeros.data();
+        ReconHead(qf.data() + h * he, n.T, n.D, pr, m, zeros.data(), pi.step, rec.data());
+        FromFloat(g.dtype, rec.data(), he, out.data() + (pl * pe + h * he) * eb);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace internal
+}  // namespace kvtrie

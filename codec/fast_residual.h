@@ -1,0 +1,60 @@
+// codec/fast_residual.h
+//
+// The fast profile of the kResidual encoding (EncodeOptions::profile = Profile::kFast): the same
+// closed-loop quantizer and error target as residual_codec.h, built for throughput instead of the
+// last 10 % of bits. Internal to the codec; callers use block_codec.h. Byte layout and how a GPU
+// decoder reads it: codec/FORMAT.md.
+//
+// Differences from the compact profile:
+//   - predictors only from inside the block: none, channel mean (fp16 means in params), or
+//     temporal (previous token's reconstruction, first token from 0), chosen per (layer, K/V,
+//     head) from an open-loop L1 estimate; never the parent, so the blocks of a prefix decode in
+//     parallel and in any order;
+//   - the quantized residuals are coded with static per-plane frequency tables (rans_interleaved.h,
+//     32 symbols: ZigZag values 0..30, 31 = escape to a u16 list) and many interleaved rANS lanes;
+//     no rotation, RoPE-aware keys, surprisal steps, step groups or bits budget (INVALID_ARGUMENT
+//     naming `profile` if asked for).
+// The step per (layer, K/V) plane is bf16 and searched (2-4 quantization passes) so that the
+// relative RMS error of the plane after rounding to the dtype is <= target_rel_rms, as in the
+// compact profile. The encoder measures the error itself (the blocks are never decoded twice).
+// Thread-safe: pure functions.
+#ifndef KVTRIE_CODEC_FAST_RESIDUAL_H_
+#define KVTRIE_CODEC_FAST_RESIDUAL_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "codec/block_codec.h"
+
+namespace kvtrie {
+namespace internal {
+
+struct FastOutput {
+  std::string params;
+  std::string payload;
+  double rel_rms_error[2] = {0, 0};  // K, V over the block
+  double max_abs_error = 0;
+  uint32_t predictor_count[2][kNumPredictors] = {};
+};
+
+// The first params byte of a fast-profile residual block.
+inline constexpr uint8_t kFastResidualParamsVersion = 16;
+
+// `kv`: the block in geometry.dtype. Errors: INVALID_ARGUMENT for a missing target or an option
+// the fast profile does not have; FAILED_PRECONDITION if `kv` holds a NaN or an infinity (the
+// caller then uses the compact profile).
+absl::Status EncodeFastResidual(const BlockGeometry& geometry, absl::Span<const uint8_t> kv,
+                                const EncodeOptions& options, FastOutput* out);
+
+// Writes the block in its dtype to `out` (geometry.num_bytes()). Errors: DATA_LOSS if `params` or
+// `payload` is malformed.
+absl::Status DecodeFastResidual(const BlockGeometry& geometry, absl::string_view params,
+                                absl::string_view payload, absl::Span<uint8_t> out);
+
+}  // namespace internal
+}  // namespace kvtrie
+
+#endif  // KVTRIE_CODEC_FAST_RESIDUAL_H_

@@ -1,0 +1,277 @@
+#include "codec/fast_residual_kernels.h"
+
+#include <cpuid.h>
+
+#include <algorithm>
+#include <cmath>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define KVTRIE_FAST_AVX2 1
+#endif
+
+#include "codec/rans.h"
+
+namespace kvtrie {
+namespace internal {
+namespace fast {
+// sym[i] = ZigZag(q[i]) when < kDirect, else kNoSymbol (vectorizes).
+void MapSymbols(const int32_t* __restrict q, size_t n, uint8_t* __restrict sym) {
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t z = ZigZag(q[i]);
+    sym[i] = z < static_cast<uint32_t>(kDirect) ? static_cast<uint8_t>(z) : kNoSymbol;
+  }
+}
+
+// counts[s] = occurrences of s < kMaxSymbols (kNoSymbol is not counted). Four copies: no
+// store-to-load chain on runs of one symbol.
+void Histogram(const uint8_t* __restrict sym, size_t n, uint32_t* __restrict counts) {
+  uint32_t h[4][256] = {};
+  size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    ++h[0][sym[i]];
+    ++h[1][sym[i + 1]];
+    ++h[2][sym[i + 2]];
+    ++h[3][sym[i + 3]];
+  }
+  for (; i < n; ++i) ++h[0][sym[i]];
+  for (int k = 0; k < irans::kMaxSymbols; ++k) counts[k] = h[0][k] + h[1][k] + h[2][k] + h[3][k];
+}
+
+// Replaces every kNoSymbol by its bucket's symbol, counts it and writes its offset bits, in
+// element order.
+void EncodeBucket(const int32_t* q, size_t i, uint8_t* sym, uint32_t* counts, BitWriter* bits) {
+  const uint32_t z = ZigZag(q[i]);
+  int b = 0;
+  while (z >= kBucket.base[b + 1]) ++b;
+  sym[i] = static_cast<uint8_t>(kDirect + b);
+  ++counts[sym[i]];
+  bits->Put(z - kBucket.base[b], BucketBits(b));
+}
+
+void EncodeBuckets(const int32_t* q, size_t n, uint8_t* sym, uint32_t* counts, BitWriter* bits) {
+  size_t i = 0;
+#if defined(__SSE2__)
+  for (; i + 16 <= n; i += 16) {  // the bucket symbols of 16 at a time, from a bit mask
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sym + i));
+    uint32_t m = static_cast<uint32_t>(
+        _mm_movemask_epi8(_mm_cmpeq_epi8(v, _mm_set1_epi8(static_cast<char>(kNoSymbol)))));
+    for (; m != 0; m &= m - 1) EncodeBucket(q, i + __builtin_ctz(m), sym, counts, bits);
+  }
+#endif
+  for (; i < n; ++i) {
+    if (sym[i] == kNoSymbol) EncodeBucket(q, i, sym, counts, bits);
+  }
+}
+
+// True if any float is an infinity or a NaN (exponent all ones); vectorizes.
+bool AnyNonFinite(const float* x, size_t n) {
+  uint32_t bad = 0;
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t b;
+    std::memcpy(&b, x + i, 4);
+    bad |= static_cast<uint32_t>((b & 0x7f800000u) == 0x7f800000u);
+  }
+  return bad != 0;
+}
+
+// Sum of squares in double and the largest magnitude: of a[i] (b == nullptr) or a[i] - b[i].
+double SumSquaresScalar(const float* a, const float* b, size_t n, float* max_abs) {
+  double s = 0;
+  float mx = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const float e = b ? a[i] - b[i] : a[i];
+    s += static_cast<double>(e) * e;
+    mx = std::max(mx, std::fabs(e));
+  }
+  *max_abs = mx;
+  return s;
+}
+
+#ifdef KVTRIE_FAST_AVX2
+__attribute__((target("avx2"))) double SumSquaresAvx2(const float* a, const float* b, size_t n,
+                                                      float* max_abs) {
+  __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
+  __m256 mx = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 e = _mm256_loadu_ps(a + i);
+    if (b) e = _mm256_sub_ps(e, _mm256_loadu_ps(b + i));
+    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(e));
+    const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1));
+    acc0 = _mm256_add_pd(acc0, _mm256_mul_pd(lo, lo));
+    acc1 = _mm256_add_pd(acc1, _mm256_mul_pd(hi, hi));
+    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, e));
+  }
+  alignas(32) double d[4];
+  _mm256_store_pd(d, _mm256_add_pd(acc0, acc1));
+  alignas(32) float m[8];
+  _mm256_store_ps(m, mx);
+  float tail_max = 0;
+  double s =
+      d[0] + d[1] + d[2] + d[3] + SumSquaresScalar(a + i, b ? b + i : nullptr, n - i, &tail_max);
+  for (float v : m) tail_max = std::max(tail_max, v);
+  *max_abs = tail_max;
+  return s;
+}
+#endif
+
+double SumSquares(const float* a, const float* b, size_t n, float* max_abs) {
+#ifdef KVTRIE_FAST_AVX2
+  if (irans::HasAvx2()) return SumSquaresAvx2(a, b, n, max_abs);
+#endif
+  return SumSquaresScalar(a, b, n, max_abs);
+}
+
+// Closed-loop quantization of one head [T][D] with predictor `pred`.
+void QuantizeHead(const float* x, size_t T, size_t D, uint8_t pred, const float* mean,
+                  const float* zeros, float step, float dz, int32_t* q, float* rec) {
+  const float inv = 1.0f / step;
+  for (size_t t = 0; t < T; ++t) {
+    const float* p = pred == kPredTemporal ? (t ? rec + (t - 1) * D : zeros)
+                     : pred == kPredMean   ? mean
+                                           : zeros;
+    const float* xr = x + t * D;
+    int32_t* qr = q + t * D;
+    float* rr = rec + t * D;
+    for (size_t d = 0; d < D; ++d) {
+      const float u = (xr[d] - p[d]) * inv;
+      float a = std::fabs(u) - dz + 0.5f;
+      a = std::min(a > 0.0f ? a : 0.0f, static_cast<float>(kMaxQ));
+      const int32_t m = static_cast<int32_t>(a);
+      const int32_t qi = u < 0 ? -m : m;
+      qr[d] = qi;
+      rr[d] = Recon(p[d], qi, step);
+    }
+  }
+}
+
+bool HasAvx2F16c() {
+#ifndef KVTRIE_FAST_AVX2
+  return false;
+#else
+  static const bool f16c = [] {
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29));
+  }();
+  return f16c && irans::HasAvx2();
+#endif
+}
+
+#ifdef KVTRIE_FAST_AVX2
+
+// QuantizeHead and the squared error after rounding to fp16 in one pass, 8 channels at a time
+// (D % 8 == 0). Same quantizer and reconstruction as QuantizeHead.
+__attribute__((target("avx2,f16c"))) double QuantizeHeadFp16(const float* x, size_t T, size_t D,
+                                                             uint8_t pred, const float* mean,
+                                                             const float* zeros, float step,
+                                                             float dz, int32_t* q, float* rec,
+                                                             float* max_abs) {
+  const __m256 inv = _mm256_set1_ps(1.0f / step), vs = _mm256_set1_ps(step);
+  const __m256 vdz = _mm256_set1_ps(dz), half = _mm256_set1_ps(0.5f), zero = _mm256_setzero_ps();
+  const __m256 maxq = _mm256_set1_ps(static_cast<float>(kMaxQ)), sign = _mm256_set1_ps(-0.0f);
+  __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
+  __m256 mx = _mm256_setzero_ps();
+  for (size_t t = 0; t < T; ++t) {
+    const float* p = pred == kPredTemporal ? (t ? rec + (t - 1) * D : zeros)
+                     : pred == kPredMean   ? mean
+                                           : zeros;
+    for (size_t d = 0; d < D; d += 8) {
+      const size_t i = t * D + d;
+      const __m256 xv = _mm256_loadu_ps(x + i), pv = _mm256_loadu_ps(p + d);
+      const __m256 u = _mm256_mul_ps(_mm256_sub_ps(xv, pv), inv);
+      __m256 a = _mm256_add_ps(_mm256_sub_ps(_mm256_andnot_ps(sign, u), vdz), half);
+      a = _mm256_min_ps(_mm256_max_ps(a, zero), maxq);
+      const __m256i qi = _mm256_sign_epi32(_mm256_cvttps_epi32(a), _mm256_castps_si256(u));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), qi);
+      const __m256 r = _mm256_add_ps(pv, _mm256_mul_ps(_mm256_cvtepi32_ps(qi), vs));
+      _mm256_storeu_ps(rec + i, r);
+      const __m256 rt =
+          _mm256_cvtph_ps(_mm256_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      const __m256 e = _mm256_sub_ps(xv, rt);
+      const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(e));
+      const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1));
+      acc0 = _mm256_add_pd(acc0, _mm256_mul_pd(lo, lo));
+      acc1 = _mm256_add_pd(acc1, _mm256_mul_pd(hi, hi));
+      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, e));
+    }
+  }
+  alignas(32) double dd[4];
+  _mm256_store_pd(dd, _mm256_add_pd(acc0, acc1));
+  alignas(32) float m[8];
+  _mm256_store_ps(m, mx);
+  for (float v : m) *max_abs = std::max(*max_abs, v);
+  return dd[0] + dd[1] + dd[2] + dd[3];
+}
+#endif
+
+// Symbols to q as floats, without the buckets (their symbols get a placeholder).
+void DirectValuesScalar(const uint8_t* sym, size_t n, float* qf) {
+  for (size_t i = 0; i < n; ++i) qf[i] = static_cast<float>(UnZigZag(sym[i]));
+}
+
+#ifdef KVTRIE_FAST_AVX2
+__attribute__((target("avx2"))) void DirectValuesAvx2(const uint8_t* sym, size_t n, float* qf) {
+  const __m256i one = _mm256_set1_epi32(1);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i z =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sym + i)));
+    const __m256i q =
+        _mm256_xor_si256(_mm256_srli_epi32(z, 1),
+                         _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_and_si256(z, one)));
+    _mm256_storeu_ps(qf + i, _mm256_cvtepi32_ps(q));
+  }
+  DirectValuesScalar(sym + i, n - i, qf + i);
+}
+
+// x' = prediction + q * step for one head, 8 channels at a time (same IEEE operations as Recon).
+__attribute__((target("avx2"))) void ReconHeadAvx2(const float* qf, size_t T, size_t D,
+                                                   uint8_t pred, const float* mean,
+                                                   const float* zeros, float step, float* rec) {
+  const __m256 vs = _mm256_set1_ps(step);
+  for (size_t t = 0; t < T; ++t) {
+    const float* p = pred == kPredTemporal ? (t ? rec + (t - 1) * D : zeros)
+                     : pred == kPredMean   ? mean
+                                           : zeros;
+    const float* qr = qf + t * D;
+    float* rr = rec + t * D;
+    size_t d = 0;
+    for (; d + 8 <= D; d += 8) {
+      _mm256_storeu_ps(rr + d, _mm256_add_ps(_mm256_loadu_ps(p + d),
+                                             _mm256_mul_ps(_mm256_loadu_ps(qr + d), vs)));
+    }
+    for (; d < D; ++d) rr[d] = p[d] + qr[d] * step;
+  }
+}
+#endif
+
+void ReconHeadScalar(const float* qf, size_t T, size_t D, uint8_t pred, const float* mean,
+                     const float* zeros, float step, float* rec) {
+  for (size_t t = 0; t < T; ++t) {
+    const float* p = pred == kPredTemporal ? (t ? rec + (t - 1) * D : zeros)
+                     : pred == kPredMean   ? mean
+                                           : zeros;
+    for (size_t d = 0; d < D; ++d) rec[t * D + d] = p[d] + qf[t * D + d] * step;
+  }
+}
+
+void ReconHead(const float* qf, size_t T, size_t D, uint8_t pred, const float* mean,
+               const float* zeros, float step, float* rec) {
+#ifdef KVTRIE_FAST_AVX2
+  if (irans::HasAvx2()) return ReconHeadAvx2(qf, T, D, pred, mean, zeros, step, rec);
+#endif
+  ReconHeadScalar(qf, T, D, pred, mean, zeros, step, rec);
+}
+
+void DirectValues(const uint8_t* sym, size_t n, float* qf) {
+#ifdef KVTRIE_FAST_AVX2
+  if (irans::HasAvx2()) return DirectValuesAvx2(sym, n, qf);
+#endif
+  DirectValuesScalar(sym, n, qf);
+}
+
+}  // namespace fast
+}  // namespace internal
+}  // namespace kvtrie

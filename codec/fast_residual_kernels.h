@@ -1,0 +1,113 @@
+// codec/fast_residual_kernels.h
+//
+// The arithmetic of the fast residual profile (fast_residual.h) that encoder and decoder share,
+// and its SIMD kernels (AVX2 / F16C, chosen at run time, with scalar versions that give the same
+// floats): the symbol alphabet (direct ZigZag values and log buckets), closed-loop quantization
+// of a head, reconstruction, and error sums. Internal to the codec; layout in codec/FORMAT.md.
+#ifndef KVTRIE_CODEC_FAST_RESIDUAL_KERNELS_H_
+#define KVTRIE_CODEC_FAST_RESIDUAL_KERNELS_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "codec/rans_interleaved.h"
+
+namespace kvtrie {
+namespace internal {
+namespace fast {
+
+// Symbols: ZigZag values z < kDirect are a symbol each; larger ones fall in one of kBuckets
+// buckets, two per octave (bucket b holds 2^(b / 2 + 1) values from kBucketBase[b]), coded as the
+// bucket's symbol kDirect + b and b / 2 + 1 raw bits (the offset in the bucket) in the plane's
+// bit stream, as DEFLATE's length codes.
+constexpr int kDirect = 12;
+constexpr int kBuckets = irans::kMaxSymbols - kDirect;  // 20
+constexpr int BucketBits(int b) { return b / 2 + 1; }
+struct BucketTable {
+  uint32_t base[kBuckets + 1];
+  constexpr BucketTable() : base() {
+    base[0] = kDirect;
+    for (int b = 0; b < kBuckets; ++b) base[b + 1] = base[b] + (1u << BucketBits(b));
+  }
+};
+constexpr BucketTable kBucket;
+constexpr int32_t kMaxQ = 2051;  // ZigZag(+-kMaxQ) < kBucket.base[kBuckets] = 4104
+static_assert(2 * kMaxQ < kBucket.base[kBuckets]);
+
+enum : uint8_t { kPredNone = 0, kPredMean = 1, kPredTemporal = 2 };
+
+// LSB-first bit stream.
+class BitWriter {
+ public:
+  void Put(uint32_t v, int n) {
+    acc_ |= static_cast<uint64_t>(v) << fill_;
+    fill_ += n;
+    total_ += n;
+    while (fill_ >= 8) {
+      bytes_.push_back(static_cast<char>(acc_));
+      acc_ >>= 8;
+      fill_ -= 8;
+    }
+  }
+  uint64_t bits() const { return total_; }
+  void Finish(std::string* out) {
+    if (fill_ > 0) bytes_.push_back(static_cast<char>(acc_));
+    out->append(bytes_);
+  }
+
+ private:
+  std::string bytes_;
+  uint64_t acc_ = 0;
+  int fill_ = 0;
+  uint64_t total_ = 0;
+};
+
+// x' = prediction + q * step, the one reconstruction rule (the codec is built with
+// -ffp-contract=off: never an FMA, so encoder, scalar and AVX2 decoders agree bit for bit).
+inline float Recon(float pred, int32_t q, float step) {
+  return pred + static_cast<float>(q) * step;
+}
+
+constexpr uint8_t kNoSymbol = 255;
+
+// Reads n <= 16 bits at bit `pos` of a stream padded with 8 bytes.
+inline uint32_t ReadBits(const uint8_t* s, uint64_t pos, int n) {
+  uint64_t v;
+  std::memcpy(&v, s + pos / 8, 8);
+  return static_cast<uint32_t>((v >> (pos % 8)) & ((1u << n) - 1));
+}
+
+// sym[i] = ZigZag(q[i]) when < kDirect, else kNoSymbol.
+void MapSymbols(const int32_t* __restrict q, size_t n, uint8_t* __restrict sym);
+// counts[s] = occurrences of s < irans::kMaxSymbols in sym (kNoSymbol is not counted).
+void Histogram(const uint8_t* __restrict sym, size_t n, uint32_t* __restrict counts);
+// Replaces every kNoSymbol by its bucket's symbol, counts it and writes its offset bits, in
+// element order.
+void EncodeBuckets(const int32_t* q, size_t n, uint8_t* sym, uint32_t* counts, BitWriter* bits);
+// True if any float is an infinity or a NaN.
+bool AnyNonFinite(const float* x, size_t n);
+// Sum of squares in double and the largest magnitude: of a[i] (b == nullptr) or a[i] - b[i].
+double SumSquares(const float* a, const float* b, size_t n, float* max_abs);
+// Closed-loop quantization of one head [T][D] with predictor `pred` (kPred*): q and x'.
+void QuantizeHead(const float* x, size_t T, size_t D, uint8_t pred, const float* mean,
+                  const float* zeros, float step, float dz, int32_t* q, float* rec);
+// True if QuantizeHeadFp16 may be called (AVX2 and F16C).
+bool HasAvx2F16c();
+// QuantizeHead for an fp16 block with D % 8 == 0, returning the squared error of x' rounded to
+// fp16 and raising *max_abs to its largest |error|. REQUIRES: HasAvx2F16c().
+double QuantizeHeadFp16(const float* x, size_t T, size_t D, uint8_t pred, const float* mean,
+                        const float* zeros, float step, float dz, int32_t* q, float* rec,
+                        float* max_abs);
+// q as floats from the direct symbols (bucket symbols get a placeholder).
+void DirectValues(const uint8_t* sym, size_t n, float* qf);
+// x' = prediction + q * step of one head [T][D].
+void ReconHead(const float* qf, size_t T, size_t D, uint8_t pred, const float* mean,
+               const float* zeros, float step, float* rec);
+
+}  // namespace fast
+}  // namespace internal
+}  // namespace kvtrie
+
+#endif  // KVTRIE_CODEC_FAST_RESIDUAL_KERNELS_H_

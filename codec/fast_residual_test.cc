@@ -1,0 +1,161 @@
+#include "codec/fast_residual.h"
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "codec/block_codec.h"
+#include "codec/rans_interleaved.h"
+#include "codec/testing_blocks.h"
+#include "gtest/gtest.h"
+
+namespace kvtrie {
+namespace {
+
+EncodeOptions Fast(double target) {
+  EncodeOptions o;
+  o.encoding = Encoding::kResidual;
+  o.profile = Profile::kFast;
+  o.target_rel_rms = target;
+  return o;
+}
+
+// Llama-3-8B-shaped block [layers][2][8][16][128] tiled from the real values of `r`: each run of
+// 8 channels comes from another layer, head and token offset of the dump, tokens stay in order.
+std::vector<uint8_t> TiledBlock(const RealBlocks& r, const BlockGeometry& g, size_t b) {
+  const BlockGeometry& s = r.geometry;
+  std::vector<uint8_t> out(g.num_bytes());
+  const size_t nb = r.blocks.size();
+  auto* o = reinterpret_cast<uint16_t*>(out.data());
+  for (size_t l = 0; l < g.num_layers; ++l)
+    for (size_t kv = 0; kv < 2; ++kv)
+      for (size_t h = 0; h < g.num_kv_heads; ++h)
+        for (size_t t = 0; t < g.block_tokens; ++t)
+          for (size_t d = 0; d < g.head_dim; ++d) {
+            const size_t c = d / s.head_dim;
+            const size_t sl = (l + c) % s.num_layers, sh = (h + 3 * c) % s.num_kv_heads;
+            const size_t sb = (b + 5 * c) % nb;
+            const auto* src = reinterpret_cast<const uint16_t*>(r.blocks[sb].data());
+            *o++ = src[(((sl * 2 + kv) * s.num_kv_heads + sh) * s.block_tokens + t) * s.head_dim +
+                       d % s.head_dim];
+          }
+  return out;
+}
+
+TEST(FastResidual, MeetsTheErrorTargetOnRealBlocksWithoutTheParent) {
+  const RealBlocks r = LoadRealBlocks("GPL-3");
+  const BlockGeometry& g = r.geometry;
+  for (double target : {0.02, 0.05, 0.17}) {
+    for (size_t b = 0; b < r.blocks.size(); b += 5) {
+      absl::StatusOr<EncodedBlock> e = EncodeBlock(g, r.blocks[b], Fast(target));
+      ASSERT_TRUE(e.ok()) << e.status();
+      absl::StatusOr<BlockHeader> h = ParseBlock(e->bytes);
+      ASSERT_TRUE(h.ok());
+      EXPECT_EQ(h->profile, Profile::kFast);
+      EXPECT_EQ(h->params[1], 1);  // small blocks: one table per K/V beats one per plane
+      std::vector<uint8_t> out(g.num_bytes());
+      ASSERT_TRUE(DecodeBlock(e->bytes, absl::MakeSpan(out)).ok());  // no context needed
+      for (uint32_t l = 0; l < g.num_layers; ++l) {
+        for (int kv = 0; kv < 2; ++kv) EXPECT_LE(RelRms(g, r.blocks[b], out, kv, l), target);
+      }
+      EXPECT_NEAR(e->rel_rms_error_k, RelRms(g, r.blocks[b], out, 0), 1e-9);
+      EXPECT_NEAR(e->rel_rms_error_v, RelRms(g, r.blocks[b], out, 1), 1e-9);
+      EXPECT_GT(RelRms(g, r.blocks[b], out, 0), 0.5 * target);  // not needlessly fine
+      EXPECT_LT(e->bits_per_component, 8.0);
+    }
+  }
+}
+
+TEST(FastResidual, LlamaShapedBlockRoundTripsOnSimdAndScalarPaths) {
+  const RealBlocks r = LoadRealBlocks("genesis_1-3");
+  const BlockGeometry g{4, 8, 16, 128, DType::kFp16};
+  const std::vector<uint8_t> block = TiledBlock(r, g, 3);
+  absl::StatusOr<EncodedBlock> e = EncodeBlock(g, block, Fast(0.05));
+  ASSERT_TRUE(e.ok()) << e.status();
+  std::vector<uint8_t> out(g.num_bytes());
+  ASSERT_TRUE(DecodeBlock(e->bytes, absl::MakeSpan(out)).ok());
+  for (int kv = 0; kv < 2; ++kv) EXPECT_LE(RelRms(g, block, out, kv), 0.05);
+  absl::StatusOr<BlockHeader> h = ParseBlock(e->bytes);
+  ASSERT_TRUE(h.ok());
+  EXPECT_EQ(static_cast<uint8_t>(h->params[2]), 32);  // 32 lanes
+  // Re-encoding the decoded block is deterministic and decoding is too.
+  std::vector<uint8_t> again(g.num_bytes());
+  ASSERT_TRUE(DecodeBlock(e->bytes, absl::MakeSpan(again)).ok());
+  EXPECT_EQ(again, out);
+}
+
+TEST(FastResidual, ScalarAndSimdPathsAgreeBitForBit) {
+  const RealBlocks r = LoadRealBlocks("GPL-3");
+  const BlockGeometry g{2, 8, 16, 128, DType::kFp16};
+  const std::vector<uint8_t> block = TiledBlock(r, g, 7);
+  for (double target : {0.01, 0.1}) {  // 0.01: many bucket symbols
+    absl::StatusOr<EncodedBlock> e = EncodeBlock(g, block, Fast(target));
+    ASSERT_TRUE(e.ok()) << e.status();
+    std::vector<uint8_t> simd(g.num_bytes()), scalar(g.num_bytes());
+    ASSERT_TRUE(DecodeBlock(e->bytes, absl::MakeSpan(simd)).ok());
+    irans::SetSimdForTesting(false);
+    const absl::Status s = DecodeBlock(e->bytes, absl::MakeSpan(scalar));
+    absl::StatusOr<EncodedBlock> e2 = EncodeBlock(g, block, Fast(target));  // scalar encoder
+    irans::SetSimdForTesting(true);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(simd, scalar);
+    ASSERT_TRUE(e2.ok());
+    std::vector<uint8_t> out(g.num_bytes());
+    ASSERT_TRUE(DecodeBlock(e2->bytes, absl::MakeSpan(out)).ok());
+    for (int kv = 0; kv < 2; ++kv) {
+      EXPECT_LE(RelRms(g, block, simd, kv), target);
+      EXPECT_LE(RelRms(g, block, out, kv), target);
+    }
+  }
+}
+
+TEST(FastResidual, RejectsOptionsItDoesNotHave) {
+  const RealBlocks r = LoadRealBlocks("GPL-3");
+  EncodeOptions o = Fast(0.05);
+  o.rotate = true;
+  EXPECT_EQ(EncodeBlock(r.geometry, r.blocks[0], o).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(EncodeBlock(r.geometry, r.blocks[0], Fast(0)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(FastResidual, NonFiniteValuesAreRejectedLikeTheCompactProfile) {
+  const RealBlocks r = LoadRealBlocks("GPL-3");
+  std::vector<uint8_t> block = r.blocks[1];
+  block[10] = 0x00;
+  block[11] = 0x7c;  // +inf
+  absl::StatusOr<EncodedBlock> e = EncodeBlock(r.geometry, block, Fast(0.05));
+  ASSERT_FALSE(e.ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(e.status())) << e.status();
+  EXPECT_NE(e.status().message().find("kv:"), absl::string_view::npos) << e.status();
+}
+
+TEST(FastResidual, MalformedParamsAndPayloadAreDataLoss) {
+  const RealBlocks r = LoadRealBlocks("GPL-3");
+  const BlockGeometry& g = r.geometry;
+  internal::FastOutput f;
+  ASSERT_TRUE(internal::EncodeFastResidual(g, r.blocks[2], Fast(0.05), &f).ok());
+  std::vector<uint8_t> out(g.num_bytes());
+  ASSERT_TRUE(internal::DecodeFastResidual(g, f.params, f.payload, absl::MakeSpan(out)).ok());
+  int rejected = 0, tried = 0;
+  for (size_t i = 0; i < f.params.size(); i += 3, ++tried) {
+    std::string p = f.params;
+    p[i] ^= 0x41;
+    rejected += !internal::DecodeFastResidual(g, p, f.payload, absl::MakeSpan(out)).ok();
+  }
+  for (size_t i = 0; i < f.payload.size(); i += 7, ++tried) {
+    std::string p = f.payload;
+    p[i] ^= 0x41;
+    rejected += !internal::DecodeFastResidual(g, f.params, p, absl::MakeSpan(out)).ok();
+  }
+  EXPECT_GT(rejected, tried / 2);  // the rest decode to other values, never crash
+  for (size_t cut = 1; cut < f.payload.size(); cut += f.payload.size() / 7) {
+    EXPECT_EQ(
+        internal::DecodeFastResidual(g, f.params, f.payload.substr(0, cut), absl::MakeSpan(out))
+            .code(),
+        absl::StatusCode::kDataLoss);
+  }
+}
+
+}  // namespace
+}  // namespace kvtrie
