@@ -256,7 +256,8 @@ int Run() {
   server->Wait();
   waiter.join();
   if (health_server) health_server->Shutdown(std::chrono::system_clock::now());
-  store->reset();  // flushes and closes RocksDB
+  metrics.reset();  // stops /metrics, which reads the store
+  store->reset();   // flushes and closes RocksDB
   spdlog::info("kvtrie-server stopped");
   return 0;
 }

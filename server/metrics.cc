@@ -220,7 +220,13 @@ Metrics::Metrics(KvStore* store, size_t max_namespaces)
       auth_failures_(prometheus::BuildCounter()
                          .Name("kvtrie_auth_failures_total")
                          .Help("Calls refused by authentication or authorization.")
-                         .Register(*registry_)) {}
+                         .Register(*registry_)) {
+  // Zero from the start, so rate() over them works before the first refusal.
+  for (grpc::StatusCode c :
+       {grpc::StatusCode::UNAUTHENTICATED, grpc::StatusCode::PERMISSION_DENIED}) {
+    auth_failures_.Add({{"code", StatusCodeName(c)}});
+  }
+}
 
 Metrics::~Metrics() = default;
 

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -239,6 +240,35 @@ TEST_F(Ops, MetricsScrapedAfterTrafficParseStrictlyAndMoved) {
   EXPECT_TRUE(after->Has(R"(kvtrie_centroids{namespace="m"})"));
   EXPECT_EQ(after->type.at("kvtrie_rpc_duration_seconds"), "histogram");
   EXPECT_EQ(after->type.at("kvtrie_rpc_requests_total"), "counter");
+  // Every metric the example Grafana dashboard plots is one the server exports.
+  std::ifstream dash_in(std::string(KVTRIE_SOURCE_DIR) + "/deploy/grafana-dashboard.json");
+  nlohmann::json dash = nlohmann::json::parse(dash_in, nullptr, false);
+  ASSERT_FALSE(dash.is_discarded());
+  const std::string metrics_doc = Slurp(std::string(KVTRIE_SOURCE_DIR) + "/server/metrics.h");
+  std::set<std::string> families;
+  for (const auto& [series, value] : after->samples)
+    families.insert(series.substr(0, series.find('{')));
+  int exprs = 0;
+  for (const auto& panel : dash["panels"]) {
+    for (const auto& target : panel["targets"]) {
+      const std::string expr = target["expr"];
+      ++exprs;
+      for (size_t at = expr.find("kvtrie_"); at != std::string::npos;
+           at = expr.find("kvtrie_", at)) {
+        size_t end = at;
+        while (end < expr.size() &&
+               (std::isalnum(static_cast<unsigned char>(expr[end])) || expr[end] == '_'))
+          ++end;
+        const std::string name = expr.substr(at, end - at);
+        // Exported now, or (a family with no sample yet, e.g. quota refusals) documented.
+        EXPECT_TRUE(families.count(name) || metrics_doc.find(name + " ") != std::string::npos ||
+                    metrics_doc.find(name + "{") != std::string::npos)
+            << "dashboard plots " << name << " in " << expr;
+        at = end;
+      }
+    }
+  }
+  EXPECT_GE(exprs, 9);
   // Counters never go down between scrapes.
   for (const auto& [series, value] : before->samples) {
     const std::string family = series.substr(0, series.find('{'));

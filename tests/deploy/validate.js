@@ -55,6 +55,34 @@ const MODELS = {
   "apps/v1/Deployment": require("kubernetes-models/apps/v1/Deployment").Deployment,
   "apps/v1/StatefulSet": require("kubernetes-models/apps/v1/StatefulSet").StatefulSet,
 };
+// The Debian package of every library kvtrie-server links directly, less the base image's
+// (libc, libstdc++, libgcc): the runtime stage of the Dockerfile must install each.
+const BASE = new Set(["libc6", "libstdc++6", "libgcc-s1"]);
+const LINKED = [];  // {lib, pkg} or {error}
+try {
+  const needed = execFileSync("readelf", ["-d", serverBin], { encoding: "utf8" })
+    .split("\n").map((l) => /\(NEEDED\).*\[(.+)\]/.exec(l)).filter(Boolean).map((m) => m[1]);
+  const ldconfig = execFileSync("/sbin/ldconfig", ["-p"], { encoding: "utf8" });
+  for (const lib of needed) {
+    const m = new RegExp(`\\s${lib.replace(/[.+]/g, "\\$&")} \\(libc6,x86-64[^)]*\\) => (\\S+)`).exec(ldconfig);
+    if (!m) { LINKED.push({ error: `cannot resolve ${lib}` }); continue; }
+    const real = fs.realpathSync(m[1]);
+    let owner = "";
+    for (const p of [real, real.replace(/^\/usr\/lib\//, "/lib/")]) {  // merged /usr
+      try {
+        owner = execFileSync("dpkg", ["-S", p], { encoding: "utf8", stdio: ["ignore", "pipe", "ignore"] });
+        break;
+      } catch (e) { /* try the next path */ }
+    }
+    if (!owner) { LINKED.push({ error: `no package owns ${real} (for ${lib})` }); continue; }
+    const pkg = owner.split(":")[0];
+    if (!BASE.has(pkg)) LINKED.push({ lib, pkg });
+  }
+} catch (e) {
+  LINKED.push({ error: `checking linked libraries: ${e.message}` });
+}
+if (LINKED.length < 5) problems.push(`${serverBin}: only ${LINKED.length} linked libraries found`);
+
 // Every check of the manifests (file name -> YAML text) and the Dockerfile text; returns the
 // problems found.
 function checkAll(manifests, dockerfile) {
@@ -255,30 +283,11 @@ if (!exposed.includes(portOf(entrySettings.listen))) fail(D, `listen port ${port
 // Every library kvtrie-server links directly comes from a package the runtime stage installs
 // (or from the base image: libc, libstdc++, libgcc).
 const runText = op("RUN").map((r) => r.arg).join(" ");
-const BASE = new Set(["libc6", "libstdc++6", "libgcc-s1"]);
-try {
-  const needed = execFileSync("readelf", ["-d", serverBin], { encoding: "utf8" })
-    .split("\n").map((l) => /\(NEEDED\).*\[(.+)\]/.exec(l)).filter(Boolean).map((m) => m[1]);
-  const ldconfig = execFileSync("/sbin/ldconfig", ["-p"], { encoding: "utf8" });
-  for (const lib of needed) {
-    const m = new RegExp(`\\s${lib.replace(/[.+]/g, "\\$&")} \\(libc6,x86-64[^)]*\\) => (\\S+)`).exec(ldconfig);
-    if (!m) { fail(D, `cannot resolve ${lib}`); continue; }
-    const real = fs.realpathSync(m[1]);
-    let owner = "";
-    for (const p of [real, real.replace(/^\/usr\/lib\//, "/lib/")]) {  // merged /usr
-      try {
-        owner = execFileSync("dpkg", ["-S", p], { encoding: "utf8", stdio: ["ignore", "pipe", "ignore"] });
-        break;
-      } catch (e) { /* try the next path */ }
-    }
-    if (!owner) { fail(D, `no package owns ${real} (for ${lib})`); continue; }
-    const pkg = owner.split(":")[0];
-    if (!BASE.has(pkg) && !new RegExp(`(^|\\s)${pkg.replace(/[.+]/g, "\\$&")}(\\s|$)`).test(runText)) {
-      fail(D, `the runtime stage does not install ${pkg} (for ${lib})`);
-    }
+for (const { lib, pkg, error } of LINKED) {
+  if (error) fail(D, error);
+  else if (!new RegExp(`(^|\\s)${pkg.replace(/[.+]/g, "\\$&")}(\\s|$)`).test(runText)) {
+    fail(D, `the runtime stage does not install ${pkg} (for ${lib})`);
   }
-} catch (e) {
-  fail(D, `checking linked libraries: ${e.message}`);
 }
 
 return { problems, summary: `${docs.length} manifests in ${files.length} files, Dockerfile with ${stages.length} stages` };
