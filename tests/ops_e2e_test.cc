@@ -3,6 +3,7 @@
 // text-format parser, the config file with flag overrides and JSON logs, `kvtrie call`, and the
 // SIGTERM drain with all of it on.
 #include <grpcpp/grpcpp.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -396,6 +397,77 @@ TEST_F(Ops, CallVerbRunsAnyMethodFromJson) {
   EXPECT_NE(err.find("namespac"), std::string::npos) << err;
   EXPECT_EQ(RunCommand({kvtrie, target, "call", "Lookup", "{}"}, &out, &err), 1);
   EXPECT_NE(err.find("INVALID_ARGUMENT: model_id"), std::string::npos) << err;
+}
+
+TEST_F(Ops, SigtermDrainsAPutInFlightThenExitsZero) {
+  const std::string health_port_file = dir_ + "/health.port";
+  const std::string tokens = dir_ + "/tokens.json";
+  std::ofstream(tokens) << R"({"tenants": [{"name": "t", "tokens": ["drain-token-1"],
+                                              "namespaces": ["t"]}]})";
+  Start({"--tokens_file=" + tokens, "--metrics_listen=127.0.0.1:0", "--health_listen=127.0.0.1:0",
+         "--health_port_file=" + health_port_file});
+  int health_port = 0;
+  std::ifstream(health_port_file) >> health_port;
+  auto health = grpc::health::v1::Health::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string(health_port), grpc::InsecureChannelCredentials()));
+  auto serving = [&] {
+    grpc::ClientContext ctx;
+    grpc::health::v1::HealthCheckRequest req;
+    grpc::health::v1::HealthCheckResponse resp;
+    return health->Check(&ctx, req, &resp).ok() &&
+           resp.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+  };
+  ASSERT_TRUE(serving());
+  // A Put of two blocks of a tiny model (1 layer, 1 head, head_dim 8, fp16; plumbing only).
+  ClientOptions o = Plain(absl::Seconds(20));
+  o.token = "drain-token-1";
+  std::unique_ptr<Client> client = Client::Create(o);
+  auto ctx = client->NewContext();
+  v1::PutResponse resp;
+  auto writer = client->stub()->Put(ctx.get(), &resp);
+  v1::PutRequest req;
+  v1::PutHeader* h = req.mutable_header();
+  h->mutable_model()->set_model_id("tiny");
+  h->mutable_model()->set_num_layers(1);
+  h->mutable_model()->set_num_kv_heads(1);
+  h->mutable_model()->set_head_dim(8);
+  h->mutable_model()->set_dtype(v1::DTYPE_FP16);
+  for (uint32_t t = 0; t < 32; ++t) h->add_token_ids(7 + t);
+  ASSERT_TRUE(writer->Write(req));
+  auto block = [](uint32_t i) {
+    v1::PutRequest b;
+    b.mutable_block()->set_block_index(i);
+    b.mutable_block()->set_layer_begin(0);
+    b.mutable_block()->set_layer_end(1);
+    std::string kv(512, '\0');
+    for (size_t j = 0; j < kv.size(); j += 2) kv[j + 1] = static_cast<char>(0x30 + (i + j) % 9);
+    b.mutable_block()->set_kv(kv);
+    return b;
+  };
+  ASSERT_TRUE(writer->Write(block(0)));
+  ASSERT_EQ(kill(server_->pid(), SIGTERM), 0);
+  for (int i = 0; i < 100 && serving(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_FALSE(serving());  // health turned NOT_SERVING at once
+  // The Put in flight may finish within the grace period.
+  ASSERT_TRUE(writer->Write(block(1)));
+  v1::PutRequest commit;
+  commit.mutable_commit();
+  ASSERT_TRUE(writer->Write(commit));
+  writer->WritesDone();
+  grpc::Status st = writer->Finish();
+  ASSERT_TRUE(st.ok()) << st.error_message() << "\n" << server_->log();
+  EXPECT_EQ(resp.blocks_stored(), 2u);
+  EXPECT_EQ(server_->Stop(), 0) << server_->log();
+  // What it acknowledged is there after a restart.
+  Start({"--tokens_file=" + tokens});
+  o.target = server_->target();
+  std::vector<uint32_t> ids;
+  for (uint32_t t = 0; t < 32; ++t) ids.push_back(7 + t);
+  absl::StatusOr<v1::LookupResponse> look = Client::Create(o)->Lookup("tiny", ids);
+  ASSERT_TRUE(look.ok()) << look.status();
+  EXPECT_EQ(look->matched_tokens(), 32u);
 }
 
 }  // namespace
