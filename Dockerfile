@@ -14,7 +14,8 @@ FROM debian:12-slim
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       libgrpc++1.51 libgrpc29 libprotobuf32 librocksdb7.8 libspdlog1.10 libfmt9 libzstd1 \
-      libxxhash0 libabsl20220623 ca-certificates \
+      libxxhash0 libabsl20220623 libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 \
+      ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 --home-dir /var/lib/kvtrie kvtrie \
  && mkdir -p /var/lib/kvtrie && chown kvtrie /var/lib/kvtrie

@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <fstream>
 #include <map>
+#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "client/residual_chain.h"
@@ -57,7 +59,30 @@ BlockGeometry GeometryOf(const v1::ModelSpec& m) {
           static_cast<DType>(m.dtype())};
 }
 
+absl::Status ReadPem(const char* flag, const std::string& path, std::string* out) {
+  if (path.empty()) return absl::OkStatus();
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read '", path, "'"));
+  std::stringstream text;
+  text << in.rdbuf();
+  *out = text.str();
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+absl::Status LoadTlsFiles(const std::string& ca, const std::string& cert, const std::string& key,
+                          ClientOptions* options) {
+  if (cert.empty() != key.empty()) {
+    return absl::InvalidArgumentError(cert.empty() ? "--tls_cert: needed with --tls_key"
+                                                   : "--tls_key: needed with --tls_cert");
+  }
+  if (auto s = ReadPem("--tls_ca", ca, &options->tls_root_pem); !s.ok()) return s;
+  if (auto s = ReadPem("--tls_cert", cert, &options->tls_cert_pem); !s.ok()) return s;
+  if (auto s = ReadPem("--tls_key", key, &options->tls_key_pem); !s.ok()) return s;
+  if (!ca.empty() || !cert.empty()) options->tls = true;
+  return absl::OkStatus();
+}
 
 std::unique_ptr<Client> Client::Create(const ClientOptions& options) {
   return std::unique_ptr<Client>(new Client(options));
@@ -66,8 +91,18 @@ std::unique_ptr<Client> Client::Create(const ClientOptions& options) {
 Client::Client(const ClientOptions& options) : options_(options) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
-  stub_ = v1::KVCache::NewStub(
-      grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args));
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (options.tls) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = options.tls_root_pem;
+    ssl.pem_cert_chain = options.tls_cert_pem;
+    ssl.pem_private_key = options.tls_key_pem;
+    credentials = grpc::SslCredentials(ssl);
+    if (!options.tls_server_name.empty()) {
+      args.SetSslTargetNameOverride(options.tls_server_name);
+    }
+  }
+  stub_ = v1::KVCache::NewStub(grpc::CreateCustomChannel(options.target, credentials, args));
 }
 
 absl::StatusOr<std::vector<uint8_t>> Client::ReferenceBlock(const std::string& model_id,
@@ -108,6 +143,7 @@ std::unique_ptr<grpc::ClientContext> Client::NewContext() const {
   auto ctx = std::make_unique<grpc::ClientContext>();
   ctx->set_deadline(std::chrono::system_clock::now() +
                     absl::ToChronoMilliseconds(options_.timeout));
+  if (!options_.token.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.token);
   return ctx;
 }
 

@@ -30,7 +30,23 @@ struct ClientOptions {
   std::string target = "127.0.0.1:50051";      // HOST:PORT
   std::string ns;                              // namespace of every call
   absl::Duration timeout = absl::Seconds(60);  // per call
+  // TLS: set `tls` (LoadTlsFiles does, from PEM files). An empty root CA means the system's;
+  // a client certificate and key are for mutual TLS.
+  bool tls = false;
+  std::string tls_root_pem = {};
+  std::string tls_cert_pem = {};
+  std::string tls_key_pem = {};
+  std::string tls_server_name = {};  // overrides the name checked in the server's certificate
+  // Sent as `authorization: Bearer <token>` on every call (servers run with --tokens_file).
+  std::string token = {};
 };
+
+// Reads PEM files into `options` and turns TLS on when any is given (`ca` alone: TLS with that
+// CA; `cert` and `key`: the client's certificate for mutual TLS). Empty paths are skipped.
+// Errors: INVALID_ARGUMENT naming the flag (--tls_ca, --tls_cert, --tls_key) of a file that cannot
+// be read, or a certificate without its key.
+absl::Status LoadTlsFiles(const std::string& ca, const std::string& cert, const std::string& key,
+                          ClientOptions* options);
 
 struct PutOptions {
   v1::Encoding encoding = v1::ENCODING_UNSPECIFIED;  // server default
@@ -77,12 +93,13 @@ class Client {
   absl::StatusOr<v1::DeleteResponse> Delete(const std::string& model_id,
                                             absl::Span<const uint32_t> token_ids);
 
-  // The underlying stub, for calls this class does not wrap.
+  // The underlying stub, for calls this class does not wrap, and a context for them with this
+  // client's deadline and token.
   v1::KVCache::Stub* stub() { return stub_.get(); }
+  std::unique_ptr<grpc::ClientContext> NewContext() const;
 
  private:
   explicit Client(const ClientOptions& options);
-  std::unique_ptr<grpc::ClientContext> NewContext() const;
   // The reconstructed block of node `node_id` (a near-duplicate's centroid), fetched with
   // GetRequest.node_id in RECONSTRUCTED mode; `g` is the model's block geometry.
   absl::StatusOr<std::vector<uint8_t>> ReferenceBlock(const std::string& model_id, uint64_t node_id,

@@ -8,6 +8,9 @@
 //   stats                server totals (or the namespace's, with --namespace)
 //   inspect [NODE_ID]    one trie node (0 = the root) and its children; needs --model_id
 //   delete DIR TOKENS    delete the stored prefix of DIR's first TOKENS tokens and its subtree
+//   call METHOD JSON     any kvtrie.v1.KVCache call from a JSON request (client/call_command.h)
+//
+// TLS and tenants: --tls_ca, --tls_cert, --tls_key, --token (client/client_flags.h).
 //
 // Output is JSON on stdout. Errors are one line on stderr and exit status 1 (2 for usage; 3 when
 // `get` finds no stored prefix, so `kvtrie get ... && use OUT` is safe).
@@ -23,7 +26,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "client/call_command.h"
 #include "client/client.h"
+#include "client/client_flags.h"
 #include "client/kv_dump.h"
 #include "client/proto_json.h"
 
@@ -78,7 +83,14 @@ int Run(const std::vector<char*>& args) {
   options.ns = absl::GetFlag(FLAGS_namespace);
   if (absl::GetFlag(FLAGS_timeout_seconds) <= 0) return Usage("--timeout_seconds: must be > 0");
   options.timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout_seconds));
+  if (absl::Status s = ApplyClientFlags(&options); !s.ok()) return Fail(s);
   std::unique_ptr<Client> client = Client::Create(options);
+
+  if (cmd == "call") {
+    if (args.size() != 4) return Usage("usage: kvtrie call METHOD JSON (JSON: text, - or @FILE)");
+    if (absl::Status s = CallMethod(*client, args[2], args[3], std::cout); !s.ok()) return Fail(s);
+    return 0;
+  }
 
   if (cmd == "put") {
     if (args.size() != 3) return Usage("usage: kvtrie put DIR");
@@ -196,11 +208,12 @@ int main(int argc, char** argv) {
       "command-line client of a kvtrie server.\n"
       "  kvtrie [--target=HOST:PORT] [--namespace=NS] COMMAND ARGS...\n"
       "  put DIR | get DIR OUT | lookup DIR | stats | inspect [NODE_ID] --model_id=ID |"
-      " delete DIR TOKENS\n"
+      " delete DIR TOKENS | call METHOD JSON\n"
       "  DIR is a KV dump folder: k.npy, v.npy, manifest.json (see shared/data/README.md)");
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view file) {
-    return absl::StrContains(file, "client/kvtrie_main.cc");
+    return absl::StrContains(file, "client/kvtrie_main.cc") ||
+           absl::StrContains(file, "client/client_flags.cc");
   };
   usage.contains_helpshort_flags = usage.contains_help_flags;
   absl::SetFlagsUsageConfig(usage);

@@ -8,12 +8,15 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev librocksdb-dev libspdlog-dev libzstd-dev libxxhash-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev
+  prometheus-cpp-dev openssl
 )
 # The sanitizer stages of tests/run_tests.sh (ASan + UBSan, TSan, libFuzzer): clang 14.
 if [[ "${1:-}" == "--with-node" || "${1:-}" == "--with-sanitizers" ]]; then
   PACKAGES+=(clang-14 libclang-rt-14-dev)
 fi
-# The reflection end-to-end test runs a Node.js gRPC client; any Node.js >= 18 will do.
+# The reflection end-to-end test runs a Node.js gRPC client, and tests/deploy validates the
+# Kubernetes manifests with Node.js; any Node.js >= 18 will do. (openssl: the TLS tests make
+# their certificates with it.)
 if [[ "${1:-}" == "--with-node" ]] && ! command -v npm >/dev/null 2>&1; then
   PACKAGES+=(nodejs npm)
 fi

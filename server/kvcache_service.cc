@@ -168,6 +168,12 @@ grpc::Status KvCacheService::Lookup(grpc::ServerContext*, const v1::LookupReques
 grpc::Status KvCacheService::Put(grpc::ServerContext* context,
                                  grpc::ServerReader<v1::PutRequest>* reader,
                                  v1::PutResponse* response) {
+  return PutStream(context, reader, response);
+}
+
+grpc::Status KvCacheService::PutStream(grpc::ServerContext* context,
+                                       grpc::ServerReaderInterface<v1::PutRequest>* reader,
+                                       v1::PutResponse* response) {
   // Admitted before the first message: a slot, the idle deadline, then the namespace's bytes.
   absl::StatusOr<std::unique_ptr<PutLimits::Stream>> stream =
       put_limits_.Admit([context] { context->TryCancel(); });
@@ -286,6 +292,11 @@ grpc::Status KvCacheService::Put(grpc::ServerContext* context,
 
 grpc::Status KvCacheService::Get(grpc::ServerContext* context, const v1::GetRequest* request,
                                  grpc::ServerWriter<v1::GetResponse>* writer) {
+  return GetStream(context, request, writer);
+}
+
+grpc::Status KvCacheService::GetStream(grpc::ServerContext* context, const v1::GetRequest* request,
+                                       grpc::ServerWriterInterface<v1::GetResponse>* writer) {
   if (auto s = CheckName("namespace", request->namespace_(), false); !s.ok()) return s;
   if (auto s = CheckName("model_id", request->model_id(), true); !s.ok()) return s;
   if (auto s = CheckTokens("token_ids", request->token_ids_size(), options_.max_tokens); !s.ok())

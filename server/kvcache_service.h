@@ -48,6 +48,14 @@ class KvCacheService final : public v1::KVCache::Service {
   grpc::Status Pin(grpc::ServerContext* context, const v1::PinRequest* request,
                    v1::PinResponse* response) override;
 
+  // Put and Get over the stream interfaces, so a wrapper (server/guarded_service.h) can rewrite
+  // or observe the messages.
+  grpc::Status PutStream(grpc::ServerContext* context,
+                         grpc::ServerReaderInterface<v1::PutRequest>* reader,
+                         v1::PutResponse* response);
+  grpc::Status GetStream(grpc::ServerContext* context, const v1::GetRequest* request,
+                         grpc::ServerWriterInterface<v1::GetResponse>* writer);
+
  private:
   KvStore* const store_;
   const ServiceOptions options_;

@@ -34,7 +34,14 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "grpc/health/v1/health.pb.h"
+#include "server/auth.h"
+#include "server/byte_size.h"
+#include "server/config.h"
+#include "server/guarded_service.h"
 #include "server/kvcache_service.h"
+#include "server/metrics.h"
+#include "server/ops_flags.h"
+#include "server/tls.h"
 #include "trie/kv_store.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
@@ -49,10 +56,15 @@ ABSL_FLAG(std::string, default_encoding, "lossless",
 ABSL_FLAG(double, default_target_rel_rms, 0.1,
           "relative RMS error target of residual Puts that name none");
 ABSL_FLAG(uint32_t, max_tokens, 1u << 20, "most token ids one request may carry");
-ABSL_FLAG(uint64_t, max_inflight_put_bytes, 1ull << 30,
-          "most dense KV bytes all unfinished Put streams together may buffer");
-ABSL_FLAG(uint64_t, max_put_bytes, 256ull << 20,
-          "most dense KV bytes one Put stream may buffer before it is committed");
+ABSL_FLAG(
+    kvtrie::ByteSize, max_inflight_put_bytes, kvtrie::ByteSize{1ull << 30},
+    "most dense KV bytes all unfinished Put streams together may buffer" KVTRIE_BYTE_UNITS_HELP);
+ABSL_FLAG(
+    kvtrie::ByteSize, max_put_bytes, kvtrie::ByteSize{256ull << 20},
+    "most dense KV bytes one Put stream may buffer before it is committed" KVTRIE_BYTE_UNITS_HELP);
+ABSL_FLAG(
+    kvtrie::ByteSize, max_get_message_bytes, kvtrie::ByteSize{1u << 20},
+    "Get splits a block by layer ranges so no message is larger than this" KVTRIE_BYTE_UNITS_HELP);
 // Put streams (issue 12): server/put_limits.h.
 ABSL_FLAG(double, put_idle_timeout_seconds, 60,
           "a Put stream that sends no message for this long is cancelled and its buffered bytes "
@@ -60,25 +72,25 @@ ABSL_FLAG(double, put_idle_timeout_seconds, 60,
 ABSL_FLAG(uint32_t, max_concurrent_put_streams, 256,
           "most Put streams open at once; more are refused with RESOURCE_EXHAUSTED (0 = no "
           "bound; --max_threads still applies)");
-ABSL_FLAG(uint64_t, max_inflight_put_bytes_per_namespace, 256ull << 20,
+ABSL_FLAG(kvtrie::ByteSize, max_inflight_put_bytes_per_namespace, kvtrie::ByteSize{256ull << 20},
           "most dense KV bytes one namespace's unfinished Put streams together may buffer "
-          "(0 = only --max_inflight_put_bytes)");
+          "(0 = only --max_inflight_put_bytes)" KVTRIE_BYTE_UNITS_HELP);
 ABSL_FLAG(int, max_threads, 512,
           "most threads gRPC may run calls on; calls past it are refused with "
           "RESOURCE_EXHAUSTED");
-ABSL_FLAG(uint64_t, max_get_message_bytes, 1u << 20,
-          "Get splits a block by layer ranges so no message is larger than this");
 ABSL_FLAG(int, shutdown_grace_seconds, 10,
           "on SIGTERM, how long running calls may take before they are cancelled");
 ABSL_FLAG(std::string, port_file, "",
           "if set, write the bound port to this file once serving (for tests and scripts)");
-ABSL_FLAG(uint64_t, memory_bytes, 1ull << 30,
-          "hot tier: most payload bytes kept in memory; colder ones are read from RocksDB");
-ABSL_FLAG(uint64_t, disk_bytes, 0,
-          "cold tier: most payload bytes kept in RocksDB; past it the least valuable leaves are "
-          "evicted (0 = unbounded)");
-ABSL_FLAG(uint64_t, memtable_bytes, 32ull << 20,
-          "RocksDB write buffer for payloads (two may be in memory at once)");
+ABSL_FLAG(kvtrie::ByteSize, memory_bytes, kvtrie::ByteSize{1ull << 30},
+          "hot tier: most payload bytes kept in memory; colder ones are read from "
+          "RocksDB" KVTRIE_BYTE_UNITS_HELP);
+ABSL_FLAG(kvtrie::ByteSize, disk_bytes, kvtrie::ByteSize{0},
+          "cold tier: most payload bytes kept in RocksDB; past it the least valuable "
+          "leaves are evicted (0 = unbounded)" KVTRIE_BYTE_UNITS_HELP);
+ABSL_FLAG(
+    kvtrie::ByteSize, memtable_bytes, kvtrie::ByteSize{32ull << 20},
+    "RocksDB write buffer for payloads (two may be in memory at once)" KVTRIE_BYTE_UNITS_HELP);
 ABSL_FLAG(bool, verify_on_start, false,
           "read and checksum every payload at start (slow); otherwise each is checked when read");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error or off");
@@ -101,9 +113,26 @@ absl::StatusOr<Encoding> ParseEncoding(const std::string& name) {
   return absl::InvalidArgumentError(absl::StrCat("--default_encoding: unknown '", name, "'"));
 }
 
+// Flags of kvtrie-server itself (for --help and the effective configuration).
+bool IsServerFlagFile(absl::string_view file) {
+  return absl::StrContains(file, "server/main.cc") ||
+         absl::StrContains(file, "server/ops_flags.cc");
+}
+
+void WritePortFile(const std::string& path, int port) {
+  const std::string tmp = path + ".tmp";
+  std::ofstream(tmp) << port << "\n";
+  std::rename(tmp.c_str(), path.c_str());  // appears whole or not at all
+}
+
 int Run() {
-  spdlog::set_default_logger(spdlog::stderr_color_mt("kvtrie"));  // stdout stays free
-  spdlog::set_level(spdlog::level::from_str(absl::GetFlag(FLAGS_log_level)));
+  const OpsFlags ops = ReadOpsFlags();
+  // Logs go to stderr (stdout stays free), as text or JSON lines.
+  if (absl::Status s = SetUpLogging(ops.log_format, absl::GetFlag(FLAGS_log_level)); !s.ok()) {
+    std::fprintf(stderr, "kvtrie-server: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
+  spdlog::info("effective configuration: {}", EffectiveConfig(IsServerFlagFile));
   // Link the health protocol's descriptors so reflection can describe grpc.health.v1.Health
   // (gRPC 1.51's built-in health service does not register them).
   grpc::health::v1::HealthCheckRequest::descriptor();
@@ -113,6 +142,7 @@ int Run() {
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);  // reloads the tokens file
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   absl::StatusOr<Encoding> encoding = ParseEncoding(absl::GetFlag(FLAGS_default_encoding));
@@ -123,11 +153,11 @@ int Run() {
   StoreOptions store_options;
   store_options.data_dir = absl::GetFlag(FLAGS_data_dir);
   store_options.sync = absl::GetFlag(FLAGS_sync);
-  store_options.max_put_bytes = absl::GetFlag(FLAGS_max_put_bytes);
-  store_options.max_inflight_put_bytes = absl::GetFlag(FLAGS_max_inflight_put_bytes);
-  store_options.memory_bytes = absl::GetFlag(FLAGS_memory_bytes);
-  store_options.disk_bytes = absl::GetFlag(FLAGS_disk_bytes);
-  store_options.memtable_bytes = absl::GetFlag(FLAGS_memtable_bytes);
+  store_options.max_put_bytes = absl::GetFlag(FLAGS_max_put_bytes).bytes;
+  store_options.max_inflight_put_bytes = absl::GetFlag(FLAGS_max_inflight_put_bytes).bytes;
+  store_options.memory_bytes = absl::GetFlag(FLAGS_memory_bytes).bytes;
+  store_options.disk_bytes = absl::GetFlag(FLAGS_disk_bytes).bytes;
+  store_options.memtable_bytes = absl::GetFlag(FLAGS_memtable_bytes).bytes;
   store_options.verify_payloads_on_open = absl::GetFlag(FLAGS_verify_on_start);
   store_options.near_dup.enabled = absl::GetFlag(FLAGS_near_dup_clusters);
   store_options.near_dup.max_distance_bits = absl::GetFlag(FLAGS_cluster_max_distance_bits);
@@ -150,16 +180,45 @@ int Run() {
 
   ServiceOptions service_options;
   service_options.max_tokens = absl::GetFlag(FLAGS_max_tokens);
-  service_options.max_get_message_bytes = absl::GetFlag(FLAGS_max_get_message_bytes);
+  service_options.max_get_message_bytes = absl::GetFlag(FLAGS_max_get_message_bytes).bytes;
   service_options.default_encoding.encoding = *encoding;
   service_options.default_encoding.target_rel_rms = absl::GetFlag(FLAGS_default_target_rel_rms);
   service_options.put_limits.max_concurrent_streams =
       absl::GetFlag(FLAGS_max_concurrent_put_streams);
   service_options.put_limits.max_inflight_bytes_per_namespace =
-      absl::GetFlag(FLAGS_max_inflight_put_bytes_per_namespace);
+      absl::GetFlag(FLAGS_max_inflight_put_bytes_per_namespace).bytes;
   service_options.put_limits.idle_timeout =
       absl::Seconds(std::max(0.0, absl::GetFlag(FLAGS_put_idle_timeout_seconds)));
   KvCacheService service(store->get(), service_options);
+
+  // Operating: tenants and quotas, metrics, TLS (server/guarded_service.h is what is served).
+  absl::StatusOr<std::unique_ptr<Authenticator>> auth = Authenticator::Create(ops.tokens_file);
+  if (!auth.ok()) {
+    spdlog::critical("{}", std::string(auth.status().message()));
+    return 2;
+  }
+  std::unique_ptr<Metrics> metrics;
+  if (!ops.metrics_listen.empty()) {
+    metrics = std::make_unique<Metrics>(store->get(), ops.metrics_max_namespaces);
+    if ((*auth)->table() != nullptr) metrics->NameNamespaces((*auth)->table()->namespaces());
+    absl::StatusOr<int> metrics_port = metrics->Listen(ops.metrics_listen);
+    if (!metrics_port.ok()) {
+      spdlog::critical("{}", std::string(metrics_port.status().message()));
+      return 1;
+    }
+    spdlog::info("metrics on http://{}/metrics (bound port {})", ops.metrics_listen, *metrics_port);
+    if (!ops.metrics_port_file.empty()) WritePortFile(ops.metrics_port_file, *metrics_port);
+  }
+  GuardedService guarded(&service, auth->get(), store->get(), metrics.get());
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      MakeServerCredentials(ops.tls);
+  if (!credentials.ok()) {
+    spdlog::critical("{}", std::string(credentials.status().message()));
+    return 2;
+  }
+  if ((*auth)->enabled()) {
+    spdlog::info("auth on: {} tenants from {}", (*auth)->table()->num_tenants(), ops.tokens_file);
+  }
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -172,8 +231,8 @@ int Run() {
   quota.SetMaxThreads(absl::GetFlag(FLAGS_max_threads));
   builder.SetResourceQuota(quota);
   int port = 0;
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), *credentials, &port);
+  builder.RegisterService(&guarded);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {
     spdlog::critical(
@@ -183,12 +242,30 @@ int Run() {
   }
   server->GetHealthCheckService()->SetServingStatus(kServiceName, true);
   server->GetHealthCheckService()->SetServingStatus(true);
-  spdlog::info("kvtrie-server serving {} on {} (bound port {})", kServiceName,
-               absl::GetFlag(FLAGS_listen), port);
+  // A plaintext port with only the health service, for probes that cannot speak TLS.
+  std::unique_ptr<grpc::Server> health_server;
+  if (!ops.health_listen.empty()) {
+    grpc::ServerBuilder health_builder;
+    int health_port = 0;
+    health_builder.AddListeningPort(ops.health_listen, grpc::InsecureServerCredentials(),
+                                    &health_port);
+    health_server = health_builder.BuildAndStart();
+    if (!health_server || health_port == 0) {
+      spdlog::critical("--health_listen: cannot listen on {}", ops.health_listen);
+      return 1;
+    }
+    health_server->GetHealthCheckService()->SetServingStatus(kServiceName, true);
+    health_server->GetHealthCheckService()->SetServingStatus(true);
+    spdlog::info("health on {} (bound port {}, plaintext)", ops.health_listen, health_port);
+    if (!ops.health_port_file.empty()) WritePortFile(ops.health_port_file, health_port);
+  }
+  spdlog::info("kvtrie-server serving {} on {} (bound port {}, {})", kServiceName,
+               absl::GetFlag(FLAGS_listen), port,
+               ops.tls.cert_file.empty()     ? "plaintext"
+               : ops.tls.require_client_cert ? "mutual TLS"
+                                             : "TLS");
   if (const std::string path = absl::GetFlag(FLAGS_port_file); !path.empty()) {
-    const std::string tmp = path + ".tmp";
-    std::ofstream(tmp) << port << "\n";
-    std::rename(tmp.c_str(), path.c_str());  // appears whole or not at all
+    WritePortFile(path, port);
   }
 
   // A failed store write makes the store refuse writes until restart (trie/record_store.h):
@@ -206,10 +283,19 @@ int Run() {
   });
   std::thread waiter([&] {
     int sig = 0;
-    sigwait(&signals, &sig);
+    while (sigwait(&signals, &sig) == 0 && sig == SIGHUP) {
+      if (absl::Status s = (*auth)->Reload(); !s.ok()) {
+        spdlog::error("SIGHUP: tokens file not reloaded (the old one stays): {}",
+                      std::string(s.message()));
+      } else if ((*auth)->enabled()) {
+        spdlog::info("SIGHUP: reloaded {} tenants from {}", (*auth)->table()->num_tenants(),
+                     ops.tokens_file);
+      }
+    }
     spdlog::info("signal {}: draining (grace {} s)", sig,
                  absl::GetFlag(FLAGS_shutdown_grace_seconds));
     server->GetHealthCheckService()->Shutdown();  // NOT_SERVING for every service
+    if (health_server) health_server->GetHealthCheckService()->Shutdown();
     server->Shutdown(std::chrono::system_clock::now() +
                      std::chrono::seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds)));
   });
@@ -217,7 +303,9 @@ int Run() {
   waiter.join();
   stopping.Notify();
   health_watch.join();
-  store->reset();  // flushes and closes RocksDB
+  if (health_server) health_server->Shutdown(std::chrono::system_clock::now());
+  metrics.reset();  // stops /metrics, which reads the store
+  store->reset();   // flushes and closes RocksDB
   spdlog::info("kvtrie-server stopped");
   return 0;
 }
@@ -231,11 +319,17 @@ int main(int argc, char** argv) {
       "  kvtrie-server --listen=127.0.0.1:50051 --data_dir=./kvtrie-data");
   absl::FlagsUsageConfig usage;
   // --help lists this file's flags (absl's default expects the file to be named after the binary).
-  usage.contains_help_flags = [](absl::string_view file) {
-    return absl::StrContains(file, "server/main.cc");
-  };
+  usage.contains_help_flags = kvtrie::IsServerFlagFile;
   usage.contains_helpshort_flags = usage.contains_help_flags;
   absl::SetFlagsUsageConfig(usage);
-  absl::ParseCommandLine(argc, argv);
+  // --config=FILE: its settings go before the command line's flags, which override them.
+  absl::StatusOr<std::vector<std::string>> args = kvtrie::ExpandConfigFile(argc, argv);
+  if (!args.ok()) {
+    std::fprintf(stderr, "kvtrie-server: %s\n", std::string(args.status().message()).c_str());
+    return 2;
+  }
+  std::vector<char*> expanded;
+  for (std::string& a : *args) expanded.push_back(a.data());
+  absl::ParseCommandLine(static_cast<int>(expanded.size()), expanded.data());
   return kvtrie::Run();
 }

@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 deploy/install_deps.sh --with-node
 (cd tests/reflection && npm ci --no-audit --no-fund --loglevel=error)
+(cd tests/deploy && npm ci --no-audit --no-fund --loglevel=error)
 deploy/build.sh
 (cd build && ctest --output-on-failure -j2 --timeout 600)
 if [[ "${KVTRIE_SANITIZERS:-1}" != "0" ]]; then

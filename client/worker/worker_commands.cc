@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
+#include "client/client_flags.h"
 #include "client/worker/cached_inference.h"
 #include "client/worker/worker_ops.h"
 
@@ -45,6 +46,7 @@ int Run(const LlamaModel& model) {
   if (!setting.ok()) return Fail(setting.status());
   ClientOptions co;
   co.target = absl::GetFlag(FLAGS_target);
+  if (absl::Status s = ApplyClientFlags(&co); !s.ok()) return Fail(s);
   co.ns = absl::GetFlag(FLAGS_ns);
   std::unique_ptr<Client> client = Client::Create(co);
   RunOptions options;
@@ -96,6 +98,7 @@ int Eval(const LlamaModel& model) {
   }
   ClientOptions co;
   co.target = absl::GetFlag(FLAGS_target);
+  if (absl::Status s = ApplyClientFlags(&co); !s.ok()) return Fail(s);
   std::string ns = absl::GetFlag(FLAGS_ns);
   if (ns.empty()) ns = absl::StrCat("eval-", getpid(), "-", std::time(nullptr), "-");
   absl::StatusOr<std::vector<EvalRow>> rows = EvalRoundTrip(model, co, ns, windows, settings, 16);

@@ -76,7 +76,7 @@ int main(int argc, char** argv) {
       "  eval --target=HOST:PORT --text_file=F [--context=N] [--continuation=N]");
   absl::FlagsUsageConfig usage;  // --help lists the worker's own flags
   usage.contains_help_flags = [](absl::string_view file) {
-    return absl::StrContains(file, "client/worker/");
+    return absl::StrContains(file, "client/worker/") || absl::StrContains(file, "client_flags.cc");
   };
   usage.contains_helpshort_flags = usage.contains_help_flags;
   absl::SetFlagsUsageConfig(usage);

@@ -1,0 +1,52 @@
+#include "server/ops_flags.h"
+
+#include "absl/flags/flag.h"
+
+ABSL_FLAG(std::string, config, "",
+          "config file: one 'name = value' line per flag (same names); flags on the command "
+          "line override it");
+ABSL_FLAG(std::string, log_format, "text", "text, or json (one JSON object per log line)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "server certificate chain (PEM); with --tls_key serves TLS only (no plaintext)");
+ABSL_FLAG(std::string, tls_key, "", "private key of --tls_cert (PEM)");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "CA bundle (PEM) that client certificates are verified against (mutual TLS)");
+ABSL_FLAG(bool, tls_require_client_cert, false,
+          "mutual TLS: refuse clients without a certificate signed by --tls_client_ca");
+ABSL_FLAG(uint32_t, tls_refresh_seconds, 60,
+          "how often the TLS files are checked; replaced ones are used for new connections");
+ABSL_FLAG(std::string, health_listen, "",
+          "HOST:PORT of a second, plaintext gRPC port serving only grpc.health.v1.Health (for "
+          "Kubernetes gRPC probes, which cannot speak TLS); empty = none");
+ABSL_FLAG(std::string, health_port_file, "",
+          "if set, write the bound health port to this file (for tests and scripts)");
+ABSL_FLAG(std::string, tokens_file, "",
+          "tenants (JSON: bearer tokens, their namespaces, admin, quotas; re-read on SIGHUP); "
+          "set: every call needs 'authorization: Bearer TOKEN' and the namespace comes from it");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "HOST:PORT for Prometheus /metrics over HTTP (e.g. 0.0.0.0:9090); empty = off");
+ABSL_FLAG(std::string, metrics_port_file, "",
+          "if set, write the bound metrics port to this file (for tests and scripts)");
+ABSL_FLAG(uint32_t, metrics_max_namespaces, 32,
+          "most namespaces with their own metrics label; the rest are namespace=\"other\"");
+
+namespace kvtrie {
+
+OpsFlags ReadOpsFlags() {
+  OpsFlags f;
+  f.log_format = absl::GetFlag(FLAGS_log_format);
+  f.tls.cert_file = absl::GetFlag(FLAGS_tls_cert);
+  f.tls.key_file = absl::GetFlag(FLAGS_tls_key);
+  f.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+  f.tls.require_client_cert = absl::GetFlag(FLAGS_tls_require_client_cert);
+  f.tls.refresh_seconds = absl::GetFlag(FLAGS_tls_refresh_seconds);
+  f.health_listen = absl::GetFlag(FLAGS_health_listen);
+  f.health_port_file = absl::GetFlag(FLAGS_health_port_file);
+  f.tokens_file = absl::GetFlag(FLAGS_tokens_file);
+  f.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  f.metrics_port_file = absl::GetFlag(FLAGS_metrics_port_file);
+  f.metrics_max_namespaces = absl::GetFlag(FLAGS_metrics_max_namespaces);
+  return f;
+}
+
+}  // namespace kvtrie
