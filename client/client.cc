@@ -23,6 +23,27 @@ BlockGeometry GeometryOf(const v1::ModelSpec& m) {
           static_cast<DType>(m.dtype())};
 }
 
+// The first message of a Put stream: namespace, model spec, tokens, surprisal, encoding.
+v1::PutRequest PutHeaderRequest(const std::string& ns, const KvDump& kv, const BlockGeometry& g,
+                                const PutOptions& options) {
+  v1::PutRequest req;
+  v1::PutHeader* h = req.mutable_header();
+  h->set_namespace_(ns);
+  v1::ModelSpec* m = h->mutable_model();
+  m->set_model_id(kv.model_id);
+  m->set_num_layers(g.num_layers);
+  m->set_num_kv_heads(g.num_kv_heads);
+  m->set_head_dim(g.head_dim);
+  m->set_dtype(static_cast<v1::DType>(g.dtype));
+  m->set_block_tokens(g.block_tokens);
+  h->mutable_token_ids()->Add(kv.token_ids.begin(), kv.token_ids.end());
+  h->mutable_surprisal_bits()->Add(kv.surprisal_bits.begin(), kv.surprisal_bits.end());
+  h->mutable_encoding()->set_encoding(options.encoding);
+  h->mutable_encoding()->set_target_rel_rms(options.target_rel_rms);
+  h->mutable_encoding()->set_bits(options.bits);
+  return req;
+}
+
 }  // namespace
 
 std::unique_ptr<Client> Client::Create(const ClientOptions& options) {
@@ -74,6 +95,9 @@ std::unique_ptr<grpc::ClientContext> Client::NewContext() const {
   auto ctx = std::make_unique<grpc::ClientContext>();
   ctx->set_deadline(std::chrono::system_clock::now() +
                     absl::ToChronoMilliseconds(options_.timeout));
+  if (!options_.bearer_token.empty()) {
+    ctx->AddMetadata("authorization", "Bearer " + options_.bearer_token);
+  }
   return ctx;
 }
 
@@ -103,21 +127,7 @@ absl::StatusOr<v1::PutResponse> Client::Put(const KvDump& kv, const PutOptions& 
   auto ctx = NewContext();
   v1::PutResponse resp;
   std::unique_ptr<grpc::ClientWriter<v1::PutRequest>> writer(stub_->Put(ctx.get(), &resp));
-  v1::PutRequest req;
-  v1::PutHeader* h = req.mutable_header();
-  h->set_namespace_(options_.ns);
-  v1::ModelSpec* m = h->mutable_model();
-  m->set_model_id(kv.model_id);
-  m->set_num_layers(g.num_layers);
-  m->set_num_kv_heads(g.num_kv_heads);
-  m->set_head_dim(g.head_dim);
-  m->set_dtype(static_cast<v1::DType>(g.dtype));
-  m->set_block_tokens(g.block_tokens);
-  h->mutable_token_ids()->Add(kv.token_ids.begin(), kv.token_ids.end());
-  h->mutable_surprisal_bits()->Add(kv.surprisal_bits.begin(), kv.surprisal_bits.end());
-  h->mutable_encoding()->set_encoding(options.encoding);
-  h->mutable_encoding()->set_target_rel_rms(options.target_rel_rms);
-  h->mutable_encoding()->set_bits(options.bits);
+  v1::PutRequest req = PutHeaderRequest(options_.ns, kv, g, options);
   bool open = writer->Write(req);
   std::vector<uint8_t> block(g.num_bytes());
   const uint32_t per_msg = options.layers_per_message ? options.layers_per_message : g.num_layers;
@@ -143,6 +153,21 @@ absl::StatusOr<v1::PutResponse> Client::Put(const KvDump& kv, const PutOptions& 
   writer->WritesDone();
   if (auto s = FromGrpc(writer->Finish()); !s.ok()) return s;
   return resp;
+}
+
+absl::StatusOr<std::unique_ptr<PutStream>> Client::OpenPut(const KvDump& header,
+                                                           const PutOptions& options) {
+  const BlockGeometry g{header.num_layers, header.num_kv_heads, options.block_tokens,
+                        header.head_dim, header.dtype};
+  if (auto s = g.Validate(); !s.ok()) return s;
+  if (!header.surprisal_bits.empty() && header.surprisal_bits.size() != header.num_tokens()) {
+    return absl::InvalidArgumentError(absl::StrCat("surprisal_bits: ", header.surprisal_bits.size(),
+                                                   " values for ", header.num_tokens(),
+                                                   " tokens (give one per token or none)"));
+  }
+  return std::unique_ptr<PutStream>(
+      new PutStream(stub_.get(), NewContext(), PutHeaderRequest(options_.ns, header, g, options), g,
+                    options.first_block, options.layers_per_message));
 }
 
 absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
@@ -273,6 +298,21 @@ absl::StatusOr<v1::DeleteResponse> Client::Delete(const std::string& model_id,
   v1::DeleteResponse resp;
   auto ctx = NewContext();
   if (auto s = FromGrpc(stub_->Delete(ctx.get(), req, &resp)); !s.ok()) return s;
+  return resp;
+}
+
+absl::StatusOr<v1::PinResponse> Client::Pin(const std::string& model_id,
+                                            absl::Span<const uint32_t> token_ids,
+                                            uint64_t ttl_seconds, bool unpin) {
+  v1::PinRequest req;
+  req.set_namespace_(options_.ns);
+  req.set_model_id(model_id);
+  req.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
+  req.set_ttl_seconds(ttl_seconds);
+  req.set_unpin(unpin);
+  v1::PinResponse resp;
+  auto ctx = NewContext();
+  if (auto s = FromGrpc(stub_->Pin(ctx.get(), req, &resp)); !s.ok()) return s;
   return resp;
 }
 
