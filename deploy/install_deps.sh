@@ -8,6 +8,10 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev librocksdb-dev libspdlog-dev libzstd-dev libxxhash-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev
+  # The Python package (client/python) and its tests: pybind11, Debian's python, numpy, pytest,
+  # and pip for `pip3 install --break-system-packages ./client/python`.
+  pybind11-dev python3-dev python3-numpy python3-pytest python3-pip python3-setuptools
+  python3-wheel
 )
 # The reflection end-to-end test runs a Node.js gRPC client; any Node.js >= 18 will do.
 if [[ "${1:-}" == "--with-node" ]] && ! command -v npm >/dev/null 2>&1; then

@@ -4,7 +4,9 @@ The model is a Llama-architecture GGUF with F32/F16 tensors (stories260K). It fo
 conventions as the C++ reference worker (client/worker/llama_model.h, llama2.c's run.c): RMSNorm,
 grouped-query attention, RoPE on adjacent pairs (x[2i], x[2i+1]) of each head, SwiGLU, tied or
 separate classifier. K/V are rounded to float16 when written to the cache (an fp16 engine) and
-attention reads them back from the cache.
+attention reads them back from the cache. Arithmetic is float64 (logits returned as float32), so a
+token's results do not depend on how many tokens share its batch (float32 BLAS kernels differ
+with the batch size): a prefix loaded from kvtrie and a cold run give bit-identical logits.
 
 Paged cache: one array per layer ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` float16
 (K then V; vLLM's FlashAttention layout); a request's token t lives in block ``block_ids[t //
@@ -27,7 +29,7 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 
 
 def read_gguf(path: str):
-    """(metadata dict, tensors dict name -> float32 array shaped [out, in] (ne reversed))."""
+    """(metadata dict, tensors dict name -> float64 array shaped [out, in] (ne reversed))."""
     with open(path, "rb") as f:
         data = f.read()
     pos = 0
@@ -80,7 +82,7 @@ def read_gguf(path: str):
             a = np.frombuffer(data, np.float16, count, base + offset).astype(np.float32)
         else:
             raise NotImplementedError(f"{name}: ggml type {ggml_type} (only F32 and F16)")
-        tensors[name] = a.reshape(list(reversed(ne)))
+        tensors[name] = a.reshape(list(reversed(ne))).astype(np.float64)
     return meta, tensors
 
 
@@ -119,17 +121,16 @@ class LlamaModel:
                   t[f"blk.{i}.ffn_up.weight"])
             for i in range(self.num_layers)
         ]
-        i = np.arange(0, self.head_dim, 2, dtype=np.float32)
-        self.inv_freq = (1.0 / np.power(np.float32(self.theta), i / np.float32(self.head_dim))
-                         ).astype(np.float32)
+        i = np.arange(0, self.head_dim, 2, dtype=np.float64)
+        self.inv_freq = 1.0 / np.power(self.theta, i / self.head_dim)
 
     def _rmsnorm(self, x, w):
-        ms = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)
-        return (x / np.sqrt(ms + np.float32(self.eps))) * w
+        ms = np.mean(x * x, axis=-1, keepdims=True)
+        return (x / np.sqrt(ms + self.eps)) * w
 
     def _rope(self, x, positions):
         # x [T, heads, head_dim]; rotate adjacent pairs by pos * inv_freq.
-        ang = positions[:, None].astype(np.float32) * self.inv_freq[None, :]
+        ang = positions[:, None].astype(np.float64) * self.inv_freq[None, :]
         c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
         x0, x1 = x[..., 0::2], x[..., 1::2]
         out = np.empty_like(x)
@@ -155,7 +156,7 @@ class LlamaModel:
         all_b, all_o = blocks[all_pos // block_size], all_pos % block_size
         rep = self.num_heads // self.num_kv_heads
         mask = all_pos[None, :] > pos[:, None]  # [T, S] future keys
-        x = self.embd[np.asarray(tokens, dtype=np.int64)].astype(np.float32)
+        x = self.embd[np.asarray(tokens, dtype=np.int64)].astype(np.float64)
         for l, L in enumerate(self.layers):
             xb = self._rmsnorm(x, L.attn_norm)
             q = (xb @ L.wq.T).reshape(T, self.num_heads, self.head_dim)
@@ -169,10 +170,10 @@ class LlamaModel:
             cache[1, new_b, new_o] = v.astype(np.float16)
             if after_layer:
                 after_layer(l)
-            K = cache[0, all_b, all_o].astype(np.float32)  # [S, kv_heads, head_dim]
-            V = cache[1, all_b, all_o].astype(np.float32)
-            att_out = np.empty((T, self.num_heads, self.head_dim), np.float32)
-            scale = np.float32(1.0 / np.sqrt(self.head_dim))
+            K = cache[0, all_b, all_o].astype(np.float64)  # [S, kv_heads, head_dim]
+            V = cache[1, all_b, all_o].astype(np.float64)
+            att_out = np.empty((T, self.num_heads, self.head_dim), np.float64)
+            scale = 1.0 / np.sqrt(self.head_dim)
             for h in range(self.num_heads):
                 kh = h // rep
                 scores = (q[:, h, :] @ K[:, kh, :].T) * scale  # [T, S]
@@ -185,7 +186,7 @@ class LlamaModel:
             xb = self._rmsnorm(x, L.ffn_norm)
             h1, h3 = xb @ L.w1.T, xb @ L.w3.T
             x = x + ((h1 / (1.0 + np.exp(-h1))) * h3) @ L.w2.T
-        return self._rmsnorm(x, self.out_norm) @ self.out.T
+        return (self._rmsnorm(x, self.out_norm) @ self.out.T).astype(np.float32)
 
 
 def nll_bits(logits: np.ndarray, next_tokens: Sequence[int]) -> np.ndarray:
