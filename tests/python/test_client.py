@@ -214,6 +214,11 @@ def test_miss_stats_inspect_pin_delete(server):
     assert c.lookup(tokens) == 240
     with pytest.raises(kvtrie.NotFoundError):
         c.delete(tokens[:256])
+    with c:
+        pass
+    with pytest.raises(kvtrie.Error) as e:
+        c.lookup(tokens)
+    assert e.value.code == kvtrie.StatusCode.FAILED_PRECONDITION
 
 
 def test_eight_python_threads_share_one_client(server):
@@ -278,3 +283,14 @@ def test_help_reads_well():
         assert phrase in text, phrase
     assert "sequence layer by layer" in pydoc.render_doc(kvtrie.PutStream, renderer=pydoc.plaintext) \
         or "layer by layer" in pydoc.render_doc(kvtrie.PutStream, renderer=pydoc.plaintext)
+
+
+def test_the_readme_example_runs(server, monkeypatch):
+    readme = (TESTDATA.parent.parent / "README.md").read_text()
+    code = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    assert len(code.strip().splitlines()) == 5
+    monkeypatch.chdir(TESTDATA.parent.parent)
+    scope = {}
+    exec(code.replace("127.0.0.1:50051", server.target), scope)  # noqa: S102 - our README
+    assert scope["r"].blocks_stored + scope["r"].blocks_deduplicated == 32 and scope["n"] == 512
+    assert np.array_equal(scope["k"], np.load(TESTDATA / "sessions" / "s0" / "k.npy"))

@@ -213,6 +213,11 @@ def float32_to_bf16(a: np.ndarray) -> np.ndarray:
     return np.where(nan, (u >> 16) | 0x40, rounded).astype(np.uint16)
 
 
+class _Closed:
+    def __getattr__(self, name: str) -> Any:
+        raise Error(StatusCode.FAILED_PRECONDITION, "client: closed")
+
+
 class PutStream:
     """A Put sent layer by layer (from :meth:`Client.put_layers`); use it as a context manager.
 
@@ -464,8 +469,9 @@ class Client:
         return int(self._c.pin(_tokens(tokens), int(ttl_seconds), bool(unpin)))
 
     def close(self) -> None:
-        """Drops the connection (calls in flight on other threads finish first)."""
-        self._c = None
+        """Drops the connection (calls in flight on other threads finish first); later calls
+        raise :class:`Error` FAILED_PRECONDITION."""
+        self._c = _Closed()
 
     def __enter__(self) -> "Client":
         return self
