@@ -32,7 +32,7 @@ struct ClientOptions {
   std::string ns;                              // namespace of every call
   absl::Duration timeout = absl::Seconds(60);  // per call
   // Nonempty: every call carries the metadata "authorization: Bearer <bearer_token>".
-  std::string bearer_token;
+  std::string bearer_token = {};
 };
 
 struct PutOptions {
