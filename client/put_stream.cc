@@ -58,20 +58,32 @@ absl::Status PutStream::WriteLayers(uint32_t layer_begin, uint32_t layer_end, si
                                                    " bytes; ", sub.num_layers, " layers of ",
                                                    span_tokens, " tokens need ", want, " each"));
   }
-  block_.resize(sub.num_bytes());
   const size_t span_first = token_offset / g_.block_tokens;
   const size_t end = (token_offset + span_tokens) / g_.block_tokens;
   const uint32_t per_msg = layers_per_message_ ? layers_per_message_ : sub.num_layers;
+  // One PutBlock message is reused, so its kv string keeps its capacity: no allocation (and no
+  // fresh pages to fault in) per message. A whole layer range per message is gathered straight
+  // into it; smaller messages are cut from one gathered block.
+  v1::PutBlock* pb = req_.mutable_block();
+  std::string* kv_bytes = pb->mutable_kv();
+  if (per_msg < sub.num_layers) block_.resize(sub.num_bytes());
   for (size_t b = std::max<size_t>(first_block_, span_first); b < end; ++b) {
-    GatherBlock(sub, span_tokens, k.data(), v.data(), b - span_first, absl::MakeSpan(block_));
+    if (per_msg >= sub.num_layers) {
+      kv_bytes->resize(sub.num_bytes());
+      GatherBlock(sub, span_tokens, k.data(), v.data(), b - span_first,
+                  absl::MakeSpan(reinterpret_cast<uint8_t*>(kv_bytes->data()), kv_bytes->size()));
+    } else {
+      GatherBlock(sub, span_tokens, k.data(), v.data(), b - span_first, absl::MakeSpan(block_));
+    }
     for (uint32_t l = 0; l < sub.num_layers; l += per_msg) {
       const uint32_t e = std::min(sub.num_layers, l + per_msg);
-      req_.Clear();
-      v1::PutBlock* pb = req_.mutable_block();
       pb->set_block_index(static_cast<uint32_t>(b));
       pb->set_layer_begin(layer_begin + l);
       pb->set_layer_end(layer_begin + e);
-      pb->set_kv(block_.data() + sub.layer_range_bytes(0, l), sub.layer_range_bytes(l, e));
+      if (per_msg < sub.num_layers) {
+        kv_bytes->assign(reinterpret_cast<const char*>(block_.data()) + sub.layer_range_bytes(0, l),
+                         sub.layer_range_bytes(l, e));
+      }
       if (!writer_->Write(req_)) return status_ = Broken();
     }
   }

@@ -143,6 +143,33 @@ py::object Json(const google::protobuf::Message& m) {
   return py::module_::import("json").attr("loads")(ProtoToJson(m).dump());
 }
 
+// PutResponse as the dict kvtrie.PutResult._from_json reads (what Json() would give, without the
+// JSON round trip: a Put of a long prefix answers with one BlockResult per block).
+py::dict PutResponseDict(const v1::PutResponse& r) {
+  py::list blocks;
+  for (const v1::BlockResult& b : r.blocks()) {
+    py::dict d;
+    d["block_index"] = b.block_index();
+    d["disposition"] = v1::BlockDisposition_Name(b.disposition());
+    d["node_id"] = b.node_id();
+    d["bytes_logical"] = b.bytes_logical();
+    d["bytes_stored"] = b.bytes_stored();
+    d["bits_per_component"] = b.bits_per_component();
+    d["rel_rms_error_k"] = b.rel_rms_error_k();
+    d["rel_rms_error_v"] = b.rel_rms_error_v();
+    d["encoding"] = v1::Encoding_Name(b.encoding());
+    d["max_abs_error"] = b.max_abs_error();
+    blocks.append(std::move(d));
+  }
+  py::dict out;
+  out["stored_tokens"] = r.stored_tokens();
+  out["tail_tokens_ignored"] = r.tail_tokens_ignored();
+  out["blocks_stored"] = r.blocks_stored();
+  out["blocks_deduplicated"] = r.blocks_deduplicated();
+  out["blocks"] = std::move(blocks);
+  return out;
+}
+
 PutOptions MakePutOptions(int encoding, double target_rel_rms, uint32_t bits, uint32_t block_tokens,
                           uint32_t first_block, uint32_t layers_per_message) {
   PutOptions o;
@@ -202,7 +229,7 @@ class PyPutStream {
       r = stream_->Commit();
     }
     Check(r.status());
-    return Json(*r);
+    return PutResponseDict(*r);
   }
 
   void Cancel() {
@@ -270,7 +297,7 @@ class PyClient {
       }();
     }
     Check(r.status());
-    return Json(*r);
+    return PutResponseDict(*r);
   }
 
   std::unique_ptr<PyPutStream> OpenPut(const Tokens& tokens, const std::optional<Floats>& surprisal,
