@@ -5,7 +5,6 @@ a 369-token GPL-3 preamble shared by four Genesis passages), against a real kvtr
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -42,23 +41,25 @@ def cold(model):
 
 
 class Recorder:
-    """Wraps a kvtrie.Client: records which thread ran each get / layer write, and when."""
+    """Wraps a kvtrie.Client: records which thread ran each get / layer write; with `gated`,
+    a get first waits for `get_gate` and a finished write of layer 0 sets `layer0_sent`."""
 
     def __init__(self, client: kvtrie.Client):
         self.client = client
-        self.events = []  # (what, thread name, start, end)
+        self.events = []  # (what, thread name)
+        self.gated = False
+        self.get_gate = threading.Event()
+        self.layer0_sent = threading.Event()
+        self.gate_timed_out = False
 
     def __getattr__(self, name):
         return getattr(self.client, name)
 
-    def _record(self, what, fn, *args, **kwargs):
-        t0 = time.monotonic()
-        r = fn(*args, **kwargs)
-        self.events.append((what, threading.current_thread().name, t0, time.monotonic()))
-        return r
-
     def get(self, *args, **kwargs):
-        return self._record("get", self.client.get, *args, **kwargs)
+        if self.gated and not self.get_gate.wait(10):
+            self.gate_timed_out = True
+        self.events.append(("get", threading.current_thread().name))
+        return self.client.get(*args, **kwargs)
 
     def put_layers(self, *args, **kwargs):
         stream = self.client.put_layers(*args, **kwargs)
@@ -66,10 +67,14 @@ class Recorder:
 
         class Stream:
             def write(self, layer, *a, **kw):
-                return outer._record(f"write{layer}", stream.write, layer, *a, **kw)
+                stream.write(layer, *a, **kw)
+                outer.events.append((f"write{layer}", threading.current_thread().name))
+                if layer == 0:
+                    outer.layer0_sent.set()
 
             def commit(self):
-                return outer._record("commit", stream.commit)
+                outer.events.append(("commit", threading.current_thread().name))
+                return stream.commit()
 
             def cancel(self):
                 stream.cancel()
@@ -94,8 +99,29 @@ def test_shared_prefix_is_loaded_and_gives_the_cold_logits_lossless(model, cold,
     calls = []
     orig_alloc = sched.update_state_after_alloc
     sched.update_state_after_alloc = lambda *a: (calls.append(a[2]), orig_alloc(*a))[1]
-    worker._client.events.clear()
+    # Overlap, made deterministic: the loader's Get waits until start_load_kv has returned (so
+    # start_load_kv must not wait for it), and the engine's save of the last layer waits until
+    # layer 0 was sent (so layer 0 must go out during the forward pass, not at wait_for_save).
+    rec = worker._client
+    rec.events.clear()
+    rec.gated = True
+    orig_start, orig_save = worker.start_load_kv, worker.save_kv_layer
+    sent_during_forward = []
+
+    def start_load_kv(ctx, **kw):
+        orig_start(ctx, **kw)
+        rec.get_gate.set()
+
+    def save_kv_layer(name, kv_layer, attn_metadata, **kw):
+        orig_save(name, kv_layer, attn_metadata, **kw)
+        if name == engine.names[-1] and not sent_during_forward:
+            sent_during_forward.append(rec.layer0_sent.wait(10))
+
+    worker.start_load_kv, worker.save_kv_layer = start_load_kv, save_kv_layer
     warm = engine.run("s1", prompt(1))
+    worker.start_load_kv, worker.save_kv_layer = orig_start, orig_save
+    rec.gated = False
+    assert not rec.gate_timed_out and sent_during_forward == [True]
     # The scheduler matched the shared preamble, the worker loaded it and computed the rest.
     assert calls == [PREFIX] and warm.loaded_tokens == PREFIX and warm.recomputed_from is None
     assert worker.stats["loaded_tokens"] == PREFIX and worker.stats["load_failed_tokens"] == 0
@@ -108,13 +134,13 @@ def test_shared_prefix_is_loaded_and_gives_the_cold_logits_lossless(model, cold,
     assert worker.stats["saved_blocks"] == 32 + (32 - PREFIX // 16)
     assert worker.stats["save_errors"] == 0
     assert kvtrie.Client(server.target, "stories260K", namespace="lossless").lookup(prompt(1)) == 512
-    # Load and save ran on the connector's threads, overlapping the forward pass: the Get was on
-    # the loader thread; each layer was sent by the saver thread as the engine computed the next
-    # (layer 0 was sent before the engine finished with the last layer).
-    ev = {what: (thread, t0, t1) for what, thread, t0, t1 in worker._client.events}
-    assert ev["get"][0].startswith("kvtrie-load")
-    assert all(ev[f"write{l}"][0].startswith("kvtrie-save") for l in range(5))
-    assert ev["write0"][2] < ev["write4"][1] and ev["commit"][0].startswith("kvtrie-save")
+    # Load and save ran on the connector's threads: the Get on the loader, the layers on the
+    # saver, in order, then the commit.
+    threads = dict(rec.events)
+    assert threads["get"].startswith("kvtrie-load")
+    assert [w for w, _ in rec.events if w != "get"] == [f"write{l}" for l in range(5)] + ["commit"]
+    assert all(threads[f"write{l}"].startswith("kvtrie-save") for l in range(5))
+    assert threads["commit"].startswith("kvtrie-save")
     # A full hit loads all but the last token, which is computed for its logits.
     again = engine.run("s1-again", prompt(1))
     assert again.loaded_tokens == 511

@@ -118,7 +118,10 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
     def __init__(self, vllm_config: Any = None, role: Any = None, kv_cache_config: Any = None, *,
                  config: Optional[Dict[str, Any]] = None, client: Optional[Client] = None):
         if _Base is not object:  # pragma: no cover - only under vLLM
-            super().__init__(vllm_config, role, kv_cache_config)
+            try:
+                super().__init__(vllm_config, role, kv_cache_config)
+            except TypeError:  # vLLM before kv_cache_config was added
+                super().__init__(vllm_config, role)
         cfg: Dict[str, Any] = dict(config or {})
         if vllm_config is not None:  # pragma: no cover - only under vLLM
             kt = getattr(vllm_config, "kv_transfer_config", None)
