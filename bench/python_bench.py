@@ -8,8 +8,10 @@ K/V values (tests/data/genesis_1-3, tiled over layers, heads, tokens and channel
 statistics, not a real model's structure; a throughput benchmark, not a compression claim).
 Per encoding, repeats interleave the two clients (the order alternates); each repeat Puts into a
 fresh namespace, Gets the prefix back (RAW and LOSSLESS: RECONSTRUCTED; RESIDUAL: mode RESIDUAL,
-decoded by the client), checks it, and Deletes it. Throughput = dense K+V bytes / seconds;
-medians over the repeats. Target: Python >= 80 % of C++.
+decoded by the client), checks it, and Deletes it. Throughput = dense K+V bytes / wall seconds;
+medians over the repeats. Target: Python >= 80 % of C++. Also the client process's CPU time per
+operation (its threads and gRPC's; the server is another process), which shows the client's own
+cost and is less sensitive to a loaded machine than wall time.
 
     deploy/build.sh kvtrie-server client_bench kvtrie_python
     PYTHONPATH=build/client/python /usr/bin/python3 bench/python_bench.py [--reps=5]
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -84,18 +87,23 @@ def main() -> int:
             time.sleep(0.05)
         target = f"127.0.0.1:{port_file.read_text().strip()}"
 
+    def cpu() -> float:  # CPU seconds of this process (the caller's thread and gRPC's)
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
     def python_rep(enc: str, mode: str, rep: int):
         c = kvtrie.Client(target, "bench", namespace=f"bench-py-{enc}-{rep}", timeout=600)
-        t0 = time.perf_counter()
+        c0, t0 = cpu(), time.perf_counter()
         r = c.put(tokens, k, v, encoding=enc)
-        put_s = time.perf_counter() - t0
+        put_s, put_cpu = time.perf_counter() - t0, cpu() - c0
         assert r.stored_tokens == T, r
-        t0 = time.perf_counter()
+        c0, t0 = cpu(), time.perf_counter()
         k2, v2, n = c.get(tokens, mode=mode)
-        get_s = time.perf_counter() - t0
+        get_s, get_cpu = time.perf_counter() - t0, cpu() - c0
         assert n == T and (enc == "residual" or np.array_equal(k2.view(np.uint16), k.view(np.uint16)))
+        del k2, v2
         c.delete(tokens[:16])
-        return put_s, get_s
+        return put_s, get_s, put_cpu, get_cpu
 
     def cpp_rep(enc: str, mode: str, rep: int):
         out = subprocess.run(
@@ -103,7 +111,7 @@ def main() -> int:
              f"--encoding={enc}", f"--mode={mode}", f"--ns=bench-cpp-{enc}", "--reps=1",
              f"--first_rep={rep}"], check=True, capture_output=True, text=True).stdout
         f = dict(kv.split("=") for kv in out.split())
-        return float(f["put_s"]), float(f["get_s"])
+        return float(f["put_s"]), float(f["get_s"]), float(f["put_cpu"]), float(f["get_cpu"])
 
     rows = []
     try:
@@ -119,8 +127,11 @@ def main() -> int:
                 cpp_s = statistics.median(x[i] for x in cpp)
                 label = f"Put {enc.upper()}" if op == "put" else (
                     f"Get {mode.upper()} of {enc.upper()} blocks")
+                py_cpu = statistics.median(x[i + 2] for x in py)
+                cpp_cpu = statistics.median(x[i + 2] for x in cpp)
                 rows.append((label, nbytes / cpp_s / 1e9, nbytes / py_s / 1e9, cpp_s / py_s,
-                             [round(x[i], 4) for x in cpp], [round(x[i], 4) for x in py]))
+                             [round(x[i], 3) for x in cpp], [round(x[i], 3) for x in py],
+                             cpp_cpu * 1e3, py_cpu * 1e3))
     finally:
         if server is not None:
             server.terminate()
@@ -130,11 +141,12 @@ def main() -> int:
           f"{nbytes / 2**20:.0f} MiB per prefix, {args.reps} repeats (medians), server "
           f"{'at ' + args.target if args.target else 'started here'}")
     print()
-    print("| operation | C++ client GB/s | Python client GB/s | Python / C++ | C++ s (each) | "
-          "Python s (each) |")
-    print("|---|---|---|---|---|---|")
-    for label, cg, pg, ratio, cs, ps in rows:
-        print(f"| {label} | {cg:.3f} | {pg:.3f} | {100 * ratio:.0f} % | {cs} | {ps} |")
+    print("| operation | C++ client GB/s | Python client GB/s | Python / C++ | client CPU ms "
+          "C++ / Python | C++ s (each) | Python s (each) |")
+    print("|---|---|---|---|---|---|---|")
+    for label, cg, pg, ratio, cs, ps, cc, pc in rows:
+        print(f"| {label} | {cg:.3f} | {pg:.3f} | {100 * ratio:.0f} % | {cc:.0f} / {pc:.0f} | "
+              f"{cs} | {ps} |")
     worst = min(r[3] for r in rows)
     print()
     print(f"worst Python / C++: {100 * worst:.0f} % (target >= 80 %): "

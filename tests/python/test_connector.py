@@ -82,14 +82,14 @@ class Recorder:
         return Stream()
 
 
-def make_engine(model, target, namespace, **cfg):
+def make_engine(model, target, namespace, block_size=16, **cfg):
     from engine import Engine
     config = {"target": target, "model_id": "stories260K", "namespace": namespace, **cfg}
     sched = KvtrieConnector(role=KVConnectorRole.SCHEDULER, config=config)
     worker = KvtrieConnector(role=KVConnectorRole.WORKER, config=config,
                              client=Recorder(kvtrie.Client(target, "stories260K",
                                                            namespace=namespace, timeout=10)))
-    return Engine(model, sched, worker), sched, worker
+    return Engine(model, sched, worker, block_size=block_size), sched, worker
 
 
 def test_shared_prefix_is_loaded_and_gives_the_cold_logits_lossless(model, cold, server):
@@ -145,6 +145,15 @@ def test_shared_prefix_is_loaded_and_gives_the_cold_logits_lossless(model, cold,
     again = engine.run("s1-again", prompt(1))
     assert again.loaded_tokens == 511
     assert np.array_equal(again.logits[511], cold.logits[511])
+
+
+def test_engine_pages_smaller_than_kvtrie_blocks(model, cold, server):
+    # 8-token engine pages, 16-token kvtrie blocks: each kvtrie block spans two pages.
+    engine, _, worker = make_engine(model, server.target, "pages8", block_size=8)
+    engine.run("s0", prompt(0))
+    warm = engine.run("s1", prompt(1))
+    assert warm.loaded_tokens == PREFIX and worker.stats["load_failed_tokens"] == 0
+    assert np.array_equal(warm.logits[PREFIX:], cold.logits[PREFIX:])
 
 
 def test_residual_prefix_stays_within_stated_dnll(model, cold, server):
