@@ -69,6 +69,46 @@ absl::Status ReadPem(const char* flag, const std::string& path, std::string* out
   return absl::OkStatus();
 }
 
+// The first messages of a Put stream: a header (namespace, model spec, encoding and the first
+// kTokensPerMessage token ids and surprisal values), then PutTokens messages with the rest, so
+// no message passes gRPC's default 4 MiB limit (1M tokens with surprisal: 8 MB).
+std::vector<v1::PutRequest> PutHeaderRequests(const std::string& ns, const KvDump& kv,
+                                              const BlockGeometry& g, const PutOptions& options) {
+  const auto chunk = [&](const auto& values, size_t begin) {
+    const size_t end = std::min(values.size(), begin + kTokensPerMessage);
+    return std::make_pair(values.begin() + static_cast<ptrdiff_t>(std::min(begin, end)),
+                          values.begin() + static_cast<ptrdiff_t>(end));
+  };
+  std::vector<v1::PutRequest> out(1);
+  v1::PutHeader* h = out[0].mutable_header();
+  h->set_namespace_(ns);
+  v1::ModelSpec* m = h->mutable_model();
+  m->set_model_id(kv.model_id);
+  m->set_num_layers(g.num_layers);
+  m->set_num_kv_heads(g.num_kv_heads);
+  m->set_head_dim(g.head_dim);
+  m->set_dtype(static_cast<v1::DType>(g.dtype));
+  m->set_block_tokens(g.block_tokens);
+  h->mutable_encoding()->set_encoding(options.encoding);
+  h->mutable_encoding()->set_target_rel_rms(options.target_rel_rms);
+  h->mutable_encoding()->set_profile(options.profile);
+  h->mutable_encoding()->set_bits(options.bits);
+  for (size_t begin = 0;
+       begin == 0 || begin < kv.token_ids.size() || begin < kv.surprisal_bits.size();
+       begin += kTokensPerMessage) {
+    if (begin > 0) out.emplace_back();
+    auto* ids =
+        begin == 0 ? h->mutable_token_ids() : out.back().mutable_tokens()->mutable_token_ids();
+    auto* bits = begin == 0 ? h->mutable_surprisal_bits()
+                            : out.back().mutable_tokens()->mutable_surprisal_bits();
+    auto [tb, te] = chunk(kv.token_ids, begin);
+    ids->Add(tb, te);
+    auto [sb, se] = chunk(kv.surprisal_bits, begin);
+    bits->Add(sb, se);
+  }
+  return out;
+}
+
 }  // namespace
 
 absl::Status LoadTlsFiles(const std::string& ca, const std::string& cert, const std::string& key,
@@ -175,45 +215,10 @@ absl::StatusOr<v1::PutResponse> Client::Put(const KvDump& kv, const PutOptions& 
   auto ctx = NewContext();
   v1::PutResponse resp;
   std::unique_ptr<grpc::ClientWriter<v1::PutRequest>> writer(stub_->Put(ctx.get(), &resp));
+  std::vector<v1::PutRequest> header = PutHeaderRequests(options_.ns, kv, g, options);
+  bool open = true;
+  for (const v1::PutRequest& m : header) open = open && writer->Write(m);
   v1::PutRequest req;
-  v1::PutHeader* h = req.mutable_header();
-  h->set_namespace_(options_.ns);
-  v1::ModelSpec* m = h->mutable_model();
-  m->set_model_id(kv.model_id);
-  m->set_num_layers(g.num_layers);
-  m->set_num_kv_heads(g.num_kv_heads);
-  m->set_head_dim(g.head_dim);
-  m->set_dtype(static_cast<v1::DType>(g.dtype));
-  m->set_block_tokens(g.block_tokens);
-  // The first kTokensPerMessage token ids (and surprisal) in the header, the rest in PutTokens
-  // messages, so no message passes gRPC's default 4 MiB limit (1M tokens with surprisal: 8 MB).
-  const auto chunk = [&](const auto& values, size_t begin) {
-    const size_t end = std::min(values.size(), begin + kTokensPerMessage);
-    return std::make_pair(values.begin() + static_cast<ptrdiff_t>(std::min(begin, end)),
-                          values.begin() + static_cast<ptrdiff_t>(end));
-  };
-  {
-    auto [tb, te] = chunk(kv.token_ids, 0);
-    h->mutable_token_ids()->Add(tb, te);
-    auto [sb, se] = chunk(kv.surprisal_bits, 0);
-    h->mutable_surprisal_bits()->Add(sb, se);
-  }
-  h->mutable_encoding()->set_encoding(options.encoding);
-  h->mutable_encoding()->set_target_rel_rms(options.target_rel_rms);
-  h->mutable_encoding()->set_profile(options.profile);
-  h->mutable_encoding()->set_bits(options.bits);
-  bool open = writer->Write(req);
-  for (size_t begin = kTokensPerMessage;
-       open && (begin < kv.token_ids.size() || begin < kv.surprisal_bits.size());
-       begin += kTokensPerMessage) {
-    req.Clear();
-    v1::PutTokens* t = req.mutable_tokens();
-    auto [tb, te] = chunk(kv.token_ids, begin);
-    t->mutable_token_ids()->Add(tb, te);
-    auto [sb, se] = chunk(kv.surprisal_bits, begin);
-    t->mutable_surprisal_bits()->Add(sb, se);
-    open = writer->Write(req);
-  }
   std::vector<uint8_t> block(g.num_bytes());
   const uint32_t per_msg = options.layers_per_message ? options.layers_per_message : g.num_layers;
   const size_t blocks = kv.num_tokens() / g.block_tokens;
@@ -238,6 +243,21 @@ absl::StatusOr<v1::PutResponse> Client::Put(const KvDump& kv, const PutOptions& 
   writer->WritesDone();
   if (auto s = FromGrpc(writer->Finish()); !s.ok()) return s;
   return resp;
+}
+
+absl::StatusOr<std::unique_ptr<PutStream>> Client::OpenPut(const KvDump& header,
+                                                           const PutOptions& options) {
+  const BlockGeometry g{header.num_layers, header.num_kv_heads, options.block_tokens,
+                        header.head_dim, header.dtype};
+  if (auto s = g.Validate(); !s.ok()) return s;
+  if (!header.surprisal_bits.empty() && header.surprisal_bits.size() != header.num_tokens()) {
+    return absl::InvalidArgumentError(absl::StrCat("surprisal_bits: ", header.surprisal_bits.size(),
+                                                   " values for ", header.num_tokens(),
+                                                   " tokens (give one per token or none)"));
+  }
+  return std::unique_ptr<PutStream>(
+      new PutStream(stub_.get(), NewContext(), PutHeaderRequests(options_.ns, header, g, options),
+                    g, options.first_block, options.layers_per_message));
 }
 
 absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
@@ -359,6 +379,21 @@ absl::StatusOr<v1::DeleteResponse> Client::Delete(const std::string& model_id,
   v1::DeleteResponse resp;
   auto ctx = NewContext();
   if (auto s = FromGrpc(stub_->Delete(ctx.get(), req, &resp)); !s.ok()) return s;
+  return resp;
+}
+
+absl::StatusOr<v1::PinResponse> Client::Pin(const std::string& model_id,
+                                            absl::Span<const uint32_t> token_ids,
+                                            uint64_t ttl_seconds, bool unpin) {
+  v1::PinRequest req;
+  req.set_namespace_(options_.ns);
+  req.set_model_id(model_id);
+  req.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
+  req.set_ttl_seconds(ttl_seconds);
+  req.set_unpin(unpin);
+  v1::PinResponse resp;
+  auto ctx = NewContext();
+  if (auto s = FromGrpc(stub_->Pin(ctx.get(), req, &resp)); !s.ok()) return s;
   return resp;
 }
 

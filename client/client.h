@@ -22,6 +22,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "client/kv_dump.h"
+#include "client/put_stream.h"
 #include "kvtrie/v1/kvtrie.grpc.pb.h"
 
 namespace kvtrie {
@@ -83,6 +84,13 @@ class Client {
   // kv.model_id, geometry, token_ids and surprisal_bits (empty or one per token) are sent as is.
   absl::StatusOr<v1::PutResponse> Put(const KvDump& kv, const PutOptions& options = {});
 
+  // Opens a Put whose KV is sent piece by piece (layer by layer as a worker computes it): see
+  // client/put_stream.h. `header`'s model_id, geometry, token_ids and surprisal_bits make the
+  // PutHeader; its k and v are not read. Errors: INVALID_ARGUMENT for a bad geometry or
+  // surprisal_bits count; the stream itself reports the server's errors.
+  absl::StatusOr<std::unique_ptr<PutStream>> OpenPut(const KvDump& header,
+                                                     const PutOptions& options = {});
+
   // KV of the longest stored prefix of `token_ids`, in sequence layout: the result's token_ids
   // are the matched tokens (empty on a miss) and k/v hold exactly those tokens.
   absl::StatusOr<KvDump> Get(const std::string& model_id, absl::Span<const uint32_t> token_ids,
@@ -92,6 +100,11 @@ class Client {
   absl::StatusOr<v1::InspectResponse> Inspect(const std::string& model_id, uint64_t node_id);
   absl::StatusOr<v1::DeleteResponse> Delete(const std::string& model_id,
                                             absl::Span<const uint32_t> token_ids);
+  // Pins the stored prefix `token_ids` for `ttl_seconds` (0 = until unpinned), or unpins it.
+  // NOT_FOUND if it is not stored.
+  absl::StatusOr<v1::PinResponse> Pin(const std::string& model_id,
+                                      absl::Span<const uint32_t> token_ids,
+                                      uint64_t ttl_seconds = 0, bool unpin = false);
 
   // The underlying stub, for calls this class does not wrap, and a context for them with this
   // client's deadline and token.

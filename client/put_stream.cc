@@ -1,0 +1,134 @@
+#include "client/put_stream.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "codec/kv_layout.h"
+
+namespace kvtrie {
+namespace {
+
+// Token ids in a header and the PutTokens messages after it.
+size_t NumTokens(const std::vector<v1::PutRequest>& header) {
+  size_t n = 0;
+  for (const v1::PutRequest& m : header) {
+    n += m.has_header() ? m.header().token_ids_size() : m.tokens().token_ids_size();
+  }
+  return n;
+}
+
+}  // namespace
+
+PutStream::PutStream(v1::KVCache::Stub* stub, std::unique_ptr<grpc::ClientContext> ctx,
+                     const std::vector<v1::PutRequest>& header, const BlockGeometry& g,
+                     uint32_t first_block, uint32_t layers_per_message)
+    : ctx_(std::move(ctx)),
+      g_(g),
+      num_tokens_(NumTokens(header)),
+      first_block_(first_block),
+      layers_per_message_(layers_per_message) {
+  writer_ = stub->Put(ctx_.get(), &resp_);
+  for (const v1::PutRequest& m : header) {
+    if (!writer_->Write(m)) {
+      status_ = Broken();
+      break;
+    }
+  }
+}
+
+PutStream::~PutStream() { Cancel(); }
+
+absl::Status PutStream::Broken() {
+  const grpc::Status s = writer_->Finish();
+  finished_ = true;
+  if (s.ok()) return absl::UnknownError("put: the server closed the stream before the commit");
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+absl::Status PutStream::WriteLayers(uint32_t layer_begin, uint32_t layer_end, size_t token_offset,
+                                    size_t span_tokens, absl::Span<const uint8_t> k,
+                                    absl::Span<const uint8_t> v) {
+  if (!status_.ok()) return status_;
+  if (finished_) return absl::FailedPreconditionError("put: the stream was committed or cancelled");
+  if (layer_begin >= layer_end || layer_end > g_.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer_begin: layers [", layer_begin, ", ", layer_end,
+                     ") are not a range within num_layers=", g_.num_layers));
+  }
+  if (token_offset % g_.block_tokens != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "token_offset: ", token_offset, " is not a multiple of block_tokens=", g_.block_tokens));
+  }
+  if (token_offset + span_tokens > num_tokens_) {
+    return absl::InvalidArgumentError(absl::StrCat("k: tokens [", token_offset, ", ",
+                                                   token_offset + span_tokens,
+                                                   ") run past the header's ", num_tokens_));
+  }
+  BlockGeometry sub = g_;
+  sub.num_layers = layer_end - layer_begin;
+  const size_t want =
+      sub.num_layers * sub.num_kv_heads * span_tokens * sub.head_dim * DTypeBytes(sub.dtype);
+  if (k.size() != want || v.size() != want) {
+    return absl::InvalidArgumentError(absl::StrCat("k: k has ", k.size(), " and v ", v.size(),
+                                                   " bytes; ", sub.num_layers, " layers of ",
+                                                   span_tokens, " tokens need ", want, " each"));
+  }
+  const size_t span_first = token_offset / g_.block_tokens;
+  const size_t end = (token_offset + span_tokens) / g_.block_tokens;
+  const uint32_t per_msg = layers_per_message_ ? layers_per_message_ : sub.num_layers;
+  // One PutBlock message is reused, so its kv string keeps its capacity: no allocation (and no
+  // fresh pages to fault in) per message. A whole layer range per message is gathered straight
+  // into it; smaller messages are cut from one gathered block.
+  v1::PutBlock* pb = req_.mutable_block();
+  std::string* kv_bytes = pb->mutable_kv();
+  if (per_msg < sub.num_layers) block_.resize(sub.num_bytes());
+  for (size_t b = std::max<size_t>(first_block_, span_first); b < end; ++b) {
+    if (per_msg >= sub.num_layers) {
+      kv_bytes->resize(sub.num_bytes());
+      GatherBlock(sub, span_tokens, k.data(), v.data(), b - span_first,
+                  absl::MakeSpan(reinterpret_cast<uint8_t*>(kv_bytes->data()), kv_bytes->size()));
+    } else {
+      GatherBlock(sub, span_tokens, k.data(), v.data(), b - span_first, absl::MakeSpan(block_));
+    }
+    for (uint32_t l = 0; l < sub.num_layers; l += per_msg) {
+      const uint32_t e = std::min(sub.num_layers, l + per_msg);
+      pb->set_block_index(static_cast<uint32_t>(b));
+      pb->set_layer_begin(layer_begin + l);
+      pb->set_layer_end(layer_begin + e);
+      if (per_msg < sub.num_layers) {
+        kv_bytes->assign(reinterpret_cast<const char*>(block_.data()) + sub.layer_range_bytes(0, l),
+                         sub.layer_range_bytes(l, e));
+      }
+      if (!writer_->Write(req_)) return status_ = Broken();
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::PutResponse> PutStream::Commit() {
+  if (!status_.ok()) return status_;
+  if (finished_) return absl::FailedPreconditionError("put: the stream was committed or cancelled");
+  req_.Clear();
+  req_.mutable_commit();
+  writer_->Write(req_);  // a failed write shows in Finish
+  writer_->WritesDone();
+  const grpc::Status s = writer_->Finish();
+  finished_ = true;
+  if (!s.ok()) {
+    return status_ = absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+  }
+  status_ = absl::FailedPreconditionError("put: the stream was committed");
+  return resp_;
+}
+
+void PutStream::Cancel() {
+  if (finished_) return;
+  ctx_->TryCancel();
+  writer_->Finish();
+  finished_ = true;
+  status_ = absl::CancelledError("put: the stream was cancelled");
+}
+
+}  // namespace kvtrie

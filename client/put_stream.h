@@ -1,0 +1,84 @@
+// client/put_stream.h
+//
+// kvtrie::PutStream — one Put (kvtrie.v1 KVCache.Put) whose KV is sent piece by piece, so an
+// inference worker can store a sequence layer by layer while it computes the next layer
+// (PutBlock carries a layer range of a block). Opened by Client::OpenPut, which sends the
+// PutHeader; then WriteLayers for any layer ranges in any order (every layer of every sent block
+// exactly once, as the server requires), then Commit. A stream destroyed or cancelled before
+// Commit stores nothing (the server drops a Put without its PutCommit).
+//
+// KV crosses this API in the sequence layout of client/kv_dump.h, restricted to a layer range
+// and a token span: K and V each [layer_end - layer_begin][num_kv_heads][span_tokens][head_dim]
+// in the model's dtype, holding tokens [token_offset, token_offset + span_tokens) of the header's
+// sequence. Every full block of the header inside the span, from the PutOptions' first_block on,
+// is sent; a tail shorter than a block is not.
+//
+// Errors: WriteLayers returns INVALID_ARGUMENT naming the argument (`layer_begin`,
+// `token_offset`, `k`, `v`) when it does not fit the header, without ending the stream; once
+// the server has ended the stream (it rejected a message) every later call returns the server's
+// status (INVALID_ARGUMENT naming the field, RESOURCE_EXHAUSTED, ...). Commit returns the
+// server's PutResponse or error.
+// Not thread-safe: one thread at a time (a worker's save thread).
+#ifndef KVTRIE_CLIENT_PUT_STREAM_H_
+#define KVTRIE_CLIENT_PUT_STREAM_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "codec/block_geometry.h"
+#include "kvtrie/v1/kvtrie.grpc.pb.h"
+
+namespace kvtrie {
+
+class PutStream {
+ public:
+  PutStream(const PutStream&) = delete;
+  PutStream& operator=(const PutStream&) = delete;
+  ~PutStream();  // cancels an uncommitted stream
+
+  // The header's geometry (block_tokens included) and token count.
+  const BlockGeometry& geometry() const { return g_; }
+  size_t num_tokens() const { return num_tokens_; }
+
+  // Sends layers [layer_begin, layer_end) of every full block in tokens
+  // [token_offset, token_offset + span_tokens); `k` and `v` as in the file comment.
+  // REQUIRES: token_offset % block_tokens == 0 (else INVALID_ARGUMENT `token_offset`).
+  absl::Status WriteLayers(uint32_t layer_begin, uint32_t layer_end, size_t token_offset,
+                           size_t span_tokens, absl::Span<const uint8_t> k,
+                           absl::Span<const uint8_t> v);
+
+  // Sends the PutCommit and waits for the server's answer. The stream is finished afterwards.
+  absl::StatusOr<v1::PutResponse> Commit();
+
+  // Ends the stream without committing (nothing is stored). Idempotent.
+  void Cancel();
+
+ private:
+  friend class Client;
+  PutStream(v1::KVCache::Stub* stub, std::unique_ptr<grpc::ClientContext> ctx,
+            const std::vector<v1::PutRequest>& header, const BlockGeometry& g, uint32_t first_block,
+            uint32_t layers_per_message);
+  // Finishes the stream after a failed Write and keeps the server's status (sticky).
+  absl::Status Broken();
+
+  std::unique_ptr<grpc::ClientContext> ctx_;
+  v1::PutResponse resp_;
+  std::unique_ptr<grpc::ClientWriter<v1::PutRequest>> writer_;
+  const BlockGeometry g_;
+  const size_t num_tokens_;
+  const uint32_t first_block_;
+  const uint32_t layers_per_message_;
+  v1::PutRequest req_;          // reused message
+  std::vector<uint8_t> block_;  // one gathered block (layer range)
+  absl::Status status_;         // sticky: the server's status once the stream broke
+  bool finished_ = false;
+};
+
+}  // namespace kvtrie
+
+#endif  // KVTRIE_CLIENT_PUT_STREAM_H_

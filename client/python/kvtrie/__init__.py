@@ -1,0 +1,480 @@
+"""kvtrie — the Python client of a kvtrie server (a KV-cache store for LLM inference workers).
+
+KV crosses this API as numpy arrays ``[layers, kv_heads, tokens, head_dim]`` (K after RoPE),
+float16, float32, or bfloat16 as ``uint16`` bit patterns (numpy has no bfloat16; an ml_dtypes
+``bfloat16`` array is accepted too). The model spec (layers, kv_heads, head_dim, dtype) comes from
+the arrays; the first Put of a (namespace, model_id) fixes it on the server. The client cuts the
+sequence into blocks of ``block_tokens`` tokens (16); only full blocks are stored.
+
+The work is done in C++ (``kvtrie::Client``, gRPC, the codec) with the GIL released: arrays are
+read in place and returned without a copy, and one :class:`Client` may be used from many threads.
+A failed call raises :class:`Error` carrying the gRPC status code and the server's message, which
+starts with the field at fault.
+
+Example::
+
+    import kvtrie
+    c = kvtrie.Client("127.0.0.1:50051", "stories260K")
+    r = c.put(tokens, k, v, encoding="lossless")   # k, v: [layers, kv_heads, tokens, head_dim]
+    k2, v2, n = c.get(tokens)                      # KV of the longest stored prefix (n tokens)
+    assert (k2 == k[:, :, :n]).all()
+
+The connector for vLLM-style engines is :mod:`kvtrie.connector`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from ._errors import Error, InvalidArgumentError, NotFoundError, StatusCode
+from . import _kvtrie
+
+__all__ = [
+    "Client",
+    "PutStream",
+    "PutResult",
+    "BlockResult",
+    "ModelSpec",
+    "Encoding",
+    "GetMode",
+    "Error",
+    "InvalidArgumentError",
+    "NotFoundError",
+    "StatusCode",
+    "bf16_to_float32",
+    "float32_to_bf16",
+]
+
+TokenIds = Union[Sequence[int], np.ndarray]
+
+
+class Encoding(enum.IntEnum):
+    """How the server stores blocks (kvtrie.v1.Encoding)."""
+
+    DEFAULT = 0  #: the server's --default_encoding
+    RAW = 1  #: the tensor bytes as given
+    LOSSLESS = 2  #: bit-exact (byte planes + entropy coding)
+    RESIDUAL = 3  #: predictive residual coding to a relative-RMS error target (lossy)
+    INT8 = 4  #: baseline: int8 per token
+    KIVI2 = 5  #: baseline: KIVI-style 2-bit
+    TURBOQUANT = 6  #: baseline: random rotation + Lloyd-Max scalar quantizer
+
+
+class GetMode(enum.IntEnum):
+    """How Get returns blocks (kvtrie.v1.GetMode)."""
+
+    RECONSTRUCTED = 1  #: the server decodes; dense tensors on the wire
+    RESIDUAL = 2  #: the stored encoding on the wire; this client decodes it (in C++)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a KV cache is valid for, as learned from a Put's arrays or a Get's header."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: np.dtype  #: float16, float32, or uint16 (= bfloat16 bit patterns)
+
+
+@dataclass(frozen=True)
+class BlockResult:
+    """What a Put did with one block."""
+
+    block_index: int
+    disposition: str  #: "stored", "deduplicated" or "residual_of_centroid"
+    node_id: int
+    encoding: str  #: "raw", "lossless", "residual", ... ("unspecified" when deduplicated)
+    bytes_logical: int  #: dense bytes of the block in the model's dtype
+    bytes_stored: int  #: encoded bytes written (0 when deduplicated)
+    bits_per_component: float
+    rel_rms_error_k: float  #: achieved ||K - K'|| / ||K|| (0 when bit-exact)
+    rel_rms_error_v: float
+    max_abs_error: float
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """The server's answer to a Put (kvtrie.v1.PutResponse)."""
+
+    stored_tokens: int  #: block-aligned tokens of this sequence now in the trie
+    tail_tokens_ignored: int  #: trailing tokens that did not fill a block (not stored)
+    blocks_stored: int
+    blocks_deduplicated: int
+    blocks: Tuple[BlockResult, ...]  #: in block_index order (blocks that were sent)
+
+    @property
+    def bytes_logical(self) -> int:
+        """Dense bytes of the blocks sent."""
+        return sum(b.bytes_logical for b in self.blocks)
+
+    @property
+    def bytes_stored(self) -> int:
+        """Encoded bytes written by this Put."""
+        return sum(b.bytes_stored for b in self.blocks)
+
+    @staticmethod
+    def _from_json(j: Mapping[str, Any]) -> "PutResult":
+        def strip(name: str, prefix: str) -> str:
+            return name[len(prefix):].lower() if name.startswith(prefix) else name.lower()
+
+        blocks = tuple(
+            BlockResult(
+                block_index=int(b["block_index"]),
+                disposition=strip(b["disposition"], "BLOCK_"),
+                node_id=int(b["node_id"]),
+                encoding=strip(b["encoding"], "ENCODING_"),
+                bytes_logical=int(b["bytes_logical"]),
+                bytes_stored=int(b["bytes_stored"]),
+                bits_per_component=float(b["bits_per_component"]),
+                rel_rms_error_k=float(b["rel_rms_error_k"]),
+                rel_rms_error_v=float(b["rel_rms_error_v"]),
+                max_abs_error=float(b["max_abs_error"]),
+            )
+            for b in j.get("blocks", [])
+        )
+        return PutResult(
+            stored_tokens=int(j["stored_tokens"]),
+            tail_tokens_ignored=int(j["tail_tokens_ignored"]),
+            blocks_stored=int(j["blocks_stored"]),
+            blocks_deduplicated=int(j["blocks_deduplicated"]),
+            blocks=blocks,
+        )
+
+
+def _invalid(message: str) -> InvalidArgumentError:
+    return InvalidArgumentError(StatusCode.INVALID_ARGUMENT, message)
+
+
+def _tokens(tokens: TokenIds, name: str = "tokens") -> np.ndarray:
+    a = np.asarray(tokens)
+    if a.ndim != 1:
+        raise _invalid(f"{name}: expected a 1-D sequence of token ids, got shape {a.shape}")
+    if a.size == 0:
+        return np.empty(0, np.uint32)
+    if a.dtype == np.uint32:
+        return np.ascontiguousarray(a)
+    if a.dtype.kind not in "iu":
+        raise _invalid(f"{name}: expected integer token ids, got dtype {a.dtype}")
+    if int(a.min()) < 0 or int(a.max()) > 0xFFFFFFFF:
+        raise _invalid(f"{name}: token ids must lie in [0, 2**32)")
+    return a.astype(np.uint32)
+
+
+def _surprisal(surprisal: Optional[Sequence[float]]) -> Optional[np.ndarray]:
+    if surprisal is None:
+        return None
+    s = np.ascontiguousarray(surprisal, dtype=np.float32)
+    if s.ndim != 1:
+        raise _invalid(f"surprisal: expected one value per token (1-D), got shape {s.shape}")
+    return s
+
+
+def _encoding(encoding: Union[None, str, int, Encoding]) -> int:
+    if encoding is None:
+        return int(Encoding.DEFAULT)
+    if isinstance(encoding, str):
+        try:
+            return int(Encoding[encoding.upper()])
+        except KeyError:
+            names = ", ".join(e.name.lower() for e in Encoding)
+            raise _invalid(f"encoding: '{encoding}' is not one of {names}") from None
+    return int(Encoding(encoding))
+
+
+def _mode(mode: Union[str, int, GetMode]) -> int:
+    if isinstance(mode, str):
+        try:
+            return int(GetMode[mode.upper()])
+        except KeyError:
+            raise _invalid(f"mode: '{mode}' is not 'reconstructed' or 'residual'") from None
+    return int(GetMode(mode))
+
+
+def _array(a: Any) -> np.ndarray:
+    # Zero-copy for a C-contiguous numpy array (or anything exposing one through __array__).
+    return np.ascontiguousarray(a)
+
+
+def bf16_to_float32(a: np.ndarray) -> np.ndarray:
+    """float32 values of bfloat16 bit patterns held as uint16 (exact)."""
+    return (np.asarray(a, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def float32_to_bf16(a: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) of float32 values, rounded to nearest even."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    nan = np.isnan(np.asarray(a, dtype=np.float32))
+    return np.where(nan, (u >> 16) | 0x40, rounded).astype(np.uint16)
+
+
+class _Closed:
+    def __getattr__(self, name: str) -> Any:
+        raise Error(StatusCode.FAILED_PRECONDITION, "client: closed")
+
+
+class PutStream:
+    """A Put sent layer by layer (from :meth:`Client.put_layers`); use it as a context manager.
+
+    Call :meth:`write` for every layer (in any order, each exactly once, for every full block of
+    the sequence from ``first_block`` on), then :meth:`commit`. Leaving the ``with`` block
+    without a commit, or with an exception, cancels the Put: nothing is stored. Each write is
+    sent at once (while the caller computes the next layer); the server stores the blocks only
+    at the commit, all or nothing. Not for concurrent use from several threads.
+    """
+
+    def __init__(self, client: "Client", tokens: np.ndarray, num_layers: int,
+                 surprisal: Optional[np.ndarray], options: Tuple[int, float, int, int, int, int]):
+        self._client = client
+        self._tokens = tokens
+        self._num_layers = int(num_layers)
+        self._surprisal = surprisal
+        self._options = options
+        self._stream: Optional[Any] = None  # _kvtrie._PutStream, opened at the first write
+        self._done = False
+
+    def write(self, layer: int, k: np.ndarray, v: np.ndarray, *, token_offset: int = 0) -> None:
+        """Sends K and V of layer ``layer``.
+
+        Args:
+            layer: the (first) layer these arrays hold.
+            k, v: ``[kv_heads, tokens, head_dim]`` for one layer, or
+                ``[n, kv_heads, tokens, head_dim]`` for layers ``layer .. layer+n-1``.
+            token_offset: the first token the arrays hold (a multiple of block_tokens); the
+                full blocks inside ``[token_offset, token_offset + tokens)`` are sent.
+
+        Raises:
+            InvalidArgumentError: the arrays do not fit the stream (the field is named).
+            Error: the server ended the stream (its status and message).
+        """
+        if self._done:
+            raise Error(StatusCode.FAILED_PRECONDITION, "put: the stream was committed or cancelled")
+        k, v = _array(k), _array(v)
+        if k.ndim == 3:
+            k = k[np.newaxis]
+        if v.ndim == 3:
+            v = v[np.newaxis]
+        if self._stream is None:
+            if k.ndim != 4:
+                raise _invalid(f"k.shape: expected [kv_heads, tokens, head_dim] or "
+                               f"[layers, kv_heads, tokens, head_dim], got {k.shape}")
+            self._stream = self._client._c.open_put(
+                self._tokens, self._surprisal, self._num_layers, k.shape[1], k.shape[3], k.dtype,
+                *self._options)
+            self._client._learn(ModelSpec(self._num_layers, k.shape[1], k.shape[3], k.dtype))
+        self._stream.write(int(layer), int(token_offset), k, v)
+
+    def commit(self) -> PutResult:
+        """Stores the blocks sent; returns the server's :class:`PutResult`."""
+        if self._stream is None:
+            raise Error(StatusCode.FAILED_PRECONDITION, "put: nothing was written")
+        if self._done:
+            raise Error(StatusCode.FAILED_PRECONDITION, "put: the stream was committed or cancelled")
+        self._done = True
+        return PutResult._from_json(self._stream.commit())
+
+    def cancel(self) -> None:
+        """Ends the Put without storing anything (idempotent)."""
+        self._done = True
+        if self._stream is not None:
+            self._stream.cancel()
+
+    def __enter__(self) -> "PutStream":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self._done:
+            self.cancel()
+
+
+class Client:
+    """A connection to a kvtrie server for one model (``model_id``) in one namespace.
+
+    Args:
+        target: ``HOST:PORT`` of the server (``"127.0.0.1:50051"``).
+        model_id: the model whose KV this client stores (``"stories260K"``); the rest of the
+            model spec comes from the arrays of the first :meth:`put`.
+        token: a bearer token, sent as ``authorization: Bearer <token>`` on every call.
+        tls: TLS settings ``{"ca": path, "cert": path, "key": path}`` (PEM files). Not yet
+            offered by this build's C++ client: anything but None raises UNIMPLEMENTED.
+        timeout: deadline of each call, in seconds.
+        namespace: the namespace of every call (nothing is shared across namespaces).
+        block_tokens: tokens per block for Puts (the first Put of a model fixes it).
+
+    Thread-safe: one Client may be used from many threads at once (the GIL is released during
+    every call). Creating it does not contact the server; a call to a server that is down raises
+    :class:`Error` with ``StatusCode.UNAVAILABLE``.
+    """
+
+    def __init__(self, target: str, model_id: str, token: Optional[str] = None,
+                 tls: Optional[Mapping[str, str]] = None, timeout: float = 60.0, *,
+                 namespace: str = "", block_tokens: int = 16) -> None:
+        if tls is not None:
+            raise Error(StatusCode.UNIMPLEMENTED,
+                        "tls: the C++ client (kvtrie::ClientOptions) has no TLS options yet; "
+                        "connect over a local or otherwise secured channel")
+        self.target = target
+        self.model_id = model_id
+        self.namespace = namespace
+        self.block_tokens = int(block_tokens)
+        self._spec: Optional[ModelSpec] = None
+        self._c = _kvtrie._Client(target, model_id, namespace, token or "", float(timeout))
+
+    def __repr__(self) -> str:
+        return (f"kvtrie.Client(target={self.target!r}, model_id={self.model_id!r}, "
+                f"namespace={self.namespace!r})")
+
+    @property
+    def spec(self) -> Optional[ModelSpec]:
+        """The model spec seen last (from a Put's arrays or a Get's header), or None."""
+        return self._spec
+
+    def _learn(self, spec: ModelSpec) -> None:
+        self._spec = spec
+
+    def lookup(self, tokens: TokenIds) -> int:
+        """Tokens of the longest stored block-aligned prefix of ``tokens`` (0 on a miss).
+
+        Cheap: no payload moves.
+        """
+        return int(self._c.lookup(_tokens(tokens)))
+
+    def put(self, tokens: TokenIds, k: np.ndarray, v: np.ndarray,
+            surprisal: Optional[Sequence[float]] = None,
+            encoding: Union[None, str, Encoding] = None, target_rel_rms: float = 0.0, *,
+            bits: int = 0, first_block: int = 0, layers_per_message: int = 0) -> PutResult:
+        """Stores the KV of ``tokens``; blocks already stored are acknowledged as deduplicated.
+
+        Args:
+            tokens: the token ids (``len(tokens) == k.shape[2]``).
+            k, v: ``[layers, kv_heads, tokens, head_dim]``, the same shape and dtype (float16,
+                float32, or uint16 = bfloat16). Read in place when C-contiguous.
+            surprisal: ``-log2 p(token_i | tokens_<i)`` in bits, one per token (0 for BOS), or
+                None.
+            encoding: ``"raw"``, ``"lossless"``, ``"residual"``, ``"int8"``, ``"kivi2"``,
+                ``"turboquant"`` (or :class:`Encoding`); None = the server's default.
+            target_rel_rms: RESIDUAL: the relative RMS error target of every (layer, K/V) plane
+                of a block; 0 = the server's default.
+            bits: TURBOQUANT bits per component (0 = 3).
+            first_block: blocks before it are not sent (a :meth:`lookup` said they are stored).
+            layers_per_message: layers per gRPC message (0 = a whole block per message).
+
+        Returns:
+            :class:`PutResult` (stored and deduplicated blocks, bytes, achieved errors).
+
+        Raises:
+            InvalidArgumentError: shapes, dtypes or the token count do not agree, or the spec
+                differs from the one stored for this model (the message names the field).
+            Error: any other failure (UNAVAILABLE, RESOURCE_EXHAUSTED, ...).
+        """
+        t = _tokens(tokens)
+        k, v = _array(k), _array(v)
+        result = PutResult._from_json(self._c.put(
+            t, k, v, _surprisal(surprisal), _encoding(encoding), float(target_rel_rms), int(bits),
+            self.block_tokens, int(first_block), int(layers_per_message)))
+        self._learn(ModelSpec(k.shape[0], k.shape[1], k.shape[3], k.dtype))
+        return result
+
+    def put_layers(self, tokens: TokenIds, num_layers: int,
+                   surprisal: Optional[Sequence[float]] = None,
+                   encoding: Union[None, str, Encoding] = None, target_rel_rms: float = 0.0, *,
+                   bits: int = 0, first_block: int = 0,
+                   layers_per_message: int = 0) -> PutStream:
+        """Opens a Put to be sent layer by layer as a worker computes it.
+
+        Arguments as for :meth:`put`; ``num_layers`` is the model's layer count. The returned
+        :class:`PutStream` takes each layer's ``[kv_heads, tokens, head_dim]`` K and V with
+        :meth:`PutStream.write` and stores everything at :meth:`PutStream.commit`::
+
+            with client.put_layers(tokens, num_layers=5) as s:
+                for layer in range(5):
+                    s.write(layer, k[layer], v[layer])   # sent now, while the next is computed
+                result = s.commit()
+        """
+        return PutStream(self, _tokens(tokens), num_layers, _surprisal(surprisal),
+                         (_encoding(encoding), float(target_rel_rms), int(bits), self.block_tokens,
+                          int(first_block), int(layers_per_message)))
+
+    def get(self, tokens: TokenIds, mode: Union[str, GetMode] = "reconstructed",
+            max_blocks: int = 0) -> Tuple[np.ndarray, np.ndarray, int]:
+        """KV of the longest stored prefix of ``tokens``.
+
+        Args:
+            tokens: the token ids to match.
+            mode: ``"reconstructed"`` (the server decodes) or ``"residual"`` (the stored
+                encoding travels and this client decodes it, in C++, GIL released).
+            max_blocks: at most this many blocks (0 = all matched).
+
+        Returns:
+            ``(k, v, matched_tokens)``: k and v ``[layers, kv_heads, matched_tokens, head_dim]``
+            in the stored dtype (uint16 for bfloat16), owning their memory (no copy). On a miss
+            ``matched_tokens`` is 0 and the arrays have 0 tokens (shape ``(0, 0, 0, 0)`` if the
+            model is not stored at all).
+
+        Raises:
+            Error: DATA_LOSS for a stored block that failed its checksum, UNAVAILABLE, ...
+        """
+        k, v, n, spec = self._c.get(_tokens(tokens), _mode(mode), int(max_blocks))
+        if spec is not None:
+            self._learn(ModelSpec(*spec))
+            return k, v, int(n)
+        s = self._spec or self._stored_spec()
+        if s is None:
+            return k, v, 0
+        empty = np.empty((s.num_layers, s.num_kv_heads, 0, s.head_dim), s.dtype)
+        return empty, empty.copy(), 0
+
+    def _stored_spec(self) -> Optional[ModelSpec]:
+        try:
+            m = self._c.inspect(0).get("model", {})
+        except NotFoundError:
+            return None
+        dtypes = {"DTYPE_FP16": np.float16, "DTYPE_FP32": np.float32, "DTYPE_BF16": np.uint16}
+        if m.get("dtype") not in dtypes:
+            return None
+        spec = ModelSpec(int(m["num_layers"]), int(m["num_kv_heads"]), int(m["head_dim"]),
+                         np.dtype(dtypes[m["dtype"]]))
+        self._learn(spec)
+        return spec
+
+    def stats(self, namespace: Optional[str] = None) -> dict:
+        """Server statistics (kvtrie.v1.StatsResponse as a dict, the .proto's field names).
+
+        ``namespace=None`` means this client's namespace; ``""`` with a client in the default
+        namespace gives the whole server.
+        """
+        return self._c.stats(self.namespace if namespace is None else namespace)
+
+    def inspect(self, node_id: int = 0) -> dict:
+        """One node of this model's trie (0 = the root) and its children, as a dict
+        (kvtrie.v1.InspectResponse: ``model``, ``node``, ``children``)."""
+        return self._c.inspect(int(node_id))
+
+    def delete(self, tokens: TokenIds) -> dict:
+        """Deletes the stored prefix ``tokens``' last block and its subtree.
+
+        Returns ``{"nodes_deleted": n, "bytes_freed": b}``. Raises NotFoundError if not stored.
+        """
+        return self._c.delete(_tokens(tokens))
+
+    def pin(self, tokens: TokenIds, ttl_seconds: int = 0, unpin: bool = False) -> int:
+        """Keeps the stored prefix ``tokens`` from eviction for ``ttl_seconds`` (0 = until
+        unpinned), or removes the pin (``unpin=True``). Returns the pinned node's id.
+        Raises NotFoundError if the prefix is not stored."""
+        return int(self._c.pin(_tokens(tokens), int(ttl_seconds), bool(unpin)))
+
+    def close(self) -> None:
+        """Drops the connection (calls in flight on other threads finish first); later calls
+        raise :class:`Error` FAILED_PRECONDITION."""
+        self._c = _Closed()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()

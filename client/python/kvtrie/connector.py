@@ -1,0 +1,403 @@
+"""KvtrieConnector: kvtrie behind the method names and call order of vLLM's KVConnectorBase_V1.
+
+An inference engine with a paged KV cache calls it exactly as vLLM (v1) calls a KV connector:
+
+Scheduler side (one instance, ``role=KVConnectorRole.SCHEDULER``), per step:
+    ``get_num_new_matched_tokens(request, num_computed_tokens)`` -> ``(tokens to load, False)``
+    (a Lookup: the longest stored prefix; never the whole prompt, the last token is computed);
+    ``update_state_after_alloc(request, blocks, num_external_tokens)`` once blocks are allocated;
+    ``build_connector_meta(scheduler_output)`` -> :class:`KvtrieConnectorMetadata` (what to load
+    into which blocks, what to save), handed to the workers; ``request_finished(request,
+    block_ids)`` -> ``(False, None)`` (saves finish inside the step, blocks may be freed).
+
+Worker side (``role=KVConnectorRole.WORKER``), per forward pass:
+    ``register_kv_caches({layer_name: cache})`` once; ``bind_connector_metadata(meta)``;
+    ``start_load_kv(forward_context)`` starts one Get per request on a loader thread and returns;
+    ``wait_for_layer_load(layer_name)`` inside each attention layer waits for that layer only
+    (the thread scatters the fetched KV into the paged cache layer by layer, so the first layers
+    compute while later ones are still being written); ``save_kv_layer(layer_name, kv_layer,
+    attn_metadata)`` after each layer wrote its KV hands the layer to a saver thread, which
+    gathers it from the paged cache and sends it at once on a layer-wise Put stream
+    (:meth:`kvtrie.Client.put_layers`), overlapping with the next layers' compute;
+    ``wait_for_save()`` commits the Puts; ``get_block_ids_with_load_errors()`` returns the block
+    ids whose KV could not be loaded (the prefix was evicted or deleted after the lookup, or the
+    server is unreachable) — the engine recomputes from the first of them, as vLLM does.
+    A request whose load failed in a step is not saved in that step (its new KV was computed
+    over missing context); the recompute step saves it.
+
+Paged cache layout: each layer's array is ``[2, num_blocks, block_size, num_kv_heads,
+head_dim]`` (K then V; vLLM's FlashAttention layout), numpy (or anything numpy can index; torch
+tensors on the CPU through ``.numpy()`` views). Token ``t`` of a request lives at
+``block_ids[t // block_size]``, offset ``t % block_size``; the engine's block size need not equal
+kvtrie's ``block_tokens``.
+
+Configuration (a dict; under vLLM, ``kv_connector_extra_config``): ``target`` (HOST:PORT),
+``model_id`` (default: vLLM's model name), ``namespace``, ``token``, ``timeout``, ``encoding``
+(``"lossless"``, ``"residual"``, ...), ``target_rel_rms``, ``get_mode`` (``"reconstructed"`` or
+``"residual"``: decode on the worker), ``block_tokens`` (16).
+
+With vLLM installed the class derives from its KVConnectorBase_V1; without it (as here) it
+stands alone. Tested with the engine loop in tests/python/test_connector.py, not against vLLM.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+import logging
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import numpy as np
+
+from . import Client, Error
+
+log = logging.getLogger("kvtrie.connector")
+
+try:  # Under vLLM: be a real KVConnectorBase_V1 (untested here: vLLM is not installed).
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
+        KVConnectorBase_V1 as _Base, KVConnectorMetadata as _MetaBase, KVConnectorRole)
+except ImportError:  # pragma: no cover - the path taken in this repository's tests
+    _Base = object
+    _MetaBase = object
+
+    class KVConnectorRole(enum.Enum):  # type: ignore[no-redef]
+        """Where a connector instance runs (values as vLLM's)."""
+
+        SCHEDULER = 0
+        WORKER = 1
+
+
+__all__ = ["KvtrieConnector", "KvtrieConnectorMetadata", "RequestMeta", "KVConnectorRole"]
+
+
+@dataclass
+class RequestMeta:
+    """One request's work in one step (picklable: vLLM ships it to the workers)."""
+
+    req_id: str
+    token_ids: List[int]  #: the prompt
+    block_ids: List[int]  #: the request's engine blocks, in token order
+    load_tokens: int = 0  #: load tokens [0, load_tokens) from kvtrie (0 = no load)
+    save_tokens: int = 0  #: save the full kvtrie blocks of tokens [0, save_tokens) (0 = no save)
+    stored_blocks: int = 0  #: kvtrie blocks the lookup found stored (not sent again)
+
+
+@dataclass
+class KvtrieConnectorMetadata(_MetaBase):  # type: ignore[misc, valid-type]
+    """What the workers do this step: the requests that load or save."""
+
+    requests: List[RequestMeta] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:  # scheduler side: a request between alloc and finish
+    request: Any
+    block_ids: List[int]
+    load_tokens: int  # pending load, consumed by the next build_connector_meta
+    stored_blocks: int
+
+
+def _block_ids(blocks: Any) -> List[int]:
+    # vLLM's KVCacheBlocks.get_block_ids() -> tuple of lists (one per KV cache group).
+    ids = blocks.get_block_ids() if hasattr(blocks, "get_block_ids") else blocks
+    if isinstance(ids, tuple):
+        ids = ids[0] if ids else []
+    return [int(b) for b in ids]
+
+
+def _prompt(request: Any) -> List[int]:
+    return list(request.prompt_token_ids)
+
+
+class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
+    """kvtrie as a vLLM-style KV connector (see the module docstring for the call order)."""
+
+    def __init__(self, vllm_config: Any = None, role: Any = None, kv_cache_config: Any = None, *,
+                 config: Optional[Dict[str, Any]] = None, client: Optional[Client] = None):
+        if _Base is not object:  # pragma: no cover - only under vLLM
+            try:
+                super().__init__(vllm_config, role, kv_cache_config)
+            except TypeError:  # vLLM before kv_cache_config was added
+                super().__init__(vllm_config, role)
+        cfg: Dict[str, Any] = dict(config or {})
+        if vllm_config is not None:  # pragma: no cover - only under vLLM
+            kt = getattr(vllm_config, "kv_transfer_config", None)
+            cfg = {**dict(getattr(kt, "kv_connector_extra_config", None) or {}), **cfg}
+            cfg.setdefault("model_id", str(vllm_config.model_config.model).replace("/", "_"))
+        self._role_value = role if role is not None else KVConnectorRole.WORKER
+        self._cfg = cfg
+        self._block_tokens = int(cfg.get("block_tokens", 16))
+        self._client = client or Client(cfg.get("target", "127.0.0.1:50051"), cfg["model_id"],
+                                        token=cfg.get("token"), timeout=float(cfg.get("timeout", 60)),
+                                        namespace=cfg.get("namespace", ""),
+                                        block_tokens=self._block_tokens)
+        self._encoding = cfg.get("encoding", "lossless")
+        self._target_rel_rms = float(cfg.get("target_rel_rms", 0.0))
+        self._get_mode = cfg.get("get_mode", "reconstructed")
+        # Scheduler side.
+        self._tracked: Dict[str, _Tracked] = {}
+        # Worker side.
+        self._meta: Optional[KvtrieConnectorMetadata] = None
+        self._caches: Dict[str, Any] = {}
+        self._layer_index: Dict[str, int] = {}
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, "kvtrie-load")
+        self._saver = concurrent.futures.ThreadPoolExecutor(1, "kvtrie-save")
+        self._layer_loaded: List[threading.Event] = []
+        self._load_future: Optional[concurrent.futures.Future] = None
+        self._lock = threading.Lock()
+        self._load_errors: Set[int] = set()  # guarded by _lock
+        self._failed_loads: Set[str] = set()  # req ids whose load failed this step (_lock)
+        self._loaded_ok: Dict[str, int] = {}  # req id -> tokens its last load delivered (_lock)
+        self._saves: Dict[str, Any] = {}  # req id -> PutStream (saver thread only)
+        self._save_futures: List[concurrent.futures.Future] = []
+        self.stats: Dict[str, int] = {"lookups": 0, "loaded_tokens": 0, "load_failed_tokens": 0,
+                                      "saved_blocks": 0, "save_errors": 0}
+
+    @property
+    def role(self) -> Any:
+        return self._role_value
+
+    # ---------------- scheduler side ----------------
+
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> Tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` that kvtrie holds (block-aligned, at most all
+        but the last prompt token, which the engine computes for its logits). Side-effect free;
+        ``(0, False)`` when the server cannot be reached."""
+        prompt = _prompt(request)
+        try:
+            matched = self._client.lookup(prompt)
+        except Error as e:
+            log.warning("kvtrie lookup failed, computing instead: %s", e)
+            return 0, False
+        self.stats["lookups"] += 1
+        matched = min(matched, len(prompt) - 1)
+        return max(0, matched - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        """Remembers the request's blocks and the tokens to load into them."""
+        req_id = str(request.request_id)
+        ids = _block_ids(blocks)
+        t = self._tracked.get(req_id)
+        if t is None:
+            load_end = int(request.num_computed_tokens) + int(num_external_tokens)
+            self._tracked[req_id] = _Tracked(
+                request, ids, load_end if num_external_tokens > 0 else 0,
+                load_end // self._block_tokens if num_external_tokens > 0 else 0)
+        else:  # a second allocation for the same request: more blocks
+            t.block_ids = t.block_ids + [b for b in ids if b not in t.block_ids]
+            if num_external_tokens > 0:
+                t.load_tokens = int(request.num_computed_tokens) + int(num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvtrieConnectorMetadata:
+        """This step's loads (from update_state_after_alloc) and saves: a request is saved in
+        the step that computes the last token of its prompt's last full kvtrie block (so a
+        chunked prefill saves once, at the end, and a recompute after a load error saves
+        again). Resets the pending loads."""
+        scheduled: Dict[str, int] = dict(getattr(scheduler_output, "num_scheduled_tokens", {}))
+        meta = KvtrieConnectorMetadata()
+        for req_id, t in self._tracked.items():
+            if req_id not in scheduled and t.load_tokens == 0:
+                continue
+            prompt = _prompt(t.request)
+            full = len(prompt) // self._block_tokens * self._block_tokens
+            computed = int(t.request.num_computed_tokens)
+            end = computed + scheduled.get(req_id, 0)
+            save = full if (full > t.stored_blocks * self._block_tokens and computed < full <= end) else 0
+            if t.load_tokens or save:
+                meta.requests.append(RequestMeta(req_id, prompt, list(t.block_ids),
+                                                 t.load_tokens, save, t.stored_blocks))
+            t.load_tokens = 0
+        return meta
+
+    def request_finished(self, request: Any,
+                         block_ids: Sequence[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """Forgets the request. Returns ``(False, None)``: nothing is sent after the step, so
+        its blocks may be freed now."""
+        self._tracked.pop(str(request.request_id), None)
+        return False, None
+
+    # ---------------- worker side ----------------
+
+    def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
+        """The engine's paged caches by layer name, in model order (layer i = kvtrie layer i)."""
+        self._caches = dict(kv_caches)
+        self._layer_index = {name: i for i, name in enumerate(self._caches)}
+        self._names = list(self._caches)
+
+    def bind_connector_metadata(self, connector_metadata: KvtrieConnectorMetadata) -> None:
+        self._meta = connector_metadata
+
+    def clear_connector_metadata(self) -> None:
+        self._meta = None
+
+    def has_connector_metadata(self) -> bool:
+        return self._meta is not None
+
+    def _get_connector_metadata(self) -> KvtrieConnectorMetadata:
+        assert self._meta is not None, "bind_connector_metadata was not called"
+        return self._meta
+
+    def _slots(self, block_ids: Sequence[int], begin: int, end: int):
+        cache = next(iter(self._caches.values()))
+        bs = cache.shape[2]
+        t = np.arange(begin, end)
+        return np.asarray(block_ids, dtype=np.int64)[t // bs], t % bs
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Starts this step's loads on the loader thread and returns at once."""
+        meta = self._get_connector_metadata()
+        loads = [r for r in meta.requests if r.load_tokens > 0]
+        self._layer_loaded = [threading.Event() for _ in self._names]
+        with self._lock:
+            self._failed_loads = set()
+        if not loads:
+            for e in self._layer_loaded:
+                e.set()
+            self._load_future = None
+            return
+        self._load_future = self._loader.submit(self._load, loads, self._layer_loaded)
+
+    def _load(self, loads: List[RequestMeta], events: List[threading.Event]) -> None:
+        fetched = []  # (request, k, v, tokens delivered)
+        try:
+            for r in loads:
+                bt = self._block_tokens
+                want = (r.load_tokens + bt - 1) // bt * bt
+                try:
+                    k, v, n = self._client.get(r.token_ids[:want], mode=self._get_mode)
+                except Error as e:
+                    log.warning("kvtrie load of %s failed, recomputing: %s", r.req_id, e)
+                    k = v = None
+                    n = 0
+                n = min(n, r.load_tokens)
+                fetched.append((r, k, v, n))
+                self._account_load(r, n)
+            for layer, name in enumerate(self._names):
+                cache = self._caches[name]
+                for r, k, v, n in fetched:
+                    if n == 0:
+                        continue
+                    b, o = self._slots(r.block_ids, 0, n)
+                    _write(cache, 0, b, o, k[layer, :, :n].transpose(1, 0, 2))
+                    _write(cache, 1, b, o, v[layer, :, :n].transpose(1, 0, 2))
+                events[layer].set()
+        finally:
+            for e in events:  # never leave a layer waiting, whatever happened
+                e.set()
+
+    def _account_load(self, r: RequestMeta, n: int) -> None:
+        bs = next(iter(self._caches.values())).shape[2]
+        with self._lock:
+            self._loaded_ok[r.req_id] = n
+            if n < r.load_tokens:
+                first, last = n // bs, (r.load_tokens - 1) // bs
+                self._load_errors.update(int(b) for b in r.block_ids[first:last + 1])
+                self._failed_loads.add(r.req_id)
+        self.stats["loaded_tokens"] += n
+        self.stats["load_failed_tokens"] += r.load_tokens - n
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Blocks until this layer's KV of this step's loads is in the paged cache."""
+        if self._layer_loaded:
+            self._layer_loaded[self._layer_index[layer_name]].wait()
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """Queues this layer of this step's saves; the saver thread gathers it from
+        ``kv_layer`` and sends it while the engine computes the next layer."""
+        meta = self._get_connector_metadata()
+        layer = self._layer_index[layer_name]
+        for r in meta.requests:
+            if r.save_tokens > 0:
+                self._save_futures.append(self._saver.submit(self._save_layer, r, layer, kv_layer))
+
+    def _first_block(self, r: RequestMeta) -> int:
+        with self._lock:
+            ok = self._loaded_ok.get(r.req_id)
+        stored = r.stored_blocks if ok is None else min(r.stored_blocks, ok // self._block_tokens)
+        return stored
+
+    def _save_layer(self, r: RequestMeta, layer: int, kv_layer: Any) -> None:
+        with self._lock:
+            if r.req_id in self._failed_loads:
+                return  # computed over missing context this step: not saved
+        s = self._saves.get(r.req_id)
+        first = self._first_block(r)
+        if s is None:
+            s = self._client.put_layers(r.token_ids[:r.save_tokens], len(self._names),
+                                        encoding=self._encoding,
+                                        target_rel_rms=self._target_rel_rms, first_block=first)
+            self._saves[r.req_id] = s
+        begin = first * self._block_tokens
+        b, o = self._slots(r.block_ids, begin, r.save_tokens)
+        k = np.ascontiguousarray(_read(kv_layer, 0, b, o).transpose(1, 0, 2))
+        v = np.ascontiguousarray(_read(kv_layer, 1, b, o).transpose(1, 0, 2))
+        s.write(layer, k, v, token_offset=begin)
+
+    def _commit_all(self) -> None:
+        saves, self._saves = self._saves, {}
+        for req_id, s in saves.items():
+            with self._lock:
+                failed = req_id in self._failed_loads
+            if failed:
+                s.cancel()
+                continue
+            try:
+                result = s.commit()
+                self.stats["saved_blocks"] += result.blocks_stored
+            except Error as e:
+                self.stats["save_errors"] += 1
+                log.warning("kvtrie save of %s failed (a future miss, nothing else): %s", req_id, e)
+
+    def wait_for_save(self) -> None:
+        """Blocks until this step's saves are committed. A failed save is logged and counted
+        (``stats["save_errors"]``), never raised: it only costs a future cache miss."""
+        if self._load_future is not None:
+            self._load_future.result()  # the save decision needs the load outcome
+        futures, self._save_futures = self._save_futures, []
+        for f in futures:
+            try:
+                f.result()
+            except Error as e:
+                self.stats["save_errors"] += 1
+                log.warning("kvtrie save failed: %s", e)
+        self._saver.submit(self._commit_all).result()
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        """Block ids whose KV could not be loaded since the last call (then cleared)."""
+        if self._load_future is not None:
+            self._load_future.result()
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]],
+                                                                   Optional[Set[str]]]:
+        """No asynchronous transfers outlive a step: ``(None, None)``."""
+        return None, None
+
+    def shutdown(self) -> None:
+        self._loader.shutdown(wait=True)
+        self._saver.shutdown(wait=True)
+
+
+def _write(cache: Any, kv: int, blocks: np.ndarray, offsets: np.ndarray, data: np.ndarray) -> None:
+    if isinstance(cache, np.ndarray):
+        cache[kv, blocks, offsets] = data
+    else:  # pragma: no cover - torch under vLLM (untested here)
+        import torch  # type: ignore
+        cache[kv, torch.from_numpy(blocks), torch.from_numpy(offsets)] = (
+            torch.from_numpy(np.ascontiguousarray(data)).to(cache.device, cache.dtype))
+
+
+def _read(cache: Any, kv: int, blocks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    if isinstance(cache, np.ndarray):
+        return cache[kv, blocks, offsets]
+    import torch  # type: ignore  # pragma: no cover - torch under vLLM (untested here)
+    t = cache[kv, torch.from_numpy(blocks), torch.from_numpy(offsets)].cpu()  # pragma: no cover
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
