@@ -9,6 +9,8 @@
 // too). They are read in place, without a copy; Get returns arrays that own the client's buffers,
 // without a copy. Every RPC, block gather and RESIDUAL decode runs with the GIL released, so
 // other Python threads run meanwhile and one client serves many threads.
+// TLS and the bearer token are ClientOptions' (client/client.h); kvtrie/__init__.py reads the PEM
+// files and passes their text here.
 // Errors: a non-OK absl::Status raises kvtrie.Error(code, message) (kvtrie/_errors.py), code the
 // gRPC status code; argument errors found here are INVALID_ARGUMENT naming the argument.
 #include <pybind11/numpy.h>
@@ -245,15 +247,30 @@ class PyPutStream {
 
 class PyClient {
  public:
+  // tls: off when false; on with root_pem (empty: the system's roots), cert_pem + key_pem for
+  // mutual TLS, server_name overriding the name checked in the server's certificate.
   PyClient(const std::string& target, const std::string& model_id, const std::string& ns,
-           const std::string& token, double timeout_s)
+           const std::string& token, double timeout_s, bool tls, const std::string& root_pem,
+           const std::string& cert_pem, const std::string& key_pem, const std::string& server_name)
       : model_id_(model_id) {
     if (model_id.empty()) InvalidArgument("model_id: must not be empty");
     if (!(timeout_s > 0)) InvalidArgument("timeout: must be > 0 seconds");
+    if (cert_pem.empty() != key_pem.empty()) {
+      InvalidArgument(cert_pem.empty() ? "tls.cert: needed with tls.key"
+                                       : "tls.key: needed with tls.cert");
+    }
+    if (!tls && !(root_pem.empty() && cert_pem.empty() && server_name.empty())) {
+      InvalidArgument("tls: PEM data or server_name given with TLS off");
+    }
     ClientOptions o;
     o.target = target;
     o.ns = ns;
     o.token = token;
+    o.tls = tls;
+    o.tls_root_pem = root_pem;
+    o.tls_cert_pem = cert_pem;
+    o.tls_key_pem = key_pem;
+    o.tls_server_name = server_name;
     o.timeout = absl::Milliseconds(timeout_s * 1000);
     client_ = Client::Create(o);
   }
@@ -421,9 +438,12 @@ PYBIND11_MODULE(_kvtrie, m) {
 
   py::class_<PyClient>(m, "_Client")
       .def(py::init<const std::string&, const std::string&, const std::string&, const std::string&,
-                    double>(),
+                    double, bool, const std::string&, const std::string&, const std::string&,
+                    const std::string&>(),
            py::arg("target"), py::arg("model_id"), py::arg("namespace"), py::arg("token"),
-           py::arg("timeout"))
+           py::arg("timeout"), py::arg("tls") = false, py::arg("tls_root_pem") = "",
+           py::arg("tls_cert_pem") = "", py::arg("tls_key_pem") = "",
+           py::arg("tls_server_name") = "")
       .def("lookup", &PyClient::Lookup, py::arg("tokens"))
       .def("put", &PyClient::Put, py::arg("tokens"), py::arg("k"), py::arg("v"),
            py::arg("surprisal"), py::arg("encoding"), py::arg("target_rel_rms"), py::arg("bits"),

@@ -144,9 +144,6 @@ def test_server_errors_carry_the_grpc_code(server, tmp_path):
     with pytest.raises(kvtrie.Error) as e:
         down.lookup([1, 2, 3])
     assert e.value.code == kvtrie.StatusCode.UNAVAILABLE
-    with pytest.raises(kvtrie.Error) as e:
-        kvtrie.Client(server.target, "m", tls={"ca": "ca.pem"})
-    assert e.value.code == kvtrie.StatusCode.UNIMPLEMENTED and e.value.field == "tls"
 
 
 def test_residual_mode_decodes_client_side_and_meets_the_target(server):

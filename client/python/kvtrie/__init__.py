@@ -25,6 +25,7 @@ The connector for vLLM-style engines is :mod:`kvtrie.connector`.
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
@@ -35,6 +36,7 @@ from . import _kvtrie
 
 __all__ = [
     "Client",
+    "TlsConfig",
     "PutStream",
     "PutResult",
     "BlockResult",
@@ -50,6 +52,64 @@ __all__ = [
 ]
 
 TokenIds = Union[Sequence[int], np.ndarray]
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """TLS settings of a :class:`Client`: PEM files, read when the Client is created.
+
+    Attributes:
+        ca: the CA certificate(s) the server's certificate must chain to; None = the system's
+            roots (as ``tls=True``).
+        cert, key: the client's certificate chain and private key, for servers that require
+            mutual TLS (``--tls_client_ca --tls_require_client_cert``); both or neither.
+        server_name: the name checked in the server's certificate instead of the target's host
+            (e.g. ``"kvtrie.internal"`` when connecting by IP address).
+
+    A plain mapping with the same keys works too: ``tls={"ca": "ca.pem"}``.
+    """
+
+    ca: Optional[PathLike] = None
+    cert: Optional[PathLike] = None
+    key: Optional[PathLike] = None
+    server_name: Optional[str] = None
+
+
+def _read_pem(field: str, path: Optional[PathLike]) -> str:
+    if path is None or path == "":
+        return ""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise _invalid(f"tls.{field}: cannot read '{os.fspath(path)}': {e.strerror}") from None
+    if b"-----BEGIN " not in data:
+        raise _invalid(f"tls.{field}: '{os.fspath(path)}' holds no PEM block (-----BEGIN ...)")
+    return data.decode("ascii", errors="replace")
+
+
+def _tls_options(tls: Union[None, bool, "TlsConfig", Mapping[str, Any]]) -> dict:
+    """The TLS keyword arguments of _kvtrie._Client for ``tls`` (see :class:`Client`)."""
+    if tls is None or tls is False:
+        return {}
+    if tls is True:
+        return {"tls": True}
+    if isinstance(tls, Mapping):
+        unknown = sorted(set(tls) - {"ca", "cert", "key", "server_name"})
+        if unknown:
+            raise _invalid(f"tls.{unknown[0]}: unknown key (expected ca, cert, key, server_name)")
+        tls = TlsConfig(**tls)
+    if not isinstance(tls, TlsConfig):
+        raise _invalid(f"tls: expected None, True, a TlsConfig or a mapping, got "
+                       f"{type(tls).__name__}")
+    if (tls.cert is None or tls.cert == "") != (tls.key is None or tls.key == ""):
+        raise _invalid("tls.key: needed with tls.cert" if tls.key in (None, "")
+                       else "tls.cert: needed with tls.key")
+    return {"tls": True, "tls_root_pem": _read_pem("ca", tls.ca),
+            "tls_cert_pem": _read_pem("cert", tls.cert),
+            "tls_key_pem": _read_pem("key", tls.key),
+            "tls_server_name": tls.server_name or ""}
 
 
 class Encoding(enum.IntEnum):
@@ -299,9 +359,15 @@ class Client:
         target: ``HOST:PORT`` of the server (``"127.0.0.1:50051"``).
         model_id: the model whose KV this client stores (``"stories260K"``); the rest of the
             model spec comes from the arrays of the first :meth:`put`.
-        token: a bearer token, sent as ``authorization: Bearer <token>`` on every call.
-        tls: TLS settings ``{"ca": path, "cert": path, "key": path}`` (PEM files). Not yet
-            offered by this build's C++ client: anything but None raises UNIMPLEMENTED.
+        token: a bearer token, sent as ``authorization: Bearer <token>`` on every call (for
+            servers run with ``--tokens_file``; a missing or unknown one is UNAUTHENTICATED).
+        tls: None or False: plaintext. True: TLS, the server's certificate checked against the
+            system's roots. A :class:`TlsConfig` (or a mapping with its keys, ``{"ca": path,
+            "cert": path, "key": path, "server_name": name}``): TLS with that CA, and the
+            client certificate for mutual TLS. The PEM files are read here; an unreadable one,
+            or a cert without its key, raises INVALID_ARGUMENT naming ``tls.ca`` / ``tls.cert`` /
+            ``tls.key``. A TLS client talking to a plaintext server (or the reverse), or one
+            whose CA does not sign the server's certificate, gets UNAVAILABLE on its calls.
         timeout: deadline of each call, in seconds.
         namespace: the namespace of every call (nothing is shared across namespaces).
         block_tokens: tokens per block for Puts (the first Put of a model fixes it).
@@ -312,22 +378,21 @@ class Client:
     """
 
     def __init__(self, target: str, model_id: str, token: Optional[str] = None,
-                 tls: Optional[Mapping[str, str]] = None, timeout: float = 60.0, *,
-                 namespace: str = "", block_tokens: int = 16) -> None:
-        if tls is not None:
-            raise Error(StatusCode.UNIMPLEMENTED,
-                        "tls: the C++ client (kvtrie::ClientOptions) has no TLS options yet; "
-                        "connect over a local or otherwise secured channel")
+                 tls: Union[None, bool, TlsConfig, Mapping[str, Any]] = None,
+                 timeout: float = 60.0, *, namespace: str = "", block_tokens: int = 16) -> None:
+        tls_options = _tls_options(tls)
         self.target = target
         self.model_id = model_id
         self.namespace = namespace
         self.block_tokens = int(block_tokens)
         self._spec: Optional[ModelSpec] = None
-        self._c = _kvtrie._Client(target, model_id, namespace, token or "", float(timeout))
+        self.tls = bool(tls_options)
+        self._c = _kvtrie._Client(target, model_id, namespace, token or "", float(timeout),
+                                  **tls_options)
 
     def __repr__(self) -> str:
         return (f"kvtrie.Client(target={self.target!r}, model_id={self.model_id!r}, "
-                f"namespace={self.namespace!r})")
+                f"namespace={self.namespace!r}, tls={self.tls})")
 
     @property
     def spec(self) -> Optional[ModelSpec]:

@@ -32,7 +32,8 @@ tensors on the CPU through ``.numpy()`` views). Token ``t`` of a request lives a
 kvtrie's ``block_tokens``.
 
 Configuration (a dict; under vLLM, ``kv_connector_extra_config``): ``target`` (HOST:PORT),
-``model_id`` (default: vLLM's model name), ``namespace``, ``token``, ``timeout``, ``encoding``
+``model_id`` (default: vLLM's model name), ``namespace``, ``token``, ``tls`` (``true`` or
+``{"ca": path, "cert": path, "key": path}``, as :class:`kvtrie.Client`), ``timeout``, ``encoding``
 (``"lossless"``, ``"residual"``, ...), ``target_rel_rms``, ``get_mode`` (``"reconstructed"`` or
 ``"residual"``: decode on the worker), ``block_tokens`` (16).
 
@@ -131,7 +132,8 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self._cfg = cfg
         self._block_tokens = int(cfg.get("block_tokens", 16))
         self._client = client or Client(cfg.get("target", "127.0.0.1:50051"), cfg["model_id"],
-                                        token=cfg.get("token"), timeout=float(cfg.get("timeout", 60)),
+                                        token=cfg.get("token"), tls=cfg.get("tls"),
+                                        timeout=float(cfg.get("timeout", 60)),
                                         namespace=cfg.get("namespace", ""),
                                         block_tokens=self._block_tokens)
         self._encoding = cfg.get("encoding", "lossless")
