@@ -15,7 +15,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/ascii.h"
 #include "client/client.h"
-#include "client/kv_dump.h"
+#include "codec/kv_dump.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "kvtrie server HOST:PORT");
 ABSL_FLAG(std::string, dump, "", "KV dump folder (k.npy, v.npy, manifest.json)");

@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "client/kv_dump.h"
+#include "codec/kv_dump.h"
 #include "codec/kv_layout.h"
 #include "trie/kv_store.h"
 

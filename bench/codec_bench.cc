@@ -36,8 +36,8 @@
 #include <string>
 #include <vector>
 
-#include "client/kv_dump.h"
 #include "codec/block_codec.h"
+#include "codec/kv_dump.h"
 #include "codec/kv_layout.h"
 
 namespace kvtrie {

@@ -24,9 +24,9 @@
 #include <string>
 #include <vector>
 
-#include "client/kv_dump.h"
 #include "codec/block_batch.h"
 #include "codec/block_codec.h"
+#include "codec/kv_dump.h"
 #include "codec/kv_layout.h"
 #include "codec/thread_pool.h"
 

@@ -1,7 +1,7 @@
 // bench/make_fuzz_seeds.cc — writes the seed corpora of the libFuzzer targets from tests/data:
 //   build/bench/make_fuzz_seeds   (run from the repository root; rewrites the *_corpus folders)
 // server/fuzz/put_stream_corpus: real Put streams (header, PutTokens, blocks, commit) in the
-// fuzzer's record format; client/fuzz/kv_dump_corpus: small real dumps; client/fuzz/
+// fuzzer's record format; codec/fuzz/kv_dump_corpus: small real dumps; client/fuzz/
 // residual_chain_corpus: real residual, int8 and lossless blocks of tests/data in order.
 #include <filesystem>
 #include <fstream>
@@ -10,8 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "client/kv_dump.h"
 #include "codec/block_codec.h"
+#include "codec/decode_chain.h"
+#include "codec/kv_dump.h"
 #include "codec/kv_layout.h"
 #include "kvtrie/v1/kvtrie.pb.h"
 
@@ -133,21 +134,22 @@ int Run() {
     }
     const std::string m = Slurp(dir + "/manifest.json"), k = Slurp(dir + "/k.npy"),
                       v = Slurp(dir + "/v.npy");
-    WriteSeed("client/fuzz/kv_dump_corpus", "s0_" + std::to_string(tokens),
+    WriteSeed("codec/fuzz/kv_dump_corpus", "s0_" + std::to_string(tokens),
               U16(m.size()) + U16(k.size()) + m + k + v);
   }
 
   // RESIDUAL chains: blocks 0..3 of s0 encoded as the server stores them (each from its parent).
   for (Encoding e : {Encoding::kResidual, Encoding::kInt8, Encoding::kLossless}) {
-    std::string seed(1, '\0');  // fp16
-    std::vector<uint8_t> parent;
+    std::string seed(1, '\0');      // fp16
+    DecodeChain chain(g, nullptr);  // the parents, as the client's ResidualChain rebuilds them
+    std::vector<uint8_t> decoded(g.num_bytes());
     std::string wrapped(1, '\0');
     for (uint32_t b = 0; b < 4; ++b) {
       EncodeOptions o;
       o.encoding = e;
       o.target_rel_rms = 0.1;
       PredictionContext ctx;
-      ctx.parent = parent;
+      ctx.parent = chain.parent();
       absl::StatusOr<EncodedBlock> enc = EncodeBlock(g, blocks[b], o, ctx);
       if (!enc.ok()) {
         std::cerr << enc.status() << "\n";
@@ -161,8 +163,7 @@ int Run() {
                                 std::string(h->params) + std::string(h->payload);
       wrapped += std::string(1, '\x01') + std::string(1, static_cast<char>(b)) +
                  std::string(1, '\0') + U16(inner.size()) + inner;
-      parent.resize(g.num_bytes());
-      if (!DecodeBlock(enc->bytes, absl::MakeSpan(parent), ctx).ok()) return 1;
+      if (!chain.Next(enc->bytes, 0, absl::MakeSpan(decoded)).ok()) return 1;
     }
     WriteSeed("client/fuzz/residual_chain_corpus", std::string(EncodingName(e)), seed);
     WriteSeed("client/fuzz/residual_chain_corpus", std::string(EncodingName(e)) + "_wrapped",

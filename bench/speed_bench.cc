@@ -33,7 +33,7 @@
 #include <vector>
 
 #include "client/client.h"
-#include "client/kv_dump.h"
+#include "codec/kv_dump.h"
 #include "codec/kv_layout.h"
 #include "tests/server_process.h"
 

@@ -2,7 +2,7 @@
 //
 // kvtrie::Client — the C++ client of a kvtrie server (kvtrie.v1.KVCache over gRPC).
 //
-// KV crosses this API in the *sequence layout* of client/kv_dump.h: K and V each
+// KV crosses this API in the *sequence layout* of codec/kv_dump.h: K and V each
 // [num_layers][num_kv_heads][num_tokens][head_dim] in the model's dtype. The client cuts it into
 // blocks of block_tokens tokens for Put and reassembles blocks from Get, so callers never see the
 // block layout. Only full blocks are stored; a tail of num_tokens % block_tokens is not.
@@ -21,8 +21,8 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "client/kv_dump.h"
 #include "client/put_stream.h"
+#include "codec/kv_dump.h"
 #include "kvtrie/v1/kvtrie.grpc.pb.h"
 
 namespace kvtrie {

@@ -29,8 +29,8 @@
 #include "client/call_command.h"
 #include "client/client.h"
 #include "client/client_flags.h"
-#include "client/kv_dump.h"
 #include "client/proto_json.h"
+#include "codec/kv_dump.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "server address HOST:PORT");
 ABSL_FLAG(std::string, namespace, "", "namespace (isolation domain) of every call");

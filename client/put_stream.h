@@ -7,7 +7,7 @@
 // exactly once, as the server requires), then Commit. A stream destroyed or cancelled before
 // Commit stores nothing (the server drops a Put without its PutCommit).
 //
-// KV crosses this API in the sequence layout of client/kv_dump.h, restricted to a layer range
+// KV crosses this API in the sequence layout of codec/kv_dump.h, restricted to a layer range
 // and a token span: K and V each [layer_end - layer_begin][num_kv_heads][span_tokens][head_dim]
 // in the model's dtype, holding tokens [token_offset, token_offset + span_tokens) of the header's
 // sequence. Every full block of the header inside the span, from the PutOptions' first_block on,

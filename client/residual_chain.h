@@ -1,10 +1,14 @@
 // client/residual_chain.h
 //
 // ResidualChain: decodes the blocks of a Get in RESIDUAL mode (GetBlock.encoded, the stored
-// encoding of codec/block_codec.h) as the C++ client receives them. Block i may be predicted from
-// block i-1's reconstruction (its parent) and, when its envelope names a centroid
+// encoding of codec/block_codec.h) as the C++ client receives them. The parent/centroid context
+// and its caching are codec/decode_chain.h's DecodeChain (the one the store and the service use);
+// this class adds the checks a client must make on what the wire gives it: block order, the
+// envelope, the geometry, the reference id and the size of a fetched centroid. Block i may be
+// predicted from block i-1's reconstruction (its parent) and, when its envelope names a centroid
 // (reference_node_id != 0), from that centroid block's reconstruction, which `fetch` returns
-// (the client reads it with GetRequest.node_id); the last 64 centroids are cached.
+// (the client reads it with GetRequest.node_id); DecodeChain caches the last
+// DecodeChain::kMaxReferences centroids.
 //
 // Errors (the stream is then unusable): DATA_LOSS naming the block when it arrives out of order,
 // its envelope fails its checks, its geometry differs from the model's, its reference id differs
@@ -16,7 +20,6 @@
 
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -24,6 +27,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "codec/block_geometry.h"
+#include "codec/decode_chain.h"
 
 namespace kvtrie {
 
@@ -33,6 +37,8 @@ class ResidualChain {
   using FetchReference = std::function<absl::StatusOr<std::vector<uint8_t>>(uint64_t node_id)>;
 
   ResidualChain(const BlockGeometry& geometry, FetchReference fetch);
+  ResidualChain(const ResidualChain&) = delete;  // the chain's fetcher points at this object
+  ResidualChain& operator=(const ResidualChain&) = delete;
 
   // Decodes block `block_index` (0, 1, 2, ... in order) into `out` (geometry.num_bytes()).
   absl::Status Decode(uint32_t block_index, uint64_t reference_node_id, absl::string_view encoded,
@@ -40,10 +46,9 @@ class ResidualChain {
 
  private:
   const BlockGeometry geometry_;
-  const FetchReference fetch_;
   uint32_t next_block_ = 0;
-  std::vector<uint8_t> parent_;                          // block next_block_ - 1
-  std::map<uint64_t, std::vector<uint8_t>> references_;  // centroid node id -> reconstruction
+  uint32_t current_block_ = 0;  // the block being decoded, for the fetcher's errors
+  DecodeChain chain_;
 };
 
 }  // namespace kvtrie

@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "client/client.h"
-#include "client/kv_dump.h"
 #include "codec/block_geometry.h"
+#include "codec/kv_dump.h"
 #include "codec/kv_layout.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"

@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "client/client.h"
-#include "client/kv_dump.h"
 #include "codec/block_geometry.h"
+#include "codec/kv_dump.h"
 #include "gtest/gtest.h"
 #include "tests/hostile_testing.h"
 #include "tests/server_process.h"

@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "client/client.h"
-#include "client/kv_dump.h"
 #include "codec/block_geometry.h"
+#include "codec/kv_dump.h"
 #include "codec/kv_layout.h"
 #include "gtest/gtest.h"
 

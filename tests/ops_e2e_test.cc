@@ -19,7 +19,7 @@
 
 #include "absl/strings/str_split.h"
 #include "client/client.h"
-#include "client/kv_dump.h"
+#include "codec/kv_dump.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "tests/prometheus_text.h"

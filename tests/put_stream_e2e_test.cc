@@ -10,8 +10,8 @@
 
 #include "absl/strings/match.h"
 #include "client/client.h"
-#include "client/kv_dump.h"
 #include "client/put_stream.h"
+#include "codec/kv_dump.h"
 #include "gtest/gtest.h"
 #include "tests/server_process.h"
 
@@ -184,8 +184,8 @@ TEST(ClientOptionsE2E, ABearerTokenTravelsAsAuthorizationMetadata) {
   b.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = b.BuildAndStart();
   ASSERT_GT(port, 0);
-  auto c = Client::Create(
-      {.target = "127.0.0.1:" + std::to_string(port), .ns = "", .token = "s3cret"});
+  auto c =
+      Client::Create({.target = "127.0.0.1:" + std::to_string(port), .ns = "", .token = "s3cret"});
   ASSERT_TRUE(c->Lookup("m", std::vector<uint32_t>{1, 2}).ok());
   EXPECT_EQ(service.authorization, "Bearer s3cret");
   server->Shutdown();

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "client/client.h"
-#include "client/kv_dump.h"
+#include "codec/kv_dump.h"
 #include "gtest/gtest.h"
 #include "tests/prometheus_text.h"
 #include "tests/server_process.h"

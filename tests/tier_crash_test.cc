@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "client/client.h"
-#include "client/kv_dump.h"
+#include "codec/kv_dump.h"
 #include "codec/kv_layout.h"
 #include "gtest/gtest.h"
 #include "tests/server_process.h"

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "client/kv_dump.h"
+#include "codec/kv_dump.h"
 #include "codec/kv_layout.h"
 #include "gtest/gtest.h"
 #include "trie/fault_injection_testing.h"

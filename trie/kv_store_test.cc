@@ -7,7 +7,7 @@
 #include <thread>
 #include <vector>
 
-#include "client/kv_dump.h"
+#include "codec/kv_dump.h"
 #include "codec/kv_layout.h"
 #include "gtest/gtest.h"
 #include "trie/kv_store_testing.h"

@@ -11,7 +11,7 @@
 #include <thread>
 #include <vector>
 
-#include "client/kv_dump.h"
+#include "codec/kv_dump.h"
 #include "codec/kv_layout.h"
 #include "gtest/gtest.h"
 #include "trie/blob_corruption_testing.h"

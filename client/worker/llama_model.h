@@ -8,7 +8,7 @@
 // rows in the adjacent-pair order llama.cpp's NORM RoPE uses, which is llama2.c's order: they are
 // used as stored (checked against the dumps in tests/data).
 //
-// A Sequence holds one token sequence's KV cache in the dump layout of client/kv_dump.h:
+// A Sequence holds one token sequence's KV cache in the dump layout of codec/kv_dump.h:
 // K (after RoPE) and V, each [num_layers][num_kv_heads][capacity][head_dim] float32, and the
 // per-token surprisal -log2 p(token_i | tokens_<i) in bits (0 for the first token, NaN where the
 // logits of the previous token were not computed, e.g. the first token after a loaded prefix
@@ -26,8 +26,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "client/kv_dump.h"
 #include "client/worker/tokenizer.h"
+#include "codec/kv_dump.h"
 
 namespace kvtrie::worker {
 
@@ -91,7 +91,7 @@ class Sequence {
 
   // Takes externally supplied KV for a prefix (e.g. from kvtrie) instead of computing it (its
   // values are used as given, not rounded to kv_dtype).
-  // `prefix` is in any dtype of client/kv_dump.h; its surprisal_bits (if one per token) are kept.
+  // `prefix` is in any dtype of codec/kv_dump.h; its surprisal_bits (if one per token) are kept.
   // REQUIRES: num_tokens() == 0. Errors: INVALID_ARGUMENT naming the field when num_layers,
   // num_kv_heads, head_dim, k/v sizes or token ids do not fit the model; OUT_OF_RANGE past
   // capacity.

@@ -3,9 +3,9 @@
 #include <cmath>
 #include <string>
 
-#include "client/kv_dump.h"
 #include "client/worker/test_model.h"
 #include "client/worker/worker_ops.h"
+#include "codec/kv_dump.h"
 #include "gtest/gtest.h"
 
 namespace kvtrie::worker {

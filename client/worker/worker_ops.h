@@ -1,7 +1,7 @@
 // client/worker/worker_ops.h
 //
 // What `kvtrie-worker dump` and `generate` do, as library calls (the CLI and the tests share
-// them). A dump is the exchange format of shared/data/README.md / client/kv_dump.h: K (after
+// them). A dump is the exchange format of shared/data/README.md / codec/kv_dump.h: K (after
 // RoPE) and V [layers][kv_heads][tokens][head_dim] in fp16, token ids, per-token surprisal in
 // bits (BOS: 0, written as null).
 #ifndef KVTRIE_CLIENT_WORKER_WORKER_OPS_H_
@@ -14,8 +14,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "client/kv_dump.h"
 #include "client/worker/llama_model.h"
+#include "codec/kv_dump.h"
 
 namespace kvtrie::worker {
 

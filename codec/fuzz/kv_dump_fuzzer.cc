@@ -1,11 +1,11 @@
-// client/fuzz/kv_dump_fuzzer.cc
+// codec/fuzz/kv_dump_fuzzer.cc
 //
-// libFuzzer target for the KV dump reader (client/kv_dump.h): the input is split into
+// libFuzzer target for the KV dump reader (codec/kv_dump.h): the input is split into
 // manifest.json, k.npy and v.npy ([u16 manifest length][u16 k length][manifest][k][v]), written to
 // a folder of this process, and read with ReadKvDump and ReadKvManifest. Whatever the bytes: a
 // status or a dump whose k and v hold exactly layers x kv_heads x tokens x head_dim elements and
 // one surprisal value per token — never a crash or an out-of-bounds read (ASan + UBSan).
-// Seeds in client/fuzz/kv_dump_corpus (cut from tests/data).
+// Seeds in codec/fuzz/kv_dump_corpus (cut from tests/data).
 #include <unistd.h>
 
 #include <cstdint>
@@ -15,7 +15,7 @@
 #include <fstream>
 #include <string>
 
-#include "client/kv_dump.h"
+#include "codec/kv_dump.h"
 
 namespace {
 

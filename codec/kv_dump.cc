@@ -1,4 +1,4 @@
-#include "client/kv_dump.h"
+#include "codec/kv_dump.h"
 
 #include <cmath>
 #include <filesystem>

@@ -1,4 +1,4 @@
-// client/kv_dump.h
+// codec/kv_dump.h
 //
 // Reads and writes a KV dump folder, the exchange format of shared/data/README.md:
 //   k.npy, v.npy    float16 (or bf16 as '<V2' / fp32 '<f4'), shape [num_layers, num_kv_heads,
@@ -6,8 +6,8 @@
 //   manifest.json   {"token_ids": [...], "surprisal_bits": [null | bits, ...], "layers": L,
 //                    "kv_heads": H, "head_dim": D, "model_file": "...", ...}
 // surprisal_bits[i] = -log2 p(token_i | tokens_<i) in bits; null (BOS) is read as 0.
-#ifndef KVTRIE_CLIENT_KV_DUMP_H_
-#define KVTRIE_CLIENT_KV_DUMP_H_
+#ifndef KVTRIE_CODEC_KV_DUMP_H_
+#define KVTRIE_CODEC_KV_DUMP_H_
 
 #include <cstdint>
 #include <string>
@@ -54,4 +54,4 @@ absl::Status WriteKvDump(const std::string& dir, const KvDump& dump);
 
 }  // namespace kvtrie
 
-#endif  // KVTRIE_CLIENT_KV_DUMP_H_
+#endif  // KVTRIE_CODEC_KV_DUMP_H_
