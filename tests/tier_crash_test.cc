@@ -82,6 +82,7 @@ TEST(TierCrash, SigkillDuringConcurrentPutsLosesNoAcknowledgedBlockAndServesNoth
     }
     // Four concurrent Put streams, killed at a random moment.
     std::atomic<bool> stop{false};
+    std::atomic<int> round_acked{0};
     std::vector<std::thread> writers;
     for (int w = 0; w < 4; ++w) {
       writers.emplace_back([&, w] {
@@ -101,6 +102,7 @@ TEST(TierCrash, SigkillDuringConcurrentPutsLosesNoAcknowledgedBlockAndServesNoth
           for (auto it = attempts.rbegin(); it != attempts.rend(); ++it) {
             if (it->ns == a.ns) {
               it->acked = r.ok();
+              round_acked += r.ok();
               break;
             }
           }
@@ -108,8 +110,14 @@ TEST(TierCrash, SigkillDuringConcurrentPutsLosesNoAcknowledgedBlockAndServesNoth
         }
       });
     }
+    // Killed at a random moment once two Puts of this round are acknowledged (bounded: a slow,
+    // e.g. sanitized, server acknowledges later), so every round kills acknowledged state.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (round_acked < 2 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
     std::this_thread::sleep_for(
-        std::chrono::milliseconds(std::uniform_int_distribution<int>(100, 700)(rng)));
+        std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 600)(rng)));
     (*server)->Kill();
     stop = true;
     for (auto& t : writers) t.join();
