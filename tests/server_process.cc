@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -53,7 +54,9 @@ int DecodeWaitStatus(int status) {
 }  // namespace
 
 std::string BinaryPath(const std::string& name) {
-  return (std::filesystem::path(KVTRIE_BINARY_DIR) / name).string();
+  const char* dir = std::getenv("KVTRIE_SERVER_BINARY_DIR");
+  return (std::filesystem::path(dir != nullptr && *dir != '\0' ? dir : KVTRIE_BINARY_DIR) / name)
+      .string();
 }
 
 std::string FreshDir(const std::string& name) {

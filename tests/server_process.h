@@ -44,7 +44,10 @@ class ServerProcess {
   std::string log_path_;
 };
 
-// Path of a binary of this build: "kvtrie-server", "kvtrie", "kvtrie-worker".
+// Path of a binary of this build: "kvtrie-server", "kvtrie", "kvtrie-worker". The environment
+// variable KVTRIE_SERVER_BINARY_DIR, when set and non-empty, replaces this build's folder (to run
+// the end-to-end tests against another build's binaries, e.g. an old commit's; see
+// bench/issue12_before_after.md).
 std::string BinaryPath(const std::string& name);
 
 // Runs `argv` (argv[0] a path), returns its exit status and writes stdout to *out and stderr to
