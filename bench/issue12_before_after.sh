@@ -14,9 +14,12 @@ rm -rf "$out" && mkdir -p "$out"
 tmp=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$tmp"' EXIT
 
+# The flags of the fixes that 7bd6e03's server does not know: left out, so that the tests show
+# the defect rather than "unknown flag".
+drop=put_idle_timeout_seconds,max_inflight_put_bytes_per_namespace,max_concurrent_put_streams,max_threads
 echo "== the tests of $(git rev-parse --short HEAD) against $old"
 for t in hostile_e2e_test bad_input_matrix_test stress_test; do
-  KVTRIE_SERVER_BINARY_DIR=$old timeout 600 "$new/tests/$t" >"$out/$t.old.log" 2>&1
+  KVTRIE_SERVER_BINARY_DIR=$old KVTRIE_SERVER_DROP_FLAGS=$drop timeout 600 "$new/tests/$t" >"$out/$t.old.log" 2>&1
   rc=$?
   failed=$(grep -o '^\[  FAILED  \] [A-Za-z0-9_]*\.[A-Za-z0-9_]*' "$out/$t.old.log" | sort -u)
   echo "$t: rc $rc, $(grep -c . <<<"$failed") failed ($out/$t.old.log)"
