@@ -66,9 +66,9 @@ for side in old new; do
   cli --namespace=a put "$s0" >/dev/null 2>&1
   echo "-- 3 stats of namespace b after one Put in a:"
   cli --namespace=b stats 2>&1 | grep -iE '"(puts|nodes|lookups|blocks_?stored|blocks_?deduplicated)"'
-  echo "-- 3 node ids of namespace b's first Put:"
   cli --namespace=b put "$s0" >/dev/null 2>&1
-  cli --namespace=b lookup "$s0" 2>&1 | grep -oiE '"node_?ids": *\[[^]]*' | cut -c1-60
+  echo "-- 3 first node id of namespace b's first Put (after a's 32 nodes):" \
+    "$(cli --namespace=b lookup "$s0" 2>&1 | tr -d ' \n' | grep -oiE '"node_?ids":\[[0-9]+')"
   # 7: the stats CLI's histogram.
   echo "-- 7 stats histogram buckets: $(cli stats 2>&1 | grep -c '"count"')"
   kill %1 2>/dev/null; wait 2>/dev/null
