@@ -3,7 +3,8 @@
 #   bench/fuzz_long.sh [seconds per target, default 300]
 # Each starts from its seed corpus in the repo and keeps what it finds in /tmp/kvtrie-fuzz/NAME
 # (crashes as /tmp/kvtrie-fuzz/NAME-crash-*). Prints one table row per target: executions, runs
-# per second, coverage, corpus size, and whether it found a crash.
+# per second, coverage (libFuzzer's cov: edges and ft: features), corpus size, and whether it
+# found a crash.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-300}
@@ -13,8 +14,8 @@ seeds=("" server/fuzz/put_stream_corpus codec/fuzz/kv_dump_corpus client/fuzz/re
 tests/run_sanitizers.sh asan-build "${targets[@]##*/}" >/dev/null
 export ASAN_OPTIONS=detect_leaks=1:detect_container_overflow=0
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-printf '| target | seconds | executions | exec/s | coverage (cov) | corpus | result |\n'
-printf '|---|---|---|---|---|---|---|\n'
+printf '| target | seconds | executions | exec/s | cov | ft | corpus | result |\n'
+printf '|---|---|---|---|---|---|---|---|\n'
 for i in "${!targets[@]}"; do
   t=${targets[$i]}
   name=${t##*/}
@@ -27,8 +28,9 @@ for i in "${!targets[@]}"; do
   execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' || echo 0)
   rate=$(grep -o 'stat::average_exec_per_sec: *[0-9]*' "$log" | grep -o '[0-9]*$' || echo 0)
   cov=$(grep -o 'cov: [0-9]*' "$log" | tail -1 | grep -o '[0-9]*' || echo 0)
+  ft=$(grep -o 'ft: [0-9]*' "$log" | tail -1 | grep -o '[0-9]*' || echo 0)
   units=$(ls "$corpus" | wc -l)
   result=$([[ $rc == 0 ]] && echo "no crash" || echo "FAILED (rc $rc, see $log)")
-  printf '| %s | %s | %s | %s | %s | %s | %s |\n' "$name" "$secs" "$execs" "$rate" "$cov" \
-    "$units" "$result"
+  printf '| %s | %s | %s | %s | %s | %s | %s | %s |\n' "$name" "$secs" "$execs" "$rate" "$cov" \
+    "$ft" "$units" "$result"
 done

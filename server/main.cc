@@ -41,6 +41,7 @@
 #include "server/kvcache_service.h"
 #include "server/metrics.h"
 #include "server/ops_flags.h"
+#include "server/parse_failure_interceptor.h"
 #include "server/tls.h"
 #include "trie/kv_store.h"
 
@@ -233,6 +234,9 @@ int Run() {
   int port = 0;
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), *credentials, &port);
   builder.RegisterService(&guarded);
+  // A request that does not parse (invalid UTF-8 in a string field) gets INVALID_ARGUMENT saying
+  // so, not gRPC's INTERNAL with an empty message.
+  builder.experimental().SetInterceptorCreators(MakeParseFailureInterceptors());
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {
     spdlog::critical(

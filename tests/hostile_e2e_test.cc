@@ -366,6 +366,33 @@ TEST_F(Hostile, InvalidUtf8NamesTheField) {
       {Msg(HeaderOf(s0_, "caf\xc3")), Msg(testing::BlockOf(s0_, 0)), testing::Commit()});
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
   EXPECT_NE(s.error_message().find("UTF-8"), std::string::npos) << s.error_message();
+  // A unary call that does not parse: INVALID_ARGUMENT saying why, not gRPC's bare INTERNAL.
+  {
+    v1::LookupRequest req;
+    req.set_namespace_("caf\xc3");
+    req.set_model_id(s0_.model_id);
+    req.mutable_token_ids()->Add(s0_.token_ids.begin(), s0_.token_ids.end());
+    v1::LookupResponse resp;
+    grpc::ClientContext ctx;
+    s = client->stub()->Lookup(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_EQ(s.error_message().rfind("request: did not parse", 0), 0u) << s.error_message();
+    EXPECT_NE(s.error_message().find("UTF-8"), std::string::npos) << s.error_message();
+  }
+  {  // and a server-streaming one
+    v1::GetRequest req;
+    req.set_namespace_("caf\xc3");
+    req.set_model_id(s0_.model_id);
+    req.mutable_token_ids()->Add(s0_.token_ids.begin(), s0_.token_ids.end());
+    req.set_mode(v1::GET_MODE_RECONSTRUCTED);
+    grpc::ClientContext ctx;
+    auto reader = client->stub()->Get(&ctx, req);
+    v1::GetResponse msg;
+    EXPECT_FALSE(reader->Read(&msg));
+    s = reader->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_EQ(s.error_message().rfind("request: did not parse", 0), 0u) << s.error_message();
+  }
   before.Expect("invalid UTF-8");
 }
 

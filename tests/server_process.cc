@@ -4,13 +4,16 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 
 namespace kvtrie::testing {
@@ -53,7 +56,9 @@ int DecodeWaitStatus(int status) {
 }  // namespace
 
 std::string BinaryPath(const std::string& name) {
-  return (std::filesystem::path(KVTRIE_BINARY_DIR) / name).string();
+  const char* dir = std::getenv("KVTRIE_SERVER_BINARY_DIR");
+  return (std::filesystem::path(dir != nullptr && *dir != '\0' ? dir : KVTRIE_BINARY_DIR) / name)
+      .string();
 }
 
 std::string FreshDir(const std::string& name) {
@@ -86,7 +91,14 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
   std::vector<std::string> argv = {BinaryPath("server/kvtrie-server"), "--listen=127.0.0.1:0",
                                    "--data_dir=" + data_dir, "--port_file=" + port_file,
                                    "--shutdown_grace_seconds=5"};
-  argv.insert(argv.end(), extra_flags.begin(), extra_flags.end());
+  // KVTRIE_SERVER_DROP_FLAGS: flags (comma-separated names) an older server does not know.
+  const char* drop_env = std::getenv("KVTRIE_SERVER_DROP_FLAGS");
+  const std::vector<std::string> drop = absl::StrSplit(drop_env ? drop_env : "", ',');
+  for (const std::string& flag : extra_flags) {
+    const std::string name =
+        flag.substr(0, flag.find('=')).substr(flag.rfind("--", 0) == 0 ? 2 : 0);
+    if (std::find(drop.begin(), drop.end(), name) == drop.end()) argv.push_back(flag);
+  }
   p->pid_ = Spawn(argv, p->log_path_, p->log_path_);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   while (std::chrono::steady_clock::now() < deadline) {

@@ -3,6 +3,10 @@
 // Starts the real `kvtrie-server` binary as a child process on a free loopback port, for
 // end-to-end tests. The server gets --listen=127.0.0.1:0 and reports its port through
 // --port_file; Start waits (up to 30 s) until it serves. Its log goes to `<data_dir>.log`.
+// To run the end-to-end tests against an older build (bench/issue12_before_after.sh):
+// KVTRIE_SERVER_BINARY_DIR names that build's folder (see BinaryPath), and
+// KVTRIE_SERVER_DROP_FLAGS (comma-separated flag names, e.g. "put_idle_timeout_seconds") leaves
+// out the extra flags it does not know.
 #ifndef KVTRIE_TESTS_SERVER_PROCESS_H_
 #define KVTRIE_TESTS_SERVER_PROCESS_H_
 
@@ -44,7 +48,10 @@ class ServerProcess {
   std::string log_path_;
 };
 
-// Path of a binary of this build: "kvtrie-server", "kvtrie", "kvtrie-worker".
+// Path of a binary of this build: "kvtrie-server", "kvtrie", "kvtrie-worker". The environment
+// variable KVTRIE_SERVER_BINARY_DIR, when set and non-empty, replaces this build's folder (to run
+// the end-to-end tests against another build's binaries, e.g. an old commit's; see
+// bench/issue12_before_after.md).
 std::string BinaryPath(const std::string& name);
 
 // Runs `argv` (argv[0] a path), returns its exit status and writes stdout to *out and stderr to
