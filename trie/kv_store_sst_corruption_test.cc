@@ -10,6 +10,7 @@
 #include "gtest/gtest.h"
 #include "trie/kv_store.h"
 #include "trie/sst_corruption_testing.h"
+#include "trie/store_testing.h"
 
 namespace kvtrie {
 namespace {
@@ -38,43 +39,14 @@ class SstCorruptionTest : public testing::Test {
     store_ = *std::move(s);
     return absl::OkStatus();
   }
-  static ModelInfo Model(const KvDump& d) {
-    return {d.model_id, {d.num_layers, d.num_kv_heads, 16, d.head_dim, d.dtype}};
-  }
   void PutAll() {
-    for (const auto& [ns, d] : {std::pair{"a", &dumps_[0]}, std::pair{"b", &dumps_[1]}}) {
-      ModelInfo m = Model(*d);
-      auto session = store_->BeginPut(ns, m, d->token_ids, d->surprisal_bits,
-                                      {.encoding = Encoding::kLossless});
-      ASSERT_TRUE(session.ok());
-      std::vector<uint8_t> block(m.geometry.num_bytes());
-      for (size_t b = 0; b < d->num_tokens() / 16; ++b) {
-        GatherBlock(m.geometry, d->num_tokens(), d->k.data(), d->v.data(), b,
-                    absl::MakeSpan(block));
-        ASSERT_TRUE((*session)->AddLayers(b, 0, 0, block).ok());
-      }
-      ASSERT_TRUE((*session)->Finish().ok());
-    }
+    ASSERT_TRUE(testing_store::PutDump(store_.get(), "a", dumps_[0]).ok());
+    ASSERT_TRUE(testing_store::PutDump(store_.get(), "b", dumps_[1]).ok());
   }
   // Reads every block of `d` in `ns`; returns how many read back bit-exact (stops at the first
   // error, returned in `error`).
   size_t ReadBack(const std::string& ns, const KvDump& d, absl::Status* error) {
-    ModelInfo m = Model(d);
-    auto got = store_->Get(ns, m.model_id, d.token_ids, 0);
-    if (!got.ok()) {
-      *error = got.status();
-      return 0;
-    }
-    std::vector<uint8_t> want(m.geometry.num_bytes()), have(m.geometry.num_bytes());
-    DecodeChain chain(m.geometry, nullptr);
-    for (size_t b = 0; b < got->blocks.size(); ++b) {
-      GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(want));
-      *error =
-          store_->ReadAndDecodeBlock(ns, m.model_id, got->blocks[b], &chain, absl::MakeSpan(have));
-      if (!error->ok()) return b;
-      EXPECT_EQ(have, want) << ns << " block " << b;
-    }
-    return got->blocks.size();
+    return testing_store::ReadBackBitExact(store_.get(), ns, d, error);
   }
 
   std::filesystem::path dir_;

@@ -18,6 +18,7 @@
 #include "trie/kv_store.h"
 #include "trie/kv_store_testing.h"
 #include "trie/record_store.h"
+#include "trie/store_testing.h"
 
 namespace kvtrie {
 namespace {
@@ -58,41 +59,18 @@ class TierTest : public testing::Test {
     ASSERT_TRUE(s.ok()) << s.status();
     store_ = *std::move(s);
   }
-  static ModelInfo Model(const KvDump& d) {
-    return {d.model_id, {d.num_layers, d.num_kv_heads, 16, d.head_dim, d.dtype}};
-  }
+  static ModelInfo Model(const KvDump& d) { return testing_store::DumpModel(d); }
   absl::StatusOr<PutSummary> Put(const std::string& ns, const KvDump& d,
                                  Encoding enc = Encoding::kLossless) {
-    ModelInfo m = Model(d);
-    auto session = store_->BeginPut(ns, m, d.token_ids, d.surprisal_bits, {.encoding = enc});
-    if (!session.ok()) return session.status();
-    std::vector<uint8_t> block(m.geometry.num_bytes());
-    for (size_t b = 0; b < d.num_tokens() / 16; ++b) {
-      GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(block));
-      if (auto s = (*session)->AddLayers(b, 0, 0, block); !s.ok()) return s;
-    }
-    return (*session)->Finish();
+    return testing_store::PutDump(store_.get(), ns, d, enc);
   }
   // Blocks of `d` stored in `ns` (longest prefix).
   size_t Stored(const std::string& ns, const KvDump& d) {
-    return store_->Lookup(ns, d.model_id, d.token_ids).node_ids.size();
+    return testing_store::StoredBlocks(store_.get(), ns, d);
   }
   // Reads the longest stored prefix and checks every block bit-exact; returns the block count.
   size_t ExpectBitExact(const std::string& ns, const KvDump& d) {
-    ModelInfo m = Model(d);
-    auto got = store_->Get(ns, m.model_id, d.token_ids, 0);
-    EXPECT_TRUE(got.ok()) << got.status();
-    if (!got.ok()) return 0;
-    std::vector<uint8_t> want(m.geometry.num_bytes()), have(m.geometry.num_bytes());
-    DecodeChain chain(m.geometry, nullptr);
-    for (size_t b = 0; b < got->blocks.size(); ++b) {
-      GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(want));
-      absl::Status s =
-          store_->ReadAndDecodeBlock(ns, m.model_id, got->blocks[b], &chain, absl::MakeSpan(have));
-      EXPECT_TRUE(s.ok()) << s;
-      EXPECT_EQ(have, want) << ns << " block " << b;
-    }
-    return got->blocks.size();
+    return testing_store::ExpectBitExact(store_.get(), ns, d);
   }
 
   std::filesystem::path dir_;

@@ -1,0 +1,79 @@
+// trie/store_testing.h — test-only helpers shared by the KvStore tests: put a real KV dump
+// (codec/kv_dump.h, tests/data) into a store block by block, and read it back checked against
+// the dump. Blocks are 16 tokens; the dump's geometry is the model's.
+#ifndef KVTRIE_TRIE_STORE_TESTING_H_
+#define KVTRIE_TRIE_STORE_TESTING_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "codec/decode_chain.h"
+#include "codec/kv_dump.h"
+#include "codec/kv_layout.h"
+#include "gtest/gtest.h"
+#include "trie/kv_store.h"
+
+namespace kvtrie::testing_store {
+
+// The model spec of a dump, with 16-token blocks.
+inline ModelInfo DumpModel(const KvDump& d) {
+  return {d.model_id, {d.num_layers, d.num_kv_heads, 16, d.head_dim, d.dtype}};
+}
+
+// Puts every full block of `d` into namespace `ns` (one message per block) and commits.
+inline absl::StatusOr<PutSummary> PutDump(KvStore* store, const std::string& ns, const KvDump& d,
+                                          Encoding encoding = Encoding::kLossless) {
+  const ModelInfo m = DumpModel(d);
+  auto session = store->BeginPut(ns, m, d.token_ids, d.surprisal_bits, {.encoding = encoding});
+  if (!session.ok()) return session.status();
+  std::vector<uint8_t> block(m.geometry.num_bytes());
+  for (size_t b = 0; b < d.num_tokens() / 16; ++b) {
+    GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(block));
+    if (auto s = (*session)->AddLayers(b, 0, 0, block); !s.ok()) return s;
+  }
+  return (*session)->Finish();
+}
+
+// Blocks of `d` stored in `ns` (the longest stored prefix).
+inline size_t StoredBlocks(KvStore* store, const std::string& ns, const KvDump& d) {
+  return store->Lookup(ns, d.model_id, d.token_ids).node_ids.size();
+}
+
+// Reads the longest stored prefix of `d` in `ns` and expects every block bit-exact. Returns the
+// number of blocks read before the first error (*error: that error, or OK) — all of them when
+// every read succeeded.
+inline size_t ReadBackBitExact(KvStore* store, const std::string& ns, const KvDump& d,
+                               absl::Status* error) {
+  const ModelInfo m = DumpModel(d);
+  auto got = store->Get(ns, m.model_id, d.token_ids, 0);
+  if (!got.ok()) {
+    *error = got.status();
+    return 0;
+  }
+  std::vector<uint8_t> want(m.geometry.num_bytes()), have(m.geometry.num_bytes());
+  DecodeChain chain(m.geometry, nullptr);
+  *error = absl::OkStatus();
+  for (size_t b = 0; b < got->blocks.size(); ++b) {
+    GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(want));
+    *error =
+        store->ReadAndDecodeBlock(ns, m.model_id, got->blocks[b], &chain, absl::MakeSpan(have));
+    if (!error->ok()) return b;
+    EXPECT_EQ(have, want) << ns << " block " << b;
+  }
+  return got->blocks.size();
+}
+
+// As ReadBackBitExact, and every read must succeed.
+inline size_t ExpectBitExact(KvStore* store, const std::string& ns, const KvDump& d) {
+  absl::Status error;
+  const size_t n = ReadBackBitExact(store, ns, d, &error);
+  EXPECT_TRUE(error.ok()) << error;
+  return n;
+}
+
+}  // namespace kvtrie::testing_store
+
+#endif  // KVTRIE_TRIE_STORE_TESTING_H_
