@@ -20,15 +20,9 @@ namespace {
 class FaultTest : public testing::Test {
  protected:
   void SetUp() override {
-    dir_ = std::filesystem::path(testing::TempDir()) /
-           ("kv_store_fault_test_" + std::to_string(::getpid()) + "_" +
-            testing::UnitTest::GetInstance()->current_test_info()->name());
-    std::filesystem::remove_all(dir_);
-    for (const char* name : {"sessions/s0", "GPL-3"}) {
-      auto d = ReadKvDump(std::string(KVTRIE_TESTDATA_DIR) + "/" + name);
-      ASSERT_TRUE(d.ok()) << d.status();
-      dumps_.push_back(*std::move(d));
-    }
+    dir_ = testing_store::FreshTestDir("kv_store_fault_test");
+    ASSERT_NO_FATAL_FAILURE(
+        testing_store::LoadTestDumps(std::vector<const char*>{"sessions/s0", "GPL-3"}, &dumps_));
     fs_ = std::make_shared<FaultFs>();
     env_ = FaultFs::NewEnv(fs_);
   }

@@ -4,7 +4,10 @@
 #ifndef KVTRIE_TRIE_STORE_TESTING_H_
 #define KVTRIE_TRIE_STORE_TESTING_H_
 
+#include <unistd.h>
+
 #include <cstdint>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -17,6 +20,27 @@
 #include "trie/kv_store.h"
 
 namespace kvtrie::testing_store {
+
+// An empty folder under the test temp dir, unique to this process, `prefix` and the running test.
+inline std::filesystem::path FreshTestDir(const std::string& prefix) {
+  const std::filesystem::path dir =
+      std::filesystem::path(::testing::TempDir()) /
+      (prefix + "_" + std::to_string(::getpid()) + "_" +
+       ::testing::UnitTest::GetInstance()->current_test_info()->name());
+  std::filesystem::remove_all(dir);
+  return dir;
+}
+
+// Reads the dumps `names` of tests/data (KVTRIE_TESTDATA_DIR) into *out. Fails the test (and
+// returns early from a void caller's ASSERT context) if one is unreadable.
+template <typename Names>
+inline void LoadTestDumps(const Names& names, std::vector<KvDump>* out) {
+  for (const char* name : names) {
+    auto d = ReadKvDump(std::string(KVTRIE_TESTDATA_DIR) + "/" + name);
+    ASSERT_TRUE(d.ok()) << d.status();
+    out->push_back(*std::move(d));
+  }
+}
 
 // The model spec of a dump, with 16-token blocks.
 inline ModelInfo DumpModel(const KvDump& d) {
