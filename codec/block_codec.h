@@ -34,6 +34,8 @@
 
 namespace kvtrie {
 
+class PredictorState;  // codec/predictor_state.h
+
 // How a block is stored. Values match kvtrie.v1.Encoding.
 enum class Encoding : uint8_t {
   kRaw = 1,       // the tensor bytes as given
@@ -128,6 +130,16 @@ struct PredictionContext {
   absl::Span<const uint8_t> external;
   // Encoder only: per-token surprisal in bits (block_tokens values) for surprisal_step_strength.
   absl::Span<const float> surprisal_bits;
+  // The learned predictor state of the block's (namespace, model) (codec/predictor_state.h), null
+  // when there is none. The encoder may code against it; the block then names learned->version()
+  // (BlockHeader::predictor_version) and decoding it needs that same state, else
+  // FAILED_PRECONDITION naming the version. Learned predictors also need the three fields below.
+  const PredictorState* learned = nullptr;
+  // The block's token ids (block_tokens values), the absolute position of tokens[0] in its prefix
+  // (block index * block_tokens; RoPE angles), and the token before tokens[0] (-1 at the start).
+  absl::Span<const int32_t> tokens;
+  uint32_t first_position = 0;
+  int32_t previous_token = -1;
 };
 
 // The result of encoding one block.
@@ -168,6 +180,8 @@ struct BlockHeader {
   Profile profile = Profile::kCompact;  // flags bit 0
   BlockGeometry geometry;
   uint64_t reference_node_id = 0;
+  // The learned predictor state the block was coded against (codec/predictor_state.h); 0 = none.
+  uint32_t predictor_version = 0;
   absl::string_view params;
   absl::string_view payload;
 };

@@ -1,0 +1,105 @@
+// codec/predictor_state.h
+//
+// Learned predictor state of one (namespace, model): what the store learns from the KV blocks it
+// holds, so that the residual encoding predicts a block from its token ids and positions instead of
+// from zero (issue 11; the paper's layer 2, Magarshak 2026 §2). A KV cache is a deterministic
+// function of the tokens: layer 0's K and V depend only on (token, position) — K through RoPE — and
+// deeper layers keep much of what the token, its neighbours and the lower layers explain.
+//
+// CONTRACT (shared by the codec and the store; the interface below is fixed, the contents of a
+// state are the codec's business):
+//   - A PredictorState is IMMUTABLE once built. It is identified inside its (namespace, model) by
+//     `version()` (1, 2, 3, ... ; 0 means "no state"). Every encoded block that was coded against
+//     a state names that version in its envelope (BlockHeader::predictor_version); decoding such a
+//     block needs exactly that state (PredictionContext::learned with the same version), else
+//     FAILED_PRECONDITION naming the version.
+//   - A state may hold: per-token mean vectors E[kv_l | token] for every (layer, K/V, head)
+//     (dense or sparse, with a memory cap; keys stored BEFORE RoPE and rotated at the token's
+//     absolute position when predicting), (previous token, token) pair means where there is data,
+//     pre-RoPE per-channel key means, ridge-fitted cross-layer linear predictors, per-plane
+//     decorrelating transforms (KLT), and the RoPE base it detected. Its geometry (layers, KV
+//     heads, head_dim, dtype) is fixed; block_tokens is not part of it.
+//   - Never shared across namespaces: a table learned from one tenant's prompts would leak them.
+//
+// Serialized form (Serialize/Parse): self-describing bytes with a magic, a format version and a
+// CRC-32C over everything; the store persists it through its record layer and the service sends
+// it to clients (GetPredictor). Parse of anything malformed is DATA_LOSS, never a crash.
+//
+// Thread-safety: a PredictorState is immutable and safe to share (std::shared_ptr<const>).
+// A PredictorLearner is not thread-safe; its owner serializes calls (the store runs it on a
+// background thread, never on a Put's critical path).
+#ifndef KVTRIE_CODEC_PREDICTOR_STATE_H_
+#define KVTRIE_CODEC_PREDICTOR_STATE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "codec/block_geometry.h"
+
+namespace kvtrie {
+
+class PredictorState {
+ public:
+  virtual ~PredictorState() = default;
+
+  // Errors: DATA_LOSS naming what is wrong (magic, version, CRC, a length) for malformed bytes.
+  static absl::StatusOr<std::shared_ptr<const PredictorState>> Parse(absl::string_view bytes);
+
+  virtual std::string Serialize() const = 0;
+
+  virtual uint32_t version() const = 0;
+  // Geometry the state predicts (block_tokens is 0: any block length).
+  virtual const BlockGeometry& geometry() const = 0;
+  // In-memory size in bytes (what the store's predictor budget counts).
+  virtual size_t memory_bytes() const = 0;
+  // Tokens of KV the state was fitted on.
+  virtual uint64_t tokens_learned() const = 0;
+  // Distinct token ids with a learned mean.
+  virtual uint32_t tokens_in_table() const = 0;
+  // One line for Stats/Inspect, e.g. "v3: 512 tokens, 2,113 pairs, linear, klt, 412 KB".
+  virtual std::string Describe() const = 0;
+};
+
+// What the learner may keep and fit.
+struct LearnerOptions {
+  // Cap on the learner's accumulators plus the state it fits (bytes). Token and pair entries
+  // beyond the cap are not added (the most frequent kept); the fit never exceeds it.
+  size_t max_bytes = 64ull << 20;
+  // Ridge regularization of the linear predictors (relative to the feature variance).
+  double ridge = 1e-3;
+};
+
+// Accumulates statistics of stored blocks and fits immutable states from them.
+class PredictorLearner {
+ public:
+  virtual ~PredictorLearner() = default;
+
+  // `geometry.block_tokens` is the block length Observe expects. Errors: INVALID_ARGUMENT for an
+  // invalid geometry.
+  static absl::StatusOr<std::unique_ptr<PredictorLearner>> Create(const BlockGeometry& geometry,
+                                                                  const LearnerOptions& options);
+
+  // Adds one block: `kv` dense in geometry.dtype, layout [layers][2][kv_heads][block_tokens]
+  // [head_dim] (exactly geometry.num_bytes() bytes; K after RoPE, as workers store it); `tokens`
+  // its block_tokens token ids; `first_position` the absolute position of tokens[0] in its prefix
+  // (block index * block_tokens); `previous_token` the id before tokens[0], or -1 at the start of a
+  // prefix. Non-finite values are skipped. Errors: INVALID_ARGUMENT for wrong sizes.
+  virtual absl::Status Observe(absl::Span<const uint8_t> kv, absl::Span<const int32_t> tokens,
+                               uint32_t first_position, int32_t previous_token) = 0;
+
+  // Fits a state from everything observed so far and names it `version` (> 0). Errors:
+  // FAILED_PRECONDITION if nothing was observed; INVALID_ARGUMENT for version 0.
+  virtual absl::StatusOr<std::shared_ptr<const PredictorState>> Fit(uint32_t version) const = 0;
+
+  virtual uint64_t tokens_observed() const = 0;
+  virtual size_t memory_bytes() const = 0;
+};
+
+}  // namespace kvtrie
+
+#endif  // KVTRIE_CODEC_PREDICTOR_STATE_H_
