@@ -4,10 +4,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <sstream>
 
+#include "absl/base/config.h"
 #include "absl/strings/str_cat.h"
 #include "client/residual_chain.h"
 #include "codec/block_codec.h"
@@ -15,6 +17,18 @@
 
 namespace kvtrie {
 namespace {
+
+// Token ids as little-endian uint32s (LookupRequest/GetRequest.token_ids_packed).
+void PackTokens(absl::Span<const uint32_t> token_ids, std::string* out) {
+  out->resize(token_ids.size() * 4);
+  if (ABSL_IS_LITTLE_ENDIAN) {
+    std::memcpy(out->data(), token_ids.data(), out->size());
+    return;
+  }
+  for (size_t i = 0; i < token_ids.size(); ++i) {
+    for (int b = 0; b < 4; ++b) (*out)[4 * i + b] = static_cast<char>(token_ids[i] >> (8 * b));
+  }
+}
 
 // Token ids (and as many surprisal values) per Put message: 128K x 8 bytes = 1 MiB.
 constexpr size_t kTokensPerMessage = 128 * 1024;
@@ -193,7 +207,7 @@ absl::StatusOr<v1::LookupResponse> Client::Lookup(const std::string& model_id,
   v1::LookupRequest req;
   req.set_namespace_(options_.ns);
   req.set_model_id(model_id);
-  req.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
+  PackTokens(token_ids, req.mutable_token_ids_packed());
   v1::LookupResponse resp;
   auto ctx = NewContext();
   if (auto s = FromGrpc(stub_->Lookup(ctx.get(), req, &resp)); !s.ok()) return s;
@@ -267,7 +281,7 @@ absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
   v1::GetRequest req;
   req.set_namespace_(options_.ns);
   req.set_model_id(model_id);
-  req.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
+  PackTokens(token_ids, req.mutable_token_ids_packed());
   req.set_mode(options.mode);
   req.set_max_blocks(options.max_blocks);
   auto ctx = NewContext();
@@ -329,12 +343,12 @@ absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
         b.kv().size() != g.layer_range_bytes(b.layer_begin(), end)) {
       return bad(absl::StrCat("block ", b.block_index(), ": malformed layer range"));
     }
-    std::copy(b.kv().begin(), b.kv().end(),
-              block.begin() + static_cast<ptrdiff_t>(g.layer_range_bytes(0, b.layer_begin())));
+    // Straight from the message into the sequence layout (no block-sized staging copy).
+    ScatterLayers(
+        g, tokens, b.layer_begin(), end,
+        absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(b.kv().data()), b.kv().size()),
+        b.block_index(), out.k.data(), out.v.data());
     layers_seen[b.block_index()] += end - b.layer_begin();
-    if (layers_seen[b.block_index()] == g.num_layers) {
-      ScatterBlock(g, tokens, block, b.block_index(), out.k.data(), out.v.data());
-    }
   }
   if (auto s = FromGrpc(reader->Finish()); !s.ok()) return s;
   for (size_t i = 0; i < layers_seen.size(); ++i) {

@@ -319,7 +319,9 @@ absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
   return result;
 }
 
-absl::StatusOr<BlockHeader> ParseBlock(absl::string_view encoded) {
+namespace {
+
+absl::StatusOr<BlockHeader> ParseEnvelope(absl::string_view encoded, bool check_crc) {
   if (encoded.size() < kFixedHeader + 12) {
     return absl::DataLossError(
         absl::StrCat("encoded block: truncated (", encoded.size(), " bytes)"));
@@ -328,7 +330,8 @@ absl::StatusOr<BlockHeader> ParseBlock(absl::string_view encoded) {
     return absl::DataLossError("encoded block: bad magic");
   }
   const uint32_t stored_crc = GetLE<uint32_t>(encoded.data() + encoded.size() - 4);
-  const uint32_t actual_crc = Crc32c(encoded.substr(0, encoded.size() - 4));
+  const uint32_t actual_crc =
+      check_crc ? Crc32c(encoded.substr(0, encoded.size() - 4)) : stored_crc;
   if (stored_crc != actual_crc) {
     return absl::DataLossError(absl::StrCat("encoded block: CRC-32C mismatch (stored ",
                                             absl::Hex(stored_crc), ", computed ",
@@ -388,9 +391,33 @@ absl::StatusOr<BlockHeader> ParseBlock(absl::string_view encoded) {
   return h;
 }
 
+absl::Status DecodeParsed(const absl::StatusOr<BlockHeader>& h, absl::Span<uint8_t> out,
+                          const PredictionContext& context);
+
+}  // namespace
+
+absl::StatusOr<BlockHeader> ParseBlock(absl::string_view encoded) {
+  return ParseEnvelope(encoded, /*check_crc=*/true);
+}
+
+absl::StatusOr<BlockHeader> ParseVerifiedBlock(absl::string_view encoded) {
+  return ParseEnvelope(encoded, /*check_crc=*/false);
+}
+
 absl::Status DecodeBlock(absl::string_view encoded, absl::Span<uint8_t> out,
                          const PredictionContext& context) {
-  absl::StatusOr<BlockHeader> h = ParseBlock(encoded);
+  return DecodeParsed(ParseBlock(encoded), out, context);
+}
+
+absl::Status DecodeVerifiedBlock(absl::string_view encoded, absl::Span<uint8_t> out,
+                                 const PredictionContext& context) {
+  return DecodeParsed(ParseVerifiedBlock(encoded), out, context);
+}
+
+namespace {
+
+absl::Status DecodeParsed(const absl::StatusOr<BlockHeader>& h, absl::Span<uint8_t> out,
+                          const PredictionContext& context) {
   if (!h.ok()) return h.status();
   if (out.size() != h->geometry.num_bytes()) {
     return absl::InvalidArgumentError(absl::StrCat("out: block needs ", h->geometry.num_bytes(),
@@ -446,5 +473,7 @@ absl::Status DecodeBlock(absl::string_view encoded, absl::Span<uint8_t> out,
   }
   return absl::DataLossError("encoded block: unknown encoding");
 }
+
+}  // namespace
 
 }  // namespace kvtrie

@@ -188,12 +188,18 @@ struct BlockHeader {
 
 // Parses and checks the envelope (magic, version, lengths, CRC-32C). Errors: DATA_LOSS.
 absl::StatusOr<BlockHeader> ParseBlock(absl::string_view encoded);
+// As ParseBlock without the CRC-32C pass, for bytes whose checksum was already verified and that
+// have not left memory since (a store's hot payload): every length is still checked.
+absl::StatusOr<BlockHeader> ParseVerifiedBlock(absl::string_view encoded);
 
 // Decodes `encoded` into `out` (geometry.num_bytes() bytes, dtype of the header).
 // Errors: DATA_LOSS on a bad checksum, truncated or malformed input; INVALID_ARGUMENT if `out`
 // has the wrong size; FAILED_PRECONDITION if the block needs a context span that is empty.
 absl::Status DecodeBlock(absl::string_view encoded, absl::Span<uint8_t> out,
                          const PredictionContext& context = {});
+// As DecodeBlock, parsed with ParseVerifiedBlock (no CRC-32C pass).
+absl::Status DecodeVerifiedBlock(absl::string_view encoded, absl::Span<uint8_t> out,
+                                 const PredictionContext& context = {});
 
 namespace internal {
 // Builds the envelope around `params` and `payload`.

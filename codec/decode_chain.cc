@@ -14,7 +14,9 @@ void DecodeChain::AddReference(uint64_t node_id, absl::Span<const uint8_t> block
 }
 
 absl::Status DecodeChain::Next(absl::string_view encoded, uint64_t reference_node_id,
-                               absl::Span<uint8_t> out) {
+                               absl::Span<uint8_t> out, bool verified) {
+  std::shared_ptr<const void> owner = std::move(out_owner_);
+  out_owner_.reset();
   if (out.size() != geometry_.num_bytes()) {
     return absl::InvalidArgumentError(
         absl::StrCat("out: ", out.size(), " bytes, the block has ", geometry_.num_bytes()));
@@ -35,13 +37,27 @@ absl::Status DecodeChain::Next(absl::string_view encoded, uint64_t reference_nod
     }
     ctx.reference = it->second;
   }
-  if (absl::Status s = DecodeBlock(encoded, out, ctx); !s.ok()) return s;
-  parent_.assign(out.begin(), out.end());
+  absl::Status s =
+      verified ? DecodeVerifiedBlock(encoded, out, ctx) : DecodeBlock(encoded, out, ctx);
+  if (!s.ok()) return s;
+  if (owner != nullptr) {
+    NextDenseShared(std::move(owner), out);
+  } else {
+    NextDense(out);
+  }
   return absl::OkStatus();
 }
 
 void DecodeChain::NextDense(absl::Span<const uint8_t> block) {
-  parent_.assign(block.begin(), block.end());
+  parent_owner_.reset();
+  parent_copy_.assign(block.begin(), block.end());
+  parent_ = parent_copy_;
+}
+
+void DecodeChain::NextDenseShared(std::shared_ptr<const void> owner,
+                                  absl::Span<const uint8_t> block) {
+  parent_owner_ = std::move(owner);
+  parent_ = block;
 }
 
 }  // namespace kvtrie

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -37,9 +38,16 @@ class DecodeChain {
   // Decodes the next block of the path into `out` (geometry.num_bytes() bytes) and keeps it as
   // the parent of the next. `reference_node_id` is the block's centroid (0 = none). Errors:
   // DecodeBlock's (DATA_LOSS on a bad checksum); the fetcher's, unchanged, for the reference.
-  absl::Status Next(absl::string_view encoded, uint64_t reference_node_id, absl::Span<uint8_t> out);
+  // `verified`: the bytes' CRC-32C was checked already (a store's payload), so it is not again.
+  absl::Status Next(absl::string_view encoded, uint64_t reference_node_id, absl::Span<uint8_t> out,
+                    bool verified = false);
   // As Next, but the block's bytes are already dense (a raw copy): only kept as the parent.
   void NextDense(absl::Span<const uint8_t> block);
+  // As NextDense without a copy: `owner` keeps `block` alive and unchanged while it is the parent.
+  void NextDenseShared(std::shared_ptr<const void> owner, absl::Span<const uint8_t> block);
+  // The next Next's `out` is owned by `owner` and is not changed after it returns: the chain then
+  // keeps it as the parent without a copy (instead of copying it).
+  void SetOutputOwner(std::shared_ptr<const void> owner) { out_owner_ = std::move(owner); }
 
   // Supplies the reconstruction of reference `node_id` (e.g. just encoded against), so it is not
   // fetched.
@@ -53,7 +61,10 @@ class DecodeChain {
  private:
   const BlockGeometry geometry_;
   const FetchReference fetch_;
-  std::vector<uint8_t> parent_;
+  std::vector<uint8_t> parent_copy_;          // the parent, when copied
+  std::shared_ptr<const void> parent_owner_;  // the parent's owner, when not copied
+  absl::Span<const uint8_t> parent_;          // into parent_copy_ or parent_owner_'s bytes
+  std::shared_ptr<const void> out_owner_;     // SetOutputOwner's, for the next Next
   std::map<uint64_t, std::vector<uint8_t>> references_;  // node id -> reconstruction
 };
 
