@@ -157,6 +157,7 @@ Client::Client(const ClientOptions& options) : options_(options) {
     }
   }
   stub_ = v1::KVCache::NewStub(grpc::CreateCustomChannel(options.target, credentials, args));
+  if (options.codec_threads > 1) codec_pool_ = std::make_unique<ThreadPool>(options.codec_threads);
 }
 
 absl::StatusOr<std::vector<uint8_t>> Client::ReferenceBlock(const std::string& model_id,
@@ -322,11 +323,49 @@ absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
     chain = std::make_unique<ResidualChain>(
         g, [&](uint64_t node_id) { return ReferenceBlock(model_id, node_id, g); });
   }
+  // RESIDUAL with codec threads: a window of encoded blocks is decoded at once (in parallel where
+  // the blocks are independent), each scattered by the thread that decoded it.
+  const size_t window = codec_pool_ ? 4 * static_cast<size_t>(codec_pool_->threads()) : 1;
+  std::vector<std::string> pending_encoded(window);
+  std::vector<uint32_t> pending_index;
+  std::vector<uint64_t> pending_ref;
+  std::vector<std::vector<uint8_t>> decoded;
+  auto flush = [&]() -> absl::Status {
+    if (pending_index.empty()) return absl::OkStatus();
+    decoded.resize(pending_index.size());
+    std::vector<absl::string_view> enc;
+    std::vector<absl::Span<uint8_t>> outs;
+    for (size_t i = 0; i < pending_index.size(); ++i) {
+      decoded[i].resize(g.num_bytes());
+      enc.push_back(pending_encoded[i]);
+      outs.push_back(absl::MakeSpan(decoded[i]));
+    }
+    absl::Status s =
+        chain->DecodeMany(pending_index, pending_ref, enc, outs, codec_pool_.get(), [&](size_t i) {
+          ScatterBlock(g, tokens, decoded[i], pending_index[i], out.k.data(), out.v.data());
+        });
+    for (uint32_t i : pending_index) layers_seen[i] = g.num_layers;
+    pending_index.clear();
+    pending_ref.clear();
+    return s;
+  };
   while (reader->Read(&msg)) {
     if (!msg.has_block()) return bad("a second header");
     const v1::GetBlock& b = msg.block();
     if (b.block_index() >= layers_seen.size()) return bad("block_index past the match");
     if (!b.encoded().empty()) {  // RESIDUAL: decode here (client -> codec)
+      if (codec_pool_ != nullptr) {
+        pending_encoded[pending_index.size()].swap(*msg.mutable_block()->mutable_encoded());
+        pending_index.push_back(b.block_index());
+        pending_ref.push_back(b.reference_node_id());
+        if (pending_index.size() < window) continue;
+        if (absl::Status s = flush(); !s.ok()) {
+          ctx->TryCancel();
+          reader->Finish();
+          return s;
+        }
+        continue;
+      }
       if (absl::Status s = chain->Decode(b.block_index(), b.reference_node_id(), b.encoded(),
                                          absl::MakeSpan(block));
           !s.ok()) {
@@ -338,6 +377,7 @@ absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
       ScatterBlock(g, tokens, block, b.block_index(), out.k.data(), out.v.data());
       continue;
     }
+    if (!pending_index.empty()) return bad("a RECONSTRUCTED block among RESIDUAL ones");
     const uint32_t end = b.layer_end();
     if (b.layer_begin() >= end || end > g.num_layers ||
         b.kv().size() != g.layer_range_bytes(b.layer_begin(), end)) {
@@ -351,6 +391,7 @@ absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
     layers_seen[b.block_index()] += end - b.layer_begin();
   }
   if (auto s = FromGrpc(reader->Finish()); !s.ok()) return s;
+  if (absl::Status s = flush(); !s.ok()) return s;
   for (size_t i = 0; i < layers_seen.size(); ++i) {
     if (layers_seen[i] != g.num_layers) {
       return absl::DataLossError(absl::StrCat("get: block ", i, " arrived incomplete"));

@@ -23,6 +23,7 @@
 #include "absl/types/span.h"
 #include "client/put_stream.h"
 #include "codec/kv_dump.h"
+#include "codec/thread_pool.h"
 #include "kvtrie/v1/kvtrie.grpc.pb.h"
 
 namespace kvtrie {
@@ -40,6 +41,9 @@ struct ClientOptions {
   std::string tls_server_name = {};  // overrides the name checked in the server's certificate
   // Sent as `authorization: Bearer <token>` on every call (servers run with --tokens_file).
   std::string token = {};
+  // Threads that decode the blocks of a Get RESIDUAL (the caller's included): fast-profile blocks
+  // decode in parallel, a window of 4 per thread at a time. 1 = on the calling thread only.
+  int codec_threads = 1;
 };
 
 // Reads PEM files into `options` and turns TLS on when any is given (`ca` alone: TLS with that
@@ -120,6 +124,7 @@ class Client {
 
   const ClientOptions options_;
   std::unique_ptr<v1::KVCache::Stub> stub_;
+  std::unique_ptr<ThreadPool> codec_pool_;  // codec_threads > 1
 };
 
 }  // namespace kvtrie

@@ -238,6 +238,9 @@ int Run() {
   grpc::ResourceQuota quota("kvtrie-server");
   quota.SetMaxThreads(absl::GetFlag(FLAGS_max_threads));
   builder.SetResourceQuota(quota);
+  // A request of --max_tokens packed token ids (4 bytes each) must fit in one message.
+  builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<uint64_t>(
+      INT32_MAX, std::max<uint64_t>(4u << 20, 4ull * service_options.max_tokens + (64u << 10)))));
   int port = 0;
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), *credentials, &port);
   builder.RegisterService(&guarded);
