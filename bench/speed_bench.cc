@@ -21,7 +21,8 @@
 //
 //   speed_bench [--tokens=512] [--repeats=3] [--codec_threads=1,2] [--client_threads=1,2]
 //               [--clients=4,16] [--lookup_tokens=1024,16384,131072,1048576] [--redis=PATH]
-//               [--only=all|get|lookup]
+//               [--only=all|get|lookup] [--get_repeats=1] [--varint_tokens] [--modes=RAW,...]
+// --varint_tokens: token ids as varints (token_ids), for a server older than token_ids_packed.
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
@@ -35,6 +36,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -83,13 +85,19 @@ std::vector<int> IntList(const std::string& s) {
 
 // Get through a raw stub: the messages are read (parsed) and their bytes counted, nothing
 // assembled. Returns the bytes of kv (RECONSTRUCTED) or encoded (RESIDUAL), -1 on an error.
+bool packed_tokens = true;  // --varint_tokens: false
+
 double StubGet(v1::KVCache::Stub* stub, const std::string& ns, const std::string& model,
                const std::vector<uint32_t>& tokens, v1::GetMode mode) {
   v1::GetRequest req;
   req.set_namespace_(ns);
   req.set_model_id(model);
-  req.mutable_token_ids_packed()->assign(reinterpret_cast<const char*>(tokens.data()),
-                                         tokens.size() * 4);
+  if (packed_tokens) {
+    req.mutable_token_ids_packed()->assign(reinterpret_cast<const char*>(tokens.data()),
+                                           tokens.size() * 4);
+  } else {
+    req.mutable_token_ids()->Add(tokens.begin(), tokens.end());
+  }
   req.set_mode(mode);
   grpc::ClientContext ctx;
   auto reader = stub->Get(&ctx, req);
@@ -108,8 +116,10 @@ std::unique_ptr<v1::KVCache::Stub> NewStub(const std::string& target) {
 }
 
 struct Row {
-  std::vector<double> gbs, cpu_per_gb, seconds;
+  std::vector<double> gbs, cpu_per_gb, client_cpu_per_gb, seconds;
 };
+
+double SelfCpuSeconds() { return CpuSeconds(getpid()); }
 
 }  // namespace
 }  // namespace kvtrie
@@ -118,8 +128,8 @@ int main(int argc, char** argv) {
   using namespace kvtrie;
   using namespace kvtrie::bench;
   size_t tokens = 512;
-  int repeats = 3;
-  std::string redis_bin = "/usr/bin/redis-server", only = "all";
+  int repeats = 3, get_repeats = 1;
+  std::string redis_bin = "/usr/bin/redis-server", only = "all", mode_filter;
   std::vector<int> codec_threads = {1, 2}, client_threads = {1, 2}, clients = {4, 16},
                    lookup_tokens = {1024, 16384, 131072, 1048576};
   for (int i = 1; i < argc; ++i) {
@@ -142,6 +152,12 @@ int main(int argc, char** argv) {
       clients = IntList(v);
     } else if (const char* v = value("--lookup_tokens=")) {
       lookup_tokens = IntList(v);
+    } else if (const char* v = value("--get_repeats=")) {
+      get_repeats = std::stoi(v);
+    } else if (const char* v = value("--modes=")) {
+      mode_filter = v;
+    } else if (a == "--varint_tokens") {
+      packed_tokens = false;
     } else if (const char* v = value("--only=")) {
       only = v;
     } else {
@@ -214,9 +230,11 @@ int main(int argc, char** argv) {
       return 1;
     }
     s.process = *std::move(p);
-    s.client = Client::Create({.target = s.process->target(), .ns = "speed"});
+    ClientOptions base{.target = s.process->target(), .ns = "speed"};
+    base.packed_token_ids = packed_tokens;
+    s.client = Client::Create(base);
     for (int t : client_threads) {
-      ClientOptions co{.target = s.process->target(), .ns = "speed"};
+      ClientOptions co = base;
       co.codec_threads = t;
       s.decoding[t] = Client::Create(co);
     }
@@ -236,6 +254,7 @@ int main(int argc, char** argv) {
 
   std::map<std::string, Row> rows;
   std::vector<std::string> order;
+  double self_cpu = SelfCpuSeconds();  // at the start of the op being timed
   auto add = [&](const std::string& row, double seconds, double cpu = -1, double n_gb = -1) {
     if (!rows.count(row)) order.push_back(row);
     if (n_gb < 0) n_gb = gb;
@@ -243,6 +262,7 @@ int main(int argc, char** argv) {
     r.gbs.push_back(seconds > 0 ? n_gb / seconds : 0);
     r.seconds.push_back(seconds);
     if (cpu >= 0) r.cpu_per_gb.push_back(cpu / n_gb);
+    r.client_cpu_per_gb.push_back((SelfCpuSeconds() - self_cpu) / n_gb);
   };
   std::vector<uint8_t> copy(kv.k.size());
   std::vector<uint8_t> redis_block(g.num_bytes());
@@ -263,56 +283,69 @@ int main(int argc, char** argv) {
   uint32_t next_token = 1;
   bool failed = false;
   for (int rep = 0; rep < repeats && run_get && !failed; ++rep) {
+    self_cpu = SelfCpuSeconds();
     auto t0 = Clock::now();
     std::memcpy(copy.data(), kv.k.data(), kv.k.size());
     std::memcpy(copy.data(), kv.v.data(), kv.v.size());
     add("memcpy (1 thread)", Since(t0));
     add("loopback TCP, one stream", TcpStream(static_cast<size_t>(bytes)));
     for (const Mode& m : modes) {
+      if (!mode_filter.empty() &&
+          !absl::StrContains(absl::StrCat(",", mode_filter, ","), absl::StrCat(",", m.name, ","))) {
+        continue;
+      }
       for (auto& t : kv.token_ids) t = next_token++;  // a new prefix: nothing deduplicated
       for (size_t si = 0; si < servers.size() && !failed; ++si) {
         Server& s = servers[si];
         const pid_t pid = s.process->pid();
         const std::string p = s.name + " ";
         double cpu = CpuSeconds(pid);
+        self_cpu = SelfCpuSeconds();
         t0 = Clock::now();
         absl::StatusOr<v1::PutResponse> put = s.client->Put(
             kv, {.encoding = m.encoding, .target_rel_rms = 0.1, .profile = m.profile});
         add(p + "Put " + m.name, Since(t0), CpuSeconds(pid) - cpu);
         if (m.encoding == v1::ENCODING_RAW) raw_tokens[si] = kv.token_ids;
-        cpu = CpuSeconds(pid);
-        t0 = Clock::now();
-        const double wire =
-            StubGet(s.stub.get(), "speed", kv.model_id, kv.token_ids, v1::GET_MODE_RECONSTRUCTED);
-        add(p + "Get RECONSTRUCTED of " + m.name + ", raw stub", Since(t0), CpuSeconds(pid) - cpu);
-        t0 = Clock::now();
-        absl::StatusOr<KvDump> back = s.client->Get(kv.model_id, kv.token_ids);
-        add(p + "Get RECONSTRUCTED of " + m.name + ", kvtrie::Client", Since(t0));
-        bool ok = put.ok() && back.ok() && back->num_tokens() == tokens && wire == bytes;
-        if (m.encoding != v1::ENCODING_RAW) {
+        for (int gr = 0; gr < get_repeats && !failed; ++gr) {
           cpu = CpuSeconds(pid);
+          self_cpu = SelfCpuSeconds();
           t0 = Clock::now();
-          const double enc =
-              StubGet(s.stub.get(), "speed", kv.model_id, kv.token_ids, v1::GET_MODE_RESIDUAL);
-          add(p + "Get RESIDUAL of " + m.name + ", raw stub (wire; " +
-                  absl::StrFormat("%.2f", enc > 0 ? bytes / enc : 0) + "x smaller)",
-              Since(t0), CpuSeconds(pid) - cpu);
-          ok &= enc > 0;
-          for (auto& [threads, client] : s.decoding) {
+          const double wire =
+              StubGet(s.stub.get(), "speed", kv.model_id, kv.token_ids, v1::GET_MODE_RECONSTRUCTED);
+          add(p + "Get RECONSTRUCTED of " + m.name + ", raw stub", Since(t0),
+              CpuSeconds(pid) - cpu);
+          self_cpu = SelfCpuSeconds();
+          t0 = Clock::now();
+          absl::StatusOr<KvDump> back = s.client->Get(kv.model_id, kv.token_ids);
+          add(p + "Get RECONSTRUCTED of " + m.name + ", kvtrie::Client", Since(t0));
+          bool ok = put.ok() && back.ok() && back->num_tokens() == tokens && wire == bytes;
+          if (m.encoding != v1::ENCODING_RAW) {
+            cpu = CpuSeconds(pid);
+            self_cpu = SelfCpuSeconds();
             t0 = Clock::now();
-            absl::StatusOr<KvDump> here =
-                client->Get(kv.model_id, kv.token_ids, {.mode = v1::GET_MODE_RESIDUAL});
-            add(absl::StrCat(p, "Get RESIDUAL of ", m.name, " + kvtrie::Client decode (", threads,
-                             " thread", threads > 1 ? "s" : "", ")"),
-                Since(t0));
-            ok &= here.ok() && back.ok() && here->k == back->k && here->v == back->v;
+            const double enc =
+                StubGet(s.stub.get(), "speed", kv.model_id, kv.token_ids, v1::GET_MODE_RESIDUAL);
+            add(p + "Get RESIDUAL of " + m.name + ", raw stub (wire; " +
+                    absl::StrFormat("%.2f", enc > 0 ? bytes / enc : 0) + "x smaller)",
+                Since(t0), CpuSeconds(pid) - cpu);
+            ok &= enc > 0;
+            for (auto& [threads, client] : s.decoding) {
+              self_cpu = SelfCpuSeconds();
+              t0 = Clock::now();
+              absl::StatusOr<KvDump> here =
+                  client->Get(kv.model_id, kv.token_ids, {.mode = v1::GET_MODE_RESIDUAL});
+              add(absl::StrCat(p, "Get RESIDUAL of ", m.name, " + kvtrie::Client decode (", threads,
+                               " thread", threads > 1 ? "s" : "", ")"),
+                  Since(t0));
+              ok &= here.ok() && back.ok() && here->k == back->k && here->v == back->v;
+            }
           }
-        }
-        if (!ok) {
-          std::fprintf(stderr, "kvtrie %s %s: %s %s\n", s.name.c_str(), m.name,
-                       put.ok() ? "" : std::string(put.status().message()).c_str(),
-                       back.ok() ? "" : std::string(back.status().message()).c_str());
-          failed = true;
+          if (!ok) {
+            std::fprintf(stderr, "kvtrie %s %s: %s %s\n", s.name.c_str(), m.name,
+                         put.ok() ? "" : std::string(put.status().message()).c_str(),
+                         back.ok() ? "" : std::string(back.status().message()).c_str());
+            failed = true;
+          }
         }
       }
     }
@@ -320,10 +353,12 @@ int main(int argc, char** argv) {
       const std::string name = r == &plain ? "Redis (no persistence)" : "Redis (AOF everysec)";
       const std::string prefix = "r" + std::to_string(rep) + ":";
       double cpu = CpuSeconds(r->pid);
+      self_cpu = SelfCpuSeconds();
       t0 = Clock::now();
       const bool set_ok = RedisSet(r->fd, prefix, blocks);
       add(name + " SET", Since(t0), CpuSeconds(r->pid) - cpu);
       cpu = CpuSeconds(r->pid);
+      self_cpu = SelfCpuSeconds();
       t0 = Clock::now();
       const bool get_ok = RedisGet(r->fd, prefix, nb, &redis_block);
       add(name + " GET", Since(t0), CpuSeconds(r->pid) - cpu);
@@ -340,6 +375,7 @@ int main(int argc, char** argv) {
         for (int c = 0; c < n; ++c) stubs.push_back(NewStub(s.process->target()));
         std::vector<double> each(n);
         const double cpu = CpuSeconds(s.process->pid());
+        self_cpu = SelfCpuSeconds();
         t0 = Clock::now();
         std::vector<std::thread> threads;
         for (int c = 0; c < n; ++c) {
@@ -361,6 +397,7 @@ int main(int argc, char** argv) {
         const std::string prefix = "r" + std::to_string(rep) + ":";
         std::vector<double> each(n);
         const double cpu = CpuSeconds(r->pid);
+        self_cpu = SelfCpuSeconds();
         t0 = Clock::now();
         std::vector<std::thread> threads;
         for (int c = 0; c < n; ++c) {
@@ -422,6 +459,7 @@ int main(int argc, char** argv) {
           req.mutable_token_ids()->Add(prefix.begin(), prefix.end());
           v1::LookupResponse resp;
           grpc::ClientContext ctx;
+          self_cpu = SelfCpuSeconds();
           t0 = Clock::now();
           grpc::Status st = s.stub->Lookup(&ctx, req, &resp);
           lookup_us[key("raw stub (varint token_ids)")].push_back(Since(t0) * 1e6);

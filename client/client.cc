@@ -11,6 +11,7 @@
 
 #include "absl/base/config.h"
 #include "absl/strings/str_cat.h"
+#include "client/get_wire.h"
 #include "client/residual_chain.h"
 #include "codec/block_codec.h"
 #include "codec/kv_layout.h"
@@ -156,7 +157,8 @@ Client::Client(const ClientOptions& options) : options_(options) {
       args.SetSslTargetNameOverride(options.tls_server_name);
     }
   }
-  stub_ = v1::KVCache::NewStub(grpc::CreateCustomChannel(options.target, credentials, args));
+  channel_ = grpc::CreateCustomChannel(options.target, credentials, args);
+  stub_ = v1::KVCache::NewStub(channel_);
   if (options.codec_threads > 1) codec_pool_ = std::make_unique<ThreadPool>(options.codec_threads);
 }
 
@@ -208,7 +210,11 @@ absl::StatusOr<v1::LookupResponse> Client::Lookup(const std::string& model_id,
   v1::LookupRequest req;
   req.set_namespace_(options_.ns);
   req.set_model_id(model_id);
-  PackTokens(token_ids, req.mutable_token_ids_packed());
+  if (options_.packed_token_ids) {
+    PackTokens(token_ids, req.mutable_token_ids_packed());
+  } else {
+    req.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
+  }
   v1::LookupResponse resp;
   auto ctx = NewContext();
   if (auto s = FromGrpc(stub_->Lookup(ctx.get(), req, &resp)); !s.ok()) return s;
@@ -278,18 +284,48 @@ absl::StatusOr<std::unique_ptr<PutStream>> Client::OpenPut(const KvDump& header,
 absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
                                    absl::Span<const uint32_t> token_ids,
                                    const GetOptions& options) {
+  KvDump out;
+  if (absl::Status s = GetInto(model_id, token_ids, options, &out); !s.ok()) return s;
+  return out;
+}
+
+absl::Status Client::GetInto(const std::string& model_id, absl::Span<const uint32_t> token_ids,
+                             const GetOptions& options, KvDump* out_dump) {
   if (auto s = CheckNames(options_.ns, model_id); !s.ok()) return s;
   v1::GetRequest req;
   req.set_namespace_(options_.ns);
   req.set_model_id(model_id);
-  PackTokens(token_ids, req.mutable_token_ids_packed());
+  if (options_.packed_token_ids) {
+    PackTokens(token_ids, req.mutable_token_ids_packed());
+  } else {
+    req.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
+  }
   req.set_mode(options.mode);
   req.set_max_blocks(options.max_blocks);
   auto ctx = NewContext();
-  std::unique_ptr<grpc::ClientReader<v1::GetResponse>> reader(stub_->Get(ctx.get(), req));
+  // The responses as gRPC received them: kv is scattered from the slices (client/get_wire.h).
+  const grpc::internal::RpcMethod method("/kvtrie.v1.KVCache/Get",
+                                         grpc::internal::RpcMethod::SERVER_STREAMING);
+  std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
+      grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(channel_.get(), method,
+                                                                    ctx.get(), req));
   v1::GetResponse msg;
-  KvDump out;
+  grpc::ByteBuffer buffer;
+  std::vector<grpc::Slice> slices;
+  std::vector<absl::Span<const uint8_t>> kv;
+  bool parse_failed = false;
+  auto read = [&] {
+    if (!reader->Read(&buffer)) return false;
+    slices.clear();
+    if (!buffer.Dump(&slices).ok() || !ParseGetResponse(slices, &msg, &kv)) {
+      parse_failed = true;
+      return false;
+    }
+    return true;
+  };
+  KvDump& out = *out_dump;
   out.model_id = model_id;
+  out.token_ids.clear();
   BlockGeometry g;
   size_t tokens = 0;
   std::vector<uint8_t> block;
@@ -300,10 +336,12 @@ absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
     reader->Finish();
     return absl::DataLossError(absl::StrCat("get: ", what));
   };
-  if (!reader->Read(&msg) || !msg.has_header()) {
+  if (!read() || !msg.has_header()) {
+    if (parse_failed) return bad("a message that does not parse");
     if (auto s = FromGrpc(reader->Finish()); !s.ok()) return s;
     return absl::DataLossError("get: the stream did not start with a header");
   }
+  size_t seq_bytes = 0;
   if (msg.header().matched_blocks() > 0) {
     g = GeometryOf(msg.header().model());
     if (auto s = g.Validate(); !s.ok()) return bad(absl::StrCat("header: ", s.message()));
@@ -314,15 +352,14 @@ absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
     out.head_dim = g.head_dim;
     out.dtype = g.dtype;
     out.token_ids.assign(token_ids.begin(), token_ids.begin() + static_cast<ptrdiff_t>(tokens));
-    const size_t seq_bytes =
-        g.num_layers * g.num_kv_heads * tokens * g.head_dim * DTypeBytes(g.dtype);
-    out.k.resize(seq_bytes);
-    out.v.resize(seq_bytes);
+    seq_bytes = g.num_layers * g.num_kv_heads * tokens * g.head_dim * DTypeBytes(g.dtype);
     block.resize(g.num_bytes());
     layers_seen.assign(msg.header().matched_blocks(), 0);
     chain = std::make_unique<ResidualChain>(
         g, [&](uint64_t node_id) { return ReferenceBlock(model_id, node_id, g); });
   }
+  out.k.resize(seq_bytes);  // the same size again (GetInto into a reused dump) writes nothing
+  out.v.resize(seq_bytes);
   // RESIDUAL with codec threads: a window of encoded blocks is decoded at once (in parallel where
   // the blocks are independent), each scattered by the thread that decoded it.
   const size_t window = codec_pool_ ? 4 * static_cast<size_t>(codec_pool_->threads()) : 1;
@@ -349,7 +386,7 @@ absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
     pending_ref.clear();
     return s;
   };
-  while (reader->Read(&msg)) {
+  while (read()) {
     if (!msg.has_block()) return bad("a second header");
     const v1::GetBlock& b = msg.block();
     if (b.block_index() >= layers_seen.size()) return bad("block_index past the match");
@@ -379,17 +416,18 @@ absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
     }
     if (!pending_index.empty()) return bad("a RECONSTRUCTED block among RESIDUAL ones");
     const uint32_t end = b.layer_end();
+    size_t kv_bytes = 0;
+    for (auto piece : kv) kv_bytes += piece.size();
     if (b.layer_begin() >= end || end > g.num_layers ||
-        b.kv().size() != g.layer_range_bytes(b.layer_begin(), end)) {
+        kv_bytes != g.layer_range_bytes(b.layer_begin(), end)) {
       return bad(absl::StrCat("block ", b.block_index(), ": malformed layer range"));
     }
-    // Straight from the message into the sequence layout (no block-sized staging copy).
-    ScatterLayers(
-        g, tokens, b.layer_begin(), end,
-        absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(b.kv().data()), b.kv().size()),
-        b.block_index(), out.k.data(), out.v.data());
+    // Straight from the received slices into the sequence layout: the one copy of the bytes.
+    ScatterLayerPieces(g, tokens, b.layer_begin(), end, kv, b.block_index(), out.k.data(),
+                       out.v.data());
     layers_seen[b.block_index()] += end - b.layer_begin();
   }
+  if (parse_failed) return bad("a message that does not parse");
   if (auto s = FromGrpc(reader->Finish()); !s.ok()) return s;
   if (absl::Status s = flush(); !s.ok()) return s;
   for (size_t i = 0; i < layers_seen.size(); ++i) {
@@ -398,7 +436,7 @@ absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
     }
   }
   out.surprisal_bits.assign(out.token_ids.size(), 0.0f);
-  return out;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::StatsResponse> Client::Stats(const std::string& ns_override) {

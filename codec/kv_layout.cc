@@ -54,4 +54,27 @@ void ScatterLayers(const BlockGeometry& geometry, size_t num_tokens, uint32_t la
       layer_begin, layer_end);
 }
 
+void ScatterLayerPieces(const BlockGeometry& geometry, size_t num_tokens, uint32_t layer_begin,
+                        uint32_t layer_end, absl::Span<const absl::Span<const uint8_t>> pieces,
+                        size_t block_index, uint8_t* k, uint8_t* v) {
+  size_t piece = 0, offset = 0;  // the cursor: rows come in block order, consecutive
+  ForEachRow(
+      geometry, num_tokens, block_index,
+      [&](size_t seq, size_t, size_t n, bool is_v) {
+        uint8_t* dst = (is_v ? v : k) + seq;
+        while (n > 0 && piece < pieces.size()) {
+          const size_t take = std::min(n, pieces[piece].size() - offset);
+          std::memcpy(dst, pieces[piece].data() + offset, take);
+          dst += take;
+          n -= take;
+          offset += take;
+          if (offset == pieces[piece].size()) {
+            ++piece;
+            offset = 0;
+          }
+        }
+      },
+      layer_begin, layer_end);
+}
+
 }  // namespace kvtrie

@@ -28,6 +28,12 @@ void ScatterLayers(const BlockGeometry& geometry, size_t num_tokens, uint32_t la
                    uint32_t layer_end, absl::Span<const uint8_t> layers, size_t block_index,
                    uint8_t* k, uint8_t* v);
 
+// As ScatterLayers, with the layers' bytes in consecutive pieces (e.g. the slices a message
+// arrived in). REQUIRES: the pieces' sizes add up to the layer range's bytes.
+void ScatterLayerPieces(const BlockGeometry& geometry, size_t num_tokens, uint32_t layer_begin,
+                        uint32_t layer_end, absl::Span<const absl::Span<const uint8_t>> pieces,
+                        size_t block_index, uint8_t* k, uint8_t* v);
+
 // Inverse of GatherBlock: writes `block` into its tokens of `k` and `v`.
 void ScatterBlock(const BlockGeometry& geometry, size_t num_tokens, absl::Span<const uint8_t> block,
                   size_t block_index, uint8_t* k, uint8_t* v);
