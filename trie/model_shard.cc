@@ -237,7 +237,13 @@ MatchResult ModelShard::Match(absl::Span<const uint32_t> token_ids) {
   absl::MutexLock lock(&mu_);
   if (!committed_) return result;
   result.block_tokens = model_.geometry.block_tokens;
-  for (TrieNode* n : MatchLive(token_ids, 0)) result.node_ids.push_back(n->id);
+  // One walk: ids collected as the nodes are matched, stopping at one being removed.
+  result.node_ids.reserve(token_ids.size() / model_.geometry.block_tokens);
+  trie_->MatchVisit(token_ids, 0, [&](const TrieNode* n) {
+    if (n->removing) return false;
+    result.node_ids.push_back(n->id);
+    return true;
+  });
   return result;
 }
 
