@@ -98,9 +98,10 @@ absl::Status PutLimits::Stream::Reserve(uint64_t bytes) {
   const uint64_t limit = owner_->options_.max_inflight_bytes_per_namespace;
   if (limit != 0 && (bytes > limit || held > limit - bytes)) {
     if (held == 0) owner_->ns_bytes_.erase(ns_);
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "kv: namespace '", ns_, "' has ", held, " bytes in unfinished Put streams; this block's ",
-        bytes, " would pass the server's --max_inflight_put_bytes_per_namespace=", limit));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("kv: namespace '", ns_, "' has ", held,
+                     " bytes in unfinished Put streams; this block's ", bytes,
+                     " would pass the server's --max_inflight_put_bytes_per_namespace=", limit));
   }
   held += bytes;
   bytes_ += bytes;
