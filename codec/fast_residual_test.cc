@@ -134,7 +134,7 @@ TEST(FastResidual, MalformedParamsAndPayloadAreDataLoss) {
   const RealBlocks r = LoadRealBlocks("GPL-3");
   const BlockGeometry& g = r.geometry;
   internal::FastOutput f;
-  ASSERT_TRUE(internal::EncodeFastResidual(g, r.blocks[2], Fast(0.05), &f).ok());
+  ASSERT_TRUE(internal::EncodeFastResidual(g, r.blocks[2], Fast(0.05), {}, &f).ok());
   std::vector<uint8_t> out(g.num_bytes());
   ASSERT_TRUE(internal::DecodeFastResidual(g, f.params, f.payload, absl::MakeSpan(out)).ok());
   int rejected = 0, tried = 0;

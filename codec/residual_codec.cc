@@ -264,6 +264,7 @@ absl::Status EncodeResidual(const BlockGeometry& g, const float* x, const Encode
   if (auto s = LoadLastTokens(g, c.parent, "parent", r, &src.parent); !s.ok()) return s;
   if (auto s = LoadSource(g, c.reference, "reference", r, &src.reference); !s.ok()) return s;
   if (auto s = LoadSource(g, c.external, "external", r, &src.external); !s.ok()) return s;
+  if (auto s = LoadLearned(g, c, r, &src); !s.ok()) return s;
   std::vector<float> xr;
   const float* xc = x;
   if (r) {
@@ -444,6 +445,14 @@ absl::Status DecodeResidual(const BlockGeometry& g, absl::string_view params,
     const auto load =
         nd.predictor == static_cast<int>(Predictor::kParent) ? LoadLastTokens : LoadSource;
     if (auto s = load(g, nd.span, nd.name, r, nd.dst); !s.ok()) return s;
+  }
+  if (uses[static_cast<int>(Predictor::kTokenMean)]) {
+    // DecodeBlock passes the state only for a block that names its version (and checked it).
+    if (c.learned == nullptr || c.tokens.size() != n.T) {
+      return absl::DataLossError(
+          "residual params: a learned predictor in a block that names no predictor state");
+    }
+    if (auto s = LoadLearned(g, c, r, &src); !s.ok()) return s;
   }
 
   // Entropy decoding and reconstruction, head by head. The context of q[t][d] is
