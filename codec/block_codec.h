@@ -62,9 +62,10 @@ enum class Predictor : uint8_t {
   kParent = 3,       // as temporal, first token from the parent block's last token
   kCentroid = 4,     // the reference block, same position
   kExternal = 5,     // the caller's prediction tensor, same position
-  // Learned (PredictionContext::learned, predictor_state.h): E[kv | token] from the state's token
-  // table (keys pre-RoPE, rotated at first_position + t). Needs context.learned and
-  // context.tokens; the block then names the state's version.
+  // Learned (PredictionContext::learned, PredictorState::Predict): the state's (previous token,
+  // token) pair mean where it has one, else E[kv | token], else the all-token mean (keys pre-RoPE,
+  // rotated at first_position + t). Needs context.learned and context.tokens (and the same
+  // previous_token at encode and decode); the block then names the state's version.
   kTokenMean = 6,
 };
 inline constexpr int kNumPredictors = 7;

@@ -140,7 +140,7 @@ TEST(PredictorStateTest, HeldOutRoundTripWithinTargetAndSmaller) {
         ctx.tokens = gen.tokens[b];
         ctx.first_position = static_cast<uint32_t>(b * kT);
         ctx.previous_token = b ? gen.tokens[b - 1].back() : -1;
-    ctx.previous_token = b ? gen.tokens[b - 1].back() : -1;
+        ctx.previous_token = b ? gen.tokens[b - 1].back() : -1;
         auto plain = EncodeBlock(g, gen.real.blocks[b], o);
         auto learned = EncodeBlock(g, gen.real.blocks[b], o, ctx);
         ASSERT_TRUE(plain.ok() && learned.ok()) << learned.status();
@@ -204,7 +204,12 @@ TEST(PredictorStateTest, MissingOrOtherStateIsFailedPreconditionNamingTheVersion
 }
 
 TEST(PredictorStateTest, MalformedBytesAreDataLoss) {
-  const std::string bytes = TrainState()->Serialize();
+  const auto state = TrainState();
+  const std::string bytes = state->Serialize();
+  ASSERT_GT(state->pairs_in_table(), 1u);
+  const size_t V = 5 * 2 * 4 * 8;
+  const size_t pairs_at =
+      32 + state->tokens_in_table() * 8 + (state->tokens_in_table() + 1) * 2 * V;
   for (size_t i = 0; i < bytes.size(); i += 1 + bytes.size() / 300) {
     std::string bad = bytes;
     bad[i] ^= 0x10;
@@ -228,7 +233,11 @@ TEST(PredictorStateTest, MalformedBytesAreDataLoss) {
   EXPECT_TRUE(absl::IsDataLoss(edited(14, "\x05"))) << "heads";
   EXPECT_TRUE(absl::IsDataLoss(edited(28, "\xff\xff\xff\x7f"))) << "entries";
   EXPECT_TRUE(absl::IsDataLoss(edited(32, "\xff\xff\xff\x7f"))) << "id order";
-  EXPECT_TRUE(absl::IsDataLoss(edited(bytes.size() - 6, std::string("\x00\x7c", 2)))) << "infinite mean";
+  EXPECT_TRUE(absl::IsDataLoss(edited(bytes.size() - 6, std::string("\x00\x7c", 2))))
+      << "infinite mean";
+  EXPECT_TRUE(absl::IsDataLoss(edited(pairs_at, "\xff\xff\xff\x0f"))) << "pair count";
+  EXPECT_TRUE(absl::IsDataLoss(edited(pairs_at + 4, "\xff\xff\xff\x7f"))) << "pair order";
+  EXPECT_TRUE(absl::IsDataLoss(edited(pairs_at + 8, "\xff\xff\xff\xff"))) << "pair token id";
   EXPECT_TRUE(PredictorState::Parse(Reseal(bytes)).ok());
 }
 
