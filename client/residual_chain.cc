@@ -64,7 +64,9 @@ absl::Status ResidualChain::Decode(uint32_t block_index, uint64_t reference_node
   }
   current_block_ = block_index;
   // Check verified the CRC: the chain does not again.
-  if (absl::Status s = chain_.Next(encoded, reference_node_id, out, /*verified=*/true); !s.ok()) {
+  if (absl::Status s =
+          chain_.Next(encoded, reference_node_id, out, /*tokens=*/{}, /*verified=*/true);
+      !s.ok()) {
     return s;
   }
   ++next_block_;
@@ -111,7 +113,8 @@ absl::Status ResidualChain::DecodeMany(absl::Span<const uint32_t> block_indices,
       // first of the next call) may read it.
       if (i + 1 == n || !independent[i + 1]) chain_.NextDense(outs[i]);
     } else {
-      absl::Status s = chain_.Next(encoded[i], reference_node_ids[i], outs[i], /*verified=*/true);
+      absl::Status s = chain_.Next(encoded[i], reference_node_ids[i], outs[i], /*tokens=*/{},
+                                   /*verified=*/true);
       if (!s.ok()) return s;
       done(i);
     }

@@ -13,6 +13,7 @@
 #include "codec/fast_lossless.h"
 #include "codec/fast_residual.h"
 #include "codec/lossless.h"
+#include "codec/predictor_state.h"
 #include "codec/residual_codec.h"
 
 namespace kvtrie {
@@ -22,8 +23,9 @@ constexpr char kMagic[4] = {'K', 'V', 'B', '1'};
 constexpr uint8_t kFormatVersion = 1;
 constexpr size_t kFixedHeader = 24;
 constexpr char kLosslessHalfWords = 2;
-constexpr char kLosslessCentroidDiff = 3;  // centroid_lossless.h; needs context.reference
-constexpr uint8_t kFlagFastProfile = 1;    // envelope flags bit 0: Profile::kFast
+constexpr char kLosslessCentroidDiff = 3;     // centroid_lossless.h; needs context.reference
+constexpr uint8_t kFlagFastProfile = 1;       // envelope flags bit 0: Profile::kFast
+constexpr uint8_t kFlagPredictorVersion = 2;  // bit 1: a u32 predictor version follows the node id
 
 template <typename T>
 void PutLE(std::string* out, T v) {
@@ -126,6 +128,8 @@ absl::string_view PredictorName(Predictor predictor) {
       return "centroid";
     case Predictor::kExternal:
       return "external";
+    case Predictor::kTokenMean:
+      return "token_mean";
   }
   return "unknown";
 }
@@ -177,19 +181,21 @@ void MeasureError(const BlockGeometry& g, const float* x, const float* y, Encode
 namespace internal {
 std::string WriteEnvelope(Encoding encoding, const BlockGeometry& geometry,
                           uint64_t reference_node_id, absl::string_view params,
-                          absl::string_view payload, Profile profile) {
+                          absl::string_view payload, Profile profile, uint32_t predictor_version) {
   std::string out;
-  out.reserve(kFixedHeader + 12 + params.size() + payload.size());
+  out.reserve(kFixedHeader + 16 + params.size() + payload.size());
   out.append(kMagic, 4);
   PutLE<uint8_t>(&out, kFormatVersion);
   PutLE<uint8_t>(&out, static_cast<uint8_t>(encoding));
   PutLE<uint8_t>(&out, static_cast<uint8_t>(geometry.dtype));
-  PutLE<uint8_t>(&out, profile == Profile::kFast ? kFlagFastProfile : 0);
+  PutLE<uint8_t>(&out, (profile == Profile::kFast ? kFlagFastProfile : 0) |
+                           (predictor_version != 0 ? kFlagPredictorVersion : 0));
   PutLE<uint16_t>(&out, static_cast<uint16_t>(geometry.num_layers));
   PutLE<uint16_t>(&out, static_cast<uint16_t>(geometry.num_kv_heads));
   PutLE<uint16_t>(&out, static_cast<uint16_t>(geometry.block_tokens));
   PutLE<uint16_t>(&out, static_cast<uint16_t>(geometry.head_dim));
   PutLE<uint64_t>(&out, reference_node_id);
+  if (predictor_version != 0) PutLE<uint32_t>(&out, predictor_version);
   PutLE<uint32_t>(&out, static_cast<uint32_t>(params.size()));
   out.append(params.data(), params.size());
   PutLE<uint32_t>(&out, static_cast<uint32_t>(payload.size()));
@@ -221,10 +227,11 @@ absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
   }
   if (options.profile == Profile::kFast && options.encoding == Encoding::kResidual) {
     internal::FastOutput fast;
-    absl::Status s = internal::EncodeFastResidual(geometry, kv, options, &fast);
+    absl::Status s = internal::EncodeFastResidual(geometry, kv, options, context, &fast);
     if (s.ok()) {
       result.bytes = internal::WriteEnvelope(Encoding::kResidual, geometry, 0, fast.params,
-                                             fast.payload, Profile::kFast);
+                                             fast.payload, Profile::kFast,
+                                             fast.uses_learned ? context.learned->version() : 0);
       result.bits_per_component = 8.0 * result.bytes.size() / geometry.num_elements();
       result.rel_rms_error_k = fast.rel_rms_error[0];
       result.rel_rms_error_v = fast.rel_rms_error[1];
@@ -283,9 +290,12 @@ absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
       const int centroid = static_cast<int>(Predictor::kCentroid);
       const bool uses_reference =
           lossy.predictor_count[0][centroid] + lossy.predictor_count[1][centroid] > 0;
-      result.bytes = internal::WriteEnvelope(options.encoding, geometry,
-                                             uses_reference ? options.reference_node_id : 0,
-                                             lossy.params, lossy.payload);
+      const int token_mean = static_cast<int>(Predictor::kTokenMean);
+      const bool uses_learned =
+          lossy.predictor_count[0][token_mean] + lossy.predictor_count[1][token_mean] > 0;
+      result.bytes = internal::WriteEnvelope(
+          options.encoding, geometry, uses_reference ? options.reference_node_id : 0, lossy.params,
+          lossy.payload, Profile::kCompact, uses_learned ? context.learned->version() : 0);
       // What the decoder returns: the reconstruction rounded to the dtype.
       std::vector<uint8_t> decoded(geometry.num_bytes());
       FromFloatSaturating(geometry.dtype, lossy.recon.data(), lossy.recon.size(), decoded.data());
@@ -353,7 +363,7 @@ absl::StatusOr<BlockHeader> ParseEnvelope(absl::string_view encoded, bool check_
     return absl::DataLossError(absl::StrCat("encoded block: unknown dtype ", dtype));
   }
   const uint8_t flags = static_cast<uint8_t>(p[7]);
-  if (flags & ~kFlagFastProfile) {
+  if (flags & ~(kFlagFastProfile | kFlagPredictorVersion)) {
     return absl::DataLossError(absl::StrCat("encoded block: unknown flags ", flags));
   }
   if ((flags & kFlagFastProfile) && encoding != static_cast<uint8_t>(Encoding::kResidual) &&
@@ -373,6 +383,19 @@ absl::StatusOr<BlockHeader> ParseEnvelope(absl::string_view encoded, bool check_
   h.reference_node_id = GetLE<uint64_t>(p + 16);
   const size_t body_end = encoded.size() - 4;
   size_t pos = kFixedHeader;
+  if (flags & kFlagPredictorVersion) {
+    if (encoded.size() < kFixedHeader + 16) {
+      return absl::DataLossError("encoded block: truncated predictor version");
+    }
+    h.predictor_version = GetLE<uint32_t>(p + pos);
+    pos += 4;
+    if (h.predictor_version == 0) {
+      return absl::DataLossError("encoded block: predictor version flag with version 0");
+    }
+    if (h.encoding != Encoding::kResidual) {
+      return absl::DataLossError("encoded block: predictor version on a non-residual encoding");
+    }
+  }
   const uint32_t params_len = GetLE<uint32_t>(p + pos);
   pos += 4;
   if (params_len > body_end - pos || body_end - pos - params_len < 4) {
@@ -423,9 +446,31 @@ absl::Status DecodeParsed(const absl::StatusOr<BlockHeader>& h, absl::Span<uint8
     return absl::InvalidArgumentError(absl::StrCat("out: block needs ", h->geometry.num_bytes(),
                                                    " bytes, buffer has ", out.size()));
   }
+  if (h->predictor_version != 0) {
+    if (context.learned == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("learned: the block is coded against predictor state version ",
+                       h->predictor_version, " and no predictor state was given"));
+    }
+    if (context.learned->version() != h->predictor_version) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "learned: the block is coded against predictor state version ", h->predictor_version,
+          ", the given state is version ", context.learned->version()));
+    }
+    if (context.tokens.size() != h->geometry.block_tokens) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "tokens: the block is coded against predictor state version ", h->predictor_version,
+          " and needs its ", h->geometry.block_tokens, " token ids, got ", context.tokens.size()));
+    }
+    if (auto s = internal::CheckLearnedGeometry(*context.learned, h->geometry); !s.ok()) {
+      return absl::FailedPreconditionError(s.message());
+    }
+  }
   if (h->profile == Profile::kFast) {
     if (h->encoding == Encoding::kResidual) {
-      return internal::DecodeFastResidual(h->geometry, h->params, h->payload, out);
+      return internal::DecodeFastResidual(
+          h->geometry, h->params, h->payload, out,
+          h->predictor_version != 0 ? context : PredictionContext{});
     }
     if (h->params.size() != 1 || static_cast<uint8_t>(h->params[0]) != kFastLosslessParamsVersion) {
       return absl::DataLossError("lossless params: unknown fast mode");
@@ -462,9 +507,11 @@ absl::Status DecodeParsed(const absl::StatusOr<BlockHeader>& h, absl::Span<uint8
     case Encoding::kKivi2:
     case Encoding::kTurboQuant: {
       std::vector<float> y(h->geometry.num_elements());
+      PredictionContext ctx = context;
+      if (h->predictor_version == 0) ctx.learned = nullptr;  // the block names no state
       absl::Status s =
           h->encoding == Encoding::kResidual
-              ? internal::DecodeResidual(h->geometry, h->params, h->payload, context, y.data())
+              ? internal::DecodeResidual(h->geometry, h->params, h->payload, ctx, y.data())
               : internal::DecodeBaseline(h->encoding, h->geometry, h->params, h->payload, y.data());
       if (!s.ok()) return s;
       FromFloatSaturating(h->geometry.dtype, y.data(), y.size(), out.data());

@@ -355,7 +355,8 @@ absl::Status ModelShard::ReadAndDecodeInternal(const BlockRead& block, DecodeCha
   }
   // ReadPayloadInternal's bytes are verified: a hot copy was checked when it was made (encoded
   // here, or parsed when read from disk), a cold one was just parsed.
-  absl::Status s = chain->Next(*payload, block.reference_node_id, out, /*verified=*/true);
+  absl::Status s =
+      chain->Next(*payload, block.reference_node_id, out, /*tokens=*/{}, /*verified=*/true);
   if (!absl::IsDataLoss(s)) return s;
   spdlog::error("node {} of '{}'/'{}' failed to decode, dropping it and its subtree: {}",
                 block.node_id, ns_, model_.model_id, std::string(s.message()));
