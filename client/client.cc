@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/residual_chain.h"
 #include "codec/block_codec.h"
+#include "codec/crc32c.h"
 #include "codec/kv_layout.h"
 
 namespace kvtrie {
@@ -306,15 +307,20 @@ absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
     block.resize(g.num_bytes());
     layers_seen.assign(msg.header().matched_blocks(), 0);
     chain = std::make_unique<ResidualChain>(
-        g, [&](uint64_t node_id) { return ReferenceBlock(model_id, node_id, g); });
+        g, [&](uint64_t node_id) { return ReferenceBlock(model_id, node_id, g); },
+        [&](uint32_t version) { return GetPredictor(model_id, version); });
   }
   while (reader->Read(&msg)) {
     if (!msg.has_block()) return bad("a second header");
     const v1::GetBlock& b = msg.block();
     if (b.block_index() >= layers_seen.size()) return bad("block_index past the match");
     if (!b.encoded().empty()) {  // RESIDUAL: decode here (client -> codec)
-      if (absl::Status s = chain->Decode(b.block_index(), b.reference_node_id(), b.encoded(),
-                                         absl::MakeSpan(block));
+      const size_t first = static_cast<size_t>(b.block_index()) * g.block_tokens;
+      const absl::Span<const uint32_t> block_tokens =
+          absl::MakeConstSpan(out.token_ids).subspan(first, g.block_tokens);
+      if (absl::Status s =
+              chain->Decode(b.block_index(), b.reference_node_id(), b.predictor_version(),
+                            block_tokens, b.encoded(), absl::MakeSpan(block));
           !s.ok()) {
         ctx->TryCancel();
         reader->Finish();
@@ -344,6 +350,69 @@ absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
   }
   out.surprisal_bits.assign(out.token_ids.size(), 0.0f);
   return out;
+}
+
+absl::StatusOr<std::shared_ptr<const PredictorState>> Client::GetPredictor(
+    const std::string& model_id, uint32_t version) {
+  if (auto s = CheckNames(options_.ns, model_id); !s.ok()) return s;
+  const PredictorKey key(options_.ns, model_id, version);
+  {
+    absl::MutexLock lock(&predictors_mu_);
+    if (auto it = predictors_.find(key); it != predictors_.end()) {
+      it->second.first = ++predictor_uses_;
+      return it->second.second;
+    }
+  }
+  v1::GetPredictorRequest req;
+  req.set_namespace_(options_.ns);
+  req.set_model_id(model_id);
+  req.set_version(version);
+  auto ctx = NewContext();
+  std::unique_ptr<grpc::ClientReader<v1::PredictorChunk>> reader(
+      stub_->GetPredictor(ctx.get(), req));
+  v1::PredictorChunk chunk;
+  std::string bytes;
+  uint64_t total = 0;
+  uint32_t crc = 0;
+  bool first = true;
+  while (reader->Read(&chunk)) {
+    if (first) {
+      total = chunk.total_bytes();
+      crc = chunk.crc32c();
+      first = false;
+    }
+    if (chunk.version() != version || chunk.total_bytes() != total || chunk.crc32c() != crc ||
+        chunk.offset() != bytes.size() || bytes.size() + chunk.data().size() > total) {
+      ctx->TryCancel();
+      reader->Finish();
+      return absl::DataLossError(absl::StrCat("get_predictor: chunk at offset ", chunk.offset(),
+                                              " does not continue the ", bytes.size(),
+                                              " bytes received of version ", version));
+    }
+    bytes += chunk.data();
+  }
+  if (auto s = FromGrpc(reader->Finish()); !s.ok()) return s;
+  if (first || bytes.size() != total || Crc32c(bytes) != crc) {
+    return absl::DataLossError(absl::StrCat("get_predictor: received ", bytes.size(), " of ", total,
+                                            " bytes of version ", version,
+                                            " or their CRC-32C differs"));
+  }
+  absl::StatusOr<std::shared_ptr<const PredictorState>> state = PredictorState::Parse(bytes);
+  if (!state.ok()) return state.status();
+  if ((*state)->version() != version) {
+    return absl::DataLossError(absl::StrCat("get_predictor: asked for version ", version,
+                                            ", got version ", (*state)->version()));
+  }
+  absl::MutexLock lock(&predictors_mu_);
+  if (predictors_.size() >= kMaxCachedPredictors) {  // drop the least recently used
+    auto oldest = predictors_.begin();
+    for (auto it = predictors_.begin(); it != predictors_.end(); ++it) {
+      if (it->second.first < oldest->second.first) oldest = it;
+    }
+    predictors_.erase(oldest);
+  }
+  predictors_[key] = {++predictor_uses_, *state};
+  return *state;
 }
 
 absl::StatusOr<v1::StatsResponse> Client::Stats(const std::string& ns_override) {

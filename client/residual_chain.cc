@@ -16,8 +16,10 @@ absl::Status BlockLoss(uint32_t block_index, absl::string_view what) {
 
 }  // namespace
 
-ResidualChain::ResidualChain(const BlockGeometry& geometry, FetchReference fetch)
+ResidualChain::ResidualChain(const BlockGeometry& geometry, FetchReference fetch,
+                             FetchPredictor fetch_predictor)
     : geometry_(geometry),
+      fetch_predictor_(std::move(fetch_predictor)),
       chain_(geometry,
              [this, fetch = std::move(fetch)](uint64_t node_id,
                                               absl::Span<uint8_t> out) -> absl::Status {
@@ -32,6 +34,7 @@ ResidualChain::ResidualChain(const BlockGeometry& geometry, FetchReference fetch
              }) {}
 
 absl::Status ResidualChain::Decode(uint32_t block_index, uint64_t reference_node_id,
+                                   uint32_t predictor_version, absl::Span<const uint32_t> tokens,
                                    absl::string_view encoded, absl::Span<uint8_t> out) {
   if (block_index != next_block_) {
     return BlockLoss(block_index,
@@ -50,8 +53,40 @@ absl::Status ResidualChain::Decode(uint32_t block_index, uint64_t reference_node
     return BlockLoss(block_index, absl::StrCat("encoded against node ", h->reference_node_id,
                                                ", reference_node_id says ", reference_node_id));
   }
+  if (h->predictor_version != predictor_version) {
+    return BlockLoss(block_index,
+                     absl::StrCat("coded against predictor state version ", h->predictor_version,
+                                  ", predictor_version says ", predictor_version));
+  }
+  if (tokens.size() != geometry_.block_tokens) {
+    return BlockLoss(block_index, absl::StrCat(tokens.size(), " token ids for a block of ",
+                                               geometry_.block_tokens));
+  }
+  std::shared_ptr<const PredictorState> learned;
+  if (predictor_version != 0) {
+    if (!fetch_predictor_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("get: block ", block_index, " needs predictor state version ",
+                       predictor_version, " and this client cannot fetch it"));
+    }
+    absl::StatusOr<std::shared_ptr<const PredictorState>> state =
+        fetch_predictor_(predictor_version);
+    if (!state.ok()) return state.status();
+    const BlockGeometry& sg = (*state)->geometry();
+    if ((*state)->version() != predictor_version || sg.num_layers != geometry_.num_layers ||
+        sg.num_kv_heads != geometry_.num_kv_heads || sg.head_dim != geometry_.head_dim ||
+        sg.dtype != geometry_.dtype) {
+      return BlockLoss(block_index, absl::StrCat("the fetched predictor state is version ",
+                                                 (*state)->version(), " of ", sg.DebugString()));
+    }
+    learned = *std::move(state);
+  }
+  const std::vector<int32_t> block_tokens(tokens.begin(), tokens.end());
   current_block_ = block_index;
-  if (absl::Status s = chain_.Next(encoded, reference_node_id, out); !s.ok()) return s;
+  chain_.AddPredictor(std::move(learned));
+  if (absl::Status s = chain_.Next(encoded, reference_node_id, out, block_tokens); !s.ok()) {
+    return s;
+  }
   ++next_block_;
   return absl::OkStatus();
 }

@@ -8,11 +8,16 @@
 // predicted from block i-1's reconstruction (its parent) and, when its envelope names a centroid
 // (reference_node_id != 0), from that centroid block's reconstruction, which `fetch` returns
 // (the client reads it with GetRequest.node_id); DecodeChain caches the last
-// DecodeChain::kMaxReferences centroids.
+// DecodeChain::kMaxReferences centroids. A block coded against the model's learned predictor
+// state (GetBlock.predictor_version != 0, named in its envelope too) is decoded with the state
+// `fetch_predictor` returns (the client fetches it with GetPredictor and caches it) and the
+// block's token ids, position and previous token.
 //
 // Errors (the stream is then unusable): DATA_LOSS naming the block when it arrives out of order,
 // its envelope fails its checks, its geometry differs from the model's, its reference id differs
-// from GetBlock.reference_node_id, or a centroid has the wrong size; `fetch`'s errors; the codec's
+// from GetBlock.reference_node_id, its predictor version differs from GetBlock.predictor_version,
+// a centroid has the wrong size, or a fetched state is of another version or geometry; the
+// fetchers' errors; the codec's
 // (FAILED_PRECONDITION for a prediction the client cannot supply).
 // Not thread-safe (one Get).
 #ifndef KVTRIE_CLIENT_RESIDUAL_CHAIN_H_
@@ -20,6 +25,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -28,6 +34,7 @@
 #include "absl/types/span.h"
 #include "codec/block_geometry.h"
 #include "codec/decode_chain.h"
+#include "codec/predictor_state.h"
 
 namespace kvtrie {
 
@@ -35,19 +42,28 @@ class ResidualChain {
  public:
   // The reconstruction of centroid node `node_id` (geometry.num_bytes() bytes).
   using FetchReference = std::function<absl::StatusOr<std::vector<uint8_t>>(uint64_t node_id)>;
+  // The learned predictor state `version` of the Get's (namespace, model).
+  using FetchPredictor =
+      std::function<absl::StatusOr<std::shared_ptr<const PredictorState>>(uint32_t version)>;
 
-  ResidualChain(const BlockGeometry& geometry, FetchReference fetch);
+  // `fetch_predictor` may be null when no block names a learned state.
+  ResidualChain(const BlockGeometry& geometry, FetchReference fetch,
+                FetchPredictor fetch_predictor = nullptr);
   ResidualChain(const ResidualChain&) = delete;  // the chain's fetcher points at this object
   ResidualChain& operator=(const ResidualChain&) = delete;
 
   // Decodes block `block_index` (0, 1, 2, ... in order) into `out` (geometry.num_bytes()).
-  absl::Status Decode(uint32_t block_index, uint64_t reference_node_id, absl::string_view encoded,
+  // `tokens` are the block's token ids (block_tokens): the learned predictors' context (the
+  // chain tracks the position and the previous token).
+  absl::Status Decode(uint32_t block_index, uint64_t reference_node_id, uint32_t predictor_version,
+                      absl::Span<const uint32_t> tokens, absl::string_view encoded,
                       absl::Span<uint8_t> out);
 
  private:
   const BlockGeometry geometry_;
   uint32_t next_block_ = 0;
   uint32_t current_block_ = 0;  // the block being decoded, for the fetcher's errors
+  const FetchPredictor fetch_predictor_;
   DecodeChain chain_;
 };
 

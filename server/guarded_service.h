@@ -13,6 +13,8 @@
 //   Stats  of a tenant (not admin) is that of its own namespace, and the server-wide counters in
 //          it (lookups, gets, puts, deletes, blocks stored / deduplicated) are replaced by that
 //          namespace's own; the store-wide tier and eviction counters are zeroed.
+//   GetPredictor  only the caller's own namespace's learned states (the namespace is replaced
+//          like every call's), so no tenant can fetch a table learned from another's prompts.
 // Metrics (server/metrics.h) record each call's method, final code, latency and namespace.
 //
 // Thread-safe. `inner`, `auth`, `store` and `metrics` (may be null) must outlive it.
@@ -55,6 +57,8 @@ class GuardedService final : public v1::KVCache::Service {
                       v1::DeleteResponse* response) override;
   grpc::Status Pin(grpc::ServerContext* context, const v1::PinRequest* request,
                    v1::PinResponse* response) override;
+  grpc::Status GetPredictor(grpc::ServerContext* context, const v1::GetPredictorRequest* request,
+                            grpc::ServerWriter<v1::PredictorChunk>* writer) override;
 
  private:
   // Per-namespace call counters, kept for the namespaces of authorized tenants.

@@ -47,6 +47,8 @@ class KvCacheService final : public v1::KVCache::Service {
                       v1::DeleteResponse* response) override;
   grpc::Status Pin(grpc::ServerContext* context, const v1::PinRequest* request,
                    v1::PinResponse* response) override;
+  grpc::Status GetPredictor(grpc::ServerContext* context, const v1::GetPredictorRequest* request,
+                            grpc::ServerWriter<v1::PredictorChunk>* writer) override;
 
   // Put and Get over the stream interfaces, so a wrapper (server/guarded_service.h) can rewrite
   // or observe the messages.
@@ -55,6 +57,9 @@ class KvCacheService final : public v1::KVCache::Service {
                          v1::PutResponse* response);
   grpc::Status GetStream(grpc::ServerContext* context, const v1::GetRequest* request,
                          grpc::ServerWriterInterface<v1::GetResponse>* writer);
+  grpc::Status GetPredictorStream(grpc::ServerContext* context,
+                                  const v1::GetPredictorRequest* request,
+                                  grpc::ServerWriterInterface<v1::PredictorChunk>* writer);
 
  private:
   KvStore* const store_;
