@@ -255,7 +255,8 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
       (o.predictors & (1u << static_cast<int>(Predictor::kTokenMean)))) {
     if (auto st = CheckLearnedGeometry(*context.learned, g); !st.ok()) return st;
     learned.resize(g.num_elements());
-    context.learned->PredictTokenMean(context.tokens, context.first_position, learned.data());
+    context.learned->Predict(context.tokens, context.first_position, context.previous_token,
+                             learned.data());
   }
   out->uses_learned = false;
   s.q.resize(pe);
@@ -513,7 +514,8 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
   std::vector<float> learned;
   if (uses_learned) {
     learned.resize(g.num_elements());
-    context.learned->PredictTokenMean(context.tokens, context.first_position, learned.data());
+    context.learned->Predict(context.tokens, context.first_position, context.previous_token,
+                             learned.data());
   }
   // Payload.
   const size_t ns = lo.num_segments(planes);

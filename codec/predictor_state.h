@@ -76,6 +76,16 @@ class PredictorState {
   // it).
   virtual void PredictTokenMean(absl::Span<const int32_t> tokens, uint32_t first_position,
                                 float* out) const = 0;
+  // (previous token, token) pairs with a learned prediction.
+  virtual uint32_t pairs_in_table() const = 0;
+  // The learned prediction the codec codes against (Predictor::kTokenMean): as PredictTokenMean,
+  // but token t whose (previous token, token) pair the state has — the previous token of t = 0 is
+  // `previous_token`, -1 = none — gets the pair's mean shrunk toward the token mean,
+  // n / (n + k) of the way (n the pair's count, k per (layer, K/V) from the within- and
+  // between-pair variances the learner saw). Encoder and decoder must pass the same tokens,
+  // first_position and previous_token.
+  virtual void Predict(absl::Span<const int32_t> tokens, uint32_t first_position,
+                       int32_t previous_token, float* out) const = 0;
 };
 
 // What the learner may keep and fit.

@@ -79,6 +79,7 @@ TEST(PredictorStateTest, FitsDetectsRopeAndRoundTripsItsBytes) {
   EXPECT_EQ(state->rope_base(), 10000.0);  // stories260K: RoPE theta 10000
   EXPECT_EQ(state->tokens_learned(), 512u / kT * kT + 284u / kT * kT);
   EXPECT_GT(state->tokens_in_table(), 100u);
+  EXPECT_GT(state->pairs_in_table(), 10u);  // from story_prompt, after the RoPE base is decided
   EXPECT_NE(state->Describe().find("v7"), std::string::npos);
   const std::string bytes = state->Serialize();
   auto parsed = PredictorState::Parse(bytes);
@@ -138,6 +139,8 @@ TEST(PredictorStateTest, HeldOutRoundTripWithinTargetAndSmaller) {
         ctx.learned = state.get();
         ctx.tokens = gen.tokens[b];
         ctx.first_position = static_cast<uint32_t>(b * kT);
+        ctx.previous_token = b ? gen.tokens[b - 1].back() : -1;
+    ctx.previous_token = b ? gen.tokens[b - 1].back() : -1;
         auto plain = EncodeBlock(g, gen.real.blocks[b], o);
         auto learned = EncodeBlock(g, gen.real.blocks[b], o, ctx);
         ASSERT_TRUE(plain.ok() && learned.ok()) << learned.status();
@@ -293,6 +296,7 @@ TEST(PredictorStateTest, DecodeChainFetchesTheStateOnceAndTracksPositions) {
     ctx.learned = state.get();
     ctx.tokens = gen.tokens[b];
     ctx.first_position = static_cast<uint32_t>(b * kT);
+    ctx.previous_token = b ? gen.tokens[b - 1].back() : -1;
     auto e = EncodeBlock(g, gen.real.blocks[b], Residual(Profile::kFast, 0.1), ctx);
     ASSERT_TRUE(e.ok());
     encoded.push_back(e->bytes);
@@ -312,6 +316,7 @@ TEST(PredictorStateTest, DecodeChainFetchesTheStateOnceAndTracksPositions) {
     ctx.learned = state.get();
     ctx.tokens = gen.tokens[b];
     ctx.first_position = static_cast<uint32_t>(b * kT);
+    ctx.previous_token = b ? gen.tokens[b - 1].back() : -1;
     std::vector<uint8_t> direct(g.num_bytes());
     ASSERT_TRUE(DecodeBlock(encoded[b], absl::MakeSpan(direct), ctx).ok());
     EXPECT_EQ(decoded[b], direct) << b;

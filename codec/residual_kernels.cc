@@ -246,7 +246,7 @@ absl::Status LoadLearned(const BlockGeometry& g, const PredictionContext& c,
   if (c.learned == nullptr || c.tokens.size() != g.block_tokens) return absl::OkStatus();
   if (auto st = CheckLearnedGeometry(*c.learned, g); !st.ok()) return st;
   s->learned.resize(g.num_elements());
-  c.learned->PredictTokenMean(c.tokens, c.first_position, s->learned.data());
+  c.learned->Predict(c.tokens, c.first_position, c.previous_token, s->learned.data());
   if (rot) {
     for (size_t i = 0; i < s->learned.size(); i += g.head_dim) rot->Forward(s->learned.data() + i);
   }
