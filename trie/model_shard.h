@@ -15,7 +15,8 @@
 //              and memory changes only after the write succeeded.
 //   mu_        guards the trie, the index and the counters; held for memory work only. Readers
 //              (Lookup, Get, Inspect, Stats) take only mu_, so they never wait for a disk write.
-// Lock order: write_mu_ -> mu_ -> TierManager::mu_ -> RecordStore::error_mu_. A thread holds
+// Lock order: write_mu_ -> mu_ -> PredictorRegistry::mu_ | TierManager::mu_ ->
+// RecordStore::error_mu_ (the registry takes no other lock). A thread holds
 // the locks of at most one shard; eviction for the disk budget runs with none held.
 //
 // A node being deleted or evicted is marked `removing` under mu_ before its deletes are written,

@@ -16,7 +16,8 @@
 // dependents fail.
 //
 // Thread-safe: mu_ guards everything but the learner; the learner is used only by the one
-// LearnQueue thread (learn_mu_ documents and checks that). Lock order: ModelShard::mu_ -> mu_.
+// LearnQueue thread (learn_mu_ documents and checks that). Lock order: ModelShard::mu_ -> mu_,
+// and learn_mu_ -> mu_ (no shard lock is held while learning).
 //
 // LearnQueue: one background thread for the whole store running jobs in order, bounded by the
 // bytes they hold; Push refuses (and the caller counts a drop) past the bound.
@@ -114,7 +115,7 @@ class PredictorRegistry {
   uint32_t max_version_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t learner_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // the learner's, as of its last Observe
 
-  absl::Mutex learn_mu_ ABSL_ACQUIRED_AFTER(mu_);  // the LearnQueue thread's
+  absl::Mutex learn_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // the LearnQueue thread's
   std::unique_ptr<PredictorLearner> learner_ ABSL_GUARDED_BY(learn_mu_);
   absl::Status learner_error_ ABSL_GUARDED_BY(learn_mu_);
   uint64_t tokens_since_fit_ ABSL_GUARDED_BY(learn_mu_) = 0;
