@@ -108,31 +108,30 @@ absl::Status KvStore::Impl::Open() {
   // Learned predictor states before the nodes that depend on them. One that cannot be read or
   // parsed stays listed with its error: DATA_LOSS for its dependents only.
   RecordBatch drop(records_.get());
-  if (absl::Status s = records_->ForEachPredictor(
-          [&](uint64_t shard_id, uint32_t version, absl::StatusOr<PredictorMeta> meta) {
-            auto it = by_id.find(shard_id);
-            if (it == by_id.end()) {  // its model is gone
-              drop.DeletePredictor(shard_id, version);
-              return;
-            }
-            PredictorMeta m = meta.ok() ? *meta : PredictorMeta{};
-            m.version = version;
-            absl::StatusOr<std::shared_ptr<const PredictorState>> state =
-                absl::DataLossError("unread");
-            if (!meta.ok()) {
-              state = meta.status();
-            } else {
-              absl::StatusOr<std::string> bytes = records_->ReadPredictor(shard_id, version);
-              if (!bytes.ok()) {
-                state = bytes.status();
-              } else {
-                state = PredictorState::Parse(*bytes);
-              }
-            }
-            ++recovery_.predictor_versions;
-            if (!state.ok()) ++recovery_.predictor_versions_unreadable;
-            it->second->RecoverPredictor(m, std::move(state));
-          });
+  if (absl::Status s = records_->ForEachPredictor([&](uint64_t shard_id, uint32_t version,
+                                                      absl::StatusOr<PredictorMeta> meta) {
+        auto it = by_id.find(shard_id);
+        if (it == by_id.end()) {  // its model is gone
+          drop.DeletePredictor(shard_id, version);
+          return;
+        }
+        PredictorMeta m = meta.ok() ? *meta : PredictorMeta{};
+        m.version = version;
+        absl::StatusOr<std::shared_ptr<const PredictorState>> state = absl::DataLossError("unread");
+        if (!meta.ok()) {
+          state = meta.status();
+        } else {
+          absl::StatusOr<std::string> bytes = records_->ReadPredictor(shard_id, version);
+          if (!bytes.ok()) {
+            state = bytes.status();
+          } else {
+            state = PredictorState::Parse(*bytes);
+          }
+        }
+        ++recovery_.predictor_versions;
+        if (!state.ok()) ++recovery_.predictor_versions_unreadable;
+        it->second->RecoverPredictor(m, std::move(state));
+      });
       !s.ok()) {
     return s;
   }

@@ -52,6 +52,7 @@ class PredictorStoreTest : public testing::Test {
     o.predictors.learn = true;
     o.predictors.refit_every_tokens = 512;
     o.predictors.queue_bytes = queue_bytes;
+    o.predictors.resident_versions = 0;  // only the latest in memory: older ones are read back
     auto s = KvStore::Open(o);
     ASSERT_TRUE(s.ok()) << s.status();
     store_ = *std::move(s);
@@ -139,6 +140,8 @@ class PredictorStoreTest : public testing::Test {
     EXPECT_EQ(v[1].version, 2u);
     EXPECT_TRUE(v[1].latest);
     EXPECT_EQ(v[1].tokens_learned, 1024u);
+    EXPECT_EQ(v[0].memory_bytes, 0u);  // resident_versions = 0: read back when needed
+    EXPECT_GT(v[1].memory_bytes, 0u);  // the latest stays in memory
   }
 
   std::filesystem::path dir_;

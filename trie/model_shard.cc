@@ -76,8 +76,8 @@ ModelShard::ModelShard(ShardContext* context, std::string ns, ModelInfo model, u
       committed_(committed),
       trie_(
           std::make_unique<BlockTrie>(model_.geometry.block_tokens, context->options->token_hash)),
-      predictors_(
-          std::make_shared<PredictorRegistry>(model_.geometry, context->options->predictors)) {}
+      predictors_(std::make_shared<PredictorRegistry>(model_.geometry, context->options->predictors,
+                                                      PredictorLoader())) {}
 
 bool ModelShard::committed() const {
   absl::MutexLock lock(&mu_);

@@ -223,6 +223,8 @@ class ModelShard {
   // DATA_LOSS when that state is unreadable or gone.
   absl::Status DecodeNext(const BlockRead& block, const std::string& payload, DecodeChain* chain,
                           absl::Span<uint8_t> out);
+  // Reads a persisted version of this shard back (for the registry's non-resident versions).
+  PredictorRegistry::Loader PredictorLoader();
   // The LearnQueue job of QueueLearning: observes, refits when due, persists and publishes.
   void Learn(const std::shared_ptr<PredictorRegistry>& registry, uint32_t block_index,
              const std::vector<int32_t>& tokens, int32_t previous_token,

@@ -16,6 +16,14 @@ std::shared_ptr<PredictorRegistry> ModelShard::predictors() const {
   return predictors_;
 }
 
+PredictorRegistry::Loader ModelShard::PredictorLoader() {
+  return [this](uint32_t version) -> absl::StatusOr<std::shared_ptr<const PredictorState>> {
+    absl::StatusOr<std::string> bytes = context_->records->ReadPredictor(shard_id_, version);
+    if (!bytes.ok()) return bytes.status();
+    return PredictorState::Parse(*bytes);
+  };
+}
+
 void ModelShard::RecoverPredictor(const PredictorMeta& meta,
                                   absl::StatusOr<std::shared_ptr<const PredictorState>> state) {
   if (state.ok() && (*state)->version() != meta.version) {
@@ -149,8 +157,7 @@ absl::StatusOr<std::string> ModelShard::SerializedPredictor(uint32_t version) {
   if (version == 0) {
     return absl::InvalidArgumentError("version: 0 names no predictor state; versions start at 1");
   }
-  absl::StatusOr<std::shared_ptr<const PredictorState>> state = predictors()->Find(version);
-  if (!state.ok()) return state.status();
+  if (absl::Status s = predictors()->Check(version); !s.ok()) return s;
   absl::StatusOr<std::string> bytes = context_->records->ReadPredictor(shard_id_, version);
   if (absl::IsNotFound(bytes.status())) {
     return absl::NotFoundError(absl::StrCat("version: predictor state version ", version,

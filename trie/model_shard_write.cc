@@ -198,8 +198,8 @@ absl::StatusOr<std::vector<uint64_t>> ModelShard::Commit(const ModelInfo& model,
     if (!(model_.geometry == model.geometry)) {
       trie_ = std::make_unique<BlockTrie>(bt, context_->options->token_hash);
       clusters_ = ClusterIndex();
-      predictors_ =
-          std::make_shared<PredictorRegistry>(model.geometry, context_->options->predictors);
+      predictors_ = std::make_shared<PredictorRegistry>(
+          model.geometry, context_->options->predictors, PredictorLoader());
     }
     model_ = model;
     committed_ = true;

@@ -8,8 +8,28 @@
 
 namespace kvtrie {
 
-PredictorRegistry::PredictorRegistry(const BlockGeometry& geometry, const PredictorOptions& options)
-    : geometry_(geometry), options_(options) {}
+PredictorRegistry::PredictorRegistry(const BlockGeometry& geometry, const PredictorOptions& options,
+                                     Loader loader)
+    : geometry_(geometry), options_(options), loader_(std::move(loader)) {}
+
+void PredictorRegistry::SetStateLocked(Version* v, std::shared_ptr<const PredictorState> state) {
+  v->description = state->Describe();
+  v->memory_bytes = state->memory_bytes();
+  v->last_use = ++uses_;
+  v->state = std::move(state);
+}
+
+void PredictorRegistry::TrimResidentLocked() {
+  std::vector<std::pair<uint64_t, uint32_t>> resident;  // (last use, version)
+  for (const auto& [version, v] : versions_) {
+    if (v.state && version != latest_) resident.emplace_back(v.last_use, version);
+  }
+  if (resident.size() <= options_.resident_versions) return;
+  std::sort(resident.begin(), resident.end());
+  for (size_t i = 0; i + options_.resident_versions < resident.size(); ++i) {
+    versions_.at(resident[i].second).state.reset();  // readers holding it keep their copy
+  }
+}
 
 void PredictorRegistry::RecoverVersion(uint32_t version,
                                        absl::StatusOr<std::shared_ptr<const PredictorState>> state,
@@ -19,12 +39,13 @@ void PredictorRegistry::RecoverVersion(uint32_t version,
   v.state_bytes = state_bytes;
   v.tokens_learned = tokens_learned;
   if (state.ok()) {
-    v.state = *std::move(state);
+    SetStateLocked(&v, *std::move(state));
     latest_ = std::max(latest_, version);
   } else {
     v.error = state.status();
   }
   max_version_ = std::max(max_version_, version);
+  TrimResidentLocked();
 }
 
 void PredictorRegistry::AddDependent(uint32_t version, int sign) {
@@ -60,19 +81,62 @@ void PredictorRegistry::Release(uint32_t version) {
   if (it != versions_.end() && it->second.pending > 0) --it->second.pending;
 }
 
-absl::StatusOr<std::shared_ptr<const PredictorState>> PredictorRegistry::Find(
-    uint32_t version) const {
+absl::Status PredictorRegistry::Check(uint32_t version) const {
   absl::MutexLock lock(&mu_);
   auto it = versions_.find(version);
   if (it == versions_.end()) {
     return absl::NotFoundError(
         absl::StrCat("version: predictor state version ", version, " is not stored"));
   }
-  if (!it->second.state) {
+  if (!it->second.error.ok()) {
     return absl::DataLossError(absl::StrCat("predictor state version ", version,
                                             " is unreadable: ", it->second.error.message()));
   }
-  return it->second.state;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const PredictorState>> PredictorRegistry::Find(uint32_t version) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = versions_.find(version);
+    if (it == versions_.end()) {
+      return absl::NotFoundError(
+          absl::StrCat("version: predictor state version ", version, " is not stored"));
+    }
+    if (!it->second.error.ok()) {
+      return absl::DataLossError(absl::StrCat("predictor state version ", version,
+                                              " is unreadable: ", it->second.error.message()));
+    }
+    if (it->second.state) {
+      it->second.last_use = ++uses_;
+      return it->second.state;
+    }
+  }
+  // Not resident: read it back with no lock held (a concurrent Find may read it too).
+  if (!loader_) return absl::InternalError("predictor registry: no loader");
+  absl::StatusOr<std::shared_ptr<const PredictorState>> state = loader_(version);
+  if (state.ok() && (*state)->version() != version) {
+    state =
+        absl::DataLossError(absl::StrCat("the stored state names version ", (*state)->version()));
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = versions_.find(version);
+  if (!state.ok()) {
+    if (absl::IsDataLoss(state.status()) && it != versions_.end())
+      it->second.error = state.status();
+    if (absl::IsNotFound(state.status())) {
+      return absl::NotFoundError(
+          absl::StrCat("version: predictor state version ", version, " is not stored"));
+    }
+    return absl::Status(state.status().code(),
+                        absl::StrCat("predictor state version ", version,
+                                     " is unreadable: ", state.status().message()));
+  }
+  if (it != versions_.end() && !it->second.state) {
+    SetStateLocked(&it->second, *state);
+    TrimResidentLocked();
+  }
+  return *state;
 }
 
 absl::StatusOr<bool> PredictorRegistry::Observe(absl::Span<const uint8_t> kv,
@@ -121,9 +185,10 @@ void PredictorRegistry::Publish(std::shared_ptr<const PredictorState> state, uin
   Version& v = versions_[version];
   v.tokens_learned = state->tokens_learned();
   v.state_bytes = state_bytes;
-  v.state = std::move(state);
+  SetStateLocked(&v, std::move(state));
   latest_ = std::max(latest_, version);
   max_version_ = std::max(max_version_, version);
+  TrimResidentLocked();
   fits_.fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -165,15 +230,12 @@ std::vector<PredictorVersionView> PredictorRegistry::Versions() const {
     PredictorVersionView view;
     view.version = version;
     view.state_bytes = v.state_bytes;
-    view.memory_bytes = v.state ? v.state->memory_bytes() : 0;
+    view.memory_bytes = v.state ? v.memory_bytes : 0;
     view.tokens_learned = v.tokens_learned;
     view.dependents = v.dependents;
     view.latest = version == latest_;
-    if (v.state) {
-      view.description = v.state->Describe();
-    } else {
-      view.error = std::string(v.error.message());
-    }
+    view.description = v.description;
+    if (!v.error.ok()) view.error = std::string(v.error.message());
     out.push_back(std::move(view));
   }
   return out;
@@ -186,7 +248,7 @@ void PredictorRegistry::AddStats(StoreStats* s) const {
     s->predictor_memory_bytes += learner_bytes_;
     for (const auto& [version, v] : versions_) {
       s->predictor_state_bytes += v.state_bytes;
-      if (v.state) s->predictor_memory_bytes += v.state->memory_bytes();
+      if (v.state) s->predictor_memory_bytes += v.memory_bytes;
       s->blocks_on_learned += v.dependents;
       if (version == latest_) s->predictor_tokens_learned += v.tokens_learned;
     }

@@ -13,7 +13,9 @@
 // has dependents or pending Puts -> TakeUnused hands it to the shard, which deletes it on disk
 // and then Forgets it. Recovery restores every persisted version (RecoverVersion); one whose
 // bytes are unreadable stays listed with its error, and Find returns that DATA_LOSS, so only its
-// dependents fail.
+// dependents fail. Memory: the latest version and the PredictorOptions::resident_versions most
+// recently used others stay in memory; the rest are read back from the record layer (through the
+// shard's Loader) when a block needs them.
 //
 // Thread-safe: mu_ guards everything but the learner; the learner is used only by the one
 // LearnQueue thread (learn_mu_ documents and checks that). Lock order: ModelShard::mu_ -> mu_,
@@ -47,7 +49,11 @@ namespace kvtrie {
 
 class PredictorRegistry {
  public:
-  PredictorRegistry(const BlockGeometry& geometry, const PredictorOptions& options);
+  // Reads a persisted version back (RocksDB, then PredictorState::Parse). Called with no lock.
+  using Loader =
+      std::function<absl::StatusOr<std::shared_ptr<const PredictorState>>(uint32_t version)>;
+
+  PredictorRegistry(const BlockGeometry& geometry, const PredictorOptions& options, Loader loader);
   PredictorRegistry(const PredictorRegistry&) = delete;
   PredictorRegistry& operator=(const PredictorRegistry&) = delete;
 
@@ -68,9 +74,11 @@ class PredictorRegistry {
   void Release(uint32_t version);
 
   // --- Decoding ---
-  // Errors: NOT_FOUND naming the version when it is not kept; DATA_LOSS when its persisted bytes
-  // were unreadable.
-  absl::StatusOr<std::shared_ptr<const PredictorState>> Find(uint32_t version) const;
+  // Reads it back when it is not resident. Errors: NOT_FOUND naming the version when it is not
+  // kept; DATA_LOSS when its persisted bytes are unreadable; the loader's I/O errors.
+  absl::StatusOr<std::shared_ptr<const PredictorState>> Find(uint32_t version);
+  // Find's NOT_FOUND or DATA_LOSS, without reading the state back; OK if it is kept and readable.
+  absl::Status Check(uint32_t version) const;
 
   // --- Learning (the LearnQueue thread only) ---
   // Adds one committed block (see PredictorLearner::Observe). Returns true when a refit is due.
@@ -97,8 +105,11 @@ class PredictorRegistry {
 
  private:
   struct Version {
-    std::shared_ptr<const PredictorState> state;  // null when unreadable
-    absl::Status error;                           // why it is unreadable
+    std::shared_ptr<const PredictorState> state;  // null when unreadable or not resident
+    absl::Status error;                           // why it is unreadable (OK: readable)
+    std::string description;                      // PredictorState::Describe()
+    uint64_t memory_bytes = 0;                    // PredictorState::memory_bytes()
+    uint64_t last_use = 0;                        // for residency
     uint64_t state_bytes = 0;
     uint64_t tokens_learned = 0;
     uint64_t dependents = 0;
@@ -106,14 +117,21 @@ class PredictorRegistry {
     bool freeing = false;
   };
 
+  // Drops from memory the least recently used versions past resident_versions (never the latest).
+  void TrimResidentLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SetStateLocked(Version* v, std::shared_ptr<const PredictorState> state)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   const BlockGeometry geometry_;
   const PredictorOptions options_;
+  const Loader loader_;
 
   mutable absl::Mutex mu_;
   std::map<uint32_t, Version> versions_ ABSL_GUARDED_BY(mu_);
   uint32_t latest_ ABSL_GUARDED_BY(mu_) = 0;  // the latest readable version (0 = none)
   uint32_t max_version_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t learner_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // the learner's, as of its last Observe
+  uint64_t uses_ ABSL_GUARDED_BY(mu_) = 0;
 
   absl::Mutex learn_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // the LearnQueue thread's
   std::unique_ptr<PredictorLearner> learner_ ABSL_GUARDED_BY(learn_mu_);

@@ -29,6 +29,9 @@ struct PredictorOptions {
   uint64_t refit_every_tokens = 16384;
   // Per (namespace, model): the learner's accumulators and the state it fits (bytes).
   uint64_t memory_bytes = 64ull << 20;
+  // Versions kept in memory besides the latest (the most recently used); older ones are read back
+  // from disk when a block needs them.
+  uint32_t resident_versions = 4;
   // Dense KV bytes waiting to be learned from, all models together; a block that does not fit is
   // not learned from (counted in StoreStats::predictor_observations_dropped).
   uint64_t queue_bytes = 64ull << 20;
@@ -154,7 +157,7 @@ struct NodeView {
 struct PredictorVersionView {
   uint32_t version = 0;
   uint64_t state_bytes = 0;     // serialized (on disk and as GetPredictor sends it)
-  uint64_t memory_bytes = 0;    // in memory (0 when unreadable)
+  uint64_t memory_bytes = 0;    // in memory (0 when unreadable or not resident)
   uint64_t tokens_learned = 0;  // tokens of KV it was fitted on
   uint64_t dependents = 0;      // stored blocks coded against it
   bool latest = false;          // new blocks are coded against it
