@@ -77,8 +77,10 @@ struct Row {
 
 Row Evaluate(const worker::LlamaModel& model, const BlockGeometry& g,
              const std::vector<Window>& windows, const std::vector<double>& baseline,
-             const std::string& name, Profile profile, double target, const PredictorState* state) {
+             const std::string& name, Profile profile, double target, const PredictorState* state,
+             KeyError key_error) {
   EncodeOptions o;
+  o.key_error = key_error;
   o.encoding = Encoding::kResidual;
   o.profile = profile;
   o.target_rel_rms = target;
@@ -164,6 +166,7 @@ int Main(int argc, char** argv) {
     Profile p;
     double target;
     bool learned;
+    KeyError key_error = KeyError::kRaw;
   };
   const S settings[] = {
       {"today fast", Profile::kFast, 0.05, false},
@@ -176,10 +179,16 @@ int Main(int argc, char** argv) {
       {"learned fast", Profile::kFast, 0.5, true},
       {"learned compact", Profile::kCompact, 0.173, true},
       {"learned compact", Profile::kCompact, 0.3, true},
+      {"today fast, keys mean-removed", Profile::kFast, 0.1, false, KeyError::kMeanRemoved},
+      {"today fast, keys mean-removed", Profile::kFast, 0.173, false, KeyError::kMeanRemoved},
+      {"today fast, keys mean-removed", Profile::kFast, 0.3, false, KeyError::kMeanRemoved},
+      {"learned fast, keys mean-removed", Profile::kFast, 0.173, true, KeyError::kMeanRemoved},
+      {"learned fast, keys mean-removed", Profile::kFast, 0.3, true, KeyError::kMeanRemoved},
+      {"learned fast", Profile::kFast, 0.7, true},
   };
   for (const S& s : settings) {
     const Row r = Evaluate(**model, g, windows, baseline, s.name, s.p, s.target,
-                           s.learned ? state.get() : nullptr);
+                           s.learned ? state.get() : nullptr, s.key_error);
     std::printf("| %s @%.3f | %.3f | %.1fx | %+.3f | %.3f |\n", s.name, s.target, r.bpc,
                 16.0 / r.bpc, r.delta_pct, r.se_pct);
     std::fflush(stdout);

@@ -62,9 +62,10 @@ enum class Predictor : uint8_t {
   kParent = 3,       // as temporal, first token from the parent block's last token
   kCentroid = 4,     // the reference block, same position
   kExternal = 5,     // the caller's prediction tensor, same position
-  // Learned (PredictionContext::learned, predictor_state.h): E[kv | token] from the state's token
-  // table (keys pre-RoPE, rotated at first_position + t). Needs context.learned and
-  // context.tokens; the block then names the state's version.
+  // Learned (PredictionContext::learned, PredictorState::Predict): the state's (previous token,
+  // token) pair mean where it has one, else E[kv | token], else the all-token mean (keys pre-RoPE,
+  // rotated at first_position + t). Needs context.learned and context.tokens (and the same
+  // previous_token at encode and decode); the block then names the state's version.
   kTokenMean = 6,
 };
 inline constexpr int kNumPredictors = 7;
@@ -91,6 +92,21 @@ enum class Profile : uint8_t {
   // kResidual: static tables, 32 interleaved rANS lanes, no parent predictor (fast_residual.h);
   // kLossless: high byte plane + zstd, low bytes as is (fast_lossless.h). Built for GB/s.
   kFast = 1,
+};
+
+// What EncodeOptions::target_rel_rms is relative to for keys (values: always their energy).
+// Keys carry a large per-channel offset (80-94 % of their energy on stories260K), so a key plane at
+// "rel RMS 0.173" of its raw energy is about 0.5 of its content around the offset: measured
+// (bench/learned.md, learned_nll_bench), today's predictors at 0.173 cost +4.3 % ΔNLL, mostly from
+// keys. With the learned state the prediction removes the offset and the content the tokens
+// explain, and the same raw-energy target costs +0.3 % ΔNLL at 25x smaller than fp16; kRaw stays
+// the default (old blocks and callers keep their meaning), and kMeanRemoved is the definition that
+// tracks ΔNLL when no state is at hand.
+enum class KeyError : uint8_t {
+  kRaw = 0,  // ||K - K'|| / ||K||, per (layer) plane
+  // ||K - K'|| / ||K - mean||, mean per (head, channel) over the block's tokens. FAST profile only
+  // (the compact profile answers INVALID_ARGUMENT naming `key_error`).
+  kMeanRemoved = 1,
 };
 
 struct EncodeOptions {
@@ -124,6 +140,9 @@ struct EncodeOptions {
   // kResidual: how the quantizer step is shared (StepGroups). Every (layer, K/V) plane meets
   // target_rel_rms either way.
   StepGroups step_groups = StepGroups::kPlane;
+  // kResidual: what target_rel_rms means for keys (KeyError). EncodedBlock::rel_rms_error_k
+  // always reports the raw-energy error.
+  KeyError key_error = KeyError::kRaw;
 };
 
 // What the codec may need besides the encoded bytes. Spans are empty when absent. Blocks are in the

@@ -119,9 +119,10 @@ double QuantizePlane(const Dims& n, DType dtype, const float* x, const PlaneCode
 
 // Chooses the predictors and the step of one plane (x: pe floats) and quantizes it.
 // `hint`: the chosen step over the first guess in the previous plane of the same K/V (0 = none);
-// updated, so that the first pass usually meets the target.
-void EncodePlane(const Dims& n, DType dtype, const float* x, double target, PlaneCode* pc,
-                 Scratch* s, float* hint) {
+// updated, so that the first pass usually meets the target. `mean_removed`: the target is
+// relative to the plane's energy around its per-(head, channel) means (KeyError::kMeanRemoved).
+void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool mean_removed,
+                 PlaneCode* pc, Scratch* s, float* hint) {
   const size_t pe = n.plane_elems(), he = n.head_elems(), D = n.D;
   pc->pred.assign(n.H, kPredNone);
   pc->means.assign(n.H * D, 0.0f);
@@ -135,10 +136,23 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, Plan
     pc->step = 1.0f;
     return;
   }
+  double ref = energy;  // what the target is relative to
+  if (mean_removed) {
+    double mean_energy = 0;
+    for (size_t h = 0; h < n.H; ++h) {
+      for (size_t d = 0; d < D; ++d) {
+        double m = 0;
+        for (size_t t = 0; t < n.T; ++t) m += x[h * he + t * D + d];
+        mean_energy += m * m / n.T;
+      }
+    }
+    ref = std::max(energy - mean_energy, 0.0);
+    if (ref == 0) ref = energy;  // a constant plane: fall back to its energy
+  }
   const float dz = target >= kDeadZoneFrom ? kDeadZoneOffset : 0.0f;
   const float min_step = std::max(2.0f * max_x / kMaxQ, 1e-30f);
   float step =
-      Bf16Round(std::max(static_cast<float>(target * std::sqrt(12.0 * energy / pe)), min_step));
+      Bf16Round(std::max(static_cast<float>(target * std::sqrt(12.0 * ref / pe)), min_step));
   // Predictors from an open-loop L1 estimate of the bits at the first step.
   for (size_t h = 0; h < n.H; ++h) {
     const float* xh = x + h * he;
@@ -177,7 +191,7 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, Plan
   if (*hint > 0) step = std::max(Bf16Round(guess * *hint * 0.995f), min_step);
   // Step search: the high-rate model (error ~ step^2) from each pass, bf16 steps, keep the
   // coarsest step that met the target.
-  const double target_sse = target * target * energy;
+  const double target_sse = target * target * ref;
   bool met = false;
   float tried_lo = 0;
   for (int pass = 0; pass < kMaxSearchPasses; ++pass) {
@@ -291,7 +305,8 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
     if (AnyNonFinite(s.x.data(), pe))
       return absl::FailedPreconditionError("kv: NaN or infinity (FAST profile)");
     pc.learned = learned.empty() ? nullptr : learned.data() + pl * pe;
-    EncodePlane(n, g.dtype, s.x.data(), o.target_rel_rms, &pc, &s, &hint[side]);
+    EncodePlane(n, g.dtype, s.x.data(), o.target_rel_rms,
+                side == 0 && o.key_error == KeyError::kMeanRemoved, &pc, &s, &hint[side]);
     sse[side] += pc.sse;
     energy[side] += pc.energy;
     out->max_abs_error = std::max(out->max_abs_error, pc.max_abs);

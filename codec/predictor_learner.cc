@@ -36,8 +36,8 @@ class Learner final : public PredictorLearner {
     }
     // Half of the cap for token entries, half for pairs: accumulators while learning (keys under
     // every RoPE hypothesis until decided) plus the entry of a fitted state.
-    const size_t token_entry = 8 * K_ * (1 + kNumRopeCodes) + 12 + kMapNodeBytes + (8 + 6 * V_);
-    const size_t pair_entry = 4 * V_ + 8 * planes_ + 12 + kMapNodeBytes + (12 + 6 * V_);
+    const size_t token_entry = 8 * K_ * (1 + kNumRopeCodes) + 12 + kMapNodeBytes + (8 + 2 * V_);
+    const size_t pair_entry = 4 * V_ + 8 * planes_ + 12 + kMapNodeBytes + (12 + 2 * V_);
     const size_t half = o_.max_bytes / 2;
     const size_t fixed = sizeof(*this) + 2 * token_entry;  // the all-token entry, slack
     max_entries_ = half > fixed ? (half - fixed) / token_entry : 0;
@@ -266,7 +266,7 @@ absl::StatusOr<std::shared_ptr<const PredictorState>> Learner::Fit(uint32_t vers
                    [&](size_t a, size_t b) { return counts_[a + 1] > counts_[b + 1]; });
   const size_t used = memory_bytes();
   size_t room = o_.max_bytes > used ? o_.max_bytes - used : 0;
-  const size_t state_entry = 8 + 6 * V_, state_pair = 12 + 6 * V_;
+  const size_t state_entry = 8 + 2 * V_, state_pair = 12 + 2 * V_;
   const size_t keep = std::min(order.size(), room >= state_entry ? room / state_entry - 1 : 0);
   order.resize(keep);
   room -= (keep + 1) * state_entry;

@@ -77,10 +77,6 @@ class State final : public PredictorState {
       thetas_[i] = residual::DetExp(-2.0 * static_cast<double>(i) / static_cast<double>(D) *
                                     kRopeLogBaseOf[d_.rope_code]);
     }
-    means_f_.resize(d_.means.size());
-    ToFloat(DType::kFp16, d_.means.data(), d_.means.size(), means_f_.data());
-    pair_means_f_.resize(d_.pair_means.size());
-    ToFloat(DType::kFp16, d_.pair_means.data(), d_.pair_means.size(), pair_means_f_.data());
   }
 
   std::string Serialize() const override {
@@ -118,8 +114,8 @@ class State final : public PredictorState {
   uint32_t version() const override { return d_.version; }
   const BlockGeometry& geometry() const override { return d_.geometry; }
   size_t memory_bytes() const override {
-    return sizeof(*this) + d_.ids.size() * 8 + d_.means.size() * 6 + d_.pairs.size() * 12 +
-           d_.pair_means.size() * 6 + thetas_.size() * 8;
+    return sizeof(*this) + d_.ids.size() * 8 + d_.means.size() * 2 + d_.pairs.size() * 12 +
+           d_.pair_means.size() * 2 + thetas_.size() * 8;
   }
   uint64_t tokens_learned() const override { return d_.tokens_learned; }
   uint32_t tokens_in_table() const override { return static_cast<uint32_t>(d_.ids.size()); }
@@ -134,14 +130,14 @@ class State final : public PredictorState {
 
   void PredictTokenMean(absl::Span<const int32_t> tokens, uint32_t first_position,
                         float* out) const override {
-    std::vector<const float*> rows(tokens.size());
+    std::vector<const uint16_t*> rows(tokens.size());
     for (size_t t = 0; t < tokens.size(); ++t) rows[t] = TokenRow(tokens[t]);
     Emit(rows, first_position, out);
   }
 
   void Predict(absl::Span<const int32_t> tokens, uint32_t first_position, int32_t previous_token,
                float* out) const override {
-    std::vector<const float*> rows(tokens.size());
+    std::vector<const uint16_t*> rows(tokens.size());
     for (size_t t = 0; t < tokens.size(); ++t) {
       const int32_t prev = t ? tokens[t - 1] : previous_token;
       rows[t] = nullptr;
@@ -149,7 +145,7 @@ class State final : public PredictorState {
         const uint64_t key = PairKey(prev, tokens[t]);
         auto it = std::lower_bound(d_.pairs.begin(), d_.pairs.end(), key);
         if (it != d_.pairs.end() && *it == key) {
-          rows[t] = pair_means_f_.data() + (it - d_.pairs.begin()) * V_;
+          rows[t] = d_.pair_means.data() + (it - d_.pairs.begin()) * V_;
         }
       }
       if (rows[t] == nullptr) rows[t] = TokenRow(tokens[t]);
@@ -158,16 +154,20 @@ class State final : public PredictorState {
   }
 
  private:
-  const float* TokenRow(int32_t token) const {
+  const uint16_t* TokenRow(int32_t token) const {
     auto it = std::lower_bound(d_.ids.begin(), d_.ids.end(), token);
     const size_t e = (it != d_.ids.end() && *it == token) ? 1 + (it - d_.ids.begin()) : 0;
-    return means_f_.data() + e * V_;
+    return d_.means.data() + e * V_;
   }
 
   // out[l][kv][h][t][d] from token t's vector rows[t], keys rotated at first_position + t.
-  void Emit(const std::vector<const float*>& rows, uint32_t first_position, float* out) const {
+  void Emit(const std::vector<const uint16_t*>& rows, uint32_t first_position, float* out) const {
     const BlockGeometry& g = d_.geometry;
     const size_t T = rows.size(), D = g.head_dim, H = g.num_kv_heads, P = D / 2;
+    // The tokens' fp16 vectors as floats, [T][V] (exact), then laid out per (layer, K/V, head).
+    thread_local std::vector<float> gathered;
+    gathered.resize(T * V_);
+    for (size_t t = 0; t < T; ++t) ToFloat(DType::kFp16, rows[t], V_, gathered.data() + t * V_);
     std::vector<float> cs, sn;
     if (d_.rope_code != 0) {
       cs.resize(T * P);
@@ -188,7 +188,7 @@ class State final : public PredictorState {
           const size_t off = ((l * 2 + kv) * H + h) * D;
           float* o = out + off * T;
           for (size_t t = 0; t < T; ++t, o += D) {
-            const float* m = rows[t] + off;
+            const float* m = gathered.data() + t * V_ + off;
             if (kv == 1 || d_.rope_code == 0) {
               std::memcpy(o, m, D * sizeof(float));
               continue;
@@ -210,7 +210,6 @@ class State final : public PredictorState {
   const StateData d_;
   const size_t V_;
   std::vector<double> thetas_;  // per channel pair
-  std::vector<float> means_f_, pair_means_f_;
 };
 
 absl::Status ReadMeans(const char** q, size_t n, std::vector<uint16_t>* out, const char* what) {

@@ -140,7 +140,7 @@ TEST(PredictorStateTest, HeldOutRoundTripWithinTargetAndSmaller) {
         ctx.tokens = gen.tokens[b];
         ctx.first_position = static_cast<uint32_t>(b * kT);
         ctx.previous_token = b ? gen.tokens[b - 1].back() : -1;
-    ctx.previous_token = b ? gen.tokens[b - 1].back() : -1;
+        ctx.previous_token = b ? gen.tokens[b - 1].back() : -1;
         auto plain = EncodeBlock(g, gen.real.blocks[b], o);
         auto learned = EncodeBlock(g, gen.real.blocks[b], o, ctx);
         ASSERT_TRUE(plain.ok() && learned.ok()) << learned.status();
@@ -170,6 +170,33 @@ TEST(PredictorStateTest, HeldOutRoundTripWithinTargetAndSmaller) {
           << "profile " << static_cast<int>(profile) << " target " << target;
     }
   }
+}
+
+TEST(PredictorStateTest, CompactRotatedBlocksUseTheStateToo) {
+  // The compact profile's Hadamard rotation: the prediction is rotated into the coded domain.
+  const auto state = TrainState(2);
+  const TokenBlocks gen = Load("genesis_1-3");
+  const BlockGeometry& g = gen.real.geometry;
+  EncodeOptions o = Residual(Profile::kCompact, 0.1);
+  o.rotate = true;
+  double plain = 0, learned = 0;
+  for (size_t b = 0; b < gen.real.blocks.size(); b += 4) {
+    PredictionContext ctx;
+    ctx.learned = state.get();
+    ctx.tokens = gen.tokens[b];
+    ctx.first_position = static_cast<uint32_t>(b * kT);
+    ctx.previous_token = b ? gen.tokens[b - 1].back() : -1;
+    auto e = EncodeBlock(g, gen.real.blocks[b], o, ctx);
+    auto p = EncodeBlock(g, gen.real.blocks[b], o);
+    ASSERT_TRUE(e.ok() && p.ok()) << e.status();
+    learned += e->bits_per_component;
+    plain += p->bits_per_component;
+    std::vector<uint8_t> out(g.num_bytes());
+    ASSERT_TRUE(DecodeBlock(e->bytes, absl::MakeSpan(out), ctx).ok());
+    EXPECT_LE(RelRms(g, gen.real.blocks[b], out, 0), 0.1 * 1.0001);
+    EXPECT_LE(RelRms(g, gen.real.blocks[b], out, 1), 0.1 * 1.0001);
+  }
+  EXPECT_LT(learned, 0.9 * plain);
 }
 
 TEST(PredictorStateTest, MissingOrOtherStateIsFailedPreconditionNamingTheVersion) {
@@ -204,7 +231,12 @@ TEST(PredictorStateTest, MissingOrOtherStateIsFailedPreconditionNamingTheVersion
 }
 
 TEST(PredictorStateTest, MalformedBytesAreDataLoss) {
-  const std::string bytes = TrainState()->Serialize();
+  const auto state = TrainState();
+  const std::string bytes = state->Serialize();
+  ASSERT_GT(state->pairs_in_table(), 1u);
+  const size_t V = 5 * 2 * 4 * 8;
+  const size_t pairs_at =
+      32 + state->tokens_in_table() * 8 + (state->tokens_in_table() + 1) * 2 * V;
   for (size_t i = 0; i < bytes.size(); i += 1 + bytes.size() / 300) {
     std::string bad = bytes;
     bad[i] ^= 0x10;
@@ -228,7 +260,11 @@ TEST(PredictorStateTest, MalformedBytesAreDataLoss) {
   EXPECT_TRUE(absl::IsDataLoss(edited(14, "\x05"))) << "heads";
   EXPECT_TRUE(absl::IsDataLoss(edited(28, "\xff\xff\xff\x7f"))) << "entries";
   EXPECT_TRUE(absl::IsDataLoss(edited(32, "\xff\xff\xff\x7f"))) << "id order";
-  EXPECT_TRUE(absl::IsDataLoss(edited(bytes.size() - 6, std::string("\x00\x7c", 2)))) << "infinite mean";
+  EXPECT_TRUE(absl::IsDataLoss(edited(bytes.size() - 6, std::string("\x00\x7c", 2))))
+      << "infinite mean";
+  EXPECT_TRUE(absl::IsDataLoss(edited(pairs_at, "\xff\xff\xff\x0f"))) << "pair count";
+  EXPECT_TRUE(absl::IsDataLoss(edited(pairs_at + 4, "\xff\xff\xff\x7f"))) << "pair order";
+  EXPECT_TRUE(absl::IsDataLoss(edited(pairs_at + 8, "\xff\xff\xff\xff"))) << "pair token id";
   EXPECT_TRUE(PredictorState::Parse(Reseal(bytes)).ok());
 }
 

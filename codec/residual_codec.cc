@@ -250,6 +250,10 @@ absl::Status EncodeResidual(const BlockGeometry& g, const float* x, const Encode
         "target_rel_rms: residual encoding needs target_rel_rms > 0 or target_bits_per_component > "
         "0");
   }
+  if (o.key_error != KeyError::kRaw) {
+    return absl::InvalidArgumentError(
+        "key_error: KeyError::kMeanRemoved is a FAST-profile option (profile = FAST)");
+  }
   const Dims n(g);
   std::optional<RandomizedHadamard> rot;
   if (o.rotate) {
