@@ -14,7 +14,8 @@
 //   2. learning curve: bits at 0.173 vs tokens learned (1k .. all);
 //   3. encode / decode MB/s (fp16 input bytes per second, one thread, median of --repeats) with and
 //      without the state, against memcpy in the same run;
-//   4. per test text: mean surprisal (manifest surprisal_bits) vs bits at 0.173, both ways.
+//   4. per test text: mean surprisal (manifest surprisal_bits) vs bits at 0.173, both ways;
+//   5. headroom: the held-out residual energy a ridge fit from lower planes would remove.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -137,6 +138,92 @@ double MemcpyMBs(const BlockGeometry& g, const std::vector<Text>& texts, int rep
   return Median(v);
 }
 
+// Residual rows (x - learned prediction) of every plane, one M = kv_heads * head_dim vector per
+// token: rows[plane][token of `texts`].
+std::vector<std::vector<std::vector<double>>> Residuals(const BlockGeometry& g,
+                                                        const std::vector<Text>& texts,
+                                                        const PredictorState& s) {
+  const size_t L = g.num_layers, H = g.num_kv_heads, T = g.block_tokens, D = g.head_dim;
+  std::vector<std::vector<std::vector<double>>> rows(2 * L);
+  std::vector<float> p(g.num_elements()), x(g.num_elements());
+  for (const Text& t : texts) {
+    for (const Block& b : t.blocks) {
+      s.Predict(b.tokens, b.first_position, b.previous_token, p.data());
+      ToFloat(g.dtype, b.kv.data(), x.size(), x.data());
+      for (size_t pl = 0; pl < 2 * L; ++pl) {
+        for (size_t tt = 0; tt < T; ++tt) {
+          std::vector<double> r(H * D);
+          for (size_t h = 0; h < H; ++h) {
+            for (size_t d = 0; d < D; ++d) {
+              const size_t i = ((pl * H + h) * T + tt) * D + d;
+              r[h * D + d] = x[i] - p[i];
+            }
+          }
+          rows[pl].push_back(std::move(r));
+        }
+      }
+    }
+  }
+  return rows;
+}
+
+// X = A^-1 B (A n x n, B n x m), Gauss-Jordan with partial pivoting.
+std::vector<double> Solve(std::vector<double> A, std::vector<double> B, size_t n, size_t m) {
+  for (size_t c = 0; c < n; ++c) {
+    size_t piv = c;
+    for (size_t r = c; r < n; ++r)
+      if (std::fabs(A[r * n + c]) > std::fabs(A[piv * n + c])) piv = r;
+    for (size_t k = 0; k < n; ++k) std::swap(A[c * n + k], A[piv * n + k]);
+    for (size_t k = 0; k < m; ++k) std::swap(B[c * m + k], B[piv * m + k]);
+    for (size_t r = 0; r < n; ++r) {
+      if (r == c || A[c * n + c] == 0) continue;
+      const double f = A[r * n + c] / A[c * n + c];
+      for (size_t k = 0; k < n; ++k) A[r * n + k] -= f * A[c * n + k];
+      for (size_t k = 0; k < m; ++k) B[r * m + k] -= f * B[c * m + k];
+    }
+  }
+  for (size_t r = 0; r < n; ++r)
+    for (size_t k = 0; k < m; ++k)
+      B[r * m + k] = A[r * n + r] != 0 ? B[r * m + k] / A[r * n + r] : 0;
+  return B;
+}
+
+// Share of the held-out residual energy of plane `y` left after a ridge-fitted linear prediction
+// from the residuals of planes `xs` (fitted on `train`, ridge = `ridge` x the mean feature energy).
+double LinearKept(const std::vector<std::vector<std::vector<double>>>& train,
+                  const std::vector<std::vector<std::vector<double>>>& test, size_t y,
+                  const std::vector<size_t>& xs, double ridge) {
+  const size_t M = train[y][0].size(), n = M * xs.size();
+  std::vector<double> A(n * n, 0), B(n * M, 0), f(n);
+  auto features = [&](const std::vector<std::vector<std::vector<double>>>& r, size_t i) {
+    for (size_t k = 0; k < xs.size(); ++k)
+      std::copy(r[xs[k]][i].begin(), r[xs[k]][i].end(), f.begin() + k * M);
+  };
+  for (size_t i = 0; i < train[y].size(); ++i) {
+    features(train, i);
+    for (size_t a = 0; a < n; ++a) {
+      for (size_t b = 0; b < n; ++b) A[a * n + b] += f[a] * f[b];
+      for (size_t b = 0; b < M; ++b) B[a * M + b] += f[a] * train[y][i][b];
+    }
+  }
+  double tr = 0;
+  for (size_t a = 0; a < n; ++a) tr += A[a * n + a];
+  for (size_t a = 0; a < n; ++a) A[a * n + a] += ridge * tr / n + 1e-12;
+  const std::vector<double> W = Solve(A, B, n, M);
+  double before = 0, after = 0;
+  for (size_t i = 0; i < test[y].size(); ++i) {
+    features(test, i);
+    for (size_t b = 0; b < M; ++b) {
+      double pr = 0;
+      for (size_t a = 0; a < n; ++a) pr += f[a] * W[a * M + b];
+      const double e = test[y][i][b] - pr;
+      before += test[y][i][b] * test[y][i][b];
+      after += e * e;
+    }
+  }
+  return before > 0 ? after / before : 0;
+}
+
 std::string Flag(int argc, char** argv, const std::string& name, const std::string& def) {
   const std::string prefix = "--" + name + "=";
   for (int i = 1; i < argc; ++i) {
@@ -237,6 +324,24 @@ int Main(int argc, char** argv) {
     const Result b = Measure(g, texts, Profile::kFast, 0.173, state.get());
     std::printf("| %s | %zu | %zu | %.2f | %.3f | %.3f |\n", name.c_str(), texts.size(), tokens, s,
                 a.bpc, b.bpc);
+  }
+
+  std::printf(
+      "\n## 5. Headroom: cross-layer linear prediction of the learned residual (open loop)\n\n"
+      "Share of the held-out residual energy (x - learned prediction) of V_l left after a ridge\n"
+      "fit (on the training residuals) from the residual of V_{l-1} and / or K_l. Not a codec\n"
+      "predictor: the decoder has no K_l residual (keys quantize to zero) and sees V_{l-1} with\n"
+      "quantization noise, which ridge 0.3 stands in for.\n\n");
+  std::printf("| layer | ridge | from V_{l-1} | from K_l | from both |\n|---|---|---|---|---|\n");
+  const auto rtr = Residuals(g, train, *state), rte = Residuals(g, test, *state);
+  for (double ridge : {1e-3, 0.3}) {
+    for (size_t l = 2; l < g.num_layers; ++l) {  // V_0 is predicted exactly: nothing to regress
+      const size_t y = 2 * l + 1, v_below = 2 * (l - 1) + 1, k_same = 2 * l;
+      std::printf("| %zu | %g | %.3f | %.3f | %.3f |\n", l, ridge,
+                  LinearKept(rtr, rte, y, {v_below}, ridge),
+                  LinearKept(rtr, rte, y, {k_same}, ridge),
+                  LinearKept(rtr, rte, y, {v_below, k_same}, ridge));
+    }
   }
   return 0;
 }
