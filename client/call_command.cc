@@ -148,6 +148,16 @@ absl::Status CallMethod(Client& client, const std::string& method_arg, const std
     while (reader->Read(&msg)) Print(msg, out);
     return FromGrpc(reader->Finish());
   }
+  if (method == "GetPredictor") {
+    v1::GetPredictorRequest req;
+    if (auto s = Parse(*json, &req); !s.ok()) return s;
+    auto ctx = client.NewContext();
+    std::unique_ptr<grpc::ClientReader<v1::PredictorChunk>> reader(
+        stub->GetPredictor(ctx.get(), req));
+    v1::PredictorChunk msg;
+    while (reader->Read(&msg)) Print(msg, out);
+    return FromGrpc(reader->Finish());
+  }
   if (method == "Put") {
     absl::StatusOr<std::vector<std::string>> parts = SplitArray(*json);
     if (!parts.ok()) return parts.status();
@@ -171,7 +181,7 @@ absl::Status CallMethod(Client& client, const std::string& method_arg, const std
   return absl::InvalidArgumentError(
       absl::StrCat("METHOD: '", method_arg,
                    "' is not a kvtrie.v1.KVCache method (Lookup, Put, Get, Stats, Inspect, "
-                   "Delete, Pin)"));
+                   "Delete, Pin, GetPredictor)"));
 }
 
 }  // namespace kvtrie

@@ -14,6 +14,7 @@
 #include "client/get_wire.h"
 #include "client/residual_chain.h"
 #include "codec/block_codec.h"
+#include "codec/crc32c.h"
 #include "codec/kv_layout.h"
 
 namespace kvtrie {
@@ -356,7 +357,8 @@ absl::Status Client::GetInto(const std::string& model_id, absl::Span<const uint3
     block.resize(g.num_bytes());
     layers_seen.assign(msg.header().matched_blocks(), 0);
     chain = std::make_unique<ResidualChain>(
-        g, [&](uint64_t node_id) { return ReferenceBlock(model_id, node_id, g); });
+        g, [&](uint64_t node_id) { return ReferenceBlock(model_id, node_id, g); },
+        [&](uint32_t version) { return GetPredictor(model_id, version); });
   }
   out.k.resize(seq_bytes);  // the same size again (GetInto into a reused dump) writes nothing
   out.v.resize(seq_bytes);
@@ -366,6 +368,7 @@ absl::Status Client::GetInto(const std::string& model_id, absl::Span<const uint3
   std::vector<std::string> pending_encoded(window);
   std::vector<uint32_t> pending_index;
   std::vector<uint64_t> pending_ref;
+  std::vector<uint32_t> pending_version;
   std::vector<std::vector<uint8_t>> decoded;
   auto flush = [&]() -> absl::Status {
     if (pending_index.empty()) return absl::OkStatus();
@@ -377,13 +380,15 @@ absl::Status Client::GetInto(const std::string& model_id, absl::Span<const uint3
       enc.push_back(pending_encoded[i]);
       outs.push_back(absl::MakeSpan(decoded[i]));
     }
-    absl::Status s =
-        chain->DecodeMany(pending_index, pending_ref, enc, outs, codec_pool_.get(), [&](size_t i) {
-          ScatterBlock(g, tokens, decoded[i], pending_index[i], out.k.data(), out.v.data());
-        });
+    absl::Status s = chain->DecodeMany(pending_index, pending_ref, pending_version, out.token_ids,
+                                       enc, outs, codec_pool_.get(), [&](size_t i) {
+                                         ScatterBlock(g, tokens, decoded[i], pending_index[i],
+                                                      out.k.data(), out.v.data());
+                                       });
     for (uint32_t i : pending_index) layers_seen[i] = g.num_layers;
     pending_index.clear();
     pending_ref.clear();
+    pending_version.clear();
     return s;
   };
   while (read()) {
@@ -395,6 +400,7 @@ absl::Status Client::GetInto(const std::string& model_id, absl::Span<const uint3
         pending_encoded[pending_index.size()].swap(*msg.mutable_block()->mutable_encoded());
         pending_index.push_back(b.block_index());
         pending_ref.push_back(b.reference_node_id());
+        pending_version.push_back(b.predictor_version());
         if (pending_index.size() < window) continue;
         if (absl::Status s = flush(); !s.ok()) {
           ctx->TryCancel();
@@ -403,8 +409,12 @@ absl::Status Client::GetInto(const std::string& model_id, absl::Span<const uint3
         }
         continue;
       }
-      if (absl::Status s = chain->Decode(b.block_index(), b.reference_node_id(), b.encoded(),
-                                         absl::MakeSpan(block));
+      const size_t first = static_cast<size_t>(b.block_index()) * g.block_tokens;
+      const absl::Span<const uint32_t> block_tokens =
+          absl::MakeConstSpan(out.token_ids).subspan(first, g.block_tokens);
+      if (absl::Status s =
+              chain->Decode(b.block_index(), b.reference_node_id(), b.predictor_version(),
+                            block_tokens, b.encoded(), absl::MakeSpan(block));
           !s.ok()) {
         ctx->TryCancel();
         reader->Finish();
@@ -437,6 +447,69 @@ absl::Status Client::GetInto(const std::string& model_id, absl::Span<const uint3
   }
   out.surprisal_bits.assign(out.token_ids.size(), 0.0f);
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const PredictorState>> Client::GetPredictor(
+    const std::string& model_id, uint32_t version) {
+  if (auto s = CheckNames(options_.ns, model_id); !s.ok()) return s;
+  const PredictorKey key(options_.ns, model_id, version);
+  {
+    absl::MutexLock lock(&predictors_mu_);
+    if (auto it = predictors_.find(key); it != predictors_.end()) {
+      it->second.first = ++predictor_uses_;
+      return it->second.second;
+    }
+  }
+  v1::GetPredictorRequest req;
+  req.set_namespace_(options_.ns);
+  req.set_model_id(model_id);
+  req.set_version(version);
+  auto ctx = NewContext();
+  std::unique_ptr<grpc::ClientReader<v1::PredictorChunk>> reader(
+      stub_->GetPredictor(ctx.get(), req));
+  v1::PredictorChunk chunk;
+  std::string bytes;
+  uint64_t total = 0;
+  uint32_t crc = 0;
+  bool first = true;
+  while (reader->Read(&chunk)) {
+    if (first) {
+      total = chunk.total_bytes();
+      crc = chunk.crc32c();
+      first = false;
+    }
+    if (chunk.version() != version || chunk.total_bytes() != total || chunk.crc32c() != crc ||
+        chunk.offset() != bytes.size() || bytes.size() + chunk.data().size() > total) {
+      ctx->TryCancel();
+      reader->Finish();
+      return absl::DataLossError(absl::StrCat("get_predictor: chunk at offset ", chunk.offset(),
+                                              " does not continue the ", bytes.size(),
+                                              " bytes received of version ", version));
+    }
+    bytes += chunk.data();
+  }
+  if (auto s = FromGrpc(reader->Finish()); !s.ok()) return s;
+  if (first || bytes.size() != total || Crc32c(bytes) != crc) {
+    return absl::DataLossError(absl::StrCat("get_predictor: received ", bytes.size(), " of ", total,
+                                            " bytes of version ", version,
+                                            " or their CRC-32C differs"));
+  }
+  absl::StatusOr<std::shared_ptr<const PredictorState>> state = PredictorState::Parse(bytes);
+  if (!state.ok()) return state.status();
+  if ((*state)->version() != version) {
+    return absl::DataLossError(absl::StrCat("get_predictor: asked for version ", version,
+                                            ", got version ", (*state)->version()));
+  }
+  absl::MutexLock lock(&predictors_mu_);
+  if (predictors_.size() >= kMaxCachedPredictors) {  // drop the least recently used
+    auto oldest = predictors_.begin();
+    for (auto it = predictors_.begin(); it != predictors_.end(); ++it) {
+      if (it->second.first < oldest->second.first) oldest = it;
+    }
+    predictors_.erase(oldest);
+  }
+  predictors_[key] = {++predictor_uses_, *state};
+  return *state;
 }
 
 absl::StatusOr<v1::StatsResponse> Client::Stats(const std::string& ns_override) {

@@ -14,15 +14,20 @@
 #define KVTRIE_CLIENT_CLIENT_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "client/put_stream.h"
 #include "codec/kv_dump.h"
+#include "codec/predictor_state.h"
 #include "codec/thread_pool.h"
 #include "kvtrie/v1/kvtrie.grpc.pb.h"
 
@@ -99,7 +104,9 @@ class Client {
                                                      const PutOptions& options = {});
 
   // KV of the longest stored prefix of `token_ids`, in sequence layout: the result's token_ids
-  // are the matched tokens (empty on a miss) and k/v hold exactly those tokens.
+  // are the matched tokens (empty on a miss) and k/v hold exactly those tokens. In RESIDUAL mode
+  // the client decodes: blocks coded against a learned predictor state need it, fetched with
+  // GetPredictor (once per version: cached).
   absl::StatusOr<KvDump> Get(const std::string& model_id, absl::Span<const uint32_t> token_ids,
                              const GetOptions& options = {});
   // As Get, into `out`, whose k and v buffers are reused: a Get of the same size again neither
@@ -107,6 +114,15 @@ class Client {
   // holds part of the result.
   absl::Status GetInto(const std::string& model_id, absl::Span<const uint32_t> token_ids,
                        const GetOptions& options, KvDump* out);
+
+  // The learned predictor state `version` of (options.ns, model_id) (codec/predictor_state.h),
+  // fetched with GetPredictor, its size and CRC-32C checked, parsed, and cached by (namespace,
+  // model_id, version) — a version is immutable — the last kMaxCachedPredictors. Errors: the
+  // server's (NOT_FOUND naming `version`); DATA_LOSS if the chunks do not add up or the bytes do
+  // not parse.
+  static constexpr size_t kMaxCachedPredictors = 8;
+  absl::StatusOr<std::shared_ptr<const PredictorState>> GetPredictor(const std::string& model_id,
+                                                                     uint32_t version);
 
   absl::StatusOr<v1::StatsResponse> Stats(const std::string& ns_override = "");
   absl::StatusOr<v1::InspectResponse> Inspect(const std::string& model_id, uint64_t node_id);
@@ -133,7 +149,12 @@ class Client {
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KVCache::Stub> stub_;
-  std::unique_ptr<ThreadPool> codec_pool_;  // codec_threads > 1
+  std::unique_ptr<ThreadPool> codec_pool_;                              // codec_threads > 1
+  using PredictorKey = std::tuple<std::string, std::string, uint32_t>;  // (ns, model_id, version)
+  absl::Mutex predictors_mu_;  // guards predictors_ (never held across an RPC)
+  std::map<PredictorKey, std::pair<uint64_t, std::shared_ptr<const PredictorState>>> predictors_
+      ABSL_GUARDED_BY(predictors_mu_);  // value: (last use, state)
+  uint64_t predictor_uses_ ABSL_GUARDED_BY(predictors_mu_) = 0;
 };
 
 }  // namespace kvtrie

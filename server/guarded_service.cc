@@ -314,4 +314,14 @@ grpc::Status GuardedService::Pin(grpc::ServerContext* context, const v1::PinRequ
   });
 }
 
+grpc::Status GuardedService::GetPredictor(grpc::ServerContext* context,
+                                          const v1::GetPredictorRequest* request,
+                                          grpc::ServerWriter<v1::PredictorChunk>* writer) {
+  return Guard("GetPredictor", context, request->namespace_(), [&](const Caller& caller) {
+    v1::GetPredictorRequest r = *request;
+    r.set_namespace_(caller.ns);
+    return inner_->GetPredictor(context, &r, writer);
+  });
+}
+
 }  // namespace kvtrie

@@ -16,6 +16,8 @@
 //   Get    is registered as a split stream of grpc::ByteBuffer responses, so KvCacheService's
 //          zero-copy sink (server/get_sink.h) frames them; a request that does not parse is
 //          INVALID_ARGUMENT "request: did not parse ...", as for the other calls.
+//   GetPredictor  only the caller's own namespace's learned states (the namespace is replaced
+//          like every call's), so no tenant can fetch a table learned from another's prompts.
 // Metrics (server/metrics.h) record each call's method, final code, latency and namespace.
 //
 // Thread-safe. `inner`, `auth`, `store` and `metrics` (may be null) must outlive it.
@@ -58,6 +60,8 @@ class GuardedService final : public v1::KVCache::Service {
                       v1::DeleteResponse* response) override;
   grpc::Status Pin(grpc::ServerContext* context, const v1::PinRequest* request,
                    v1::PinResponse* response) override;
+  grpc::Status GetPredictor(grpc::ServerContext* context, const v1::GetPredictorRequest* request,
+                            grpc::ServerWriter<v1::PredictorChunk>* writer) override;
 
  private:
   // Per-namespace call counters, kept for the namespaces of authorized tenants.

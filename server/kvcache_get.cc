@@ -58,7 +58,9 @@ grpc::Status KvCacheService::PrepareGetSlot(const v1::GetRequest& request, const
     slot->owner = slot->payload;
     slot->dense =
         absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(h->payload.data()), h->payload.size());
-  } else if (h->profile == Profile::kFast && h->reference_node_id == 0) {
+  } else if (h->profile == Profile::kFast && h->reference_node_id == 0 &&
+             h->predictor_version == 0) {
+    // (A block coded against a learned state decodes on the chain: the store holds the state.)
     slot->independent = true;
   }
   return grpc::Status::OK;
@@ -112,6 +114,7 @@ grpc::Status KvCacheService::GetStream(grpc::ServerContext* context, const v1::G
     meta.set_node_id(b.node_id);
     meta.set_encoding(static_cast<v1::Encoding>(b.encoding));
     meta.set_reference_node_id(b.reference_node_id);
+    meta.set_predictor_version(b.predictor_version);
     return meta;
   };
   if (residual) {  // the stored payloads as they are, without a copy

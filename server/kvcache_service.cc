@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "codec/block_codec.h"
+#include "codec/crc32c.h"
 #include "server/grpc_status.h"
 #include "server/request_checks.h"
 
@@ -62,6 +63,7 @@ void ToNodeInfo(const NodeView& v, v1::NodeInfo* out) {
   out->set_reference_node_id(v.reference_node_id);
   out->set_dependents(v.dependents);
   out->set_distance_to_reference_bits(v.distance_to_reference_bits);
+  out->set_predictor_version(v.predictor_version);
 }
 
 void ToHistogram(const uint64_t (&counts)[kHistogramBuckets],
@@ -337,6 +339,15 @@ grpc::Status KvCacheService::Stats(grpc::ServerContext*, const v1::StatsRequest*
   response->set_position_shifted_skipped(s.cluster.position_shifted_skipped);
   ToHistogram(s.cluster.path_surprisal_histogram, response->mutable_path_surprisal_histogram());
   ToHistogram(s.cluster.branch_distance_histogram, response->mutable_branch_distance_histogram());
+  response->set_predictor_versions(s.predictor_versions);
+  response->set_predictor_state_bytes(s.predictor_state_bytes);
+  response->set_predictor_memory_bytes(s.predictor_memory_bytes);
+  response->set_predictor_tokens_learned(s.predictor_tokens_learned);
+  response->set_blocks_on_learned(s.blocks_on_learned);
+  response->set_predictor_fits(s.predictor_fits);
+  response->set_predictor_observations(s.predictor_observations);
+  response->set_predictor_observations_dropped(s.predictor_observations_dropped);
+  response->set_predictor_versions_freed(s.predictor_versions_freed);
   return grpc::Status::OK;
 }
 
@@ -350,6 +361,17 @@ grpc::Status KvCacheService::Inspect(grpc::ServerContext*, const v1::InspectRequ
   ToModelSpec(r->model, response->mutable_model());
   ToNodeInfo(r->node, response->mutable_node());
   for (const NodeView& c : r->children) ToNodeInfo(c, response->add_children());
+  for (const PredictorVersionView& p : r->predictors) {
+    v1::PredictorInfo* out = response->add_predictors();
+    out->set_version(p.version);
+    out->set_state_bytes(p.state_bytes);
+    out->set_memory_bytes(p.memory_bytes);
+    out->set_tokens_learned(p.tokens_learned);
+    out->set_dependents(p.dependents);
+    out->set_latest(p.latest);
+    out->set_error(p.error);
+    out->set_description(p.description);
+  }
   if (request->distance_to_node_id() != 0) {
     absl::StatusOr<double> d =
         store_->TrieDistance(request->namespace_(), request->model_id(), request->node_id(),
@@ -388,6 +410,41 @@ grpc::Status KvCacheService::Pin(grpc::ServerContext*, const v1::PinRequest* req
                        request->ttl_seconds(), request->unpin());
   if (!r.ok()) return ToGrpcStatus(r.status());
   response->set_node_id(*r);
+  return grpc::Status::OK;
+}
+
+grpc::Status KvCacheService::GetPredictor(grpc::ServerContext* context,
+                                          const v1::GetPredictorRequest* request,
+                                          grpc::ServerWriter<v1::PredictorChunk>* writer) {
+  return GetPredictorStream(context, request, writer);
+}
+
+grpc::Status KvCacheService::GetPredictorStream(
+    grpc::ServerContext* context, const v1::GetPredictorRequest* request,
+    grpc::ServerWriterInterface<v1::PredictorChunk>* writer) {
+  if (auto s = CheckName("namespace", request->namespace_(), false); !s.ok()) return s;
+  if (auto s = CheckName("model_id", request->model_id(), true); !s.ok()) return s;
+  if (request->version() == 0) {
+    return Invalid(
+        "version: required (>= 1): the learned predictor state a RESIDUAL block names "
+        "in GetBlock.predictor_version");
+  }
+  absl::StatusOr<std::string> state =
+      store_->GetPredictor(request->namespace_(), request->model_id(), request->version());
+  if (!state.ok()) return ToGrpcStatus(state.status());
+  const uint32_t crc = Crc32c(*state);
+  const size_t chunk = std::max<uint64_t>(1, options_.max_get_message_bytes);
+  v1::PredictorChunk msg;
+  for (size_t off = 0; off == 0 || off < state->size(); off += chunk) {
+    if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client gone");
+    msg.set_version(request->version());
+    msg.set_total_bytes(state->size());
+    msg.set_crc32c(crc);
+    msg.set_offset(off);
+    msg.set_data(state->data() + off, std::min(chunk, state->size() - off));
+    if (!writer->Write(msg)) return grpc::Status(grpc::StatusCode::CANCELLED, "client gone");
+    if (state->empty()) break;
+  }
   return grpc::Status::OK;
 }
 

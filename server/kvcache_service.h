@@ -55,6 +55,8 @@ class KvCacheService final : public v1::KVCache::Service {
                       v1::DeleteResponse* response) override;
   grpc::Status Pin(grpc::ServerContext* context, const v1::PinRequest* request,
                    v1::PinResponse* response) override;
+  grpc::Status GetPredictor(grpc::ServerContext* context, const v1::GetPredictorRequest* request,
+                            grpc::ServerWriter<v1::PredictorChunk>* writer) override;
 
   // Lookup of `request` in namespace `ns` (the request's own namespace field is not read).
   grpc::Status LookupIn(const std::string& ns, const v1::LookupRequest& request,
@@ -72,6 +74,9 @@ class KvCacheService final : public v1::KVCache::Service {
   // and decoded buffers on the wire without copying them.
   grpc::Status GetStream(grpc::ServerContext* context, const v1::GetRequest* request,
                          GetSink* sink);
+  grpc::Status GetPredictorStream(grpc::ServerContext* context,
+                                  const v1::GetPredictorRequest* request,
+                                  grpc::ServerWriterInterface<v1::PredictorChunk>* writer);
 
  private:
   struct GetSlot;

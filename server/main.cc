@@ -65,7 +65,8 @@ ABSL_FLAG(
     "most dense KV bytes one Put stream may buffer before it is committed" KVTRIE_BYTE_UNITS_HELP);
 ABSL_FLAG(
     kvtrie::ByteSize, max_get_message_bytes, kvtrie::ByteSize{1u << 20},
-    "Get splits a block by layer ranges so no message is larger than this" KVTRIE_BYTE_UNITS_HELP);
+    "Get splits a block by layer ranges so no message is larger than this (GetPredictor sends "
+    "chunks of this size)" KVTRIE_BYTE_UNITS_HELP);
 // Put streams (issue 12): server/put_limits.h.
 ABSL_FLAG(double, put_idle_timeout_seconds, 60,
           "a Put stream that sends no message for this long is cancelled and its buffered bytes "
@@ -104,6 +105,17 @@ ABSL_FLAG(bool, near_dup_clusters, true,
 ABSL_FLAG(double, cluster_max_distance_bits, kvtrie::NearDupOptions().max_distance_bits,
           "near-duplicate candidates farther than this trie distance (bits of the two histories "
           "not shared) are not tried");
+ABSL_FLAG(bool, learn_predictors, kvtrie::PredictorOptions().learn,
+          "learn a predictor state per (namespace, model) from the stored blocks in the background "
+          "and code new RESIDUAL blocks against its latest version (README \"Learned predictor "
+          "states\"); a RESIDUAL Get then needs GetPredictor to decode.");
+ABSL_FLAG(uint64_t, predictor_refit_tokens, kvtrie::PredictorOptions().refit_every_tokens,
+          "fit and publish a new predictor state version after this many new tokens were learned "
+          "from (per namespace and model).");
+ABSL_FLAG(kvtrie::ByteSize, predictor_memory_bytes,
+          kvtrie::ByteSize{kvtrie::PredictorOptions().memory_bytes},
+          "memory budget of one (namespace, model)'s learner and the state it "
+          "fits" KVTRIE_BYTE_UNITS_HELP);
 
 namespace kvtrie {
 namespace {
@@ -165,6 +177,9 @@ int Run() {
   store_options.verify_payloads_on_open = absl::GetFlag(FLAGS_verify_on_start);
   store_options.near_dup.enabled = absl::GetFlag(FLAGS_near_dup_clusters);
   store_options.near_dup.max_distance_bits = absl::GetFlag(FLAGS_cluster_max_distance_bits);
+  store_options.predictors.learn = absl::GetFlag(FLAGS_learn_predictors);
+  store_options.predictors.refit_every_tokens = absl::GetFlag(FLAGS_predictor_refit_tokens);
+  store_options.predictors.memory_bytes = absl::GetFlag(FLAGS_predictor_memory_bytes).bytes;
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<std::unique_ptr<KvStore>> store = KvStore::Open(store_options);
   if (!store.ok()) {

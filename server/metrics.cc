@@ -120,6 +120,12 @@ class Metrics::StoreCollector final : public prometheus::Collectable {
            [](const StoreStats& s) { return s.cluster.residual_nodes; });
     per_ns("kvtrie_pinned_nodes", "Nodes pinned against eviction.",
            [](const StoreStats& s) { return s.pinned_nodes; });
+    per_ns("kvtrie_predictor_versions", "Learned predictor state versions kept.",
+           [](const StoreStats& s) { return s.predictor_versions; });
+    per_ns("kvtrie_predictor_state_bytes", "Serialized bytes of the learned predictor states kept.",
+           [](const StoreStats& s) { return s.predictor_state_bytes; });
+    per_ns("kvtrie_blocks_on_learned", "Stored blocks coded against a learned predictor state.",
+           [](const StoreStats& s) { return s.blocks_on_learned; });
     {
       auto* nodes =
           family("kvtrie_tier_nodes", "Nodes whose payload is in the tier.", MetricType::Gauge);
@@ -155,6 +161,11 @@ class Metrics::StoreCollector final : public prometheus::Collectable {
     counter("kvtrie_promotions_total", "Cold payloads brought back into memory.", total.promotions);
     counter("kvtrie_cold_reads_total", "Payloads read from RocksDB.", total.cold_reads);
     counter("kvtrie_pins_expired_total", "Pins whose TTL ran out.", total.pins_expired);
+    counter("kvtrie_predictor_fits_total", "Learned predictor state versions published.",
+            total.predictor_fits);
+    counter("kvtrie_predictor_observations_dropped_total",
+            "Committed blocks not learned from: the learning queue was full.",
+            total.predictor_observations_dropped);
     {
       auto* m = family("kvtrie_evictions_total", "Nodes removed, by reason.", MetricType::Counter);
       m->push_back(Sample(total.evictions_disk, true, {{"reason", "disk"}}));

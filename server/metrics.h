@@ -13,11 +13,13 @@
 //   kvtrie_auth_failures_total{code}                        UNAUTHENTICATED / PERMISSION_DENIED
 // and, read from KvStore::Stats() at each scrape:
 //   kvtrie_nodes, kvtrie_bytes_logical, kvtrie_bytes_stored, kvtrie_centroids,
-//   kvtrie_residual_nodes, kvtrie_pinned_nodes{namespace}; kvtrie_tier_nodes and
+//   kvtrie_residual_nodes, kvtrie_pinned_nodes, kvtrie_predictor_versions,
+//   kvtrie_predictor_state_bytes, kvtrie_blocks_on_learned{namespace}; kvtrie_tier_nodes and
 //   kvtrie_tier_bytes{tier=hot|cold,namespace}; kvtrie_disk_bytes; kvtrie_tier_budget_bytes{tier};
 //   kvtrie_demotions_total, kvtrie_promotions_total, kvtrie_cold_reads_total,
 //   kvtrie_evictions_total{reason=disk|data_loss|deleted}, kvtrie_pins_expired_total,
-//   kvtrie_puts_rejected_total{reason=disk_full}  (server-wide counters of the store).
+//   kvtrie_puts_rejected_total{reason=disk_full}, kvtrie_predictor_fits_total,
+//   kvtrie_predictor_observations_dropped_total  (server-wide counters of the store).
 // Cardinality: at most `max_namespaces` namespace label values (the tokens file's namespaces
 // first, then the first ones seen); the rest are counted under namespace="other". The empty
 // namespace is labelled "(default)". Store gauges of "other" are the total minus the named ones.

@@ -176,6 +176,22 @@ TEST_F(Tenants, TenantCannotSeeHitCountOrTimeAnothersPrefixes) {
         << pin.error_message();
   }
 
+  // GetPredictor: a learned state of b's is not a's to fetch (named or not).
+  for (Client* c : {a.get(), a_naming_b.get()}) {
+    v1::GetPredictorRequest req;
+    req.set_namespace_(c == a.get() ? "" : "b");
+    req.set_model_id(s0.model_id);
+    req.set_version(1);
+    auto ctx = c->NewContext();
+    auto reader = c->stub()->GetPredictor(ctx.get(), req);
+    v1::PredictorChunk chunk;
+    EXPECT_FALSE(reader->Read(&chunk));
+    grpc::Status got = reader->Finish();
+    EXPECT_EQ(got.error_code(),
+              c == a.get() ? grpc::StatusCode::NOT_FOUND : grpc::StatusCode::PERMISSION_DENIED)
+        << got.error_message();
+  }
+
   // b still has everything; b sees its own counters, not a's.
   absl::StatusOr<KvDump> b_got = b->Get(s0.model_id, s0.token_ids);
   ASSERT_TRUE(b_got.ok()) << b_got.status();

@@ -23,6 +23,7 @@ class KvStore::Impl {
   explicit Impl(const StoreOptions& options) : options_(options) {}
   ~Impl() {
     if (tiers_) tiers_->StopBackground();
+    if (learn_queue_) learn_queue_->Stop();  // its jobs use the shards
     shards_.clear();
     tiers_.reset();
     records_.reset();  // flushes and closes RocksDB
@@ -51,6 +52,7 @@ class KvStore::Impl {
   RecoveryStats recovery_;
   std::unique_ptr<RecordStore> records_;
   std::unique_ptr<TierManager> tiers_;
+  std::unique_ptr<LearnQueue> learn_queue_;  // null when learning is off
   ShardContext context_;
   absl::Mutex gc_mu_;  // one CollectGarbageIfNeeded at a time
   std::atomic<uint64_t> evicted_since_check_{0};
@@ -83,6 +85,10 @@ absl::Status KvStore::Impl::Open() {
   context_.records = records_.get();
   context_.tiers = tiers_.get();
   context_.make_disk_room = [this](uint64_t incoming) { return MakeDiskRoom(incoming); };
+  if (options_.predictors.learn) {
+    learn_queue_ = std::make_unique<LearnQueue>(options_.predictors.queue_bytes);
+    context_.learn_queue = learn_queue_.get();
+  }
 
   // Recovery: models, then nodes in key order (a shard's parents before their children).
   absl::flat_hash_map<uint64_t, ModelShard*> by_id;
@@ -99,7 +105,36 @@ absl::Status KvStore::Impl::Open() {
         });
     if (!s.ok()) return s;
   }
+  // Learned predictor states before the nodes that depend on them. One that cannot be read or
+  // parsed stays listed with its error: DATA_LOSS for its dependents only.
   RecordBatch drop(records_.get());
+  if (absl::Status s = records_->ForEachPredictor([&](uint64_t shard_id, uint32_t version,
+                                                      absl::StatusOr<PredictorMeta> meta) {
+        auto it = by_id.find(shard_id);
+        if (it == by_id.end()) {  // its model is gone
+          drop.DeletePredictor(shard_id, version);
+          return;
+        }
+        PredictorMeta m = meta.ok() ? *meta : PredictorMeta{};
+        m.version = version;
+        absl::StatusOr<std::shared_ptr<const PredictorState>> state = absl::DataLossError("unread");
+        if (!meta.ok()) {
+          state = meta.status();
+        } else {
+          absl::StatusOr<std::string> bytes = records_->ReadPredictor(shard_id, version);
+          if (!bytes.ok()) {
+            state = bytes.status();
+          } else {
+            state = PredictorState::Parse(*bytes);
+          }
+        }
+        ++recovery_.predictor_versions;
+        if (!state.ok()) ++recovery_.predictor_versions_unreadable;
+        it->second->RecoverPredictor(m, std::move(state));
+      });
+      !s.ok()) {
+    return s;
+  }
   recovery_.payloads_verified = options_.verify_payloads_on_open;
   absl::Status s =
       records_->ForEachNode(options_.verify_payloads_on_open, [&](uint64_t shard_id, uint64_t id,
@@ -120,6 +155,7 @@ absl::Status KvStore::Impl::Open() {
     spdlog::warn("recovery: dropped {} nodes with a missing parent and {} with a bad payload",
                  recovery_.dropped_missing_parent, recovery_.dropped_bad_payload);
   }
+  for (auto& [id, shard] : by_id) shard->FreeUnusedPredictors();  // versions nothing needs
   if (options_.background) {
     tiers_->StartBackground([this] {
       if (options_.disk_bytes == 0 || !records_->health().ok()) return;
@@ -307,6 +343,20 @@ absl::StatusOr<double> KvStore::TrieDistance(const std::string& ns, const std::s
   return shard->TrieDistance(a, b);
 }
 
+absl::StatusOr<std::string> KvStore::GetPredictor(const std::string& ns,
+                                                  const std::string& model_id, uint32_t version) {
+  ModelShard* shard = impl_->Find(ns, model_id);
+  if (shard == nullptr || !shard->committed()) return NoModel(ns, model_id);
+  return shard->SerializedPredictor(version);
+}
+
+absl::StatusOr<std::vector<PredictorVersionView>> KvStore::PredictorVersions(
+    const std::string& ns, const std::string& model_id) {
+  ModelShard* shard = impl_->Find(ns, model_id);
+  if (shard == nullptr || !shard->committed()) return NoModel(ns, model_id);
+  return shard->PredictorVersions();
+}
+
 StoreStats KvStore::Stats(const std::string& ns) {
   StoreStats s;
   std::string last_ns;
@@ -346,5 +396,9 @@ bool KvStoreTestPeer::HasDependents(KvStore* store, const std::string& ns,
 }
 
 uint64_t KvStoreTestPeer::DiskUsage(KvStore* store) { return store->impl_->records_->DiskUsage(); }
+
+void KvStoreTestPeer::DrainLearning(KvStore* store) {
+  if (store->impl_->learn_queue_) store->impl_->learn_queue_->Drain();
+}
 
 }  // namespace kvtrie

@@ -123,6 +123,16 @@ class KvStore {
   absl::StatusOr<double> TrieDistance(const std::string& ns, const std::string& model_id,
                                       uint64_t a, uint64_t b);
 
+  // The serialized learned predictor state `version` of (ns, model_id) (codec/predictor_state.h;
+  // PredictorState::Parse reads it), as persisted: what a client needs to decode the kResidual
+  // blocks of a Get that name it. Only that namespace's own states. Errors: NOT_FOUND naming
+  // `model_id` or `version`; INVALID_ARGUMENT for version 0; DATA_LOSS when it is unreadable.
+  absl::StatusOr<std::string> GetPredictor(const std::string& ns, const std::string& model_id,
+                                           uint32_t version);
+  // The learned states of (ns, model_id), oldest first. NOT_FOUND naming `model_id`.
+  absl::StatusOr<std::vector<PredictorVersionView>> PredictorVersions(const std::string& ns,
+                                                                      const std::string& model_id);
+
   // Totals over one namespace (strictly its own), or the whole server when `ns` is empty.
   StoreStats Stats(const std::string& ns);
 

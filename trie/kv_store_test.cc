@@ -178,7 +178,8 @@ TEST_F(KvStoreTest, CorruptPayloadIsDataLossAndDroppedAtRecovery) {
     rocksdb::DB* db;
     std::vector<rocksdb::ColumnFamilyHandle*> h;
     std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {
-        {"default", {}}, {"models", {}}, {"nodes", {}}, {"payloads", {}}};
+        {"default", {}},  {"models", {}},          {"nodes", {}},
+        {"payloads", {}}, {"predictor_index", {}}, {"predictors", {}}};
     ASSERT_TRUE(rocksdb::DB::Open({}, dir_.string(), cfs, &h, &db).ok());
     const std::string key = NodeKey(/*shard_id=*/1, victim);  // the first model of the store
     std::string v;

@@ -18,6 +18,8 @@ class KvStoreTestPeer {
                             uint64_t node_id);
   // The data folder as RocksDB accounts it (trie/record_store.h).
   static uint64_t DiskUsage(KvStore* store);
+  // Waits until every block queued for learning was learned from (and any refit published).
+  static void DrainLearning(KvStore* store);
 };
 
 }  // namespace kvtrie

@@ -52,6 +52,7 @@ NodeView ToView(const TrieNode& n) {
   v.rel_rms_error_v = n.rel_rms_error_v;
   v.num_children = static_cast<uint32_t>(n.num_children());
   v.hits = n.hits;
+  v.predictor_version = n.predictor_version;
   return v;
 }
 
@@ -73,8 +74,10 @@ ModelShard::ModelShard(ShardContext* context, std::string ns, ModelInfo model, u
       shard_id_(shard_id),
       model_(std::move(model)),
       committed_(committed),
-      trie_(std::make_unique<BlockTrie>(model_.geometry.block_tokens,
-                                        context->options->token_hash)) {}
+      trie_(
+          std::make_unique<BlockTrie>(model_.geometry.block_tokens, context->options->token_hash)),
+      predictors_(std::make_shared<PredictorRegistry>(model_.geometry, context->options->predictors,
+                                                      PredictorLoader())) {}
 
 bool ModelShard::committed() const {
   absl::MutexLock lock(&mu_);
@@ -138,6 +141,7 @@ NodeMeta ModelShard::MetaOf(const TrieNode& n) const {
   m.rel_rms_error_v = n.rel_rms_error_v;
   m.pinned_until = context_->tiers->PinnedUntil(Ref(n.id));
   m.reference_node_id = n.reference_node_id;
+  m.predictor_version = n.predictor_version;
   return m;
 }
 
@@ -177,6 +181,8 @@ TrieNode* ModelShard::PublishLocked(TrieNode* parent, uint64_t id, const NodeMet
   n->rel_rms_error_k = static_cast<float>(meta.rel_rms_error_k);
   n->rel_rms_error_v = static_cast<float>(meta.rel_rms_error_v);
   n->reference_node_id = meta.reference_node_id;
+  n->predictor_version = meta.predictor_version;
+  predictors_->AddDependent(n->predictor_version, +1);
   next_id_ = std::max(next_id_, id + 1);
   clusters_.Add(*n);
   CountNodeLocked(*n, +1);
@@ -196,6 +202,14 @@ void ModelShard::Recover(uint64_t id, absl::StatusOr<NodeMeta> meta, const std::
       trie_->FindChild(parent, meta->token_ids) != nullptr ||
       (meta->reference_node_id != 0 && trie_->Find(meta->reference_node_id) == nullptr)) {
     ++stats->dropped_missing_parent;
+    drop->DeleteNode(shard_id_, id);
+    return;
+  }
+  if (meta->predictor_version != 0 && !predictors_->HasVersion(meta->predictor_version)) {
+    // Its learned state is gone from disk: it can never be decoded.
+    spdlog::warn("recovery: dropping node {} of '{}'/'{}': predictor state version {} is missing",
+                 id, ns_, model_.model_id, meta->predictor_version);
+    ++stats->dropped_bad_payload;
     drop->DeleteNode(shard_id_, id);
     return;
   }
@@ -269,6 +283,7 @@ GetResult ModelShard::Get(absl::Span<const uint32_t> token_ids, size_t max_block
     r.encoded = context_->tiers->HotCopy(Ref(n->id));
     r.encoding = n->encoding;
     r.reference_node_id = n->reference_node_id;
+    BlockContextLocked(*n, &r);
     if (!r.encoded) {
       if (!snapshot) snapshot = context_->records->Snapshot();
       r.snapshot = snapshot;
@@ -353,10 +368,7 @@ absl::Status ModelShard::ReadAndDecodeInternal(const BlockRead& block, DecodeCha
     }
     chain->AddReference(block.reference_node_id, reference);
   }
-  // ReadPayloadInternal's bytes are verified: a hot copy was checked when it was made (encoded
-  // here, or parsed when read from disk), a cold one was just parsed.
-  absl::Status s =
-      chain->Next(*payload, block.reference_node_id, out, /*tokens=*/{}, /*verified=*/true);
+  absl::Status s = DecodeNext(block, *payload, chain, out);
   if (!absl::IsDataLoss(s)) return s;
   spdlog::error("node {} of '{}'/'{}' failed to decode, dropping it and its subtree: {}",
                 block.node_id, ns_, model_.model_id, std::string(s.message()));
@@ -385,8 +397,12 @@ absl::Status ModelShard::ReconstructInternal(uint64_t node_id, absl::Span<uint8_
     g = model_.geometry;
     std::shared_ptr<const ReadSnapshot> snapshot;
     for (; n != nullptr && n->depth > 0; n = n->parent) {
-      BlockRead r{n->id, context_->tiers->HotCopy(Ref(n->id)), n->encoding, n->reference_node_id,
-                  nullptr};
+      BlockRead r;
+      r.node_id = n->id;
+      r.encoded = context_->tiers->HotCopy(Ref(n->id));
+      r.encoding = n->encoding;
+      r.reference_node_id = n->reference_node_id;
+      BlockContextLocked(*n, &r);
       if (!r.encoded) {
         if (!snapshot) snapshot = context_->records->Snapshot();
         r.snapshot = snapshot;
@@ -397,6 +413,7 @@ absl::Status ModelShard::ReconstructInternal(uint64_t node_id, absl::Span<uint8_
   }
   std::reverse(path.begin(), path.end());
   DecodeChain chain(g, nullptr);  // references are fetched by ReadAndDecodeInternal
+  if (!path.empty()) chain.StartAt(path[0].first_position, path[0].previous_token);
   for (const BlockRead& b : path) {
     if (auto s = ReadAndDecodeInternal(b, &chain, out, corrupt); !s.ok()) return s;
   }
@@ -433,6 +450,7 @@ absl::StatusOr<InspectResult> ModelShard::Inspect(uint64_t node_id) {
   r.model = model_;
   r.node = ToView(*n);
   ClusterViewLocked(*n, &r.node);
+  r.predictors = predictors_->Versions();
   for (const auto& [h, bucket] : n->children) {
     for (const TrieNode* c : bucket) {
       if (c->removing) continue;
@@ -478,6 +496,7 @@ void ModelShard::AddTotalsLocked(StoreStats* s) {
     s->max_rel_rms_error = std::max<double>(s->max_rel_rms_error, lossy_errors_.rbegin()->first);
   }
   clusters_.AddStats(trie_.get(), &s->cluster);
+  predictors_->AddStats(s);
 }
 
 void ModelShard::AddStats(StoreStats* s) {

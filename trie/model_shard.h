@@ -15,7 +15,8 @@
 //              and memory changes only after the write succeeded.
 //   mu_        guards the trie, the index and the counters; held for memory work only. Readers
 //              (Lookup, Get, Inspect, Stats) take only mu_, so they never wait for a disk write.
-// Lock order: write_mu_ -> mu_ -> TierManager::mu_ -> RecordStore::error_mu_. A thread holds
+// Lock order: write_mu_ -> mu_ -> PredictorRegistry::mu_ | TierManager::mu_ ->
+// RecordStore::error_mu_ (the registry takes no other lock). A thread holds
 // the locks of at most one shard; eviction for the disk budget runs with none held.
 //
 // A node being deleted or evicted is marked `removing` under mu_ before its deletes are written,
@@ -44,6 +45,7 @@
 #include "codec/decode_chain.h"
 #include "trie/block_trie.h"
 #include "trie/cluster_index.h"
+#include "trie/predictor_registry.h"
 #include "trie/record_store.h"
 #include "trie/store_types.h"
 #include "trie/tier_manager.h"
@@ -63,6 +65,7 @@ struct ShardContext {
   // RESOURCE_EXHAUSTED if pins and dependents hold it. Call with no shard lock held.
   std::function<absl::Status(uint64_t incoming)> make_disk_room;
   std::atomic<uint64_t> inflight_put_bytes{0};  // dense bytes buffered by unfinished Puts
+  LearnQueue* learn_queue = nullptr;            // null when learning is off
 };
 
 class ModelShard {
@@ -73,6 +76,7 @@ class ModelShard {
     EncodedBlock encoded;
     Encoding encoding = Encoding::kRaw;
     uint64_t reference_node_id = 0;  // the centroid it is a residual of (0 = standalone)
+    uint32_t predictor_version = 0;  // the learned state it is coded against (0 = none)
   };
   // A new block encoded standalone or against a near-duplicate centroid.
   struct NearDupEncoded {
@@ -139,6 +143,23 @@ class ModelShard {
   // Counts a finished Put.
   void CountPut(uint64_t stored, uint64_t deduplicated, uint64_t touched_node);
 
+  // --- Learned predictor states (model_shard_predictors.cc, trie/predictor_registry.h) ---
+  std::shared_ptr<PredictorRegistry> predictors() const;
+  // Recovery: a persisted version (read and parsed, or its error) and its disk bytes.
+  void RecoverPredictor(const PredictorMeta& meta,
+                        absl::StatusOr<std::shared_ptr<const PredictorState>> state);
+  // After a committed Put: queues block `block_index` (dense `kv`; `token_ids` the Put's) to be
+  // learned from on the store's LearnQueue; a full queue drops it (counted).
+  void QueueLearning(uint32_t block_index, absl::Span<const uint32_t> token_ids,
+                     absl::Span<const uint8_t> kv);
+  // Deletes the versions no block depends on any more (but the latest), on disk then in memory.
+  void FreeUnusedPredictors();
+  // The serialized bytes of `version`, as persisted (RocksDB-checksummed). NOT_FOUND naming
+  // `version`; DATA_LOSS when unreadable.
+  absl::StatusOr<std::string> SerializedPredictor(uint32_t version);
+  // The model's versions for Inspect and Stats.
+  std::vector<PredictorVersionView> PredictorVersions() const;
+
   // --- Near-duplicate clusters (model_shard_cluster.cc) ---
   // Encodes block `block_index` of a Put whose stored prefix ends at `anchor_id`: standalone, or
   // as a residual of the candidate centroid that makes it smallest, when smaller.
@@ -196,6 +217,18 @@ class ModelShard {
                                      Encoding encoding) ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
   bool SubtreeHasOutsideDependentsLocked(TrieNode* root) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ClusterViewLocked(const TrieNode& node, NodeView* view) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The learned predictors' context of node `n` (tokens, position, previous token, version).
+  void BlockContextLocked(const TrieNode& n, BlockRead* r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Decodes `payload` of `block` as the next block of `chain`, with the learned state it names.
+  // DATA_LOSS when that state is unreadable or gone.
+  absl::Status DecodeNext(const BlockRead& block, const std::string& payload, DecodeChain* chain,
+                          absl::Span<uint8_t> out);
+  // Reads a persisted version of this shard back (for the registry's non-resident versions).
+  PredictorRegistry::Loader PredictorLoader();
+  // The LearnQueue job of QueueLearning: observes, refits when due, persists and publishes.
+  void Learn(const std::shared_ptr<PredictorRegistry>& registry, uint32_t block_index,
+             const std::vector<int32_t>& tokens, int32_t previous_token,
+             const std::vector<uint8_t>& kv);
 
   ShardContext* const context_;
   const std::string ns_;
@@ -207,6 +240,9 @@ class ModelShard {
   bool committed_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<BlockTrie> trie_ ABSL_GUARDED_BY(mu_);
   ClusterIndex clusters_ ABSL_GUARDED_BY(mu_);  // near-duplicates of trie_, and dependents
+  // Learned predictor states (its own lock); replaced only when the first commit changes the
+  // geometry of a model that had none on disk.
+  std::shared_ptr<PredictorRegistry> predictors_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   // Totals over the trie, kept as nodes come and go.
   uint64_t bytes_logical_ ABSL_GUARDED_BY(mu_) = 0;

@@ -143,6 +143,7 @@ absl::Status ModelShard::ReplaceEncodingLocked(uint64_t node_id, const EncodedBl
     m.rel_rms_error_k = n->rel_rms_error_k;
     m.rel_rms_error_v = n->rel_rms_error_v;
     m.reference_node_id = 0;
+    m.predictor_version = 0;  // re-encoded standalone and bit-exact
     batch.PutNode(shard_id_, node_id, m, &encoded.bytes);
   }
   // The disk budget may be passed by the growth of a re-encoded block until the Delete that
@@ -156,6 +157,8 @@ absl::Status ModelShard::ReplaceEncodingLocked(uint64_t node_id, const EncodedBl
   n->bytes_stored = encoded.bytes.size();
   n->encoding = encoding;
   n->reference_node_id = 0;
+  predictors_->AddDependent(n->predictor_version, -1);
+  n->predictor_version = 0;
   CountNodeLocked(*n, +1);
   clusters_.Add(*n);
   // Hot copy swapped (making room like a Put: the memory bound holds); disk bytes follow.

@@ -28,6 +28,7 @@ void ModelShard::RemoveLocked(const std::vector<TrieNode*>& roots, DropReason re
   for (TrieNode* root : roots) {
     for (TrieNode* n : SubtreeLocked(root)) {
       clusters_.Remove(*n);  // near-duplicate index and dependency edges
+      predictors_->AddDependent(n->predictor_version, -1);
       context_->tiers->Remove(Ref(n->id));
       CountNodeLocked(*n, -1);
       bytes += n->bytes_stored;
@@ -83,13 +84,16 @@ absl::Status ModelShard::RemoveSubtrees(const std::vector<uint64_t>& roots, Drop
   if (removed_nodes) *removed_nodes = marked.size();
   if (marked.empty()) return absl::OkStatus();
   absl::Status s = context_->records->Write(batch);
-  absl::MutexLock lock(&mu_);
-  if (!s.ok()) {  // nothing changed in memory: it agrees with the disk
-    for (TrieNode* n : marked) n->removing = false;
-    for (TrieNode* n : marked) UpdateEvictableLocked(n);
-    return s;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!s.ok()) {  // nothing changed in memory: it agrees with the disk
+      for (TrieNode* n : marked) n->removing = false;
+      for (TrieNode* n : marked) UpdateEvictableLocked(n);
+      return s;
+    }
+    RemoveLocked(marked_roots, reason);
   }
-  RemoveLocked(marked_roots, reason);
+  FreeUnusedPredictors();  // a version whose last dependent just went
   return absl::OkStatus();
 }
 
@@ -178,6 +182,7 @@ absl::StatusOr<std::vector<uint64_t>> ModelShard::Commit(const ModelInfo& model,
       m.rel_rms_error_k = b.encoded.rel_rms_error_k;
       m.rel_rms_error_v = b.encoded.rel_rms_error_v;
       m.reference_node_id = b.reference_node_id;
+      m.predictor_version = b.predictor_version;
       batch.PutNode(shard_id_, id, m, &b.encoded.bytes);
       ids.push_back(id);
       metas.push_back(std::move(m));
@@ -193,6 +198,8 @@ absl::StatusOr<std::vector<uint64_t>> ModelShard::Commit(const ModelInfo& model,
     if (!(model_.geometry == model.geometry)) {
       trie_ = std::make_unique<BlockTrie>(bt, context_->options->token_hash);
       clusters_ = ClusterIndex();
+      predictors_ = std::make_shared<PredictorRegistry>(
+          model.geometry, context_->options->predictors, PredictorLoader());
     }
     model_ = model;
     committed_ = true;

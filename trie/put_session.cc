@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "codec/decode_chain.h"
 #include "trie/model_shard.h"
@@ -140,19 +141,37 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
     // Encode the new blocks in order; each is predicted from its parent's reconstruction, kept
     // by the decode chain (what a reader will decode).
     std::vector<ModelShard::NewBlock> blocks;
+    // The latest learned state (kept until the commit; null when there is none) and what it
+    // conditions on.
+    std::shared_ptr<PredictorRegistry> registry = shard_->predictors();
+    std::shared_ptr<const PredictorState> learned;
+    if (encode_.encoding == Encoding::kResidual) learned = registry->AcquireLatest();
+    absl::Cleanup release = [&] {
+      if (learned) registry->Release(learned->version());
+    };
     DecodeChain chain(g, nullptr);
+    chain.AddPredictor(learned);
     std::vector<uint8_t> recon(g.num_bytes());
     if (matched > 0) {
       if (auto s = shard_->ReconstructNode(anchor, absl::MakeSpan(recon)); !s.ok()) {
         if (absl::IsAborted(s)) continue;  // the prefix changed under us: match again
         return s;
       }
-      chain.NextDense(recon);
+      const size_t next = static_cast<size_t>(matched) * g.block_tokens;
+      chain.StartAt(static_cast<uint32_t>(next), static_cast<int32_t>(token_ids_[next - 1]), recon);
     }
     for (uint32_t b = matched; b < num_blocks_; ++b) {
       const std::vector<uint8_t>& kv = pending_.at(b).kv;
       PredictionContext ctx;
       ctx.parent = chain.parent();
+      const size_t off = static_cast<size_t>(b) * g.block_tokens;
+      const std::vector<int32_t> block_tokens(token_ids_.begin() + off,
+                                              token_ids_.begin() + off + g.block_tokens);
+      const int32_t previous_token = off == 0 ? -1 : static_cast<int32_t>(token_ids_[off - 1]);
+      ctx.learned = learned.get();
+      ctx.tokens = block_tokens;
+      ctx.first_position = static_cast<uint32_t>(off);
+      ctx.previous_token = previous_token;
       ctx.surprisal_bits = absl::MakeConstSpan(surprisal_bits_)
                                .subspan(static_cast<size_t>(b) * g.block_tokens, g.block_tokens);
       // Standalone, or a residual of a near-duplicate centroid when smaller.
@@ -160,16 +179,24 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
           shard_->EncodeNewBlock(model_, anchor, b, tokens, surprisal_bits_, kv, encode_, ctx);
       if (!nd.ok()) return nd.status();
       if (encode_.encoding == Encoding::kRaw || encode_.encoding == Encoding::kLossless) {
-        chain.NextDense(kv);
+        chain.NextDense(kv, block_tokens);
       } else {
         if (nd->reference_node_id != 0) chain.AddReference(nd->reference_node_id, nd->reference);
-        if (auto s = chain.Next(nd->encoded.bytes, nd->reference_node_id, absl::MakeSpan(recon));
+        if (auto s = chain.Next(nd->encoded.bytes, nd->reference_node_id, absl::MakeSpan(recon),
+                                block_tokens);
             !s.ok()) {
           return absl::InternalError(
               absl::StrCat("codec: cannot decode what it encoded: ", s.message()));
         }
       }
-      blocks.push_back({b, std::move(nd->encoded), encode_.encoding, nd->reference_node_id});
+      uint32_t predictor_version = 0;
+      if (learned) {
+        absl::StatusOr<BlockHeader> h = ParseBlock(nd->encoded.bytes);
+        if (!h.ok()) return h.status();
+        predictor_version = h->predictor_version;
+      }
+      blocks.push_back(
+          {b, std::move(nd->encoded), encode_.encoding, nd->reference_node_id, predictor_version});
     }
     absl::StatusOr<std::vector<uint64_t>> ids =
         blocks.empty() ? std::vector<uint64_t>{}
@@ -202,6 +229,10 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
     }
     summary.stored_tokens = num_blocks_ * g.block_tokens;
     shard_->CountPut(blocks.size(), matched, anchor);
+    // Learned from in the background, never on this Put's path (a full queue drops them).
+    for (const ModelShard::NewBlock& nb : blocks) {
+      shard_->QueueLearning(nb.block_index, tokens, pending_.at(nb.block_index).kv);
+    }
     return summary;
   }
   return absl::AbortedError("put: the prefix kept changing under concurrent Puts; retry");

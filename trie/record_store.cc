@@ -32,6 +32,8 @@ namespace {
 constexpr char kModelsCf[] = "models";
 constexpr char kNodesCf[] = "nodes";
 constexpr char kPayloadsCf[] = "payloads";
+constexpr char kPredictorIndexCf[] = "predictor_index";
+constexpr char kPredictorsCf[] = "predictors";
 
 uint64_t DecodeBigEndian(const char* p) {
   uint64_t v = 0;
@@ -57,6 +59,7 @@ internal::NodeRecord ToRecord(const NodeMeta& m) {
   r.set_rel_rms_error_v(m.rel_rms_error_v);
   r.set_pinned_until(m.pinned_until);
   r.set_reference_node_id(m.reference_node_id);
+  r.set_predictor_version(m.predictor_version);
   return r;
 }
 
@@ -81,6 +84,7 @@ absl::StatusOr<NodeMeta> FromRecord(const rocksdb::Slice& value) {
   m.rel_rms_error_v = r.rel_rms_error_v();
   m.pinned_until = r.pinned_until();
   m.reference_node_id = r.reference_node_id();
+  m.predictor_version = r.predictor_version();
   return m;
 }
 
@@ -141,6 +145,26 @@ void RecordBatch::DeleteNode(uint64_t shard_id, uint64_t node_id) {
   batch_->Delete(store_->cf_payloads_, key);
 }
 
+void RecordBatch::PutPredictor(uint64_t shard_id, const PredictorMeta& meta,
+                               const std::string& state) {
+  internal::PredictorRecord r;
+  r.set_namespace_(meta.ns);
+  r.set_model_id(meta.model_id);
+  r.set_version(meta.version);
+  r.set_state_bytes(meta.state_bytes);
+  r.set_state_crc32c(meta.state_crc32c);
+  r.set_tokens_learned(meta.tokens_learned);
+  const std::string key = NodeKey(shard_id, meta.version);
+  batch_->Put(store_->cf_predictor_index_, key, r.SerializeAsString());
+  batch_->Put(store_->cf_predictors_, key, state);
+}
+
+void RecordBatch::DeletePredictor(uint64_t shard_id, uint32_t version) {
+  const std::string key = NodeKey(shard_id, version);
+  batch_->Delete(store_->cf_predictor_index_, key);
+  batch_->Delete(store_->cf_predictors_, key);
+}
+
 // ---------------------------------------------------------------------------------------------
 // RecordStore
 
@@ -197,6 +221,8 @@ absl::StatusOr<std::unique_ptr<RecordStore>> RecordStore::Open(const Options& op
       {kModelsCf, meta},
       {kNodesCf, meta},
       {kPayloadsCf, payloads},
+      {kPredictorIndexCf, meta},
+      {kPredictorsCf, payloads},  // MiBs each, uncompressed, in blob files as payloads are
   };
   rocksdb::DB* db = nullptr;
   rocksdb::Status s = rocksdb::DB::Open(db_options, options.data_dir, cfs, &store->handles_, &db);
@@ -205,6 +231,8 @@ absl::StatusOr<std::unique_ptr<RecordStore>> RecordStore::Open(const Options& op
   store->cf_models_ = store->handles_[1];
   store->cf_nodes_ = store->handles_[2];
   store->cf_payloads_ = store->handles_[3];
+  store->cf_predictor_index_ = store->handles_[4];
+  store->cf_predictors_ = store->handles_[5];
   return store;
 }
 
@@ -283,6 +311,50 @@ absl::Status RecordStore::ForEachNode(
     fn(shard, id, FromRecord(nodes->value()), found);
   }
   return FromRocks(nodes->status(), "nodes (refusing to start; nothing was dropped)");
+}
+
+absl::Status RecordStore::ForEachPredictor(
+    const std::function<void(uint64_t, uint32_t, absl::StatusOr<PredictorMeta>)>& fn) {
+  std::unique_ptr<rocksdb::Iterator> it(
+      db_->NewIterator(rocksdb::ReadOptions(), cf_predictor_index_));
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    const rocksdb::Slice key = it->key();
+    if (key.size() != 16) return absl::DataLossError("predictor_index: bad key");
+    const uint64_t shard = DecodeBigEndian(key.data());
+    const uint64_t version = DecodeBigEndian(key.data() + 8);
+    if (version == 0 || version > UINT32_MAX) {
+      return absl::DataLossError(absl::StrCat("predictor_index: bad version ", version));
+    }
+    internal::PredictorRecord r;
+    if (!r.ParseFromArray(it->value().data(), static_cast<int>(it->value().size())) ||
+        r.version() != version) {
+      fn(shard, static_cast<uint32_t>(version),
+         absl::DataLossError(
+             absl::StrCat("predictor record of version ", version, " does not parse")));
+      continue;
+    }
+    PredictorMeta m;
+    m.ns = r.namespace_();
+    m.model_id = r.model_id();
+    m.version = r.version();
+    m.state_bytes = r.state_bytes();
+    m.state_crc32c = r.state_crc32c();
+    m.tokens_learned = r.tokens_learned();
+    fn(shard, static_cast<uint32_t>(version), std::move(m));
+  }
+  return FromRocks(it->status(), "predictor_index (refusing to start; nothing was dropped)");
+}
+
+absl::StatusOr<std::string> RecordStore::ReadPredictor(uint64_t shard_id, uint32_t version) {
+  rocksdb::ReadOptions ro;
+  ro.verify_checksums = true;
+  std::string value;
+  rocksdb::Status s = db_->Get(ro, cf_predictors_, NodeKey(shard_id, version), &value);
+  if (s.IsNotFound()) {
+    return absl::NotFoundError(absl::StrCat("predictor state version ", version, " is missing"));
+  }
+  if (!s.ok()) return FromRocks(s, absl::StrCat("reading predictor state version ", version));
+  return value;
 }
 
 absl::Status RecordStore::Write(RecordBatch& batch) {

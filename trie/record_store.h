@@ -9,6 +9,8 @@
 //   models    namespace \0 model_id             -> ModelRecord (with the model's shard id)
 //   nodes     shard id (8 bytes BE) + node id (8 bytes BE) -> NodeRecord
 //   payloads  the same key                       -> the encoded block (self-checksummed)
+//   predictor_index  shard id + version (8 bytes BE each) -> PredictorRecord (a learned state)
+//   predictors       the same key                  -> the serialized state (BlobDB, like payloads)
 // Node ids are per (namespace, model): a shard numbers its own nodes 1, 2, ... so ids tell one
 // namespace nothing of another. Keys sort by shard, then id: a parent (smaller id) is met
 // before its children in a scan.
@@ -78,6 +80,17 @@ struct NodeMeta {
   double rel_rms_error_v = 0;
   uint64_t pinned_until = 0;  // unix seconds; 0 = not pinned, UINT64_MAX = until unpinned
   uint64_t reference_node_id = 0;
+  uint32_t predictor_version = 0;  // the learned state the payload was coded against (0 = none)
+};
+
+// What a predictor index record holds (its serialized state is stored beside it).
+struct PredictorMeta {
+  std::string ns;
+  std::string model_id;
+  uint32_t version = 0;
+  uint64_t state_bytes = 0;
+  uint32_t state_crc32c = 0;
+  uint64_t tokens_learned = 0;
 };
 
 // The one node-key encoder: shard id and node id, 8 bytes big-endian each.
@@ -105,6 +118,9 @@ class RecordBatch {
   void PutNode(uint64_t shard_id, uint64_t node_id, const NodeMeta& meta,
                const std::string* payload);
   void DeleteNode(uint64_t shard_id, uint64_t node_id);  // record and payload
+  // A learned predictor state: its index record and its serialized bytes.
+  void PutPredictor(uint64_t shard_id, const PredictorMeta& meta, const std::string& state);
+  void DeletePredictor(uint64_t shard_id, uint32_t version);
   size_t count() const;
 
  private:
@@ -146,6 +162,14 @@ class RecordStore {
       const std::function<void(uint64_t shard_id, uint64_t node_id, absl::StatusOr<NodeMeta>,
                                const std::string* payload)>& fn);
 
+  // Calls fn for every predictor index record in key order (shard, then version), parsed or
+  // with its parse error (DATA_LOSS). A read error of RocksDB's own files stops the scan.
+  absl::Status ForEachPredictor(const std::function<void(uint64_t shard_id, uint32_t version,
+                                                         absl::StatusOr<PredictorMeta>)>& fn);
+  // The serialized state of predictor `version` of a shard, checksummed by RocksDB. Errors:
+  // NOT_FOUND if missing; DATA_LOSS when a checksum fails; UNAVAILABLE on an I/O error.
+  absl::StatusOr<std::string> ReadPredictor(uint64_t shard_id, uint32_t version);
+
   // Writes `batch` (fsynced when Options::sync). Errors: the sticky error if set; otherwise the
   // write's, "store failed: ..." with its own code (which then sets the sticky error).
   absl::Status Write(RecordBatch& batch);
@@ -180,6 +204,8 @@ class RecordStore {
   rocksdb::ColumnFamilyHandle* cf_models_ = nullptr;
   rocksdb::ColumnFamilyHandle* cf_nodes_ = nullptr;
   rocksdb::ColumnFamilyHandle* cf_payloads_ = nullptr;
+  rocksdb::ColumnFamilyHandle* cf_predictor_index_ = nullptr;
+  rocksdb::ColumnFamilyHandle* cf_predictors_ = nullptr;
   std::vector<rocksdb::ColumnFamilyHandle*> handles_;
 
   mutable absl::Mutex error_mu_;

@@ -21,6 +21,22 @@ class Env;
 
 namespace kvtrie {
 
+// The learned predictor state of each (namespace, model) (trie/predictor_registry.h).
+struct PredictorOptions {
+  // Learn from committed Puts and code new kResidual blocks against the latest fitted state.
+  bool learn = false;
+  // Refit (a new version) after this many new tokens were learned from.
+  uint64_t refit_every_tokens = 16384;
+  // Per (namespace, model): the learner's accumulators and the state it fits (bytes).
+  uint64_t memory_bytes = 64ull << 20;
+  // Versions kept in memory besides the latest (the most recently used); older ones are read back
+  // from disk when a block needs them.
+  uint32_t resident_versions = 4;
+  // Dense KV bytes waiting to be learned from, all models together; a block that does not fit is
+  // not learned from (counted in StoreStats::predictor_observations_dropped).
+  uint64_t queue_bytes = 64ull << 20;
+};
+
 struct StoreOptions {
   std::string data_dir;  // created if missing
   bool sync = false;     // fsync the WAL before acknowledging a write
@@ -31,6 +47,7 @@ struct StoreOptions {
   EncodeOptions default_encoding;  // used when a Put does not name one
   BlockTrie::TokenHash token_hash = BlockTrie::DefaultTokenHash;  // a seam for collision tests
   NearDupOptions near_dup;  // near-duplicate clusters (trie/cluster_index.h)
+  PredictorOptions predictors;
   // Tiers (trie/tier_manager.h). 0 = unbounded.
   uint64_t memory_bytes = 1ull << 30;  // hot payload bytes in memory
   // The data folder: payloads, node records, RocksDB's WAL, memtables and files, within the
@@ -56,8 +73,10 @@ struct RecoveryStats {
   uint64_t models = 0;
   uint64_t nodes = 0;
   uint64_t dropped_missing_parent = 0;
-  uint64_t dropped_bad_payload = 0;  // missing or failed its checksum
-  bool payloads_verified = false;    // verify_payloads_on_open was set
+  uint64_t dropped_bad_payload = 0;            // missing or failed its checksum
+  bool payloads_verified = false;              // verify_payloads_on_open was set
+  uint64_t predictor_versions = 0;             // learned predictor states restored
+  uint64_t predictor_versions_unreadable = 0;  // of which DATA_LOSS (their dependents fail)
 };
 
 struct MatchResult {
@@ -74,6 +93,13 @@ struct BlockRead {
   std::shared_ptr<const std::string> encoded;  // the hot copy; null when cold
   Encoding encoding = Encoding::kRaw;
   uint64_t reference_node_id = 0;
+  // The learned predictor state its payload was coded against (0 = none), and what the learned
+  // predictors condition on: the block's tokens, the absolute position of the first (block index
+  // * block_tokens), the token before it (-1 at the root).
+  uint32_t predictor_version = 0;
+  std::vector<int32_t> tokens;
+  uint32_t first_position = 0;
+  int32_t previous_token = -1;
   // Set when the payload was cold at Get time: the RocksDB view in which it is read, so a
   // concurrent eviction cannot take it away mid-stream.
   std::shared_ptr<const ReadSnapshot> snapshot;
@@ -122,14 +148,28 @@ struct NodeView {
   uint32_t num_children = 0;
   uint64_t hits = 0;
   uint64_t reference_node_id = 0;         // the centroid this block is a residual of (0 = none)
+  uint32_t predictor_version = 0;         // the learned state it was coded against (0 = none)
   uint32_t dependents = 0;                // blocks stored as residuals of this one
   double distance_to_reference_bits = 0;  // trie distance to the centroid (bits)
+};
+
+// One learned predictor state version of a (namespace, model).
+struct PredictorVersionView {
+  uint32_t version = 0;
+  uint64_t state_bytes = 0;     // serialized (on disk and as GetPredictor sends it)
+  uint64_t memory_bytes = 0;    // in memory (0 when unreadable or not resident)
+  uint64_t tokens_learned = 0;  // tokens of KV it was fitted on
+  uint64_t dependents = 0;      // stored blocks coded against it
+  bool latest = false;          // new blocks are coded against it
+  std::string error;            // set when the persisted state is unreadable (DATA_LOSS)
+  std::string description;      // PredictorState::Describe()
 };
 
 struct InspectResult {
   ModelInfo model;
   NodeView node;
   std::vector<NodeView> children;
+  std::vector<PredictorVersionView> predictors;  // the model's learned states, oldest first
 };
 
 // Totals of one namespace (every counter strictly of its own models) or of the whole server.
@@ -175,6 +215,17 @@ struct StoreStats {
   uint64_t pins_expired = 0;
   uint64_t puts_rejected_disk_full = 0;  // RESOURCE_EXHAUSTED: pins hold the disk budget
   ClusterStats cluster;  // near-duplicate clusters and the surprisal / distance histograms
+  // Learned predictor states (trie/predictor_registry.h), over the models counted.
+  uint64_t predictor_versions = 0;        // versions kept (each has dependents, or is the latest)
+  uint64_t predictor_state_bytes = 0;     // their serialized bytes (on disk)
+  uint64_t predictor_memory_bytes = 0;    // their in-memory bytes plus the learners'
+  uint64_t predictor_tokens_learned = 0;  // tokens the latest versions were fitted on
+  uint64_t blocks_on_learned = 0;         // stored blocks coded against a learned state
+  // Since start.
+  uint64_t predictor_fits = 0;                  // versions published
+  uint64_t predictor_observations = 0;          // blocks learned from
+  uint64_t predictor_observations_dropped = 0;  // not learned from: the queue was full
+  uint64_t predictor_versions_freed = 0;        // dropped once their last dependent was gone
 };
 
 }  // namespace kvtrie

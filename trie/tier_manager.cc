@@ -238,7 +238,7 @@ void TierManager::ExpirePins() {
 bool TierManager::Reserve(uint64_t bytes) {
   absl::MutexLock lock(&mu_);
   const uint64_t budget = options_.disk_bytes;
-  if (budget != 0 && disk_bytes_ + reserved_ + bytes > budget) return false;
+  if (budget != 0 && disk_bytes_ + side_bytes_ + reserved_ + bytes > budget) return false;
   reserved_ += bytes;
   return true;
 }
@@ -248,10 +248,20 @@ void TierManager::Unreserve(uint64_t bytes) {
   reserved_ -= std::min(reserved_, bytes);
 }
 
+void TierManager::AddSideBytes(uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  side_bytes_ += bytes;
+}
+
+void TierManager::RemoveSideBytes(uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  side_bytes_ -= std::min(side_bytes_, bytes);
+}
+
 uint64_t TierManager::DiskExcess(uint64_t incoming) const {
   absl::MutexLock lock(&mu_);
   const uint64_t budget = options_.disk_bytes;
-  const uint64_t want = disk_bytes_ + reserved_ + incoming;
+  const uint64_t want = disk_bytes_ + side_bytes_ + reserved_ + incoming;
   return budget == 0 || want <= budget ? 0 : want - budget;
 }
 

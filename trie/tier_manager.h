@@ -97,6 +97,10 @@ class TierManager {
   // Disk: reserves `bytes` for a write if stored + reserved + bytes fits the budget.
   bool Reserve(uint64_t bytes);
   void Unreserve(uint64_t bytes);
+  // Disk bytes held beside the payloads (learned predictor states, trie/predictor_registry.h):
+  // counted against the budget as stored payloads are, never evicted here.
+  void AddSideBytes(uint64_t bytes);
+  void RemoveSideBytes(uint64_t bytes);
   // Bytes over the budget if `incoming` more were stored (0 when it fits or unbounded).
   uint64_t DiskExcess(uint64_t incoming) const;
   // Pops evictable leaves, lowest GDSF first, until their bytes cover `bytes` (or none is
@@ -141,6 +145,7 @@ class TierManager {
   uint64_t hot_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t disk_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // payload bytes stored
   uint64_t reserved_ ABSL_GUARDED_BY(mu_) = 0;    // bytes of writes in flight
+  uint64_t side_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // AddSideBytes
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::unique_ptr<std::thread> background_;
 };

@@ -31,6 +31,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return std::vector<uint8_t>(g.num_bytes(), 0x3c);
   });
   std::vector<uint8_t> out(g.num_bytes());
+  const std::vector<uint32_t> tokens(g.block_tokens, 1);
   size_t pos = 1;
   while (pos + 5 <= size) {
     const uint8_t flags = data[pos];
@@ -48,7 +49,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       encoded = kvtrie::internal::WriteEnvelope(encoding, g, (flags & 2) ? reference : 0,
                                                 rest.substr(0, split), rest.substr(split));
     }
-    if (!chain.Decode(index, reference, encoded, absl::MakeSpan(out)).ok()) break;
+    if (!chain.Decode(index, reference, 0, tokens, encoded, absl::MakeSpan(out)).ok()) break;
   }
   return 0;
 }

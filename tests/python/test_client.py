@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pydoc
 import threading
+import time
 
 import numpy as np
 import pytest
 
 import kvtrie
-from conftest import TESTDATA, read_dump
+from conftest import TESTDATA, ServerProcess, read_dump
 
 SESSIONS = [TESTDATA / "sessions" / f"s{i}" for i in range(4)]
 SHARED_PREFIX_BLOCKS = 369 // 16  # the four sessions share a 369-token preamble
@@ -170,6 +171,33 @@ def test_residual_mode_decodes_client_side_and_meets_the_target(server):
             err = np.sqrt(((x - y) ** 2).sum(axis=(1, 2, 3)) / (x ** 2).sum(axis=(1, 2, 3)))
             worst = max(worst, float(err.max()))
     assert 0 < worst <= target * 1.001, worst
+
+
+def test_residual_get_of_blocks_coded_against_a_learned_state(tmp_path):
+    """With --learn_predictors the server codes new blocks against a learned predictor state; the
+    Python client's RESIDUAL Get goes through the C++ client, which fetches that state
+    (GetPredictor, cached) and decodes bit-identically to the server."""
+    s = ServerProcess(tmp_path / "data", ["--learn_predictors", "--predictor_refit_tokens=512"])
+    try:
+        c = kvtrie.Client(s.target, "stories260K", namespace="learned")
+        tokens, surprisal, k, v = read_dump(TESTDATA / "GPL-3")
+        c.put(tokens, k, v, surprisal=surprisal, encoding="residual", target_rel_rms=0.05)
+        for _ in range(400):  # learned from in the background
+            if c.stats().get("predictor_fits", 0) >= 1:
+                break
+            time.sleep(0.05)
+        assert c.stats().get("predictor_fits", 0) == 1
+        tokens, surprisal, k, v = read_dump(TESTDATA / "genesis_1-3")
+        c.put(tokens, k, v, surprisal=surprisal, encoding="residual", target_rel_rms=0.05)
+        assert c.stats().get("blocks_on_learned", 0) > 0
+        k_res, v_res, n = c.get(tokens, mode="residual")
+        k_rec, v_rec, _ = c.get(tokens, mode="reconstructed")
+        assert n == 512
+        assert np.array_equal(bits(k_res), bits(k_rec)) and np.array_equal(bits(v_res), bits(v_rec))
+        versions = c.inspect()["predictors"]
+        assert versions[0]["version"] == 1 and versions[0]["dependents"] > 0
+    finally:
+        s.stop()
 
 
 def test_float32_and_bfloat16_round_trip_bit_identical(server):

@@ -1,0 +1,215 @@
+// End-to-end tests of the learned predictor states (issue 11) through a real kvtrie-server run
+// with --learn_predictors: real KV (tests/data) Put as RESIDUAL, the server learns and publishes a
+// version, later blocks are coded against it; GetPredictor streams it (chunks with total size and
+// CRC-32C), the C++ client fetches and caches it to decode a RESIDUAL Get itself, bit-identical to
+// RECONSTRUCTED and within the target of the original; errors name their fields; one namespace
+// never fetches another's state; Inspect and Stats show the versions.
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "client/client.h"
+#include "codec/block_geometry.h"
+#include "codec/crc32c.h"
+#include "codec/kv_dump.h"
+#include "codec/predictor_state.h"
+#include "gtest/gtest.h"
+#include "tests/server_process.h"
+
+namespace kvtrie {
+namespace {
+
+using testing::ServerProcess;
+constexpr double kTarget = 0.05;
+
+KvDump Load(const std::string& name) {
+  absl::StatusOr<KvDump> d = ReadKvDump(std::string(KVTRIE_TESTDATA_DIR) + "/" + name);
+  EXPECT_TRUE(d.ok()) << d.status();
+  return *d;
+}
+
+// Worst relative RMS error over (layer, K/V) planes of the whole sequence.
+double WorstPlaneError(const KvDump& got, const KvDump& want) {
+  double worst = 0;
+  const size_t plane = static_cast<size_t>(want.num_kv_heads) * want.num_tokens() * want.head_dim;
+  for (const bool values : {false, true}) {
+    const std::vector<uint8_t>& a = values ? got.v : got.k;
+    const std::vector<uint8_t>& b = values ? want.v : want.k;
+    std::vector<float> x(a.size() / 2), y(b.size() / 2);
+    if (x.size() != y.size()) return 1e9;
+    ToFloat(DType::kFp16, a.data(), x.size(), x.data());
+    ToFloat(DType::kFp16, b.data(), y.size(), y.data());
+    for (size_t l = 0; l < want.num_layers; ++l) {
+      double err = 0, energy = 0;
+      for (size_t i = l * plane; i < (l + 1) * plane; ++i) {
+        err += (double(x[i]) - y[i]) * (double(x[i]) - y[i]);
+        energy += double(y[i]) * y[i];
+      }
+      if (energy > 0) worst = std::max(worst, std::sqrt(err / energy));
+    }
+  }
+  return worst;
+}
+
+class PredictorEndToEnd : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = testing::FreshDir(::testing::UnitTest::GetInstance()->current_test_info()->name());
+    // A refit after every 512 tokens (one dump); GetPredictor chunks of 4 KiB, so a state spans
+    // several.
+    auto s = ServerProcess::Start(
+        dir_ + "/data",
+        {"--learn_predictors", "--predictor_refit_tokens=512", "--max_get_message_bytes=4096"});
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = *std::move(s);
+    gpl_ = Load("GPL-3");
+    genesis_ = Load("genesis_1-3");
+  }
+  void TearDown() override {
+    server_.reset();
+    if (!HasFailure()) std::filesystem::remove_all(dir_);
+  }
+  std::unique_ptr<Client> NewClient(const std::string& ns) {
+    return Client::Create({.target = server_->target(), .ns = ns});
+  }
+  // Puts `d` as RESIDUAL at kTarget and waits (up to 20 s) until `ns` published `fits` versions.
+  void PutAndWaitForFits(Client* client, const KvDump& d, uint64_t fits) {
+    absl::StatusOr<v1::PutResponse> r =
+        client->Put(d, {.encoding = v1::ENCODING_RESIDUAL, .target_rel_rms = kTarget});
+    ASSERT_TRUE(r.ok()) << r.status();
+    for (int i = 0; i < 400; ++i) {
+      absl::StatusOr<v1::StatsResponse> s = client->Stats();
+      ASSERT_TRUE(s.ok()) << s.status();
+      if (s->predictor_fits() >= fits) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    FAIL() << "the server published fewer than " << fits << " predictor versions";
+  }
+  // The raw GetPredictor stream.
+  grpc::Status Fetch(Client* client, const std::string& ns, uint32_t version,
+                     std::vector<v1::PredictorChunk>* chunks) {
+    v1::GetPredictorRequest req;
+    req.set_namespace_(ns);
+    req.set_model_id(gpl_.model_id);
+    req.set_version(version);
+    grpc::ClientContext ctx;
+    auto reader = client->stub()->GetPredictor(&ctx, req);
+    v1::PredictorChunk c;
+    while (reader->Read(&c)) chunks->push_back(c);
+    return reader->Finish();
+  }
+
+  std::string dir_;
+  std::unique_ptr<ServerProcess> server_;
+  KvDump gpl_, genesis_;
+};
+
+TEST_F(PredictorEndToEnd, AResidualGetIsDecodedByTheClientWithTheFetchedState) {
+  auto client = NewClient("a");
+  ASSERT_NO_FATAL_FAILURE(PutAndWaitForFits(client.get(), gpl_, 1));
+  ASSERT_NO_FATAL_FAILURE(PutAndWaitForFits(client.get(), genesis_, 2));  // coded against v1
+
+  // Some blocks of Genesis name version 1 in a RESIDUAL Get.
+  v1::GetRequest req;
+  req.set_namespace_("a");
+  req.set_model_id(genesis_.model_id);
+  req.mutable_token_ids()->Add(genesis_.token_ids.begin(), genesis_.token_ids.end());
+  req.set_mode(v1::GET_MODE_RESIDUAL);
+  grpc::ClientContext ctx;
+  auto reader = client->stub()->Get(&ctx, req);
+  v1::GetResponse msg;
+  int on_v1 = 0;
+  while (reader->Read(&msg)) on_v1 += msg.has_block() && msg.block().predictor_version() == 1;
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_GT(on_v1, 0);
+
+  absl::StatusOr<KvDump> residual =
+      client->Get(genesis_.model_id, genesis_.token_ids, {.mode = v1::GET_MODE_RESIDUAL});
+  ASSERT_TRUE(residual.ok()) << residual.status();
+  absl::StatusOr<KvDump> reconstructed =
+      client->Get(genesis_.model_id, genesis_.token_ids, {.mode = v1::GET_MODE_RECONSTRUCTED});
+  ASSERT_TRUE(reconstructed.ok()) << reconstructed.status();
+  EXPECT_EQ(residual->k, reconstructed->k);  // the client decodes what the server decodes
+  EXPECT_EQ(residual->v, reconstructed->v);
+  EXPECT_LE(WorstPlaneError(*residual, genesis_), kTarget * 1.001);
+
+  // The stream: chunks in order, each with the total size and the CRC of the whole.
+  std::vector<v1::PredictorChunk> chunks;
+  ASSERT_TRUE(Fetch(client.get(), "a", 1, &chunks).ok());
+  ASSERT_GT(chunks.size(), 1u);
+  std::string bytes;
+  for (const v1::PredictorChunk& c : chunks) {
+    EXPECT_EQ(c.version(), 1u);
+    EXPECT_EQ(c.offset(), bytes.size());
+    EXPECT_EQ(c.total_bytes(), chunks[0].total_bytes());
+    bytes += c.data();
+  }
+  EXPECT_EQ(bytes.size(), chunks[0].total_bytes());
+  EXPECT_EQ(Crc32c(bytes), chunks[0].crc32c());
+  absl::StatusOr<std::shared_ptr<const PredictorState>> state = PredictorState::Parse(bytes);
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_EQ((*state)->version(), 1u);
+  EXPECT_EQ((*state)->tokens_learned(), 512u);
+  absl::StatusOr<std::shared_ptr<const PredictorState>> cached = client->GetPredictor(
+      genesis_.model_id, 1);  // fetched by the RESIDUAL Get above: the same object
+  ASSERT_TRUE(cached.ok()) << cached.status();
+  EXPECT_EQ((*cached)->Serialize(), bytes);
+
+  // Inspect and Stats show the versions.
+  absl::StatusOr<v1::InspectResponse> inspect = client->Inspect(genesis_.model_id, 0);
+  ASSERT_TRUE(inspect.ok()) << inspect.status();
+  ASSERT_EQ(inspect->predictors_size(), 2);
+  EXPECT_EQ(inspect->predictors(0).version(), 1u);
+  EXPECT_EQ(inspect->predictors(0).state_bytes(), bytes.size());
+  EXPECT_GT(inspect->predictors(0).dependents(), 0u);
+  EXPECT_TRUE(inspect->predictors(1).latest());
+  EXPECT_FALSE(inspect->predictors(1).description().empty());
+  absl::StatusOr<v1::StatsResponse> stats = client->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->predictor_versions(), 2u);
+  EXPECT_EQ(stats->blocks_on_learned(),
+            inspect->predictors(0).dependents() + inspect->predictors(1).dependents());
+  EXPECT_GT(stats->predictor_state_bytes(), bytes.size());
+}
+
+TEST_F(PredictorEndToEnd, BadRequestsNameTheFieldAndNamespacesAreIsolated) {
+  auto a = NewClient("a");
+  ASSERT_NO_FATAL_FAILURE(PutAndWaitForFits(a.get(), gpl_, 1));
+  std::vector<v1::PredictorChunk> chunks;
+  grpc::Status zero = Fetch(a.get(), "a", 0, &chunks);
+  EXPECT_EQ(zero.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(zero.error_message().find("version"), std::string::npos) << zero.error_message();
+  grpc::Status missing = Fetch(a.get(), "a", 7, &chunks);
+  EXPECT_EQ(missing.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_NE(missing.error_message().find("version"), std::string::npos) << missing.error_message();
+  // Namespace b stores nothing: a's version 1 is not b's to fetch.
+  auto b = NewClient("b");
+  grpc::Status other = Fetch(b.get(), "b", 1, &chunks);
+  EXPECT_EQ(other.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_NE(other.error_message().find("model_id"), std::string::npos) << other.error_message();
+  EXPECT_TRUE(chunks.empty());
+  absl::StatusOr<std::shared_ptr<const PredictorState>> via_client =
+      b->GetPredictor(gpl_.model_id, 1);
+  EXPECT_TRUE(absl::IsNotFound(via_client.status())) << via_client.status();
+  // b's own Put is never coded against a's state, and b learns its own.
+  ASSERT_NO_FATAL_FAILURE(PutAndWaitForFits(b.get(), genesis_, 1));
+  absl::StatusOr<v1::StatsResponse> sb = b->Stats();
+  ASSERT_TRUE(sb.ok());
+  EXPECT_EQ(sb->blocks_on_learned(), 0u);
+  EXPECT_EQ(sb->predictor_tokens_learned(), 512u);
+  std::vector<v1::PredictorChunk> a1, b1;
+  ASSERT_TRUE(Fetch(a.get(), "a", 1, &a1).ok());
+  ASSERT_TRUE(Fetch(b.get(), "b", 1, &b1).ok());
+  std::string a_bytes, b_bytes;
+  for (const v1::PredictorChunk& c : a1) a_bytes += c.data();
+  for (const v1::PredictorChunk& c : b1) b_bytes += c.data();
+  EXPECT_NE(a_bytes, b_bytes);  // each learned from its own namespace's blocks
+}
+
+}  // namespace
+}  // namespace kvtrie

@@ -1,0 +1,175 @@
+// ModelShard: its learned predictor states (trie/predictor_registry.h). Learning from committed
+// blocks on the store's LearnQueue, persisting and publishing each fitted version, freeing
+// versions without dependents, and decoding a block with the state it names.
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "codec/crc32c.h"
+#include "trie/model_shard.h"
+
+namespace kvtrie {
+
+std::shared_ptr<PredictorRegistry> ModelShard::predictors() const {
+  absl::MutexLock lock(&mu_);
+  return predictors_;
+}
+
+PredictorRegistry::Loader ModelShard::PredictorLoader() {
+  return [this](uint32_t version) -> absl::StatusOr<std::shared_ptr<const PredictorState>> {
+    absl::StatusOr<std::string> bytes = context_->records->ReadPredictor(shard_id_, version);
+    if (!bytes.ok()) return bytes.status();
+    return PredictorState::Parse(*bytes);
+  };
+}
+
+void ModelShard::RecoverPredictor(const PredictorMeta& meta,
+                                  absl::StatusOr<std::shared_ptr<const PredictorState>> state) {
+  if (state.ok() && (*state)->version() != meta.version) {
+    state = absl::DataLossError(absl::StrCat("the state names version ", (*state)->version()));
+  }
+  if (!state.ok()) {
+    spdlog::error(
+        "predictor state version {} of '{}'/'{}' is unreadable; its dependents are lost: {}",
+        meta.version, ns_, meta.model_id, state.status().ToString());
+  }
+  predictors()->RecoverVersion(meta.version, std::move(state), meta.state_bytes,
+                               meta.tokens_learned);
+  context_->tiers->AddSideBytes(meta.state_bytes);
+}
+
+void ModelShard::BlockContextLocked(const TrieNode& n, BlockRead* r) const {
+  r->predictor_version = n.predictor_version;
+  r->tokens.assign(n.token_ids.begin(), n.token_ids.end());
+  r->first_position = n.depth == 0 ? 0 : (n.depth - 1) * model_.geometry.block_tokens;
+  r->previous_token = n.parent != nullptr && !n.parent->token_ids.empty()
+                          ? static_cast<int32_t>(n.parent->token_ids.back())
+                          : -1;
+}
+
+absl::Status ModelShard::DecodeNext(const BlockRead& block, const std::string& payload,
+                                    DecodeChain* chain, absl::Span<uint8_t> out) {
+  std::shared_ptr<const PredictorState> learned;
+  if (block.predictor_version != 0) {
+    absl::StatusOr<std::shared_ptr<const PredictorState>> state =
+        predictors()->Find(block.predictor_version);
+    if (!state.ok()) {
+      return absl::DataLossError(
+          absl::StrCat("its learned predictor state is lost: ", state.status().message()));
+    }
+    learned = *std::move(state);
+  }
+  if (chain->first_position() != block.first_position ||
+      chain->previous_token() != block.previous_token) {
+    // The caller decodes a path from the middle (or skipped blocks): the chain follows the store.
+    const std::vector<uint8_t> parent(chain->parent().begin(), chain->parent().end());
+    chain->StartAt(block.first_position, block.previous_token, parent);
+  }
+  chain->AddPredictor(std::move(learned));
+  // ReadPayloadInternal's bytes are verified: a hot copy was checked when it was made (encoded
+  // here, or parsed when read from disk), a cold one was just parsed.
+  return chain->Next(payload, block.reference_node_id, out, block.tokens, /*verified=*/true);
+}
+
+void ModelShard::QueueLearning(uint32_t block_index, absl::Span<const uint32_t> token_ids,
+                               absl::Span<const uint8_t> kv) {
+  if (context_->learn_queue == nullptr) return;
+  std::shared_ptr<PredictorRegistry> registry = predictors();
+  const uint32_t bt = model().geometry.block_tokens;
+  const size_t off = static_cast<size_t>(block_index) * bt;
+  if (off + bt > token_ids.size()) return;
+  std::vector<int32_t> tokens(token_ids.begin() + off, token_ids.begin() + off + bt);
+  const int32_t previous = off == 0 ? -1 : static_cast<int32_t>(token_ids[off - 1]);
+  auto job = [this, registry, block_index, tokens = std::move(tokens), previous,
+              kv = std::vector<uint8_t>(kv.begin(), kv.end())] {
+    Learn(registry, block_index, tokens, previous, kv);
+  };
+  if (!context_->learn_queue->Push(kv.size(), std::move(job))) registry->CountDropped();
+}
+
+void ModelShard::Learn(const std::shared_ptr<PredictorRegistry>& registry, uint32_t block_index,
+                       const std::vector<int32_t>& tokens, int32_t previous_token,
+                       const std::vector<uint8_t>& kv) {
+  const uint32_t first_position = block_index * static_cast<uint32_t>(tokens.size());
+  absl::StatusOr<bool> due = registry->Observe(kv, tokens, first_position, previous_token);
+  if (!due.ok()) {
+    spdlog::warn("learning from a block of '{}'/'{}': {}", ns_, model().model_id,
+                 due.status().ToString());
+    return;
+  }
+  if (!*due || !context_->records->health().ok()) return;
+  absl::StatusOr<std::shared_ptr<const PredictorState>> state = registry->Fit();
+  if (!state.ok()) {
+    spdlog::warn("fitting a predictor state of '{}'/'{}': {}", ns_, model().model_id,
+                 state.status().ToString());
+    return;
+  }
+  const std::string bytes = (*state)->Serialize();
+  // Persisted first, inside the disk budget; published (new blocks code against it) only then.
+  if (!context_->tiers->Reserve(bytes.size())) {
+    spdlog::warn(
+        "predictor state version {} of '{}'/'{}' ({} bytes) does not fit the disk "
+        "budget; not published",
+        (*state)->version(), ns_, model().model_id, bytes.size());
+    return;
+  }
+  PredictorMeta meta;
+  meta.ns = ns_;
+  meta.model_id = model().model_id;
+  meta.version = (*state)->version();
+  meta.state_bytes = bytes.size();
+  meta.state_crc32c = Crc32c(bytes);
+  meta.tokens_learned = (*state)->tokens_learned();
+  RecordBatch batch(context_->records);
+  batch.PutPredictor(shard_id_, meta, bytes);
+  absl::Status s = context_->records->Write(batch);
+  if (s.ok()) context_->tiers->AddSideBytes(bytes.size());
+  context_->tiers->Unreserve(bytes.size());
+  if (!s.ok()) {
+    spdlog::error("persisting predictor state version {} of '{}'/'{}': {}", meta.version, ns_,
+                  meta.model_id, s.ToString());
+    return;
+  }
+  registry->Publish(*std::move(state), bytes.size());
+  FreeUnusedPredictors();  // the previous latest, if nothing was coded against it
+}
+
+void ModelShard::FreeUnusedPredictors() {
+  std::shared_ptr<PredictorRegistry> registry = predictors();
+  std::vector<uint32_t> unused = registry->TakeUnused();
+  if (unused.empty()) return;
+  RecordBatch batch(context_->records);
+  uint64_t bytes = 0;
+  for (uint32_t v : unused) {
+    batch.DeletePredictor(shard_id_, v);
+    bytes += registry->StateBytes(v);
+  }
+  if (absl::Status s = context_->records->Write(batch); !s.ok()) {
+    registry->Unmark(unused);
+    spdlog::error("freeing {} predictor states of '{}'/'{}': {}", unused.size(), ns_,
+                  model().model_id, s.ToString());
+    return;
+  }
+  registry->Forget(unused);
+  context_->tiers->RemoveSideBytes(bytes);
+}
+
+absl::StatusOr<std::string> ModelShard::SerializedPredictor(uint32_t version) {
+  if (version == 0) {
+    return absl::InvalidArgumentError("version: 0 names no predictor state; versions start at 1");
+  }
+  if (absl::Status s = predictors()->Check(version); !s.ok()) return s;
+  absl::StatusOr<std::string> bytes = context_->records->ReadPredictor(shard_id_, version);
+  if (absl::IsNotFound(bytes.status())) {
+    return absl::NotFoundError(absl::StrCat("version: predictor state version ", version,
+                                            " is not stored (freed meanwhile)"));
+  }
+  return bytes;
+}
+
+std::vector<PredictorVersionView> ModelShard::PredictorVersions() const {
+  return predictors()->Versions();
+}
+
+}  // namespace kvtrie

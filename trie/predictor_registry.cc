@@ -1,0 +1,321 @@
+// PredictorRegistry and LearnQueue (trie/predictor_registry.h).
+#include "trie/predictor_registry.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvtrie {
+
+PredictorRegistry::PredictorRegistry(const BlockGeometry& geometry, const PredictorOptions& options,
+                                     Loader loader)
+    : geometry_(geometry), options_(options), loader_(std::move(loader)) {}
+
+void PredictorRegistry::SetStateLocked(Version* v, std::shared_ptr<const PredictorState> state) {
+  v->description = state->Describe();
+  v->memory_bytes = state->memory_bytes();
+  v->last_use = ++uses_;
+  v->state = std::move(state);
+}
+
+void PredictorRegistry::TrimResidentLocked() {
+  std::vector<std::pair<uint64_t, uint32_t>> resident;  // (last use, version)
+  for (const auto& [version, v] : versions_) {
+    if (v.state && version != latest_) resident.emplace_back(v.last_use, version);
+  }
+  if (resident.size() <= options_.resident_versions) return;
+  std::sort(resident.begin(), resident.end());
+  for (size_t i = 0; i + options_.resident_versions < resident.size(); ++i) {
+    versions_.at(resident[i].second).state.reset();  // readers holding it keep their copy
+  }
+}
+
+void PredictorRegistry::RecoverVersion(uint32_t version,
+                                       absl::StatusOr<std::shared_ptr<const PredictorState>> state,
+                                       uint64_t state_bytes, uint64_t tokens_learned) {
+  absl::MutexLock lock(&mu_);
+  Version& v = versions_[version];
+  v.state_bytes = state_bytes;
+  v.tokens_learned = tokens_learned;
+  if (state.ok()) {
+    SetStateLocked(&v, *std::move(state));
+    latest_ = std::max(latest_, version);
+  } else {
+    v.error = state.status();
+  }
+  max_version_ = std::max(max_version_, version);
+  TrimResidentLocked();
+}
+
+void PredictorRegistry::AddDependent(uint32_t version, int sign) {
+  if (version == 0) return;
+  absl::MutexLock lock(&mu_);
+  auto it = versions_.find(version);
+  if (it == versions_.end()) return;
+  if (sign > 0) {
+    ++it->second.dependents;
+  } else if (it->second.dependents > 0) {
+    --it->second.dependents;
+  }
+}
+
+bool PredictorRegistry::HasVersion(uint32_t version) const {
+  absl::MutexLock lock(&mu_);
+  return versions_.contains(version);
+}
+
+std::shared_ptr<const PredictorState> PredictorRegistry::AcquireLatest() {
+  if (!options_.learn) return nullptr;
+  absl::MutexLock lock(&mu_);
+  if (latest_ == 0) return nullptr;
+  Version& v = versions_.at(latest_);
+  ++v.pending;
+  return v.state;
+}
+
+void PredictorRegistry::Release(uint32_t version) {
+  if (version == 0) return;
+  absl::MutexLock lock(&mu_);
+  auto it = versions_.find(version);
+  if (it != versions_.end() && it->second.pending > 0) --it->second.pending;
+}
+
+absl::Status PredictorRegistry::Check(uint32_t version) const {
+  absl::MutexLock lock(&mu_);
+  auto it = versions_.find(version);
+  if (it == versions_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("version: predictor state version ", version, " is not stored"));
+  }
+  if (!it->second.error.ok()) {
+    return absl::DataLossError(absl::StrCat("predictor state version ", version,
+                                            " is unreadable: ", it->second.error.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const PredictorState>> PredictorRegistry::Find(uint32_t version) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = versions_.find(version);
+    if (it == versions_.end()) {
+      return absl::NotFoundError(
+          absl::StrCat("version: predictor state version ", version, " is not stored"));
+    }
+    if (!it->second.error.ok()) {
+      return absl::DataLossError(absl::StrCat("predictor state version ", version,
+                                              " is unreadable: ", it->second.error.message()));
+    }
+    if (it->second.state) {
+      it->second.last_use = ++uses_;
+      return it->second.state;
+    }
+  }
+  // Not resident: read it back with no lock held (a concurrent Find may read it too).
+  if (!loader_) return absl::InternalError("predictor registry: no loader");
+  absl::StatusOr<std::shared_ptr<const PredictorState>> state = loader_(version);
+  if (state.ok() && (*state)->version() != version) {
+    state =
+        absl::DataLossError(absl::StrCat("the stored state names version ", (*state)->version()));
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = versions_.find(version);
+  if (!state.ok()) {
+    if (absl::IsDataLoss(state.status()) && it != versions_.end())
+      it->second.error = state.status();
+    if (absl::IsNotFound(state.status())) {
+      return absl::NotFoundError(
+          absl::StrCat("version: predictor state version ", version, " is not stored"));
+    }
+    return absl::Status(state.status().code(),
+                        absl::StrCat("predictor state version ", version,
+                                     " is unreadable: ", state.status().message()));
+  }
+  if (it != versions_.end() && !it->second.state) {
+    SetStateLocked(&it->second, *state);
+    TrimResidentLocked();
+  }
+  return *state;
+}
+
+absl::StatusOr<bool> PredictorRegistry::Observe(absl::Span<const uint8_t> kv,
+                                                absl::Span<const int32_t> tokens,
+                                                uint32_t first_position, int32_t previous_token) {
+  absl::MutexLock learn(&learn_mu_);
+  if (!learner_error_.ok()) return learner_error_;
+  if (!learner_) {
+    LearnerOptions lo;
+    lo.max_bytes = options_.memory_bytes;
+    absl::StatusOr<std::unique_ptr<PredictorLearner>> l = PredictorLearner::Create(geometry_, lo);
+    if (!l.ok()) {
+      learner_error_ = l.status();
+      return learner_error_;
+    }
+    learner_ = *std::move(l);
+  }
+  if (absl::Status s = learner_->Observe(kv, tokens, first_position, previous_token); !s.ok()) {
+    return s;
+  }
+  observations_.fetch_add(1, std::memory_order_relaxed);
+  tokens_since_fit_ += tokens.size();
+  const size_t bytes = learner_->memory_bytes();
+  {
+    absl::MutexLock lock(&mu_);
+    learner_bytes_ = bytes;
+  }
+  return tokens_since_fit_ >= std::max<uint64_t>(options_.refit_every_tokens, 1);
+}
+
+absl::StatusOr<std::shared_ptr<const PredictorState>> PredictorRegistry::Fit() {
+  absl::MutexLock learn(&learn_mu_);
+  if (!learner_) return absl::FailedPreconditionError("predictor: nothing observed");
+  uint32_t next = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    next = max_version_ + 1;
+  }
+  tokens_since_fit_ = 0;
+  return learner_->Fit(next);
+}
+
+void PredictorRegistry::Publish(std::shared_ptr<const PredictorState> state, uint64_t state_bytes) {
+  absl::MutexLock lock(&mu_);
+  const uint32_t version = state->version();
+  Version& v = versions_[version];
+  v.tokens_learned = state->tokens_learned();
+  v.state_bytes = state_bytes;
+  SetStateLocked(&v, std::move(state));
+  latest_ = std::max(latest_, version);
+  max_version_ = std::max(max_version_, version);
+  TrimResidentLocked();
+  fits_.fetch_add(1, std::memory_order_relaxed);
+}
+
+std::vector<uint32_t> PredictorRegistry::TakeUnused() {
+  absl::MutexLock lock(&mu_);
+  std::vector<uint32_t> out;
+  for (auto& [version, v] : versions_) {
+    if (version == latest_ || v.freeing || v.dependents != 0 || v.pending != 0) continue;
+    v.freeing = true;
+    out.push_back(version);
+  }
+  return out;
+}
+
+void PredictorRegistry::Forget(const std::vector<uint32_t>& versions) {
+  absl::MutexLock lock(&mu_);
+  for (uint32_t version : versions) {
+    if (versions_.erase(version)) freed_.fetch_add(1, std::memory_order_relaxed);
+  }
+}
+
+void PredictorRegistry::Unmark(const std::vector<uint32_t>& versions) {
+  absl::MutexLock lock(&mu_);
+  for (uint32_t version : versions) {
+    if (auto it = versions_.find(version); it != versions_.end()) it->second.freeing = false;
+  }
+}
+
+uint64_t PredictorRegistry::StateBytes(uint32_t version) const {
+  absl::MutexLock lock(&mu_);
+  auto it = versions_.find(version);
+  return it == versions_.end() ? 0 : it->second.state_bytes;
+}
+
+std::vector<PredictorVersionView> PredictorRegistry::Versions() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<PredictorVersionView> out;
+  for (const auto& [version, v] : versions_) {
+    PredictorVersionView view;
+    view.version = version;
+    view.state_bytes = v.state_bytes;
+    view.memory_bytes = v.state ? v.memory_bytes : 0;
+    view.tokens_learned = v.tokens_learned;
+    view.dependents = v.dependents;
+    view.latest = version == latest_;
+    view.description = v.description;
+    if (!v.error.ok()) view.error = std::string(v.error.message());
+    out.push_back(std::move(view));
+  }
+  return out;
+}
+
+void PredictorRegistry::AddStats(StoreStats* s) const {
+  {
+    absl::MutexLock lock(&mu_);
+    s->predictor_versions += versions_.size();
+    s->predictor_memory_bytes += learner_bytes_;
+    for (const auto& [version, v] : versions_) {
+      s->predictor_state_bytes += v.state_bytes;
+      if (v.state) s->predictor_memory_bytes += v.memory_bytes;
+      s->blocks_on_learned += v.dependents;
+      if (version == latest_) s->predictor_tokens_learned += v.tokens_learned;
+    }
+  }
+  const auto get = [](const std::atomic<uint64_t>& a) { return a.load(std::memory_order_relaxed); };
+  s->predictor_fits += get(fits_);
+  s->predictor_observations += get(observations_);
+  s->predictor_observations_dropped += get(observations_dropped_);
+  s->predictor_versions_freed += get(freed_);
+}
+
+// ---------------------------------------------------------------------------------------------
+// LearnQueue
+
+LearnQueue::LearnQueue(uint64_t max_bytes) : max_bytes_(max_bytes) {
+  thread_ = std::thread([this] { Run(); });
+}
+
+LearnQueue::~LearnQueue() { Stop(); }
+
+bool LearnQueue::Push(uint64_t bytes, std::function<void()> job) {
+  absl::MutexLock lock(&mu_);
+  if (stop_ || bytes_ + bytes > max_bytes_) return false;
+  bytes_ += bytes;
+  jobs_.emplace_back(bytes, std::move(job));
+  return true;
+}
+
+void LearnQueue::Drain() {
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(
+      +[](LearnQueue* q) ABSL_EXCLUSIVE_LOCKS_REQUIRED(q->mu_) {
+        return q->stop_ || (q->jobs_.empty() && !q->running_job_);
+      },
+      this));
+}
+
+void LearnQueue::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stop_ && !thread_.joinable()) return;
+    stop_ = true;
+    jobs_.clear();
+    bytes_ = 0;
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+void LearnQueue::Run() {
+  for (;;) {
+    std::pair<uint64_t, std::function<void()>> job;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](LearnQueue* q)
+               ABSL_EXCLUSIVE_LOCKS_REQUIRED(q->mu_) { return q->stop_ || !q->jobs_.empty(); },
+          this));
+      if (stop_) return;
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+      running_job_ = true;
+    }
+    job.second();
+    absl::MutexLock lock(&mu_);
+    bytes_ -= std::min(bytes_, job.first);
+    running_job_ = false;
+  }
+}
+
+}  // namespace kvtrie
