@@ -110,6 +110,9 @@ bool ParseBlock(SliceReader* r, size_t end, v1::GetBlock* b,
         case 8:
           b->set_reference_node_id(v);
           break;
+        case 9:
+          b->set_predictor_version(static_cast<uint32_t>(v));
+          break;
         default:
           break;  // an unknown varint field
       }
@@ -125,7 +128,7 @@ bool ParseBlock(SliceReader* r, size_t end, v1::GetBlock* b,
       }
       continue;
     }
-    if (field >= 1 && field <= 8) return false;  // a known field with the wrong wire type
+    if (field >= 1 && field <= 9) return false;  // a known field with the wrong wire type
     if (!r->Skip(type)) return false;
   }
   return r->position() == end;

@@ -39,7 +39,42 @@ v1::GetResponse Block(std::string kv, std::string encoded) {
   b->set_encoded(std::move(encoded));
   b->set_encoding(v1::ENCODING_LOSSLESS);
   b->set_reference_node_id(77);
+  b->set_predictor_version(5);
   return m;
+}
+
+// The hand parser must know every field of GetBlock: one it skipped would be silently lost (a
+// RESIDUAL block's predictor_version was, once). Every scalar field set to a distinct value must
+// come back.
+TEST(ParseGetResponseTest, KnowsEveryFieldOfGetBlock) {
+  v1::GetResponse m = Block("kv", "enc");
+  const google::protobuf::Descriptor* d = v1::GetBlock::descriptor();
+  const google::protobuf::Reflection* r = m.block().GetReflection();
+  v1::GetBlock* b = m.mutable_block();
+  for (int i = 0; i < d->field_count(); ++i) {
+    const google::protobuf::FieldDescriptor* f = d->field(i);
+    switch (f->cpp_type()) {
+      case google::protobuf::FieldDescriptor::CPPTYPE_UINT32:
+        r->SetUInt32(b, f, 100 + i);
+        break;
+      case google::protobuf::FieldDescriptor::CPPTYPE_UINT64:
+        r->SetUInt64(b, f, (1ull << 40) + i);
+        break;
+      case google::protobuf::FieldDescriptor::CPPTYPE_ENUM:
+        r->SetEnumValue(b, f, 2);
+        break;
+      case google::protobuf::FieldDescriptor::CPPTYPE_STRING:
+        break;  // kv and encoded, set above
+      default:
+        ADD_FAILURE() << "GetBlock." << f->name() << ": a field type this test does not set";
+    }
+  }
+  const std::string wire = m.SerializeAsString();
+  v1::GetResponse got;
+  std::vector<absl::Span<const uint8_t>> pieces;
+  ASSERT_TRUE(ParseGetResponse(Cut(wire, {}), &got, &pieces));
+  got.mutable_block()->set_kv(Join(pieces));
+  EXPECT_EQ(got.SerializeAsString(), wire);
 }
 
 TEST(ParseGetResponseTest, MatchesProtobufAtEverySliceBoundary) {
