@@ -227,6 +227,14 @@ grpc::Status KvCacheService::PutStream(grpc::ServerContext* context,
     surprisal.insert(surprisal.end(), t.surprisal_bits().begin(), t.surprisal_bits().end());
     more = reader->Read(&request);
   }
+  // The whole Put's dense bytes, reserved (or waited for) before its first block, so concurrent
+  // Puts queue here rather than fail mid-stream.
+  const uint64_t whole = static_cast<uint64_t>(token_ids.size() / model.geometry.block_tokens) *
+                         model.geometry.num_bytes();
+  if (absl::Status s = (*stream)->ReserveWhole(whole, [context] { return context->IsCancelled(); });
+      !s.ok()) {
+    return ToGrpcStatus(s);
+  }
   absl::StatusOr<std::unique_ptr<PutSession>> session =
       store_->BeginPut(h.namespace_(), model, std::move(token_ids), std::move(surprisal), encode);
   if (!session.ok()) return ToGrpcStatus(session.status());
@@ -246,11 +254,18 @@ grpc::Status KvCacheService::PutStream(grpc::ServerContext* context,
       return Invalid("tokens: a PutTokens after a block; every token id must come first");
     }
     if (!request.has_block()) return Invalid("block: a PutRequest after the header is empty");
-    const v1::PutBlock& b = request.block();
+    v1::PutBlock& b = *request.mutable_block();
     const auto kv =
         absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(b.kv().data()), b.kv().size());
     if (absl::Status s = (*stream)->Reserve(kv.size()); !s.ok()) return ToGrpcStatus(s);
-    absl::Status s = (*session)->AddLayers(b.block_index(), b.layer_begin(), b.layer_end(), kv);
+    // A whole block of an encoding that stores any value: the session keeps the parsed bytes
+    // (no copy). Lossy blocks are copied: their values are checked below.
+    const bool whole =
+        b.layer_begin() == 0 && (b.layer_end() == 0 || b.layer_end() == model.geometry.num_layers);
+    absl::Status s =
+        whole && !IsLossyEncoding(encode.encoding)
+            ? (*session)->AddBlock(b.block_index(), std::move(*b.mutable_kv()))
+            : (*session)->AddLayers(b.block_index(), b.layer_begin(), b.layer_end(), kv);
     if (!s.ok()) return ToGrpcStatus(s);
     if (IsLossyEncoding(encode.encoding) && b.layer_begin() < model.geometry.num_layers) {
       if (absl::Status s = CheckFinite(model.geometry, b.layer_begin(), kv); !s.ok()) {

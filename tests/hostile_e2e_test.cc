@@ -217,7 +217,9 @@ struct StalledPut {
 };
 
 TEST_F(Hostile, StalledPutIsCancelledAfterItsIdleDeadlineAndReleasesItsBudget) {
-  Start({"--put_idle_timeout_seconds=1",
+  // --put_wait_for_memory_seconds=0: a Put that does not fit is refused at once (the default
+  // waits at the header for others to finish: ConcurrentPutsPastTheBudgetQueueAndAllSucceed).
+  Start({"--put_idle_timeout_seconds=1", "--put_wait_for_memory_seconds=0",
          "--max_inflight_put_bytes=" + std::to_string(40 * kBlockBytes)});
   auto client = NewClient();
   auto other = NewClient("other");
@@ -247,12 +249,33 @@ TEST_F(Hostile, StalledPutIsCancelledAfterItsIdleDeadlineAndReleasesItsBudget) {
   EXPECT_EQ(client->Stats("")->nodes(), 32u);  // the stalled Put stored nothing
 }
 
+TEST_F(Hostile, ConcurrentPutsPastTheBudgetQueueAndAllSucceed) {
+  // 8 concurrent Puts of 32 blocks each in one namespace, 256 blocks, against a store-wide budget
+  // of 40: each waits at its header for the bytes, none is refused mid-stream.
+  Start({"--max_inflight_put_bytes=" + std::to_string(40 * kBlockBytes)});
+  auto client = NewClient();
+  std::vector<std::thread> threads;
+  std::vector<absl::Status> results(8);
+  for (int i = 0; i < 8; ++i) {
+    threads.emplace_back([&, i] {
+      KvDump d = s1_;
+      for (auto& t : d.token_ids) t += 100000 * (i + 1);  // a prefix of its own
+      absl::StatusOr<v1::PutResponse> r = NewClient()->Put(d);
+      results[i] =
+          r.ok() && r->blocks_stored() != 32u ? absl::InternalError("not all stored") : r.status();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < 8; ++i) EXPECT_TRUE(results[i].ok()) << i << ": " << results[i];
+  EXPECT_EQ(client->Stats("")->nodes(), 8u * 32u);
+}
+
 TEST_F(Hostile, OneTenantHoldingManyStreamsDoesNotStarveAnother) {
   // Store-wide 70 blocks, 34 per namespace: the greedy tenant's 16 streams x 4 blocks would take
   // 64 of the 70; it may hold 34, and the other tenant's 32 fit beside them.
   Start({"--max_inflight_put_bytes=" + std::to_string(70 * kBlockBytes),
          "--max_inflight_put_bytes_per_namespace=" + std::to_string(34 * kBlockBytes),
-         "--put_idle_timeout_seconds=0"});
+         "--put_idle_timeout_seconds=0", "--put_wait_for_memory_seconds=0"});
   auto greedy = NewClient("greedy");
   std::vector<std::unique_ptr<StalledPut>> streams;
   for (int i = 0; i < 16; ++i) {

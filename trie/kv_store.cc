@@ -51,6 +51,7 @@ class KvStore::Impl {
   RecoveryStats recovery_;
   std::unique_ptr<RecordStore> records_;
   std::unique_ptr<TierManager> tiers_;
+  std::unique_ptr<TaskPool> codec_pool_;  // Put encodes; outlives every PutSession
   ShardContext context_;
   absl::Mutex gc_mu_;  // one CollectGarbageIfNeeded at a time
   std::atomic<uint64_t> evicted_since_check_{0};
@@ -83,6 +84,10 @@ absl::Status KvStore::Impl::Open() {
   context_.records = records_.get();
   context_.tiers = tiers_.get();
   context_.make_disk_room = [this](uint64_t incoming) { return MakeDiskRoom(incoming); };
+  if (options_.codec_threads > 0) {
+    codec_pool_ = std::make_unique<TaskPool>(options_.codec_threads);
+    context_.codec_pool = codec_pool_.get();
+  }
 
   // Recovery: models, then nodes in key order (a shard's parents before their children).
   absl::flat_hash_map<uint64_t, ModelShard*> by_id;

@@ -119,7 +119,7 @@ absl::StatusOr<std::vector<uint64_t>> ModelShard::Commit(const ModelInfo& model,
   const uint32_t bt = model.geometry.block_tokens;
   // Disk budget first, holding no lock: reserve this Put's bytes, evicting leaves to make room.
   uint64_t incoming = 0;
-  for (const NewBlock& b : blocks) incoming += b.encoded.bytes.size();
+  for (const NewBlock& b : blocks) incoming += b.encoded->bytes.size();
   TierManager* tiers = context_->tiers;
   for (int attempt = 0; !tiers->Reserve(incoming); ++attempt) {
     absl::Status room = attempt < 4 ? context_->make_disk_room(incoming)
@@ -174,11 +174,11 @@ absl::StatusOr<std::vector<uint64_t>> ModelShard::Commit(const ModelInfo& model,
       m.surprisal_bits.assign(surprisal_bits.begin() + off, surprisal_bits.begin() + off + bt);
       m.encoding = b.encoding;
       m.bytes_logical = model.geometry.num_bytes();
-      m.bytes_stored = b.encoded.bytes.size();
-      m.rel_rms_error_k = b.encoded.rel_rms_error_k;
-      m.rel_rms_error_v = b.encoded.rel_rms_error_v;
+      m.bytes_stored = b.encoded->bytes.size();
+      m.rel_rms_error_k = b.encoded->rel_rms_error_k;
+      m.rel_rms_error_v = b.encoded->rel_rms_error_v;
       m.reference_node_id = b.reference_node_id;
-      batch.PutNode(shard_id_, id, m, &b.encoded.bytes);
+      batch.PutNode(shard_id_, id, m, &b.encoded->bytes);
       ids.push_back(id);
       metas.push_back(std::move(m));
       prev = id;
@@ -199,8 +199,9 @@ absl::StatusOr<std::vector<uint64_t>> ModelShard::Commit(const ModelInfo& model,
   }
   TrieNode* at = trie_->Find(parent_id);
   for (size_t i = 0; i < blocks.size(); ++i) {
-    at = PublishLocked(at, ids[i], metas[i],
-                       std::make_shared<const std::string>(blocks[i].encoded.bytes));
+    // The hot tier shares the encoded bytes (no copy).
+    const std::shared_ptr<const EncodedBlock>& e = blocks[i].encoded;
+    at = PublishLocked(at, ids[i], metas[i], std::shared_ptr<const std::string>(e, &e->bytes));
   }
   return ids;
 }
