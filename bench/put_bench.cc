@@ -18,11 +18,13 @@
 //
 //   put_bench [--tokens=2048] [--tokens16=512] [--clients=1,16] [--repeats=3]
 //             [--modes=raw,residual,lossless] [--server_flags=--codec_threads=2,...]
+//             [--before_dir=BUILD_DIR]   (also the rows of an older kvtrie-server, interleaved)
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -146,6 +148,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> mode_names = {"raw", "residual", "lossless"};
   std::vector<std::string> server_flags = {"--memory_bytes=1GiB"};
   std::string redis_bin = "/usr/bin/redis-server";
+  std::string before_dir;  // a build folder of an older kvtrie-server, run beside this one
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&](const char* flag) {
@@ -166,6 +169,8 @@ int main(int argc, char** argv) {
     } else if (std::string v = value("--server_flags="); v != "\x01") {
       for (absl::string_view f : absl::StrSplit(v, ',', absl::SkipEmpty()))
         server_flags.emplace_back(f);
+    } else if (std::string v = value("--before_dir="); v != "\x01") {
+      before_dir = v;
     } else if (std::string v = value("--redis="); v != "\x01") {
       redis_bin = v;
     } else {
@@ -210,6 +215,26 @@ int main(int argc, char** argv) {
     return 1;
   }
   const pid_t spid = (*server)->pid();
+  // --before_dir: the same rows on an older server (KVTRIE_SERVER_BINARY_DIR), interleaved.
+  std::unique_ptr<kvtrie::testing::ServerProcess> before;
+  if (!before_dir.empty()) {
+    const char* old_env = std::getenv("KVTRIE_SERVER_BINARY_DIR");
+    const std::string saved = old_env ? old_env : "";
+    setenv("KVTRIE_SERVER_BINARY_DIR", before_dir.c_str(), 1);
+    std::vector<std::string> flags;
+    for (const std::string& f : server_flags) {
+      if (f.rfind("--codec_threads", 0) != 0) flags.push_back(f);  // an older server lacks it
+    }
+    absl::StatusOr<std::unique_ptr<kvtrie::testing::ServerProcess>> b =
+        kvtrie::testing::ServerProcess::Start(dir + "/kvtrie-before", flags);
+    setenv("KVTRIE_SERVER_BINARY_DIR", saved.c_str(), 1);
+    if (!b.ok()) {
+      std::fprintf(stderr, "kvtrie-server (before): %s\n",
+                   std::string(b.status().message()).c_str());
+      return 1;
+    }
+    before = *std::move(b);
+  }
   kvtrie::testing::RunCommand({"/bin/mkdir", "-p", dir + "/redis-aof"}, nullptr, nullptr);
   bench::Redis aof = bench::StartRedis(redis_bin, dir + "/redis-aof", true);
   if (aof.fd < 0) {
@@ -217,13 +242,17 @@ int main(int argc, char** argv) {
     return 1;
   }
   const int max_clients = *std::max_element(client_counts.begin(), client_counts.end());
-  std::vector<std::unique_ptr<v1::KVCache::Stub>> stubs;
+  std::vector<std::unique_ptr<v1::KVCache::Stub>> stubs, before_stubs;
   std::vector<int> redis_fds = {aof.fd};
   for (int c = 0; c < max_clients; ++c) {
     grpc::ChannelArguments args;
     args.SetInt("kvtrie.put_bench.client", c);  // a channel (connection) of its own
     stubs.push_back(v1::KVCache::NewStub(
         grpc::CreateCustomChannel((*server)->target(), grpc::InsecureChannelCredentials(), args)));
+    if (before) {
+      before_stubs.push_back(v1::KVCache::NewStub(
+          grpc::CreateCustomChannel(before->target(), grpc::InsecureChannelCredentials(), args)));
+    }
     if (c > 0) redis_fds.push_back(bench::Connect(aof.port));
   }
   struct Mode {
@@ -300,6 +329,11 @@ int main(int argc, char** argv) {
         run_row("kvtrie Put " + m.name, spid, [&](int c) {
           return PutPrefix(stubs[c].get(), prefixes[c], g, m.encoding, m.profile);
         });
+        if (before) {
+          run_row("kvtrie (before) Put " + m.name, before->pid(), [&](int c) {
+            return PutPrefix(before_stubs[c].get(), prefixes[c], g, m.encoding, m.profile);
+          });
+        }
       }
       run_row("Redis (AOF everysec) SET", aof.pid, [&](int c) {
         const std::string prefix = "r" + std::to_string(rep) + "c" + std::to_string(c) + "n" +
@@ -312,6 +346,7 @@ int main(int argc, char** argv) {
   bench::StopRedis(&aof);
   const double server_hwm = StatusBytes(spid, "VmHWM:");
   const int rc = (*server)->Stop();
+  if (before) before->Stop();
   std::printf(
       "## put_bench: %zu-token prefixes at 1 client, %zu-token prefixes at 16 (2 MiB blocks of "
       "Llama-3-8B-shaped KV), %d interleaved repeats; kvtrie-server %s\n\n",

@@ -136,7 +136,8 @@ absl::StatusOr<std::vector<uint64_t>> ModelShard::Commit(const ModelInfo& model,
   auto unreserve = absl::MakeCleanup([&] { tiers->Unreserve(incoming); });
 
   absl::MutexLock writer(&write_mu_);
-  RecordBatch batch(context_->records);
+  // The payloads, and per block its key, record and framing (token ids, surprisal: ~1 KiB).
+  RecordBatch batch(context_->records, incoming + blocks.size() * (1024 + 16 * bt));
   std::vector<uint64_t> ids;
   std::vector<NodeMeta> metas;
   bool create = false;
