@@ -38,24 +38,32 @@ void TaskPool::WorkerLoop() {
   }
 }
 
+TaskGroup::TaskGroup(TaskPool* pool, int max_pending)
+    : pool_(pool),
+      max_pending_(max_pending < 1 ? 1 : max_pending),
+      state_(std::make_shared<State>()) {}
+
 void TaskGroup::Run(std::function<void()> task) {
+  State* st = state_.get();
   {
-    absl::MutexLock l(&mu_);
-    auto room = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pending_ < max_pending_; };
-    mu_.Await(absl::Condition(&room));
-    ++pending_;
+    absl::MutexLock l(&st->mu);
+    const int most = max_pending_;
+    auto room = [st, most]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(st->mu) { return st->pending < most; };
+    st->mu.Await(absl::Condition(&room));
+    ++st->pending;
   }
-  pool_->Schedule([this, task = std::move(task)] {
+  pool_->Schedule([state = state_, task = std::move(task)] {
     task();
-    absl::MutexLock l(&mu_);
-    --pending_;
+    absl::MutexLock l(&state->mu);
+    --state->pending;
   });
 }
 
 void TaskGroup::Wait() {
-  absl::MutexLock l(&mu_);
-  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pending_ == 0; };
-  mu_.Await(absl::Condition(&idle));
+  State* st = state_.get();
+  absl::MutexLock l(&st->mu);
+  auto idle = [st]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(st->mu) { return st->pending == 0; };
+  st->mu.Await(absl::Condition(&idle));
 }
 
 }  // namespace kvtrie

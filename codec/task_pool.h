@@ -11,6 +11,7 @@
 
 #include <deque>
 #include <functional>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -43,7 +44,7 @@ class TaskPool {
 // backpressure on the producer). The destructor waits.
 class TaskGroup {
  public:
-  TaskGroup(TaskPool* pool, int max_pending) : pool_(pool), max_pending_(max_pending) {}
+  TaskGroup(TaskPool* pool, int max_pending);
   ~TaskGroup() { Wait(); }
   TaskGroup(const TaskGroup&) = delete;
   TaskGroup& operator=(const TaskGroup&) = delete;
@@ -52,10 +53,15 @@ class TaskGroup {
   void Wait();
 
  private:
+  // Shared with the running tasks, so a task still unlocking it when Wait returns does not
+  // touch a destroyed mutex.
+  struct State {
+    absl::Mutex mu;
+    int pending ABSL_GUARDED_BY(mu) = 0;
+  };
   TaskPool* const pool_;
   const int max_pending_;
-  absl::Mutex mu_;
-  int pending_ ABSL_GUARDED_BY(mu_) = 0;
+  const std::shared_ptr<State> state_;
 };
 
 }  // namespace kvtrie

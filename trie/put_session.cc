@@ -3,6 +3,7 @@
 #include "trie/put_session.h"
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
@@ -152,8 +153,7 @@ absl::Status PutSession::AddLayers(uint32_t block_index, uint32_t layer_begin, u
   if (p.kv.empty()) p.kv.resize(g.num_bytes());
   for (uint32_t l = layer_begin; l < layer_end; ++l) p.have[l] = true;
   p.layers_missing -= layer_end - layer_begin;
-  std::copy(kv.begin(), kv.end(),
-            p.kv.begin() + static_cast<ptrdiff_t>(g.layer_range_bytes(0, layer_begin)));
+  std::memcpy(p.kv.data() + g.layer_range_bytes(0, layer_begin), kv.data(), kv.size());
   if (p.layers_missing == 0) BlockComplete(block_index, &p);
   return absl::OkStatus();
 }
