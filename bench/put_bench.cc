@@ -26,6 +26,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -347,6 +348,7 @@ int main(int argc, char** argv) {
   const double server_hwm = StatusBytes(spid, "VmHWM:");
   const int rc = (*server)->Stop();
   if (before) before->Stop();
+  std::filesystem::remove_all(dir);  // GBs of RocksDB and AOF files
   std::printf(
       "## put_bench: %zu-token prefixes at 1 client, %zu-token prefixes at 16 (2 MiB blocks of "
       "Llama-3-8B-shaped KV), %d interleaved repeats; kvtrie-server %s\n\n",
