@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,43 @@ grpc::Status CheckTokens(absl::string_view field, int count, uint32_t max_tokens
     return grpc::Status(
         grpc::StatusCode::RESOURCE_EXHAUSTED,
         absl::StrCat(field, ": ", count, " tokens exceed the server's --max_tokens=", max_tokens));
+  }
+  return grpc::Status::OK;
+}
+
+// Appends the token ids of a PutHeader or PutTokens (`field`: "token_ids" or
+// "tokens.token_ids"): the repeated field, or `packed` (4 bytes each, little-endian), not both;
+// at most `max_tokens` in all.
+grpc::Status AppendTokens(absl::string_view field,
+                          const google::protobuf::RepeatedField<uint32_t>& ids,
+                          const std::string& packed, uint32_t max_tokens,
+                          std::vector<uint32_t>* out) {
+  if (!ids.empty() && !packed.empty()) {
+    return Invalid(
+        absl::StrCat(field, "_le: set together with ", field, "; send the ids in one of them"));
+  }
+  if (packed.size() % 4 != 0) {
+    return Invalid(
+        absl::StrCat(field, "_le: ", packed.size(), " bytes is not a whole number of 4-byte ids"));
+  }
+  const size_t n = ids.empty() ? packed.size() / 4 : static_cast<size_t>(ids.size());
+  if (n > max_tokens || out->size() > max_tokens - n) {
+    return grpc::Status(
+        grpc::StatusCode::RESOURCE_EXHAUSTED,
+        out->empty()
+            ? absl::StrCat(field, ": ", n, " tokens exceed the server's --max_tokens=", max_tokens)
+            : absl::StrCat(field, ": more than the server's --max_tokens=", max_tokens,
+                           " tokens in one Put"));
+  }
+  if (!ids.empty()) {
+    out->insert(out->end(), ids.begin(), ids.end());
+    return grpc::Status::OK;
+  }
+  const size_t at = out->size();
+  out->resize(at + n);
+  std::memcpy(out->data() + at, packed.data(), packed.size());
+  if constexpr (__BYTE_ORDER__ == __ORDER_BIG_ENDIAN__) {
+    for (size_t i = at; i < out->size(); ++i) (*out)[i] = __builtin_bswap32((*out)[i]);
   }
   return grpc::Status::OK;
 }
@@ -205,17 +243,22 @@ grpc::Status KvCacheService::PutStream(grpc::ServerContext* context,
   if (auto s = CheckTokens("token_ids", h.token_ids_size(), options_.max_tokens); !s.ok()) return s;
   EncodeOptions encode;
   if (auto s = ToEncodeOptions(h.encoding(), options_.default_encoding, &encode); !s.ok()) return s;
-  std::vector<uint32_t> token_ids(h.token_ids().begin(), h.token_ids().end());
+  std::vector<uint32_t> token_ids;
+  if (auto s = AppendTokens("token_ids", h.token_ids(), h.token_ids_le(), options_.max_tokens,
+                            &token_ids);
+      !s.ok()) {
+    return s;
+  }
   std::vector<float> surprisal(h.surprisal_bits().begin(), h.surprisal_bits().end());
   // PutTokens: more token ids and surprisal, before the first block.
   bool more = reader->Read(&request);
   while (more && request.has_tokens()) {
     (*stream)->Touch();
     const v1::PutTokens& t = request.tokens();
-    if (token_ids.size() + t.token_ids_size() > options_.max_tokens) {
-      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                          absl::StrCat("tokens.token_ids: more than the server's --max_tokens=",
-                                       options_.max_tokens, " tokens in one Put"));
+    if (auto s = AppendTokens("tokens.token_ids", t.token_ids(), t.token_ids_le(),
+                              options_.max_tokens, &token_ids);
+        !s.ok()) {
+      return s;
     }
     if (surprisal.size() + t.surprisal_bits_size() > options_.max_tokens) {
       return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
@@ -223,7 +266,6 @@ grpc::Status KvCacheService::PutStream(grpc::ServerContext* context,
                                        "--max_tokens=",
                                        options_.max_tokens, " values in one Put"));
     }
-    token_ids.insert(token_ids.end(), t.token_ids().begin(), t.token_ids().end());
     surprisal.insert(surprisal.end(), t.surprisal_bits().begin(), t.surprisal_bits().end());
     more = reader->Read(&request);
   }

@@ -192,6 +192,44 @@ TEST_F(Hostile, MillionTokenPutWithSurprisalStreamsItsTokensInChunks) {
   EXPECT_NE(s.error_message().find("tokens:"), std::string::npos) << s.error_message();
 }
 
+TEST_F(Hostile, PackedTokenIdsStoreTheSamePrefixAndBadOnesAreRefusedNamingTheField) {
+  Start();
+  auto client = NewClient();
+  // Two blocks of s0 with packed ids (4 bytes each, little-endian), the second block's ids in
+  // a PutTokens: the same prefix as the repeated field would store.
+  v1::PutHeader h = HeaderOf(s0_, "", 32);
+  h.clear_token_ids();
+  h.clear_surprisal_bits();
+  std::string packed;
+  for (int i = 0; i < 32; ++i) {
+    for (int b = 0; b < 4; ++b) packed.push_back(static_cast<char>(s0_.token_ids[i] >> (8 * b)));
+  }
+  h.set_token_ids_le(packed.substr(0, 64));
+  v1::PutRequest rest;
+  rest.mutable_tokens()->set_token_ids_le(packed.substr(64));
+  grpc::Status s =
+      testing::RawPut(client->stub(), {Msg(h), rest, Msg(testing::BlockOf(s0_, 0)),
+                                       Msg(testing::BlockOf(s0_, 1)), testing::Commit()});
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  absl::StatusOr<v1::LookupResponse> l = client->Lookup(s0_.model_id, s0_.token_ids);
+  ASSERT_TRUE(l.ok()) << l.status();
+  EXPECT_EQ(l->matched_blocks(), 2u);
+  // Not a whole number of ids; both fields in one message.
+  v1::PutHeader odd = h;
+  odd.set_token_ids_le(packed.substr(0, 63));
+  s = testing::RawPut(client->stub(), {Msg(odd), testing::Commit()});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_NE(s.error_message().find("token_ids_le: 63 bytes"), std::string::npos)
+      << s.error_message();
+  v1::PutHeader both = h;
+  both.add_token_ids(1);
+  s = testing::RawPut(client->stub(), {Msg(both), testing::Commit()});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_NE(s.error_message().find("token_ids_le: set together with token_ids"), std::string::npos)
+      << s.error_message();
+  EXPECT_EQ(client->Stats("")->nodes(), 2u);  // the refused streams stored nothing
+}
+
 // Opens a Put stream that sends a header and `blocks` of s0, then stalls until destroyed.
 struct StalledPut {
   StalledPut(v1::KVCache::Stub* stub, const KvDump& d, const std::string& ns, int blocks) {
