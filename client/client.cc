@@ -113,12 +113,18 @@ std::vector<v1::PutRequest> PutHeaderRequests(const std::string& ns, const KvDum
        begin == 0 || begin < kv.token_ids.size() || begin < kv.surprisal_bits.size();
        begin += kTokensPerMessage) {
     if (begin > 0) out.emplace_back();
-    auto* ids =
-        begin == 0 ? h->mutable_token_ids() : out.back().mutable_tokens()->mutable_token_ids();
+    // Token ids packed little-endian (token_ids_packed): no varint encoding on either side.
+    std::string* ids = begin == 0 ? h->mutable_token_ids_packed()
+                                  : out.back().mutable_tokens()->mutable_token_ids_packed();
     auto* bits = begin == 0 ? h->mutable_surprisal_bits()
                             : out.back().mutable_tokens()->mutable_surprisal_bits();
     auto [tb, te] = chunk(kv.token_ids, begin);
-    ids->Add(tb, te);
+    ids->resize(static_cast<size_t>(te - tb) * 4);
+    for (auto it = tb; it != te; ++it) {
+      const uint32_t id = *it;
+      const size_t at = static_cast<size_t>(it - tb) * 4;
+      for (int byte = 0; byte < 4; ++byte) (*ids)[at + byte] = static_cast<char>(id >> (8 * byte));
+    }
     auto [sb, se] = chunk(kv.surprisal_bits, begin);
     bits->Add(sb, se);
   }

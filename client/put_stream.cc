@@ -14,7 +14,9 @@ namespace {
 size_t NumTokens(const std::vector<v1::PutRequest>& header) {
   size_t n = 0;
   for (const v1::PutRequest& m : header) {
-    n += m.has_header() ? m.header().token_ids_size() : m.tokens().token_ids_size();
+    // The repeated field or the packed one (4 bytes an id), whichever the message carries.
+    n += m.has_header() ? m.header().token_ids_size() + m.header().token_ids_packed().size() / 4
+                        : m.tokens().token_ids_size() + m.tokens().token_ids_packed().size() / 4;
   }
   return n;
 }

@@ -143,15 +143,24 @@ grpc::Status GuardedService::AdmitPut(const Caller& caller, const v1::PutHeader&
   if (q.stored_bytes > 0 || q.nodes > 0) {
     const StoreStats st = store_->Stats(caller.ns);
     const uint32_t bt = header.model().block_tokens() ? header.model().block_tokens() : 16;
-    const uint64_t blocks = static_cast<uint64_t>(header.token_ids_size()) / bt;
+    // The header's token ids: the repeated field, or packed 4 bytes each little-endian (a
+    // malformed packed field is refused by the service after this).
+    std::vector<uint32_t> ids(header.token_ids().begin(), header.token_ids().end());
+    if (ids.empty() && !header.token_ids_packed().empty()) {
+      ids.resize(header.token_ids_packed().size() / 4);
+      for (size_t i = 0; i < ids.size(); ++i) {
+        const auto* p = reinterpret_cast<const uint8_t*>(header.token_ids_packed().data()) + 4 * i;
+        ids[i] = p[0] | uint32_t{p[1]} << 8 | uint32_t{p[2]} << 16 | uint32_t{p[3]} << 24;
+      }
+    }
+    const uint64_t blocks = static_cast<uint64_t>(ids.size()) / bt;
     if (q.stored_bytes > 0 && st.bytes_stored >= q.stored_bytes) {
       if (metrics_ != nullptr) metrics_->RecordQuotaRejection(caller.ns, "stored_bytes");
       s = Exhausted(absl::StrCat("quota stored_bytes: namespace '", caller.ns, "' stores ",
                                  st.bytes_stored, " bytes, its quota is ", q.stored_bytes));
     } else if (q.nodes > 0 && st.nodes + blocks > q.nodes) {
       // Only near the quota: blocks already stored are deduplicated and add no node.
-      const MatchResult m =
-          store_->Lookup(caller.ns, header.model().model_id(), header.token_ids());
+      const MatchResult m = store_->Lookup(caller.ns, header.model().model_id(), ids);
       const uint64_t added = blocks - std::min<uint64_t>(blocks, m.node_ids.size());
       if (st.nodes + added > q.nodes) {
         if (metrics_ != nullptr) metrics_->RecordQuotaRejection(caller.ns, "nodes");

@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,43 @@ using service_checks::ToModelSpec;
 
 // Pins longer than this are refused (a larger TTL would overflow the expiry time).
 constexpr uint64_t kMaxPinTtlSeconds = 100ull * 366 * 24 * 3600;
+
+// Appends the token ids of a PutHeader or PutTokens (`field`: "token_ids" or
+// "tokens.token_ids"): the repeated field, or `packed` (4 bytes each, little-endian), not both;
+// at most `max_tokens` in all.
+grpc::Status AppendTokens(absl::string_view field,
+                          const google::protobuf::RepeatedField<uint32_t>& ids,
+                          const std::string& packed, uint32_t max_tokens,
+                          std::vector<uint32_t>* out) {
+  if (!ids.empty() && !packed.empty()) {
+    return Invalid(
+        absl::StrCat(field, "_packed: set together with ", field, "; send the ids in one of them"));
+  }
+  if (packed.size() % 4 != 0) {
+    return Invalid(absl::StrCat(field, "_packed: ", packed.size(),
+                                " bytes is not a whole number of 4-byte ids"));
+  }
+  const size_t n = ids.empty() ? packed.size() / 4 : static_cast<size_t>(ids.size());
+  if (n > max_tokens || out->size() > max_tokens - n) {
+    return grpc::Status(
+        grpc::StatusCode::RESOURCE_EXHAUSTED,
+        out->empty()
+            ? absl::StrCat(field, ": ", n, " tokens exceed the server's --max_tokens=", max_tokens)
+            : absl::StrCat(field, ": more than the server's --max_tokens=", max_tokens,
+                           " tokens in one Put"));
+  }
+  if (!ids.empty()) {
+    out->insert(out->end(), ids.begin(), ids.end());
+    return grpc::Status::OK;
+  }
+  const size_t at = out->size();
+  out->resize(at + n);
+  std::memcpy(out->data() + at, packed.data(), packed.size());
+  if constexpr (__BYTE_ORDER__ == __ORDER_BIG_ENDIAN__) {
+    for (size_t i = at; i < out->size(); ++i) (*out)[i] = __builtin_bswap32((*out)[i]);
+  }
+  return grpc::Status::OK;
+}
 
 grpc::Status ToModelInfo(const v1::ModelSpec& spec, ModelInfo* out) {
   if (auto s = CheckName("model.model_id", spec.model_id(), true); !s.ok()) return s;
@@ -201,17 +239,22 @@ grpc::Status KvCacheService::PutStream(grpc::ServerContext* context,
   if (auto s = CheckTokens("token_ids", h.token_ids_size(), options_.max_tokens); !s.ok()) return s;
   EncodeOptions encode;
   if (auto s = ToEncodeOptions(h.encoding(), options_.default_encoding, &encode); !s.ok()) return s;
-  std::vector<uint32_t> token_ids(h.token_ids().begin(), h.token_ids().end());
+  std::vector<uint32_t> token_ids;
+  if (auto s = AppendTokens("token_ids", h.token_ids(), h.token_ids_packed(), options_.max_tokens,
+                            &token_ids);
+      !s.ok()) {
+    return s;
+  }
   std::vector<float> surprisal(h.surprisal_bits().begin(), h.surprisal_bits().end());
   // PutTokens: more token ids and surprisal, before the first block.
   bool more = reader->Read(&request);
   while (more && request.has_tokens()) {
     (*stream)->Touch();
     const v1::PutTokens& t = request.tokens();
-    if (token_ids.size() + t.token_ids_size() > options_.max_tokens) {
-      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                          absl::StrCat("tokens.token_ids: more than the server's --max_tokens=",
-                                       options_.max_tokens, " tokens in one Put"));
+    if (auto s = AppendTokens("tokens.token_ids", t.token_ids(), t.token_ids_packed(),
+                              options_.max_tokens, &token_ids);
+        !s.ok()) {
+      return s;
     }
     if (surprisal.size() + t.surprisal_bits_size() > options_.max_tokens) {
       return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
@@ -219,9 +262,16 @@ grpc::Status KvCacheService::PutStream(grpc::ServerContext* context,
                                        "--max_tokens=",
                                        options_.max_tokens, " values in one Put"));
     }
-    token_ids.insert(token_ids.end(), t.token_ids().begin(), t.token_ids().end());
     surprisal.insert(surprisal.end(), t.surprisal_bits().begin(), t.surprisal_bits().end());
     more = reader->Read(&request);
+  }
+  // The whole Put's dense bytes, reserved (or waited for) before its first block, so concurrent
+  // Puts queue here rather than fail mid-stream.
+  const uint64_t whole = static_cast<uint64_t>(token_ids.size() / model.geometry.block_tokens) *
+                         model.geometry.num_bytes();
+  if (absl::Status s = (*stream)->ReserveWhole(whole, [context] { return context->IsCancelled(); });
+      !s.ok()) {
+    return ToGrpcStatus(s);
   }
   absl::StatusOr<std::unique_ptr<PutSession>> session =
       store_->BeginPut(h.namespace_(), model, std::move(token_ids), std::move(surprisal), encode);
@@ -242,11 +292,18 @@ grpc::Status KvCacheService::PutStream(grpc::ServerContext* context,
       return Invalid("tokens: a PutTokens after a block; every token id must come first");
     }
     if (!request.has_block()) return Invalid("block: a PutRequest after the header is empty");
-    const v1::PutBlock& b = request.block();
+    v1::PutBlock& b = *request.mutable_block();
     const auto kv =
         absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(b.kv().data()), b.kv().size());
     if (absl::Status s = (*stream)->Reserve(kv.size()); !s.ok()) return ToGrpcStatus(s);
-    absl::Status s = (*session)->AddLayers(b.block_index(), b.layer_begin(), b.layer_end(), kv);
+    // A whole block of an encoding that stores any value: the session keeps the parsed bytes
+    // (no copy). Lossy blocks are copied: their values are checked below.
+    const bool whole =
+        b.layer_begin() == 0 && (b.layer_end() == 0 || b.layer_end() == model.geometry.num_layers);
+    absl::Status s =
+        whole && !IsLossyEncoding(encode.encoding)
+            ? (*session)->AddBlock(b.block_index(), std::move(*b.mutable_kv()))
+            : (*session)->AddLayers(b.block_index(), b.layer_begin(), b.layer_end(), kv);
     if (!s.ok()) return ToGrpcStatus(s);
     if (IsLossyEncoding(encode.encoding) && b.layer_begin() < model.geometry.num_layers) {
       if (absl::Status s = CheckFinite(model.geometry, b.layer_begin(), kv); !s.ok()) {

@@ -58,11 +58,16 @@ ABSL_FLAG(double, default_target_rel_rms, 0.1,
           "relative RMS error target of residual Puts that name none");
 ABSL_FLAG(uint32_t, max_tokens, 1u << 20, "most token ids one request may carry");
 ABSL_FLAG(
-    kvtrie::ByteSize, max_inflight_put_bytes, kvtrie::ByteSize{1ull << 30},
+    kvtrie::ByteSize, max_inflight_put_bytes, kvtrie::ByteSize{2ull << 30},
     "most dense KV bytes all unfinished Put streams together may buffer" KVTRIE_BYTE_UNITS_HELP);
 ABSL_FLAG(
     kvtrie::ByteSize, max_put_bytes, kvtrie::ByteSize{256ull << 20},
     "most dense KV bytes one Put stream may buffer before it is committed" KVTRIE_BYTE_UNITS_HELP);
+ABSL_FLAG(int, codec_threads, 0,
+          "threads of the codec: they encode Put blocks as they arrive, while the stream goes on "
+          "(RAW and the fast profile; compact-profile blocks are encoded at the commit), and "
+          "decode the next blocks of a RECONSTRUCTED Get while the current ones are sent; 0 = one "
+          "per core");
 ABSL_FLAG(
     kvtrie::ByteSize, max_get_message_bytes, kvtrie::ByteSize{1u << 20},
     "Get splits a block by layer ranges so no message is larger than this (GetPredictor sends "
@@ -71,15 +76,16 @@ ABSL_FLAG(
 ABSL_FLAG(double, put_idle_timeout_seconds, 60,
           "a Put stream that sends no message for this long is cancelled and its buffered bytes "
           "released (0 = never)");
+ABSL_FLAG(double, put_wait_for_memory_seconds, 60,
+          "a Put whose dense KV does not fit --max_inflight_put_bytes (or its namespace's share) "
+          "now waits this long at its header for other Puts to finish, then is refused with "
+          "RESOURCE_EXHAUSTED (0 = refuse at once)");
 ABSL_FLAG(uint32_t, max_concurrent_put_streams, 256,
           "most Put streams open at once; more are refused with RESOURCE_EXHAUSTED (0 = no "
           "bound; --max_threads still applies)");
-ABSL_FLAG(kvtrie::ByteSize, max_inflight_put_bytes_per_namespace, kvtrie::ByteSize{256ull << 20},
+ABSL_FLAG(kvtrie::ByteSize, max_inflight_put_bytes_per_namespace, kvtrie::ByteSize{1ull << 30},
           "most dense KV bytes one namespace's unfinished Put streams together may buffer "
           "(0 = only --max_inflight_put_bytes)" KVTRIE_BYTE_UNITS_HELP);
-ABSL_FLAG(int, codec_threads, 0,
-          "threads that decode the blocks of a Get (RECONSTRUCTED), the next blocks while the "
-          "current ones are sent; 0 = the machine's cores");
 ABSL_FLAG(int, max_threads, 512,
           "most threads gRPC may run calls on; calls past it are refused with "
           "RESOURCE_EXHAUSTED");
@@ -171,6 +177,11 @@ int Run() {
   store_options.sync = absl::GetFlag(FLAGS_sync);
   store_options.max_put_bytes = absl::GetFlag(FLAGS_max_put_bytes).bytes;
   store_options.max_inflight_put_bytes = absl::GetFlag(FLAGS_max_inflight_put_bytes).bytes;
+  const int codec_threads =
+      absl::GetFlag(FLAGS_codec_threads) > 0
+          ? absl::GetFlag(FLAGS_codec_threads)
+          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  store_options.codec_threads = codec_threads;
   store_options.memory_bytes = absl::GetFlag(FLAGS_memory_bytes).bytes;
   store_options.disk_bytes = absl::GetFlag(FLAGS_disk_bytes).bytes;
   store_options.memtable_bytes = absl::GetFlag(FLAGS_memtable_bytes).bytes;
@@ -200,10 +211,7 @@ int Run() {
   ServiceOptions service_options;
   service_options.max_tokens = absl::GetFlag(FLAGS_max_tokens);
   service_options.max_get_message_bytes = absl::GetFlag(FLAGS_max_get_message_bytes).bytes;
-  service_options.codec_threads =
-      absl::GetFlag(FLAGS_codec_threads) > 0
-          ? absl::GetFlag(FLAGS_codec_threads)
-          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  service_options.codec_threads = codec_threads;
   service_options.default_encoding.encoding = *encoding;
   service_options.default_encoding.target_rel_rms = absl::GetFlag(FLAGS_default_target_rel_rms);
   service_options.put_limits.max_concurrent_streams =
@@ -212,6 +220,10 @@ int Run() {
       absl::GetFlag(FLAGS_max_inflight_put_bytes_per_namespace).bytes;
   service_options.put_limits.idle_timeout =
       absl::Seconds(std::max(0.0, absl::GetFlag(FLAGS_put_idle_timeout_seconds)));
+  service_options.put_limits.max_inflight_bytes = store_options.max_inflight_put_bytes;
+  service_options.put_limits.max_put_bytes = store_options.max_put_bytes;
+  service_options.put_limits.admit_wait =
+      absl::Seconds(std::max(0.0, absl::GetFlag(FLAGS_put_wait_for_memory_seconds)));
   KvCacheService service(store->get(), service_options);
 
   // Operating: tenants and quotas, metrics, TLS (server/guarded_service.h is what is served).

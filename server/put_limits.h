@@ -5,10 +5,14 @@
 //   - a slot of `max_concurrent_streams` (0 = unbounded): past it a new stream is refused with
 //     RESOURCE_EXHAUSTED, so idle streams cannot grow the server's threads without bound (gRPC's
 //     sync server runs each stream on a thread; main.cc also caps the threads);
-//   - the dense KV bytes it has received (PutBlock.kv), charged to its namespace against
-//     `max_inflight_bytes_per_namespace` (0 = unbounded): past it that namespace's block is
-//     refused with RESOURCE_EXHAUSTED, while other namespaces keep the store-wide budget
-//     (StoreOptions::max_inflight_put_bytes) for themselves;
+//   - the dense KV bytes of the Put, reserved whole from its header (ReserveWhole: the full
+//     blocks of its token ids) against `max_inflight_bytes` (all streams; the store's
+//     --max_inflight_put_bytes) and its namespace's `max_inflight_bytes_per_namespace` (0 =
+//     unbounded each). A stream whose Put does not fit now waits (up to `admit_wait`, while
+//     its client stays) for others to finish, so concurrent Puts queue at their header instead
+//     of being refused mid-stream; one that waited `admit_wait` is refused with
+//     RESOURCE_EXHAUSTED naming the flags. A reservation is at most `max_put_bytes` and each
+//     limit; blocks past it are charged one by one (Reserve) and refused past a limit;
 //   - an idle deadline: a stream that receives no message for `idle_timeout` (0 = none) is
 //     cancelled through its `cancel` callback (grpc::ServerContext::TryCancel; the client sees
 //     CANCELLED), so its handler returns and its buffered bytes are released.
@@ -37,8 +41,11 @@
 namespace kvtrie {
 
 struct PutLimitOptions {
-  uint32_t max_concurrent_streams = 0;                 // 0 = unbounded
-  uint64_t max_inflight_bytes_per_namespace = 0;       // 0 = unbounded
+  uint32_t max_concurrent_streams = 0;            // 0 = unbounded
+  uint64_t max_inflight_bytes = 0;                // all streams; 0 = unbounded
+  uint64_t max_inflight_bytes_per_namespace = 0;  // 0 = unbounded
+  absl::Duration admit_wait = absl::Seconds(60);  // ReserveWhole's longest wait
+  uint64_t max_put_bytes = 0;                     // ReserveWhole reserves at most this (0 = no cap)
   absl::Duration idle_timeout = absl::ZeroDuration();  // 0 = none
 };
 
@@ -57,6 +64,7 @@ class PutLimits {
 
   int open_streams() const;
   uint64_t inflight_bytes(const std::string& ns) const;
+  uint64_t total_inflight_bytes() const;
 
  private:
   friend class Stream;
@@ -67,6 +75,7 @@ class PutLimits {
   mutable absl::Mutex mu_;
   absl::flat_hash_set<Stream*> streams_ ABSL_GUARDED_BY(mu_);  // every admitted, live stream
   absl::flat_hash_map<std::string, uint64_t> ns_bytes_ ABSL_GUARDED_BY(mu_);  // by namespace
+  uint64_t total_bytes_ ABSL_GUARDED_BY(mu_) = 0;                             // all namespaces
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread watchdog_;
 };
@@ -83,8 +92,13 @@ class PutLimits::Stream {
   void Touch();
   // The namespace bytes are charged to (set once, from the header).
   void SetNamespace(const std::string& ns);
-  // Charges `bytes` more to the namespace. Errors: RESOURCE_EXHAUSTED naming the namespace and
-  // the flag, with nothing charged.
+  // Reserves the whole Put's `bytes` (capped as above; after SetNamespace), waiting while they
+  // do not fit yet (up to admit_wait; `cancelled` is polled and ends the wait with CANCELLED).
+  // Errors: RESOURCE_EXHAUSTED naming the flags after the wait; nothing is charged then.
+  absl::Status ReserveWhole(uint64_t bytes, const std::function<bool()>& cancelled);
+  // A block of `bytes` arrived: taken from the whole reservation while it lasts, else charged
+  // to the namespace and the total. Errors: RESOURCE_EXHAUSTED naming the namespace and the
+  // flag, with nothing charged.
   absl::Status Reserve(uint64_t bytes);
   // The commit arrived: the idle deadline no longer applies (encoding may take a while).
   void Committed() { committed_.store(true, std::memory_order_relaxed); }
@@ -98,7 +112,8 @@ class PutLimits::Stream {
   PutLimits* const owner_;
   const std::function<void()> cancel_;
   std::string ns_;
-  uint64_t bytes_ = 0;  // charged to ns_ (guarded by owner_->mu_ for the map, written here only)
+  uint64_t bytes_ = 0;   // charged to ns_ (guarded by owner_->mu_ for the map, written here only)
+  uint64_t unused_ = 0;  // of bytes_, reserved by ReserveWhole and not yet taken by Reserve
   std::atomic<int64_t> last_activity_ns_;  // absl::GetCurrentTimeNanos() of the last message
   std::atomic<bool> idle_cancelled_{false};
   std::atomic<bool> committed_{false};

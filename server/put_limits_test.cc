@@ -1,6 +1,7 @@
 #include "server/put_limits.h"
 
 #include <atomic>
+#include <chrono>
 #include <thread>
 #include <vector>
 
@@ -62,6 +63,67 @@ TEST(PutLimits, CancelsAnIdleStreamButNotABusyOrCommittedOne) {
   EXPECT_EQ(busy_cancels.load(), 0);
   EXPECT_FALSE(busy->idle_cancelled());
   EXPECT_EQ(committed_cancels.load(), 0);
+}
+
+TEST(PutLimits, ReserveWholeWaitsForOtherStreamsInsteadOfFailing) {
+  PutLimits limits({.max_inflight_bytes = 100, .max_inflight_bytes_per_namespace = 80});
+  auto a = *limits.Admit([] {});
+  auto b = *limits.Admit([] {});
+  a->SetNamespace("t");
+  b->SetNamespace("t");
+  ASSERT_TRUE(a->ReserveWhole(60, [] { return false; }).ok());
+  EXPECT_EQ(limits.inflight_bytes("t"), 60u);
+  std::atomic<bool> admitted{false};
+  std::thread waiter([&] {
+    EXPECT_TRUE(b->ReserveWhole(50, [] { return false; }).ok());
+    admitted = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_FALSE(admitted.load());  // 60 + 50 > 80: it waits
+  // The reserved bytes pay for the blocks as they arrive; only past them is more charged.
+  EXPECT_TRUE(a->Reserve(30).ok());
+  EXPECT_TRUE(a->Reserve(30).ok());
+  EXPECT_EQ(limits.inflight_bytes("t"), 60u);
+  a.reset();  // the first stream ends: the second gets its bytes
+  waiter.join();
+  EXPECT_TRUE(admitted.load());
+  EXPECT_EQ(limits.inflight_bytes("t"), 50u);
+  EXPECT_EQ(limits.total_inflight_bytes(), 50u);
+  b.reset();
+  EXPECT_EQ(limits.total_inflight_bytes(), 0u);
+}
+
+TEST(PutLimits, ReserveWholeGivesUpAfterItsWaitOrWhenCancelled) {
+  PutLimits limits({.max_inflight_bytes = 100, .admit_wait = absl::Milliseconds(200)});
+  auto a = *limits.Admit([] {});
+  auto b = *limits.Admit([] {});
+  a->SetNamespace("t");
+  b->SetNamespace("u");
+  ASSERT_TRUE(a->ReserveWhole(90, [] { return false; }).ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status s = b->ReserveWhole(20, [] { return false; });
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(150));
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("--max_inflight_put_bytes=100"), std::string::npos) << s;
+  EXPECT_EQ(limits.inflight_bytes("u"), 0u);  // nothing charged
+  s = b->ReserveWhole(20, [] { return true; });
+  EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+  // Blocks past a reservation are charged one by one, and refused past the limit.
+  EXPECT_TRUE(b->Reserve(10).ok());
+  s = b->Reserve(10);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("--max_inflight_put_bytes=100"), std::string::npos) << s;
+  EXPECT_EQ(limits.total_inflight_bytes(), 100u);
+}
+
+TEST(PutLimits, ReserveWholeIsCappedByTheLimitsAndTheLargestPut) {
+  PutLimits limits(
+      {.max_inflight_bytes = 1000, .max_inflight_bytes_per_namespace = 500, .max_put_bytes = 300});
+  auto a = *limits.Admit([] {});
+  a->SetNamespace("t");
+  // A Put naming a long prefix (most of it stored) reserves at most max_put_bytes, at once.
+  ASSERT_TRUE(a->ReserveWhole(1ull << 40, [] { return false; }).ok());
+  EXPECT_EQ(limits.inflight_bytes("t"), 300u);
 }
 
 TEST(PutLimits, ManyThreadsNeverPassTheBounds) {

@@ -192,6 +192,45 @@ TEST_F(Hostile, MillionTokenPutWithSurprisalStreamsItsTokensInChunks) {
   EXPECT_NE(s.error_message().find("tokens:"), std::string::npos) << s.error_message();
 }
 
+TEST_F(Hostile, PackedTokenIdsStoreTheSamePrefixAndBadOnesAreRefusedNamingTheField) {
+  Start();
+  auto client = NewClient();
+  // Two blocks of s0 with packed ids (4 bytes each, little-endian), the second block's ids in
+  // a PutTokens: the same prefix as the repeated field would store.
+  v1::PutHeader h = HeaderOf(s0_, "", 32);
+  h.clear_token_ids();
+  h.clear_surprisal_bits();
+  std::string packed;
+  for (int i = 0; i < 32; ++i) {
+    for (int b = 0; b < 4; ++b) packed.push_back(static_cast<char>(s0_.token_ids[i] >> (8 * b)));
+  }
+  h.set_token_ids_packed(packed.substr(0, 64));
+  v1::PutRequest rest;
+  rest.mutable_tokens()->set_token_ids_packed(packed.substr(64));
+  grpc::Status s =
+      testing::RawPut(client->stub(), {Msg(h), rest, Msg(testing::BlockOf(s0_, 0)),
+                                       Msg(testing::BlockOf(s0_, 1)), testing::Commit()});
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  absl::StatusOr<v1::LookupResponse> l = client->Lookup(s0_.model_id, s0_.token_ids);
+  ASSERT_TRUE(l.ok()) << l.status();
+  EXPECT_EQ(l->matched_blocks(), 2u);
+  // Not a whole number of ids; both fields in one message.
+  v1::PutHeader odd = h;
+  odd.set_token_ids_packed(packed.substr(0, 63));
+  s = testing::RawPut(client->stub(), {Msg(odd), testing::Commit()});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_NE(s.error_message().find("token_ids_packed: 63 bytes"), std::string::npos)
+      << s.error_message();
+  v1::PutHeader both = h;
+  both.add_token_ids(1);
+  s = testing::RawPut(client->stub(), {Msg(both), testing::Commit()});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_NE(s.error_message().find("token_ids_packed: set together with token_ids"),
+            std::string::npos)
+      << s.error_message();
+  EXPECT_EQ(client->Stats("")->nodes(), 2u);  // the refused streams stored nothing
+}
+
 // Opens a Put stream that sends a header and `blocks` of s0, then stalls until destroyed.
 struct StalledPut {
   StalledPut(v1::KVCache::Stub* stub, const KvDump& d, const std::string& ns, int blocks) {
@@ -217,7 +256,9 @@ struct StalledPut {
 };
 
 TEST_F(Hostile, StalledPutIsCancelledAfterItsIdleDeadlineAndReleasesItsBudget) {
-  Start({"--put_idle_timeout_seconds=1",
+  // --put_wait_for_memory_seconds=0: a Put that does not fit is refused at once (the default
+  // waits at the header for others to finish: ConcurrentPutsPastTheBudgetQueueAndAllSucceed).
+  Start({"--put_idle_timeout_seconds=1", "--put_wait_for_memory_seconds=0",
          "--max_inflight_put_bytes=" + std::to_string(40 * kBlockBytes)});
   auto client = NewClient();
   auto other = NewClient("other");
@@ -247,12 +288,33 @@ TEST_F(Hostile, StalledPutIsCancelledAfterItsIdleDeadlineAndReleasesItsBudget) {
   EXPECT_EQ(client->Stats("")->nodes(), 32u);  // the stalled Put stored nothing
 }
 
+TEST_F(Hostile, ConcurrentPutsPastTheBudgetQueueAndAllSucceed) {
+  // 8 concurrent Puts of 32 blocks each in one namespace, 256 blocks, against a store-wide budget
+  // of 40: each waits at its header for the bytes, none is refused mid-stream.
+  Start({"--max_inflight_put_bytes=" + std::to_string(40 * kBlockBytes)});
+  auto client = NewClient();
+  std::vector<std::thread> threads;
+  std::vector<absl::Status> results(8);
+  for (int i = 0; i < 8; ++i) {
+    threads.emplace_back([&, i] {
+      KvDump d = s1_;
+      for (auto& t : d.token_ids) t += 100000 * (i + 1);  // a prefix of its own
+      absl::StatusOr<v1::PutResponse> r = NewClient()->Put(d);
+      results[i] =
+          r.ok() && r->blocks_stored() != 32u ? absl::InternalError("not all stored") : r.status();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < 8; ++i) EXPECT_TRUE(results[i].ok()) << i << ": " << results[i];
+  EXPECT_EQ(client->Stats("")->nodes(), 8u * 32u);
+}
+
 TEST_F(Hostile, OneTenantHoldingManyStreamsDoesNotStarveAnother) {
   // Store-wide 70 blocks, 34 per namespace: the greedy tenant's 16 streams x 4 blocks would take
   // 64 of the 70; it may hold 34, and the other tenant's 32 fit beside them.
   Start({"--max_inflight_put_bytes=" + std::to_string(70 * kBlockBytes),
          "--max_inflight_put_bytes_per_namespace=" + std::to_string(34 * kBlockBytes),
-         "--put_idle_timeout_seconds=0"});
+         "--put_idle_timeout_seconds=0", "--put_wait_for_memory_seconds=0"});
   auto greedy = NewClient("greedy");
   std::vector<std::unique_ptr<StalledPut>> streams;
   for (int i = 0; i < 16; ++i) {

@@ -53,6 +53,7 @@ class KvStore::Impl {
   std::unique_ptr<RecordStore> records_;
   std::unique_ptr<TierManager> tiers_;
   std::unique_ptr<LearnQueue> learn_queue_;  // null when learning is off
+  std::unique_ptr<TaskPool> codec_pool_;     // Put encodes; outlives every PutSession
   ShardContext context_;
   absl::Mutex gc_mu_;  // one CollectGarbageIfNeeded at a time
   std::atomic<uint64_t> evicted_since_check_{0};
@@ -88,6 +89,10 @@ absl::Status KvStore::Impl::Open() {
   if (options_.predictors.learn) {
     learn_queue_ = std::make_unique<LearnQueue>(options_.predictors.queue_bytes);
     context_.learn_queue = learn_queue_.get();
+  }
+  if (options_.codec_threads > 0) {
+    codec_pool_ = std::make_unique<TaskPool>(options_.codec_threads);
+    context_.codec_pool = codec_pool_.get();
   }
 
   // Recovery: models, then nodes in key order (a shard's parents before their children).

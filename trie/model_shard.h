@@ -43,6 +43,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "codec/decode_chain.h"
+#include "codec/task_pool.h"
 #include "trie/block_trie.h"
 #include "trie/cluster_index.h"
 #include "trie/predictor_registry.h"
@@ -61,6 +62,8 @@ struct ShardContext {
   const StoreOptions* options = nullptr;
   RecordStore* records = nullptr;
   TierManager* tiers = nullptr;
+  // Encodes Put blocks as they arrive (trie/put_session.h); null = on the stream's thread.
+  TaskPool* codec_pool = nullptr;
   // Evicts leaves (of any shard) until `incoming` more payload bytes fit the disk budget.
   // RESOURCE_EXHAUSTED if pins and dependents hold it. Call with no shard lock held.
   std::function<absl::Status(uint64_t incoming)> make_disk_room;
@@ -73,7 +76,7 @@ class ModelShard {
   // One encoded block of a Put, ready to commit.
   struct NewBlock {
     uint32_t block_index = 0;
-    EncodedBlock encoded;
+    std::shared_ptr<const EncodedBlock> encoded;  // shared with the hot tier once published
     Encoding encoding = Encoding::kRaw;
     uint64_t reference_node_id = 0;  // the centroid it is a residual of (0 = standalone)
     uint32_t predictor_version = 0;  // the learned state it is coded against (0 = none)

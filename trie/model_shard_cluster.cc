@@ -35,7 +35,10 @@ absl::StatusOr<ModelShard::NearDupEncoded> ModelShard::EncodeNewBlock(
   if (!standalone.ok()) return standalone.status();
   out.encoded = *std::move(standalone);
   const NearDupOptions& nd = context_->options->near_dup;
-  if (!nd.enabled || !Clusterable(options.encoding)) return out;
+  // The fast profile ignores a reference context: no candidate could be smaller.
+  if (!nd.enabled || !Clusterable(options.encoding) || options.profile == Profile::kFast) {
+    return out;
+  }
 
   std::vector<ClusterIndex::Candidate> candidates;
   {

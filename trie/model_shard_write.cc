@@ -123,7 +123,7 @@ absl::StatusOr<std::vector<uint64_t>> ModelShard::Commit(const ModelInfo& model,
   const uint32_t bt = model.geometry.block_tokens;
   // Disk budget first, holding no lock: reserve this Put's bytes, evicting leaves to make room.
   uint64_t incoming = 0;
-  for (const NewBlock& b : blocks) incoming += b.encoded.bytes.size();
+  for (const NewBlock& b : blocks) incoming += b.encoded->bytes.size();
   TierManager* tiers = context_->tiers;
   for (int attempt = 0; !tiers->Reserve(incoming); ++attempt) {
     absl::Status room = attempt < 4 ? context_->make_disk_room(incoming)
@@ -140,7 +140,8 @@ absl::StatusOr<std::vector<uint64_t>> ModelShard::Commit(const ModelInfo& model,
   auto unreserve = absl::MakeCleanup([&] { tiers->Unreserve(incoming); });
 
   absl::MutexLock writer(&write_mu_);
-  RecordBatch batch(context_->records);
+  // The payloads, and per block its key, record and framing (token ids, surprisal: ~1 KiB).
+  RecordBatch batch(context_->records, incoming + blocks.size() * (1024 + 16 * bt));
   std::vector<uint64_t> ids;
   std::vector<NodeMeta> metas;
   bool create = false;
@@ -178,12 +179,12 @@ absl::StatusOr<std::vector<uint64_t>> ModelShard::Commit(const ModelInfo& model,
       m.surprisal_bits.assign(surprisal_bits.begin() + off, surprisal_bits.begin() + off + bt);
       m.encoding = b.encoding;
       m.bytes_logical = model.geometry.num_bytes();
-      m.bytes_stored = b.encoded.bytes.size();
-      m.rel_rms_error_k = b.encoded.rel_rms_error_k;
-      m.rel_rms_error_v = b.encoded.rel_rms_error_v;
+      m.bytes_stored = b.encoded->bytes.size();
+      m.rel_rms_error_k = b.encoded->rel_rms_error_k;
+      m.rel_rms_error_v = b.encoded->rel_rms_error_v;
       m.reference_node_id = b.reference_node_id;
       m.predictor_version = b.predictor_version;
-      batch.PutNode(shard_id_, id, m, &b.encoded.bytes);
+      batch.PutNode(shard_id_, id, m, &b.encoded->bytes);
       ids.push_back(id);
       metas.push_back(std::move(m));
       prev = id;
@@ -206,8 +207,9 @@ absl::StatusOr<std::vector<uint64_t>> ModelShard::Commit(const ModelInfo& model,
   }
   TrieNode* at = trie_->Find(parent_id);
   for (size_t i = 0; i < blocks.size(); ++i) {
-    at = PublishLocked(at, ids[i], metas[i],
-                       std::make_shared<const std::string>(blocks[i].encoded.bytes));
+    // The hot tier shares the encoded bytes (no copy).
+    const std::shared_ptr<const EncodedBlock>& e = blocks[i].encoded;
+    at = PublishLocked(at, ids[i], metas[i], std::shared_ptr<const std::string>(e, &e->bytes));
   }
   return ids;
 }

@@ -3,6 +3,7 @@
 #include "trie/put_session.h"
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
@@ -42,43 +43,50 @@ PutSession::PutSession(ModelShard* shard, ShardContext* context, ModelInfo model
       token_ids_(std::move(token_ids)),
       surprisal_bits_(std::move(surprisal_bits)),
       encode_(encode),
-      num_blocks_(static_cast<uint32_t>(token_ids_.size() / model_.geometry.block_tokens)) {}
+      num_blocks_(static_cast<uint32_t>(token_ids_.size() / model_.geometry.block_tokens)),
+      early_(encode_.encoding == Encoding::kRaw ||
+             (encode_.profile == Profile::kFast && (encode_.encoding == Encoding::kResidual ||
+                                                    encode_.encoding == Encoding::kLossless))),
+      stored_at_begin_(early_ ? static_cast<uint32_t>(shard_->Match(token_ids_).node_ids.size())
+                              : 0) {
+  if (early_ && encode_.encoding == Encoding::kResidual) {
+    // Held (counted as pending) until this session ends, so it outlives the commit.
+    early_registry_ = shard_->predictors();
+    early_learned_ = early_registry_->AcquireLatest();
+  }
+  if (early_ && context_->codec_pool != nullptr) {
+    encoders_ =
+        std::make_unique<TaskGroup>(context_->codec_pool, 2 * context_->codec_pool->threads());
+  }
+}
 
 PutSession::~PutSession() {
+  if (encoders_) encoders_->Wait();  // no task may still read early_learned_
+  if (early_learned_) early_registry_->Release(early_learned_->version());
   context_->inflight_put_bytes.fetch_sub(buffered_bytes_, std::memory_order_relaxed);
 }
 
-absl::Status PutSession::AddLayers(uint32_t block_index, uint32_t layer_begin, uint32_t layer_end,
-                                   absl::Span<const uint8_t> kv) {
-  if (failed_) return absl::FailedPreconditionError("put: the stream already failed");
+absl::Status PutSession::Fail(absl::Status s) {
+  failed_ = true;
+  if (encoders_) encoders_->Wait();  // no task may still write into a Pending
+  pending_.clear();
+  return s;
+}
+
+absl::Status PutSession::CheckIndex(uint32_t block_index) {
+  if (block_index < num_blocks_) return absl::OkStatus();
+  return Fail(absl::InvalidArgumentError(
+      absl::StrCat("block_index: ", block_index, " is past the last full block; token_ids hold ",
+                   token_ids_.size(), " tokens = ", num_blocks_, " full blocks of ",
+                   model_.geometry.block_tokens)));
+}
+
+absl::StatusOr<PutSession::Pending*> PutSession::Admit(uint32_t block_index) {
   const BlockGeometry& g = model_.geometry;
-  auto fail = [&](absl::Status s) {
-    failed_ = true;
-    pending_.clear();
-    return s;
-  };
-  if (block_index >= num_blocks_) {
-    return fail(absl::InvalidArgumentError(absl::StrCat(
-        "block_index: ", block_index, " is past the last full block; token_ids hold ",
-        token_ids_.size(), " tokens = ", num_blocks_, " full blocks of ", g.block_tokens)));
-  }
-  if (layer_end == 0) layer_end = g.num_layers;
-  if (layer_end > g.num_layers || layer_begin >= layer_end) {
-    return fail(absl::InvalidArgumentError(
-        absl::StrCat("layer_end: layers [", layer_begin, ", ", layer_end, ") of block ",
-                     block_index, " are not a range within num_layers=", g.num_layers)));
-  }
-  const size_t want = g.layer_range_bytes(layer_begin, layer_end);
-  if (kv.size() != want) {
-    return fail(absl::InvalidArgumentError(
-        absl::StrCat("kv: block ", block_index, " layers [", layer_begin, ", ", layer_end, ") has ",
-                     kv.size(), " bytes; the model spec (", g.DebugString(), ") needs ", want,
-                     " — check head_dim, num_kv_heads, dtype and the token count")));
-  }
   Pending& p = pending_[block_index];
-  if (p.kv.empty()) {
+  if (p.have.empty()) {
     if (buffered_bytes_ + g.num_bytes() > context_->options->max_put_bytes) {
-      return fail(absl::ResourceExhaustedError(absl::StrCat(
+      return Fail(absl::ResourceExhaustedError(absl::StrCat(
           "kv: this Put buffers more than max_put_bytes=", context_->options->max_put_bytes,
           " bytes; split it into several Puts")));
     }
@@ -87,30 +95,108 @@ absl::Status PutSession::AddLayers(uint32_t block_index, uint32_t layer_begin, u
         g.num_bytes();
     buffered_bytes_ += g.num_bytes();  // released by the destructor
     if (inflight > context_->options->max_inflight_put_bytes) {
-      return fail(absl::ResourceExhaustedError(
+      return Fail(absl::ResourceExhaustedError(
           absl::StrCat("kv: unfinished Puts hold more than max_inflight_put_bytes=",
                        context_->options->max_inflight_put_bytes, " bytes; retry later")));
     }
-    p.kv.resize(g.num_bytes());
     p.have.assign(g.num_layers, false);
     p.layers_missing = g.num_layers;
   }
+  return &p;
+}
+
+void PutSession::BlockComplete(uint32_t block_index, Pending* p) {
+  if (!early_ || block_index < stored_at_begin_) return;  // encoded at Finish if still needed
+  const BlockGeometry& g = model_.geometry;
+  p->encoded = std::make_unique<absl::StatusOr<std::shared_ptr<const EncodedBlock>>>();
+  auto encode = [this, g, block_index, out = p->encoded.get(), kv = std::move(p->kv)] {
+    PredictionContext ctx;
+    const size_t off = static_cast<size_t>(block_index) * g.block_tokens;
+    ctx.surprisal_bits = absl::MakeConstSpan(surprisal_bits_).subspan(off, g.block_tokens);
+    std::vector<int32_t> block_tokens;
+    if (early_learned_) {  // fast-profile RESIDUAL: the learned state, as at Finish
+      block_tokens.assign(token_ids_.begin() + off, token_ids_.begin() + off + g.block_tokens);
+      ctx.learned = early_learned_.get();
+      ctx.tokens = block_tokens;
+      ctx.first_position = static_cast<uint32_t>(off);
+      ctx.previous_token = off == 0 ? -1 : static_cast<int32_t>(token_ids_[off - 1]);
+    }
+    absl::StatusOr<EncodedBlock> e =
+        EncodeBlock(g, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(kv.data()), kv.size()),
+                    encode_, ctx);
+    if (e.ok()) {
+      *out = std::make_shared<const EncodedBlock>(*std::move(e));
+    } else {
+      *out = e.status();
+    }
+  };
+  p->kv = std::string();
+  if (encoders_) {
+    encoders_->Run(std::move(encode));
+  } else {
+    encode();
+  }
+}
+
+absl::Status PutSession::AddLayers(uint32_t block_index, uint32_t layer_begin, uint32_t layer_end,
+                                   absl::Span<const uint8_t> kv) {
+  if (failed_) return absl::FailedPreconditionError("put: the stream already failed");
+  const BlockGeometry& g = model_.geometry;
+  if (absl::Status s = CheckIndex(block_index); !s.ok()) return s;
+  if (layer_end == 0) layer_end = g.num_layers;
+  if (layer_end > g.num_layers || layer_begin >= layer_end) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("layer_end: layers [", layer_begin, ", ", layer_end, ") of block ",
+                     block_index, " are not a range within num_layers=", g.num_layers)));
+  }
+  const size_t want = g.layer_range_bytes(layer_begin, layer_end);
+  if (kv.size() != want) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("kv: block ", block_index, " layers [", layer_begin, ", ", layer_end, ") has ",
+                     kv.size(), " bytes; the model spec (", g.DebugString(), ") needs ", want,
+                     " — check head_dim, num_kv_heads, dtype and the token count")));
+  }
+  absl::StatusOr<Pending*> admitted = Admit(block_index);
+  if (!admitted.ok()) return admitted.status();
+  Pending& p = **admitted;
   for (uint32_t l = layer_begin; l < layer_end; ++l) {
     if (p.have[l]) {
-      return fail(absl::InvalidArgumentError(
+      return Fail(absl::InvalidArgumentError(
           absl::StrCat("layer_begin: layer ", l, " of block ", block_index, " was sent twice")));
     }
-    p.have[l] = true;
-    --p.layers_missing;
   }
-  std::copy(kv.begin(), kv.end(),
-            p.kv.begin() + static_cast<ptrdiff_t>(g.layer_range_bytes(0, layer_begin)));
+  if (p.kv.empty()) p.kv.resize(g.num_bytes());
+  for (uint32_t l = layer_begin; l < layer_end; ++l) p.have[l] = true;
+  p.layers_missing -= layer_end - layer_begin;
+  std::memcpy(p.kv.data() + g.layer_range_bytes(0, layer_begin), kv.data(), kv.size());
+  if (p.layers_missing == 0) BlockComplete(block_index, &p);
+  return absl::OkStatus();
+}
+
+absl::Status PutSession::AddBlock(uint32_t block_index, std::string kv) {
+  if (failed_) return absl::FailedPreconditionError("put: the stream already failed");
+  const BlockGeometry& g = model_.geometry;
+  if (absl::Status s = CheckIndex(block_index); !s.ok()) return s;
+  auto it = pending_.find(block_index);
+  if (kv.size() != g.num_bytes() || (it != pending_.end() && !it->second.have.empty())) {
+    // A size error or a block sent twice: AddLayers names it.
+    return AddLayers(block_index, 0, g.num_layers,
+                     absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(kv.data()), kv.size()));
+  }
+  absl::StatusOr<Pending*> admitted = Admit(block_index);
+  if (!admitted.ok()) return admitted.status();
+  Pending& p = **admitted;
+  p.kv = std::move(kv);
+  p.have.assign(g.num_layers, true);
+  p.layers_missing = 0;
+  BlockComplete(block_index, &p);
   return absl::OkStatus();
 }
 
 absl::StatusOr<PutSummary> PutSession::Finish() {
   if (failed_) return absl::FailedPreconditionError("put: the stream already failed");
   failed_ = true;  // a session finishes once
+  if (encoders_) encoders_->Wait();
   const BlockGeometry& g = model_.geometry;
   for (const auto& [index, p] : pending_) {
     if (p.layers_missing != 0) {
@@ -138,8 +224,9 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
             "token_ids"));
       }
     }
-    // Encode the new blocks in order; each is predicted from its parent's reconstruction, kept
-    // by the decode chain (what a reader will decode).
+    // The new blocks: encoded on arrival (early_), or now, in order; a compact-profile block is
+    // predicted from its parent's reconstruction, kept by the decode chain (what a reader will
+    // decode).
     std::vector<ModelShard::NewBlock> blocks;
     // The latest learned state (kept until the commit; null when there is none) and what it
     // conditions on.
@@ -151,8 +238,8 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
     };
     DecodeChain chain(g, nullptr);
     chain.AddPredictor(learned);
-    std::vector<uint8_t> recon(g.num_bytes());
-    if (matched > 0) {
+    std::vector<uint8_t> recon(early_ ? 0 : g.num_bytes());
+    if (matched > 0 && !early_) {
       if (auto s = shard_->ReconstructNode(anchor, absl::MakeSpan(recon)); !s.ok()) {
         if (absl::IsAborted(s)) continue;  // the prefix changed under us: match again
         return s;
@@ -161,9 +248,22 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
       chain.StartAt(static_cast<uint32_t>(next), static_cast<int32_t>(token_ids_[next - 1]), recon);
     }
     for (uint32_t b = matched; b < num_blocks_; ++b) {
-      const std::vector<uint8_t>& kv = pending_.at(b).kv;
+      const Pending& p = pending_.at(b);
+      if (p.encoded != nullptr) {
+        if (!p.encoded->ok()) return p.encoded->status();
+        uint32_t predictor_version = 0;
+        if (early_learned_) {  // the block names the state it was coded against, if any
+          absl::StatusOr<BlockHeader> h = ParseBlock((**p.encoded)->bytes);
+          if (!h.ok()) return h.status();
+          predictor_version = h->predictor_version;
+        }
+        blocks.push_back({b, **p.encoded, encode_.encoding, 0, predictor_version});
+        continue;
+      }
+      const auto kv =
+          absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(p.kv.data()), p.kv.size());
       PredictionContext ctx;
-      ctx.parent = chain.parent();
+      if (!early_) ctx.parent = chain.parent();
       const size_t off = static_cast<size_t>(b) * g.block_tokens;
       const std::vector<int32_t> block_tokens(token_ids_.begin() + off,
                                               token_ids_.begin() + off + g.block_tokens);
@@ -178,7 +278,9 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
       absl::StatusOr<ModelShard::NearDupEncoded> nd =
           shard_->EncodeNewBlock(model_, anchor, b, tokens, surprisal_bits_, kv, encode_, ctx);
       if (!nd.ok()) return nd.status();
-      if (encode_.encoding == Encoding::kRaw || encode_.encoding == Encoding::kLossless) {
+      if (early_) {
+        // Reads no other block: no chain to keep.
+      } else if (encode_.encoding == Encoding::kRaw || encode_.encoding == Encoding::kLossless) {
         chain.NextDense(kv, block_tokens);
       } else {
         if (nd->reference_node_id != 0) chain.AddReference(nd->reference_node_id, nd->reference);
@@ -195,8 +297,8 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
         if (!h.ok()) return h.status();
         predictor_version = h->predictor_version;
       }
-      blocks.push_back(
-          {b, std::move(nd->encoded), encode_.encoding, nd->reference_node_id, predictor_version});
+      blocks.push_back({b, std::make_shared<const EncodedBlock>(std::move(nd->encoded)),
+                        encode_.encoding, nd->reference_node_id, predictor_version});
     }
     absl::StatusOr<std::vector<uint64_t>> ids =
         blocks.empty() ? std::vector<uint64_t>{}
@@ -219,12 +321,13 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
       r.reference_node_id = blocks[i].reference_node_id;
       r.node_id = (*ids)[i];
       r.bytes_logical = g.num_bytes();
-      r.bytes_stored = blocks[i].encoded.bytes.size();
+      const EncodedBlock& e = *blocks[i].encoded;
+      r.bytes_stored = e.bytes.size();
       r.encoding = blocks[i].encoding;
-      r.bits_per_component = blocks[i].encoded.bits_per_component;
-      r.rel_rms_error_k = blocks[i].encoded.rel_rms_error_k;
-      r.rel_rms_error_v = blocks[i].encoded.rel_rms_error_v;
-      r.max_abs_error = blocks[i].encoded.max_abs_error;
+      r.bits_per_component = e.bits_per_component;
+      r.rel_rms_error_k = e.rel_rms_error_k;
+      r.rel_rms_error_v = e.rel_rms_error_v;
+      r.max_abs_error = e.max_abs_error;
       summary.blocks.push_back(r);
     }
     summary.stored_tokens = num_blocks_ * g.block_tokens;

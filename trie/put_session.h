@@ -2,28 +2,39 @@
 //
 // PutSession: one Put stream of a KvStore (started by KvStore::BeginPut). Blocks may arrive whole
 // or as layer ranges, in any order; they are buffered (at most max_put_bytes, and all sessions
-// together at most max_inflight_put_bytes) and, at Finish, encoded — each new block predicted
-// from its parent's reconstruction, or as a residual of a near-duplicate centroid when smaller —
-// and committed together in one RocksDB batch, so a Put is all or nothing: a failed or truncated
-// stream stores nothing. A Put whose prefix changes under it (a concurrent Put, Delete or
-// eviction) matches and encodes again, up to 4 times.
+// together at most max_inflight_put_bytes), encoded, and committed together in one RocksDB batch
+// at Finish, so a Put is all or nothing: a failed or truncated stream stores nothing. A Put whose
+// prefix changes under it (a concurrent Put, Delete or eviction) matches and encodes again, up to
+// 4 times.
+// Encoding: blocks that read no other block (RAW, and RESIDUAL / LOSSLESS of the fast profile,
+// which ignores parent and reference contexts) are encoded as soon as their last layer arrives,
+// on the store's codec pool (ShardContext::codec_pool, --codec_threads; inline when null) while
+// the stream goes on, and their dense bytes are freed then; at most 2 per pool thread of one
+// session wait or run at once (AddLayers blocks past that: backpressure on the stream). Blocks
+// that were stored already when the session began are not encoded unless Finish needs them.
+// Compact-profile blocks are encoded at Finish, in order — each predicted from its parent's
+// reconstruction, or as a residual of a near-duplicate centroid when smaller.
 // Not thread-safe (one stream, one caller). The store must outlive it.
 #ifndef KVTRIE_TRIE_PUT_SESSION_H_
 #define KVTRIE_TRIE_PUT_SESSION_H_
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "codec/task_pool.h"
 #include "trie/store_types.h"
 
 namespace kvtrie {
 
 class ModelShard;
+class PredictorRegistry;  // trie/predictor_registry.h
+class PredictorState;     // codec/predictor_state.h
 struct ShardContext;
 
 class PutSession {
@@ -42,6 +53,9 @@ class PutSession {
   // is unusable.
   absl::Status AddLayers(uint32_t block_index, uint32_t layer_begin, uint32_t layer_end,
                          absl::Span<const uint8_t> kv);
+  // The same for a whole block (layers [0, num_layers)) whose bytes the session may keep
+  // without a copy; `kv` is consumed whether or not this succeeds.
+  absl::Status AddBlock(uint32_t block_index, std::string kv);
 
   // Ends the stream: encodes and commits every new block. Errors: INVALID_ARGUMENT if a block is
   // incomplete (`kv: block 3 is missing layers [2, 5)`) or a full block of token_ids is neither
@@ -52,10 +66,20 @@ class PutSession {
 
  private:
   struct Pending {
-    std::vector<uint8_t> kv;  // the dense block
-    std::vector<bool> have;   // one flag per layer
+    std::string kv;          // the dense block (empty once encoded on arrival)
+    std::vector<bool> have;  // one flag per layer
     uint32_t layers_missing = 0;
+    // Encoded on arrival (early_): written by the encoding task, read after encoders_.Wait().
+    std::unique_ptr<absl::StatusOr<std::shared_ptr<const EncodedBlock>>> encoded;
   };
+
+  // INVALID_ARGUMENT (failing the session) unless block_index is a full block of token_ids.
+  absl::Status CheckIndex(uint32_t block_index);
+  // The block's entry; a new one reserves its dense bytes. Fails the session on error.
+  absl::StatusOr<Pending*> Admit(uint32_t block_index);
+  // A block got its last layer: encodes it (early_ blocks only) on the pool.
+  void BlockComplete(uint32_t block_index, Pending* p);
+  absl::Status Fail(absl::Status s);
 
   ModelShard* const shard_;
   ShardContext* const context_;
@@ -63,10 +87,17 @@ class PutSession {
   const std::vector<uint32_t> token_ids_;
   const std::vector<float> surprisal_bits_;
   const EncodeOptions encode_;
-  const uint32_t num_blocks_;  // full blocks in token_ids_
+  const uint32_t num_blocks_;       // full blocks in token_ids_
+  const bool early_;                // blocks read no other block: encode them on arrival
+  const uint32_t stored_at_begin_;  // full blocks of token_ids_ stored when the session began
   uint64_t buffered_bytes_ = 0;
   std::map<uint32_t, Pending> pending_;  // by block index
   bool failed_ = false;
+  // early_ RESIDUAL: the latest learned state when the session began (null: none), acquired from
+  // early_registry_ and released by the destructor; every block encoded on arrival uses it.
+  std::shared_ptr<PredictorRegistry> early_registry_;
+  std::shared_ptr<const PredictorState> early_learned_;
+  std::unique_ptr<TaskGroup> encoders_;  // early_ encodes on context_->codec_pool; waited first
 };
 
 }  // namespace kvtrie

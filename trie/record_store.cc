@@ -113,8 +113,8 @@ absl::Status FromRocks(const rocksdb::Status& s, absl::string_view what) {
 // ---------------------------------------------------------------------------------------------
 // RecordBatch
 
-RecordBatch::RecordBatch(const RecordStore* store)
-    : store_(store), batch_(std::make_unique<rocksdb::WriteBatch>()) {}
+RecordBatch::RecordBatch(const RecordStore* store, size_t reserve_bytes)
+    : store_(store), batch_(std::make_unique<rocksdb::WriteBatch>(reserve_bytes)) {}
 RecordBatch::~RecordBatch() = default;
 
 size_t RecordBatch::count() const { return batch_->Count(); }

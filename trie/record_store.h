@@ -108,7 +108,9 @@ class RecordStore;
 // Records to write together, atomically (one RocksDB WriteBatch).
 class RecordBatch {
  public:
-  explicit RecordBatch(const RecordStore* store);
+  // `reserve_bytes`: about how many bytes the batch will hold (its buffer is allocated once
+  // instead of grown by doubling, each growth a copy of what it holds).
+  explicit RecordBatch(const RecordStore* store, size_t reserve_bytes = 0);
   ~RecordBatch();
   RecordBatch(const RecordBatch&) = delete;
   RecordBatch& operator=(const RecordBatch&) = delete;

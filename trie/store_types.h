@@ -41,10 +41,14 @@ struct StoreOptions {
   std::string data_dir;  // created if missing
   bool sync = false;     // fsync the WAL before acknowledging a write
   // Dense bytes one Put may buffer, and all unfinished Puts together (RESOURCE_EXHAUSTED past
-  // either): a Put holds its blocks until its commit, about 3x their size at the peak.
+  // either). A Put holds its blocks until its commit (encoded ones only, for the encodings that
+  // encode on arrival: trie/put_session.h).
   uint64_t max_put_bytes = 256ull << 20;
   uint64_t max_inflight_put_bytes = 1ull << 30;
   EncodeOptions default_encoding;  // used when a Put does not name one
+  // Threads that encode Put blocks as they arrive (trie/put_session.h); 0 = on each stream's
+  // own thread.
+  int codec_threads = 0;
   BlockTrie::TokenHash token_hash = BlockTrie::DefaultTokenHash;  // a seam for collision tests
   NearDupOptions near_dup;  // near-duplicate clusters (trie/cluster_index.h)
   PredictorOptions predictors;
