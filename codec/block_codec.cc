@@ -193,9 +193,10 @@ std::string WriteEnvelope(Encoding encoding, const BlockGeometry& geometry,
   PutLE<uint16_t>(&out, static_cast<uint16_t>(geometry.block_tokens));
   PutLE<uint16_t>(&out, static_cast<uint16_t>(geometry.head_dim));
   PutLE<uint64_t>(&out, reference_node_id);
-  PutLE<uint32_t>(&out,
-                  static_cast<uint32_t>(params.size() + (shifted ? kReferenceShiftBytes : 0)));
-  if (shifted) AppendReferenceShift(*shift, &out);
+  std::string prefix;
+  if (shifted) AppendReferenceShift(*shift, &prefix);
+  PutLE<uint32_t>(&out, static_cast<uint32_t>(prefix.size() + params.size()));
+  out.append(prefix);
   out.append(params.data(), params.size());
   PutLE<uint32_t>(&out, static_cast<uint32_t>(payload.size()));
   out.append(payload.data(), payload.size());

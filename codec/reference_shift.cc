@@ -12,8 +12,8 @@ namespace kvtrie {
 namespace internal {
 namespace {
 
-constexpr uint8_t kVersion = 1;
 constexpr uint8_t kFlagHalfSplit = 1;
+constexpr uint8_t kBaseMask = 6;  // flags bits 1-2: the RoPE base code
 constexpr float kMaxLogBase = 40.0f;
 
 // e^y for |y| <= ~40: Taylor series of e^(y / 2^12), squared 12 times (as residual_kernels.cc).
@@ -183,42 +183,85 @@ absl::Status CheckReferenceShift(const BlockGeometry& geometry, const ReferenceS
 }
 
 void AppendReferenceShift(const ReferenceShift& shift, std::string* out) {
-  PutLE<uint8_t>(out, kVersion);
-  PutLE<uint8_t>(out, shift.half_split ? kFlagHalfSplit : 0);
-  PutLE<uint16_t>(out, static_cast<uint16_t>(shift.token_shift));
-  PutLE<uint32_t>(out, static_cast<uint32_t>(shift.rotation));
-  uint32_t bits;
-  std::memcpy(&bits, &shift.log_rope_base, 4);
-  PutLE<uint32_t>(out, bits);
-  PutLE<uint64_t>(out, shift.reference_parent_node_id);
+  const uint8_t base = shift.log_rope_base == 0                    ? 0
+                       : shift.log_rope_base == kLogRopeBase10000  ? 1
+                       : shift.log_rope_base == kLogRopeBase500000 ? 2
+                                                                   : 3;
+  out->push_back(static_cast<char>((shift.half_split ? kFlagHalfSplit : 0) | (base << 1)));
+  auto varint = [out](uint64_t v) {
+    for (; v >= 0x80; v >>= 7) out->push_back(static_cast<char>(0x80 | (v & 0x7f)));
+    out->push_back(static_cast<char>(v));
+  };
+  varint(shift.token_shift);
+  const int64_t r = shift.rotation;
+  varint(r >= 0 ? static_cast<uint64_t>(r) << 1 : (static_cast<uint64_t>(-r) << 1) - 1);
+  if (base == 3) {
+    uint32_t bits;
+    std::memcpy(&bits, &shift.log_rope_base, 4);
+    PutLE<uint32_t>(out, bits);
+  }
+  varint(shift.reference_parent_node_id);
 }
 
 absl::StatusOr<ReferenceShift> ParseReferenceShift(const BlockGeometry& geometry,
                                                    absl::string_view* params) {
-  if (params->size() < kReferenceShiftBytes) {
-    return absl::DataLossError("reference shift: params truncated");
-  }
-  const char* p = params->data();
-  if (static_cast<uint8_t>(p[0]) != kVersion) {
-    return absl::DataLossError(
-        absl::StrCat("reference shift: unknown version ", static_cast<uint8_t>(p[0])));
-  }
-  const uint8_t flags = static_cast<uint8_t>(p[1]);
-  if (flags & ~kFlagHalfSplit) {
+  absl::string_view p = *params;
+  auto truncated = [] { return absl::DataLossError("reference shift: params truncated"); };
+  // LEB128 of at most `max_bytes` bytes; false when truncated or longer.
+  auto varint = [&p](int max_bytes, uint64_t* v) {
+    *v = 0;
+    for (int i = 0; i < max_bytes && !p.empty(); ++i) {
+      const uint8_t byte = static_cast<uint8_t>(p.front());
+      p.remove_prefix(1);
+      *v |= static_cast<uint64_t>(byte & 0x7f) << (7 * i);
+      if (!(byte & 0x80)) return true;
+    }
+    return false;
+  };
+  if (p.empty()) return truncated();
+  const uint8_t flags = static_cast<uint8_t>(p.front());
+  p.remove_prefix(1);
+  if (flags & ~(kFlagHalfSplit | kBaseMask)) {
     return absl::DataLossError(absl::StrCat("reference shift: unknown flags ", flags));
   }
   ReferenceShift s;
   s.enabled = true;
   s.half_split = (flags & kFlagHalfSplit) != 0;
-  s.token_shift = GetLE<uint16_t>(p + 2);
-  s.rotation = static_cast<int32_t>(GetLE<uint32_t>(p + 4));
-  const uint32_t bits = GetLE<uint32_t>(p + 8);
-  std::memcpy(&s.log_rope_base, &bits, 4);
-  s.reference_parent_node_id = GetLE<uint64_t>(p + 12);
+  uint64_t token_shift, rotation, parent;
+  if (!varint(3, &token_shift) || !varint(3, &rotation)) return truncated();
+  if (token_shift >= geometry.block_tokens || rotation > 2ull * kMaxShiftRotation) {
+    return absl::DataLossError(absl::StrCat("reference shift: token_shift ", token_shift,
+                                            " or rotation code ", rotation, " out of range"));
+  }
+  s.token_shift = static_cast<uint32_t>(token_shift);
+  s.rotation = (rotation & 1) ? -static_cast<int32_t>((rotation + 1) >> 1)
+                              : static_cast<int32_t>(rotation >> 1);
+  switch ((flags & kBaseMask) >> 1) {
+    case 0:
+      s.log_rope_base = 0;
+      break;
+    case 1:
+      s.log_rope_base = kLogRopeBase10000;
+      break;
+    case 2:
+      s.log_rope_base = kLogRopeBase500000;
+      break;
+    default: {
+      if (p.size() < 4) return truncated();
+      const uint32_t bits = GetLE<uint32_t>(p.data());
+      std::memcpy(&s.log_rope_base, &bits, 4);
+      p.remove_prefix(4);
+      if (!(s.log_rope_base > 0)) {  // 0 has its own code; NaN and negatives are malformed
+        return absl::DataLossError("reference shift: explicit RoPE base not above 1");
+      }
+    }
+  }
+  if (!varint(10, &parent)) return truncated();
+  s.reference_parent_node_id = parent;
   if (const std::string problem = ShiftProblem(geometry, s); !problem.empty()) {
     return absl::DataLossError(absl::StrCat("reference shift: ", problem));
   }
-  params->remove_prefix(kReferenceShiftBytes);
+  *params = p;
   return s;
 }
 
@@ -229,9 +272,8 @@ void DetectShiftRope(const BlockGeometry& g, absl::Span<const uint8_t> kv,
     float log_base;
     bool half_split;
   };
-  std::vector<Option> options = {{0.0f, false},
-                                 {static_cast<float>(std::log(10000.0)), false},
-                                 {static_cast<float>(std::log(500000.0)), false}};
+  std::vector<Option> options = {
+      {0.0f, false}, {kLogRopeBase10000, false}, {kLogRopeBase500000, false}};
   if (g.head_dim % 2 == 0 && g.head_dim >= 4) {
     options.push_back({options[1].log_base, true});
     options.push_back({options[2].log_base, true});

@@ -23,10 +23,12 @@
 // (i, i + head_dim / 2) (GPT-NeoX / Hugging Face). An odd head_dim's last channel is not turned.
 //
 // In the envelope (block_codec.h): flags bit 7 marks a block coded against a shifted reference;
-// its params then start with this prefix (the encoding's own params follow):
-//   u8 version (1), u8 flags (bit 0 = half_split; others 0), u16 token_shift (< block_tokens),
-//   i32 rotation (|rotation| <= kMaxShiftRotation), f32 ln(RoPE base) (0 = keys not turned, else
-//   finite in (0, 40]), u64 reference parent node id (nonzero iff token_shift > 0)   = 20 bytes.
+// its params then start with this prefix (the encoding's own params follow), 4-5 bytes typically:
+//   u8 flags: bit 0 = half_split; bits 1-2 = the RoPE base: 0 = keys not turned, 1 = 10000,
+//     2 = 500000, 3 = an f32 ln(base) follows (finite, in (0, 40]); other bits 0;
+//   LEB128 token_shift (< block_tokens); LEB128 ZigZag rotation (|rotation| <= kMaxShiftRotation);
+//   [f32 ln(base), little-endian]; LEB128 reference parent node id (nonzero iff token_shift > 0).
+// (ln 10000 and ln 500000 are the float constants kLogRopeBase10000 / kLogRopeBase500000.)
 // Only the compact kResidual (a head predicted with kCentroid) and the kLossless centroid
 // difference (centroid_lossless.h) use it; anything else with the flag, or a malformed prefix, is
 // DATA_LOSS. Blocks without the flag decode as before.
@@ -49,6 +51,9 @@ namespace kvtrie {
 
 // The most positions a shifted reference's keys are turned by.
 inline constexpr int32_t kMaxShiftRotation = 1 << 16;
+// ln(10000) and ln(500000) as floats (the bases coded in one flag value).
+inline constexpr float kLogRopeBase10000 = 9.21034037197618f;
+inline constexpr float kLogRopeBase500000 = 13.1223633774043f;
 
 struct ReferenceShift {
   bool enabled = false;
@@ -64,12 +69,10 @@ struct ReferenceShift {
 
 namespace internal {
 
-inline constexpr size_t kReferenceShiftBytes = 20;
-
 // INVALID_ARGUMENT naming the field when `shift` (log_rope_base already chosen) cannot be coded.
 absl::Status CheckReferenceShift(const BlockGeometry& geometry, const ReferenceShift& shift);
 
-// Appends the 20-byte params prefix. REQUIRES: CheckReferenceShift is OK.
+// Appends the params prefix. REQUIRES: CheckReferenceShift is OK.
 void AppendReferenceShift(const ReferenceShift& shift, std::string* out);
 
 // Parses the prefix off the front of `*params` (advanced past it). Errors: DATA_LOSS naming what

@@ -101,6 +101,9 @@ ABSL_FLAG(bool, near_dup_clusters, true,
 ABSL_FLAG(double, cluster_max_distance_bits, kvtrie::NearDupOptions().max_distance_bits,
           "near-duplicate candidates farther than this trie distance (bits of the two histories "
           "not shared) are not tried");
+ABSL_FLAG(bool, cluster_position_shifted, true,
+          "store position-shifted near-duplicates (the same text a few tokens later or earlier) "
+          "as residuals of a centroid whose keys are turned by RoPE to the offset, when smaller");
 
 namespace kvtrie {
 namespace {
@@ -162,6 +165,7 @@ int Run() {
   store_options.verify_payloads_on_open = absl::GetFlag(FLAGS_verify_on_start);
   store_options.near_dup.enabled = absl::GetFlag(FLAGS_near_dup_clusters);
   store_options.near_dup.max_distance_bits = absl::GetFlag(FLAGS_cluster_max_distance_bits);
+  store_options.near_dup.position_shifted = absl::GetFlag(FLAGS_cluster_position_shifted);
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<std::unique_ptr<KvStore>> store = KvStore::Open(store_options);
   if (!store.ok()) {

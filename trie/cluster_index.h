@@ -48,7 +48,7 @@
 namespace kvtrie {
 
 // Server options of the near-duplicate index (flags --near_dup_clusters,
-// --cluster_max_distance_bits).
+// --cluster_max_distance_bits, --cluster_position_shifted).
 struct NearDupOptions {
   bool enabled = true;
   // Candidates farther than this trie distance (bits) are not tried. Two branches that differ by
@@ -57,6 +57,9 @@ struct NearDupOptions {
   // near-duplicates are still clustered.
   double max_distance_bits = 16384;
   uint32_t max_candidates = 2;  // candidates encoded per new block, nearest first
+  // Code position-shifted near-duplicates against their centroid at the offset (see below);
+  // false stores them standalone (counted as skipped), as before.
+  bool position_shifted = true;
 };
 
 // Log2 histogram over bits: bucket 0 = [0, 1), bucket i >= 1 = [2^(i-1), 2^i), the last bucket is

@@ -52,6 +52,10 @@ absl::StatusOr<ModelShard::NearDupEncoded> ModelShard::EncodeNewBlock(
         clusters_.FindCandidates(trie_.get(), anchor, block_index + 1,
                                  token_ids.subspan(static_cast<size_t>(block_index) * bt, bt), path,
                                  nd.max_distance_bits, nd.max_candidates);
+    if (!nd.position_shifted && !candidates.empty() && candidates.front().shifted) {
+      clusters_.CountShifted(false);
+      candidates.clear();
+    }
     clusters_.CountTried(candidates.size());
   }
   if (candidates.empty()) return out;
