@@ -208,7 +208,8 @@ int Main(int argc, char** argv) {
         "\nPosition-shifted branch %s (the same text 4 tokens earlier after its changed word): "
         "bytes as a share of the same blocks standalone (c), before = (d0) shifted blocks "
         "standalone, after = (d) coded against n0's window at the offset (keys turned by "
-        "RoPE). Its last block has no stored continuation and stays standalone.\n\n",
+        "RoPE). Its last block repeats n0's last 12 tokens, where n0 ends: a tail window of "
+        "n0's last block.\n\n",
         name.c_str());
     std::printf(
         "| %s | lossless incl. div | lossless after | lossy incl. div | lossy after | "

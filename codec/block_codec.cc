@@ -232,7 +232,7 @@ absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
           "reference_shift: needs reference_node_id and the reference block");
     }
     if (context.reference.size() != kv.size() ||
-        (shift.token_shift > 0 && context.reference_parent.size() != kv.size())) {
+        (shift.token_shift > 0 && !shift.tail && context.reference_parent.size() != kv.size())) {
       return absl::InvalidArgumentError(absl::StrCat(
           "reference_shift: the reference (", context.reference.size(), " bytes) and its parent (",
           context.reference_parent.size(), " bytes) must each have the block's ", kv.size()));

@@ -14,6 +14,7 @@ namespace {
 
 constexpr uint8_t kFlagHalfSplit = 1;
 constexpr uint8_t kBaseMask = 6;  // flags bits 1-2: the RoPE base code
+constexpr uint8_t kFlagTail = 8;
 constexpr float kMaxLogBase = 40.0f;
 
 // e^y for |y| <= ~40: Taylor series of e^(y / 2^12), squared 12 times (as residual_kernels.cc).
@@ -93,7 +94,12 @@ std::string ShiftProblem(const BlockGeometry& g, const ReferenceShift& shift) {
   if (shift.half_split && g.head_dim % 2 != 0) {
     return absl::StrCat("half_split pairing needs an even head_dim, not ", g.head_dim);
   }
-  if ((shift.token_shift > 0) != (shift.reference_parent_node_id != 0)) {
+  if (shift.tail && (shift.token_shift == 0 || shift.reference_parent_node_id != 0)) {
+    return absl::StrCat("a tail window with token_shift ", shift.token_shift,
+                        " and reference_parent_node_id ", shift.reference_parent_node_id,
+                        " (needs token_shift > 0 and no parent)");
+  }
+  if (!shift.tail && (shift.token_shift > 0) != (shift.reference_parent_node_id != 0)) {
     return absl::StrCat("reference_parent_node_id ", shift.reference_parent_node_id,
                         " with token_shift ", shift.token_shift,
                         " (nonzero exactly when token_shift is)");
@@ -163,15 +169,40 @@ float MaxFinite(DType dtype) {
 }
 
 // The window's source row of token j of head (l, kv, h): a pointer to head_dim elements.
-const uint8_t* SourceRow(const BlockGeometry& g, uint32_t token_shift,
+const uint8_t* SourceRow(const BlockGeometry& g, const ReferenceShift& shift,
                          absl::Span<const uint8_t> reference,
                          absl::Span<const uint8_t> reference_parent, size_t head_offset,
                          uint32_t j) {
   const size_t w = DTypeBytes(g.dtype);
-  const bool from_parent = j < token_shift;
-  const size_t token = from_parent ? g.block_tokens - token_shift + j : j - token_shift;
-  const uint8_t* base = from_parent ? reference_parent.data() : reference.data();
+  const uint32_t s = shift.token_shift, T = g.block_tokens;
+  size_t token;
+  const uint8_t* base = reference.data();
+  if (shift.tail) {
+    token = j < s ? T - s + j : T - 1;
+  } else if (j < s) {
+    token = T - s + j;
+    base = reference_parent.data();
+  } else {
+    token = j - s;
+  }
   return base + (head_offset + token * g.head_dim) * w;
+}
+
+// Positions token j's source is turned by beyond `rotation` (tail fillers: their distance).
+uint32_t ExtraTurn(const ReferenceShift& shift, uint32_t j) {
+  return shift.tail && j >= shift.token_shift ? j - shift.token_shift + 1 : 0;
+}
+
+// The turn of each token of the block (index j), sharing tables between equal angles.
+std::vector<Turn> MakeTurns(const BlockGeometry& g, const ReferenceShift& shift, float log_base,
+                            bool half_split) {
+  std::vector<Turn> turns;
+  const uint32_t extras = shift.tail ? g.block_tokens - shift.token_shift : 0;
+  for (uint32_t e = 0; e <= extras; ++e) {
+    turns.push_back(
+        MakeTurn(g.head_dim, shift.rotation + static_cast<int32_t>(e), log_base, half_split));
+  }
+  return turns;
 }
 
 }  // namespace
@@ -187,7 +218,8 @@ void AppendReferenceShift(const ReferenceShift& shift, std::string* out) {
                        : shift.log_rope_base == kLogRopeBase10000  ? 1
                        : shift.log_rope_base == kLogRopeBase500000 ? 2
                                                                    : 3;
-  out->push_back(static_cast<char>((shift.half_split ? kFlagHalfSplit : 0) | (base << 1)));
+  out->push_back(static_cast<char>((shift.half_split ? kFlagHalfSplit : 0) | (base << 1) |
+                                   (shift.tail ? kFlagTail : 0)));
   auto varint = [out](uint64_t v) {
     for (; v >= 0x80; v >>= 7) out->push_back(static_cast<char>(0x80 | (v & 0x7f)));
     out->push_back(static_cast<char>(v));
@@ -221,12 +253,13 @@ absl::StatusOr<ReferenceShift> ParseReferenceShift(const BlockGeometry& geometry
   if (p.empty()) return truncated();
   const uint8_t flags = static_cast<uint8_t>(p.front());
   p.remove_prefix(1);
-  if (flags & ~(kFlagHalfSplit | kBaseMask)) {
+  if (flags & ~(kFlagHalfSplit | kBaseMask | kFlagTail)) {
     return absl::DataLossError(absl::StrCat("reference shift: unknown flags ", flags));
   }
   ReferenceShift s;
   s.enabled = true;
   s.half_split = (flags & kFlagHalfSplit) != 0;
+  s.tail = (flags & kFlagTail) != 0;
   uint64_t token_shift, rotation, parent;
   if (!varint(3, &token_shift) || !varint(3, &rotation)) return truncated();
   if (token_shift >= geometry.block_tokens || rotation > 2ull * kMaxShiftRotation) {
@@ -283,16 +316,15 @@ void DetectShiftRope(const BlockGeometry& g, absl::Span<const uint8_t> kv,
   double none_sse = 0, best_sse = std::numeric_limits<double>::infinity();
   Option best = options[0];
   for (const Option& o : options) {
-    const Turn turn = MakeTurn(g.head_dim, shift->rotation, o.log_base, o.half_split);
+    const std::vector<Turn> turns = MakeTurns(g, *shift, o.log_base, o.half_split);
     double sse = 0;
     for (size_t l = 0; l < g.num_layers; ++l) {
       for (size_t h = 0; h < g.num_kv_heads; ++h) {
         const size_t head = (l * 2 * g.num_kv_heads + h) * T * D;  // the K plane's head h
         for (uint32_t j = 0; j < T; ++j) {
           ToFloat(g.dtype, kv.data() + (head + j * D) * w, D, x.data());
-          ToFloat(g.dtype, SourceRow(g, shift->token_shift, reference, reference_parent, head, j),
-                  D, y.data());
-          if (o.log_base > 0) TurnRow(turn, MaxFinite(g.dtype), y.data());
+          ToFloat(g.dtype, SourceRow(g, *shift, reference, reference_parent, head, j), D, y.data());
+          if (o.log_base > 0) TurnRow(turns[ExtraTurn(*shift, j)], MaxFinite(g.dtype), y.data());
           for (size_t d = 0; d < D; ++d) {
             const double e = static_cast<double>(x[d]) - y[d];
             sse += e * e;
@@ -320,7 +352,7 @@ absl::Status BuildShiftedReference(const BlockGeometry& g, const ReferenceShift&
     return absl::InvalidArgumentError(absl::StrCat("reference: ", reference.size(), " bytes (out ",
                                                    out.size(), "), the block has ", n));
   }
-  if (shift.token_shift > 0) {
+  if (shift.token_shift > 0 && !shift.tail) {
     if (reference_parent.empty()) {
       return absl::FailedPreconditionError(
           absl::StrCat("reference_parent: the block is coded against a shifted centroid whose "
@@ -334,22 +366,21 @@ absl::Status BuildShiftedReference(const BlockGeometry& g, const ReferenceShift&
   }
   const size_t D = g.head_dim, T = g.block_tokens, w = DTypeBytes(g.dtype);
   const bool turn_keys = shift.log_rope_base > 0;
-  const Turn turn = MakeTurn(g.head_dim, shift.rotation, shift.log_rope_base, shift.half_split);
+  const std::vector<Turn> turns = MakeTurns(g, shift, shift.log_rope_base, shift.half_split);
   std::vector<float> row(D);
   for (size_t l = 0; l < g.num_layers; ++l) {
     for (size_t kv = 0; kv < 2; ++kv) {
       for (size_t h = 0; h < g.num_kv_heads; ++h) {
         const size_t head = ((l * 2 + kv) * g.num_kv_heads + h) * T * D;
         for (uint32_t j = 0; j < T; ++j) {
-          const uint8_t* src =
-              SourceRow(g, shift.token_shift, reference, reference_parent, head, j);
+          const uint8_t* src = SourceRow(g, shift, reference, reference_parent, head, j);
           uint8_t* dst = out.data() + (head + j * D) * w;
           if (kv == 1 || !turn_keys) {
             std::memcpy(dst, src, D * w);
             continue;
           }
           ToFloat(g.dtype, src, D, row.data());
-          TurnRow(turn, MaxFinite(g.dtype), row.data());
+          TurnRow(turns[ExtraTurn(shift, j)], MaxFinite(g.dtype), row.data());
           FromFloat(g.dtype, row.data(), D, dst);
         }
       }

@@ -14,9 +14,12 @@
 //   j <  s: the centroid's parent's token T - s + j,
 //   j >= s: the centroid's token j - s,
 // keys turned by `rotation` positions (block position of token j minus the position of the token
-// it is predicted from; the same for every token, as the window is contiguous). On each channel
-// pair (a, b) with angle phi = rotation * theta_i, theta_i = base^(-2i / head_dim):
-// (a cos phi - b sin phi, a sin phi + b cos phi), computed in double from a deterministic cos/sin
+// it is predicted from; the same for every token, as the window is contiguous). With `tail` the
+// window's end is not stored (the stored text stops there): the centroid is the node holding the
+// window's start, block tokens j < s come from its tokens T - s + j, and every later token from
+// its last token, turned by rotation + (j - s + 1) positions (its own position difference). On each
+// channel pair (a, b) with angle phi = rotation * theta_i, theta_i = base^(-2i / head_dim): (a cos
+// phi - b sin phi, a sin phi + b cos phi), computed in double from a deterministic cos/sin
 // (Cody-Waite reduction and Taylor series, IEEE operations only) and rounded to float, then to the
 // dtype, so encoder and decoder build the same window bit for bit on any machine. Channel pairs are
 // adjacent (2i, 2i + 1) (llama2.c, GGML; stories260K with base 10000) or, with `half_split`,
@@ -25,9 +28,10 @@
 // In the envelope (block_codec.h): flags bit 7 marks a block coded against a shifted reference;
 // its params then start with this prefix (the encoding's own params follow), 4-5 bytes typically:
 //   u8 flags: bit 0 = half_split; bits 1-2 = the RoPE base: 0 = keys not turned, 1 = 10000,
-//     2 = 500000, 3 = an f32 ln(base) follows (finite, in (0, 40]); other bits 0;
+//     2 = 500000, 3 = an f32 ln(base) follows (finite, in (0, 40]); bit 3 = tail; other bits 0;
 //   LEB128 token_shift (< block_tokens); LEB128 ZigZag rotation (|rotation| <= kMaxShiftRotation);
-//   [f32 ln(base), little-endian]; LEB128 reference parent node id (nonzero iff token_shift > 0).
+//   [f32 ln(base), little-endian]; LEB128 reference parent node id (nonzero iff token_shift > 0
+//   and not tail; a tail window needs token_shift > 0).
 // (ln 10000 and ln 500000 are the float constants kLogRopeBase10000 / kLogRopeBase500000.)
 // Only the compact kResidual (a head predicted with kCentroid) and the kLossless centroid
 // difference (centroid_lossless.h) use it; anything else with the flag, or a malformed prefix, is
@@ -65,6 +69,7 @@ struct ReferenceShift {
   float log_rope_base = -1;
   bool half_split = false;                // channel pairs (i, i + D / 2), else (2i, 2i + 1)
   uint64_t reference_parent_node_id = 0;  // the centroid's parent; nonzero iff token_shift > 0
+  bool tail = false;  // the window's end is not stored (see above); no reference parent
 };
 
 namespace internal {

@@ -142,6 +142,43 @@ TEST_F(ReferenceShiftTest, LosslessRoundTripsBitExactAndIsSmaller) {
   EXPECT_LT(shifted_bytes, alone_bytes / 2);
 }
 
+// n3's last block repeats n0's last 12 tokens; n0 stops there (a tail window of n0's block 31).
+TEST_F(ReferenceShiftTest, TailWindowRoundTripsAndIsSmaller) {
+  const size_t b = n0_.blocks.size() - 1;
+  PredictionContext ctx;
+  ctx.reference = n0_.blocks[b];
+  for (Encoding enc : {Encoding::kResidual, Encoding::kLossless}) {
+    EncodeOptions o = Options(enc);
+    o.reference_shift.tail = true;
+    o.reference_shift.reference_parent_node_id = 0;
+    auto e = EncodeBlock(g(), n3_.blocks[b], o, ctx);
+    ASSERT_TRUE(e.ok()) << e.status();
+    auto h = ParseBlock(e->bytes);
+    ASSERT_TRUE(h.ok());
+    ASSERT_EQ(h->reference_node_id, 42u);
+    EXPECT_TRUE(h->reference_shift.tail);
+    std::vector<uint8_t> out(g().num_bytes());
+    ASSERT_TRUE(DecodeBlock(e->bytes, absl::MakeSpan(out), ctx).ok());  // no parent needed
+    o.reference_node_id = 0;
+    o.reference_shift = {};
+    auto alone = EncodeBlock(g(), n3_.blocks[b], o);
+    ASSERT_TRUE(alone.ok());
+    if (enc == Encoding::kLossless) {
+      EXPECT_EQ(out, n3_.blocks[b]);
+    } else {
+      EXPECT_LE(RelRms(g(), n3_.blocks[b], out, 0), 0.1 + 1e-9);
+      EXPECT_LE(RelRms(g(), n3_.blocks[b], out, 1), 0.1 + 1e-9);
+    }
+    std::printf("tail window %s: %zu bytes, standalone %zu\n",
+                std::string(EncodingName(enc)).c_str(), e->bytes.size(), alone->bytes.size());
+    EXPECT_LT(e->bytes.size(), alone->bytes.size());
+  }
+  // A tail with a parent id, or without token_shift, is refused.
+  EncodeOptions o = Options(Encoding::kResidual);
+  o.reference_shift.tail = true;
+  EXPECT_TRUE(absl::IsInvalidArgument(EncodeBlock(g(), n3_.blocks[b], o, ctx).status()));
+}
+
 TEST_F(ReferenceShiftTest, DecodingNeedsTheCentroidsParent) {
   const size_t b = 12;
   auto e = EncodeBlock(g(), n3_.blocks[b], Options(Encoding::kResidual), Context(b));

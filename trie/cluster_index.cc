@@ -154,6 +154,19 @@ std::vector<ClusterIndex::Candidate> ClusterIndex::FindCandidates(
     }
     out.push_back({b->id, d, true, s, rotation, a->id, matched});
   };
+  // A tail window: a's last s tokens, the rest of the block past the stored text.
+  auto consider_tail = [&](const TrieNode* a, uint32_t s, int32_t rotation) {
+    if (a->reference_node_id != 0 || a->removing || a->depth == 0) return;
+    if (!seen.insert({a->id, s | 0x80000000u}).second) return;
+    const double d = distance_to(a);
+    if (d > max_distance_bits) {
+      ++counters_.gated_by_distance;
+      return;
+    }
+    uint32_t matched = 0;
+    for (uint32_t j = 0; j < s; ++j) matched += block[j] == a->token_ids[bt - s + j];
+    out.push_back({a->id, d, true, s, rotation, 0, matched, true});
+  };
   for (uint32_t o = 0; half > 0 && o <= half; ++o) {
     auto it = windows_.find(WindowKey(block.subspan(o, half)));
     if (it == windows_.end()) continue;
@@ -175,13 +188,16 @@ std::vector<ClusterIndex::Candidate> ClusterIndex::FindCandidates(
         }
       } else {  // the window starts in n: A = n, B = a child of n that continues it
         const uint32_t s = static_cast<uint32_t>(bt - (start - q));
+        bool continued = false;
         for (const auto& [h, bucket] : n->children) {
           for (const TrieNode* c : bucket) {
             if (std::equal(block.begin() + s, block.end(), c->token_ids.begin())) {
+              continued = true;
               consider(n, c, s, rotation);
             }
           }
         }
+        if (!continued) consider_tail(n, s, rotation);
       }
     }
   }

@@ -23,12 +23,14 @@
 // path's tokens at the block's positions minus that offset span two consecutive nodes A -> B
 // (parent, child); B becomes the candidate centroid (it must be standalone and within the distance
 // limit), A its window's first tokens, and the codec predicts the block from them with B's keys
-// turned by RoPE to the new positions (codec/reference_shift.h). Candidates are ranked by how many
+// turned by RoPE to the new positions (codec/reference_shift.h). Where A has no child that
+// continues the window (the stored text ends there), A itself is the candidate with a tail
+// window (its last tokens, then its last token repeated). Candidates are ranked by how many
 // of the block's tokens the window repeats, then by distance. Stats: `position_shifted_coded`
 // counts shifted blocks stored against a centroid; `position_shifted_skipped` those stored
-// standalone: no usable window (B not stored — e.g. the stored text ends there —, B itself a
-// residual, over the distance limit, or before the first block), or a residual not smaller
-// (also counted in residual_not_smaller).
+// standalone: no usable window (its centroid itself a residual, over the distance limit, or the
+// window before the first block), or a residual not smaller (also counted in
+// residual_not_smaller).
 //
 // Namespaces: there is one index per (namespace, model) trie, so clusters never cross namespaces.
 // Not thread-safe: the owner (ModelShard) serializes access under its mutex. It is the one owner
@@ -105,6 +107,8 @@ class ClusterIndex {
     int32_t rotation = 0;
     uint64_t reference_parent_id = 0;
     uint32_t matched_tokens = 0;
+    // The window's end is not stored: node_id holds its start (reference_parent_id is 0).
+    bool tail = false;
   };
 
   // Indexes `node` (already in the trie, reference_node_id set: a dependent of that centroid).

@@ -129,7 +129,8 @@ TEST(ClusterIndex, PositionShiftedRepeatIsAShiftedCandidateWhereAWindowIsStored)
 }
 
 // A token deleted: [6 7 8 9] at depth 2 repeats b's tokens 1..3 one position earlier and needs
-// b's child to continue; without one (or when it is itself a residual) it is skipped.
+// b's child to continue it; without one it is a tail window of b; a child that continues it but
+// is itself a residual is no centroid (skipped).
 TEST(ClusterIndex, ShiftedWindowNeedsAStandaloneContinuation) {
   BlockTrie trie(4);
   ClusterIndex index;
@@ -140,7 +141,15 @@ TEST(ClusterIndex, ShiftedWindowNeedsAStandaloneContinuation) {
   index.Add(*b);
   index.Add(*x);
   const std::vector<uint32_t> block{6, 7, 8, 9};
-  EXPECT_TRUE(index.FindCandidates(&trie, x, 2, block, 0, 1e9, 4).empty());
+  // Nothing stored after b: a tail window, b's last 3 tokens (token 3 from b's last one).
+  auto tail = index.FindCandidates(&trie, x, 2, block, 0, 1e9, 4);
+  ASSERT_EQ(tail.size(), 1u);
+  EXPECT_TRUE(tail[0].tail);
+  EXPECT_EQ(tail[0].node_id, b->id);
+  EXPECT_EQ(tail[0].reference_parent_id, 0u);
+  EXPECT_EQ(tail[0].token_shift, 3u);
+  EXPECT_EQ(tail[0].rotation, -1);
+  EXPECT_EQ(tail[0].matched_tokens, 3u);
   TrieNode* c = trie.AddChild(b, 4, std::vector<uint32_t>{9, 10, 11, 12}, {});
   c->reference_node_id = 99;  // a residual: never a centroid
   index.Add(*c);
@@ -150,6 +159,7 @@ TEST(ClusterIndex, ShiftedWindowNeedsAStandaloneContinuation) {
   index.Add(*c);
   auto cands = index.FindCandidates(&trie, x, 2, block, 0, 1e9, 4);
   ASSERT_EQ(cands.size(), 1u);
+  EXPECT_FALSE(cands[0].tail);
   EXPECT_EQ(cands[0].node_id, c->id);
   EXPECT_EQ(cands[0].reference_parent_id, b->id);
   EXPECT_EQ(cands[0].token_shift, 3u);
@@ -159,7 +169,7 @@ TEST(ClusterIndex, ShiftedWindowNeedsAStandaloneContinuation) {
   EXPECT_TRUE(index.FindCandidates(&trie, x, 2, block, 1e6, 10, 4).empty());
   ClusterStats s;
   index.AddStats(&trie, &s);
-  EXPECT_EQ(s.position_shifted_skipped, 3u);
+  EXPECT_EQ(s.position_shifted_skipped, 2u);  // c a residual; over the distance limit
   EXPECT_GE(s.gated_by_distance, 1u);
 }
 

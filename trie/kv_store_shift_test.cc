@@ -2,7 +2,8 @@
 // the real dumps: tests/data/neardup/n3 is n0 with "practical" (8 tokens) replaced by "useful"
 // (4 tokens) at token 89, then the same text 4 tokens earlier. After n0, n3's blocks from 6 on are
 // coded against n0's window at the offset (the end of one n0 block and the start of the next, keys
-// turned by -4 positions); its last block has no stored continuation and stays standalone.
+// turned by -4 positions); its last block repeats n0's last 12 tokens, where n0 ends: a tail
+// window of n0's last block.
 #include <cmath>
 #include <string>
 #include <vector>
@@ -123,11 +124,10 @@ TEST_F(ShiftStoreTest, LosslessShiftedBranchIsCodedAgainstTheCentroidBitExactAcr
   ASSERT_TRUE(s3.ok()) << s3.status();
   uint64_t bytes = 0;
   const size_t residuals = ShiftedResiduals(*s3, &bytes);
-  EXPECT_EQ(residuals, 32 - kFirstShifted - 1);  // all but the last (no continuation stored)
-  EXPECT_EQ(s3->blocks.back().outcome, BlockOutcome::kStored);
+  EXPECT_EQ(residuals, 32 - kFirstShifted);  // the last one with a tail window
   StoreStats st = store_->Stats("ns");
   EXPECT_EQ(st.cluster.position_shifted_coded, residuals);
-  EXPECT_GE(st.cluster.position_shifted_skipped, 1u);
+  EXPECT_EQ(st.cluster.position_shifted_skipped, 0u);
   EXPECT_EQ(st.cluster.residual_nodes, residuals);
   EXPECT_EQ(ExpectBitExact(store_.get(), "ns", n3_), 32u);
   EXPECT_EQ(ExpectBitExact(store_.get(), "ns", n0_), 32u);
@@ -147,7 +147,7 @@ TEST_F(ShiftStoreTest, LossyShiftedBranchMeetsTheTargetAndOutlivesItsCentroids) 
   auto s3 = Put("ns", n3_, enc);
   ASSERT_TRUE(s3.ok()) << s3.status();
   uint64_t bytes = 0;
-  EXPECT_EQ(ShiftedResiduals(*s3, &bytes), 32 - kFirstShifted - 1);
+  EXPECT_EQ(ShiftedResiduals(*s3, &bytes), 32 - kFirstShifted);
   for (const BlockReport& r : s3->blocks) {
     EXPECT_LE(r.rel_rms_error_k, 0.1 * 1.0001) << "block " << r.block_index;
     EXPECT_LE(r.rel_rms_error_v, 0.1 * 1.0001) << "block " << r.block_index;
@@ -195,7 +195,7 @@ TEST_F(ShiftStoreTest, ChainFetchesTheCentroidAndItsParent) {
   });
   DecodeChain server(m.geometry, nullptr);
   std::vector<uint8_t> a(m.geometry.num_bytes()), b(m.geometry.num_bytes());
-  size_t shifted = 0;
+  size_t shifted = 0, tails = 0;
   for (const BlockRead& r : got->blocks) {
     auto payload = store_->ReadPayload("ns", m.model_id, r);
     ASSERT_TRUE(payload.ok());
@@ -205,14 +205,17 @@ TEST_F(ShiftStoreTest, ChainFetchesTheCentroidAndItsParent) {
       ++shifted;
       EXPECT_EQ(h->reference_shift.rotation, -4);
       EXPECT_EQ(h->reference_shift.token_shift, 12u);
+      tails += h->reference_shift.tail;
     }
     ASSERT_TRUE(client.Next(**payload, r.reference_node_id, absl::MakeSpan(a)).ok());
     ASSERT_TRUE(store_->ReadAndDecodeBlock("ns", m.model_id, r, &server, absl::MakeSpan(b)).ok());
     ASSERT_EQ(a, b);
   }
-  EXPECT_EQ(shifted, 32 - kFirstShifted - 1);
-  EXPECT_EQ(fetched.size(),
-            2 * shifted - (shifted - 1));  // each window shares a node with the next
+  EXPECT_EQ(shifted, 32 - kFirstShifted);
+  EXPECT_EQ(tails, 1u);
+  // n0's blocks 6..31, each fetched once: a window shares a node with the next, and the tail
+  // window of the last block is n0's block 31 alone.
+  EXPECT_EQ(fetched.size(), shifted);
 }
 
 }  // namespace
