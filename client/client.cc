@@ -4,17 +4,32 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <sstream>
 
+#include "absl/base/config.h"
 #include "absl/strings/str_cat.h"
+#include "client/get_wire.h"
 #include "client/residual_chain.h"
 #include "codec/block_codec.h"
 #include "codec/kv_layout.h"
 
 namespace kvtrie {
 namespace {
+
+// Token ids as little-endian uint32s (LookupRequest/GetRequest.token_ids_packed).
+void PackTokens(absl::Span<const uint32_t> token_ids, std::string* out) {
+  out->resize(token_ids.size() * 4);
+  if (ABSL_IS_LITTLE_ENDIAN) {
+    std::memcpy(out->data(), token_ids.data(), out->size());
+    return;
+  }
+  for (size_t i = 0; i < token_ids.size(); ++i) {
+    for (int b = 0; b < 4; ++b) (*out)[4 * i + b] = static_cast<char>(token_ids[i] >> (8 * b));
+  }
+}
 
 // Token ids (and as many surprisal values) per Put message: 128K x 8 bytes = 1 MiB.
 constexpr size_t kTokensPerMessage = 128 * 1024;
@@ -142,7 +157,9 @@ Client::Client(const ClientOptions& options) : options_(options) {
       args.SetSslTargetNameOverride(options.tls_server_name);
     }
   }
-  stub_ = v1::KVCache::NewStub(grpc::CreateCustomChannel(options.target, credentials, args));
+  channel_ = grpc::CreateCustomChannel(options.target, credentials, args);
+  stub_ = v1::KVCache::NewStub(channel_);
+  if (options.codec_threads > 1) codec_pool_ = std::make_unique<ThreadPool>(options.codec_threads);
 }
 
 absl::StatusOr<std::vector<uint8_t>> Client::ReferenceBlock(const std::string& model_id,
@@ -193,7 +210,11 @@ absl::StatusOr<v1::LookupResponse> Client::Lookup(const std::string& model_id,
   v1::LookupRequest req;
   req.set_namespace_(options_.ns);
   req.set_model_id(model_id);
-  req.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
+  if (options_.packed_token_ids) {
+    PackTokens(token_ids, req.mutable_token_ids_packed());
+  } else {
+    req.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
+  }
   v1::LookupResponse resp;
   auto ctx = NewContext();
   if (auto s = FromGrpc(stub_->Lookup(ctx.get(), req, &resp)); !s.ok()) return s;
@@ -263,18 +284,48 @@ absl::StatusOr<std::unique_ptr<PutStream>> Client::OpenPut(const KvDump& header,
 absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
                                    absl::Span<const uint32_t> token_ids,
                                    const GetOptions& options) {
+  KvDump out;
+  if (absl::Status s = GetInto(model_id, token_ids, options, &out); !s.ok()) return s;
+  return out;
+}
+
+absl::Status Client::GetInto(const std::string& model_id, absl::Span<const uint32_t> token_ids,
+                             const GetOptions& options, KvDump* out_dump) {
   if (auto s = CheckNames(options_.ns, model_id); !s.ok()) return s;
   v1::GetRequest req;
   req.set_namespace_(options_.ns);
   req.set_model_id(model_id);
-  req.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
+  if (options_.packed_token_ids) {
+    PackTokens(token_ids, req.mutable_token_ids_packed());
+  } else {
+    req.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
+  }
   req.set_mode(options.mode);
   req.set_max_blocks(options.max_blocks);
   auto ctx = NewContext();
-  std::unique_ptr<grpc::ClientReader<v1::GetResponse>> reader(stub_->Get(ctx.get(), req));
+  // The responses as gRPC received them: kv is scattered from the slices (client/get_wire.h).
+  const grpc::internal::RpcMethod method("/kvtrie.v1.KVCache/Get",
+                                         grpc::internal::RpcMethod::SERVER_STREAMING);
+  std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
+      grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(channel_.get(), method,
+                                                                    ctx.get(), req));
   v1::GetResponse msg;
-  KvDump out;
+  grpc::ByteBuffer buffer;
+  std::vector<grpc::Slice> slices;
+  std::vector<absl::Span<const uint8_t>> kv;
+  bool parse_failed = false;
+  auto read = [&] {
+    if (!reader->Read(&buffer)) return false;
+    slices.clear();
+    if (!buffer.Dump(&slices).ok() || !ParseGetResponse(slices, &msg, &kv)) {
+      parse_failed = true;
+      return false;
+    }
+    return true;
+  };
+  KvDump& out = *out_dump;
   out.model_id = model_id;
+  out.token_ids.clear();
   BlockGeometry g;
   size_t tokens = 0;
   std::vector<uint8_t> block;
@@ -285,10 +336,12 @@ absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
     reader->Finish();
     return absl::DataLossError(absl::StrCat("get: ", what));
   };
-  if (!reader->Read(&msg) || !msg.has_header()) {
+  if (!read() || !msg.has_header()) {
+    if (parse_failed) return bad("a message that does not parse");
     if (auto s = FromGrpc(reader->Finish()); !s.ok()) return s;
     return absl::DataLossError("get: the stream did not start with a header");
   }
+  size_t seq_bytes = 0;
   if (msg.header().matched_blocks() > 0) {
     g = GeometryOf(msg.header().model());
     if (auto s = g.Validate(); !s.ok()) return bad(absl::StrCat("header: ", s.message()));
@@ -299,20 +352,57 @@ absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
     out.head_dim = g.head_dim;
     out.dtype = g.dtype;
     out.token_ids.assign(token_ids.begin(), token_ids.begin() + static_cast<ptrdiff_t>(tokens));
-    const size_t seq_bytes =
-        g.num_layers * g.num_kv_heads * tokens * g.head_dim * DTypeBytes(g.dtype);
-    out.k.resize(seq_bytes);
-    out.v.resize(seq_bytes);
+    seq_bytes = g.num_layers * g.num_kv_heads * tokens * g.head_dim * DTypeBytes(g.dtype);
     block.resize(g.num_bytes());
     layers_seen.assign(msg.header().matched_blocks(), 0);
     chain = std::make_unique<ResidualChain>(
         g, [&](uint64_t node_id) { return ReferenceBlock(model_id, node_id, g); });
   }
-  while (reader->Read(&msg)) {
+  out.k.resize(seq_bytes);  // the same size again (GetInto into a reused dump) writes nothing
+  out.v.resize(seq_bytes);
+  // RESIDUAL with codec threads: a window of encoded blocks is decoded at once (in parallel where
+  // the blocks are independent), each scattered by the thread that decoded it.
+  const size_t window = codec_pool_ ? 4 * static_cast<size_t>(codec_pool_->threads()) : 1;
+  std::vector<std::string> pending_encoded(window);
+  std::vector<uint32_t> pending_index;
+  std::vector<uint64_t> pending_ref;
+  std::vector<std::vector<uint8_t>> decoded;
+  auto flush = [&]() -> absl::Status {
+    if (pending_index.empty()) return absl::OkStatus();
+    decoded.resize(pending_index.size());
+    std::vector<absl::string_view> enc;
+    std::vector<absl::Span<uint8_t>> outs;
+    for (size_t i = 0; i < pending_index.size(); ++i) {
+      decoded[i].resize(g.num_bytes());
+      enc.push_back(pending_encoded[i]);
+      outs.push_back(absl::MakeSpan(decoded[i]));
+    }
+    absl::Status s =
+        chain->DecodeMany(pending_index, pending_ref, enc, outs, codec_pool_.get(), [&](size_t i) {
+          ScatterBlock(g, tokens, decoded[i], pending_index[i], out.k.data(), out.v.data());
+        });
+    for (uint32_t i : pending_index) layers_seen[i] = g.num_layers;
+    pending_index.clear();
+    pending_ref.clear();
+    return s;
+  };
+  while (read()) {
     if (!msg.has_block()) return bad("a second header");
     const v1::GetBlock& b = msg.block();
     if (b.block_index() >= layers_seen.size()) return bad("block_index past the match");
     if (!b.encoded().empty()) {  // RESIDUAL: decode here (client -> codec)
+      if (codec_pool_ != nullptr) {
+        pending_encoded[pending_index.size()].swap(*msg.mutable_block()->mutable_encoded());
+        pending_index.push_back(b.block_index());
+        pending_ref.push_back(b.reference_node_id());
+        if (pending_index.size() < window) continue;
+        if (absl::Status s = flush(); !s.ok()) {
+          ctx->TryCancel();
+          reader->Finish();
+          return s;
+        }
+        continue;
+      }
       if (absl::Status s = chain->Decode(b.block_index(), b.reference_node_id(), b.encoded(),
                                          absl::MakeSpan(block));
           !s.ok()) {
@@ -324,26 +414,29 @@ absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
       ScatterBlock(g, tokens, block, b.block_index(), out.k.data(), out.v.data());
       continue;
     }
+    if (!pending_index.empty()) return bad("a RECONSTRUCTED block among RESIDUAL ones");
     const uint32_t end = b.layer_end();
+    size_t kv_bytes = 0;
+    for (auto piece : kv) kv_bytes += piece.size();
     if (b.layer_begin() >= end || end > g.num_layers ||
-        b.kv().size() != g.layer_range_bytes(b.layer_begin(), end)) {
+        kv_bytes != g.layer_range_bytes(b.layer_begin(), end)) {
       return bad(absl::StrCat("block ", b.block_index(), ": malformed layer range"));
     }
-    std::copy(b.kv().begin(), b.kv().end(),
-              block.begin() + static_cast<ptrdiff_t>(g.layer_range_bytes(0, b.layer_begin())));
+    // Straight from the received slices into the sequence layout: the one copy of the bytes.
+    ScatterLayerPieces(g, tokens, b.layer_begin(), end, kv, b.block_index(), out.k.data(),
+                       out.v.data());
     layers_seen[b.block_index()] += end - b.layer_begin();
-    if (layers_seen[b.block_index()] == g.num_layers) {
-      ScatterBlock(g, tokens, block, b.block_index(), out.k.data(), out.v.data());
-    }
   }
+  if (parse_failed) return bad("a message that does not parse");
   if (auto s = FromGrpc(reader->Finish()); !s.ok()) return s;
+  if (absl::Status s = flush(); !s.ok()) return s;
   for (size_t i = 0; i < layers_seen.size(); ++i) {
     if (layers_seen[i] != g.num_layers) {
       return absl::DataLossError(absl::StrCat("get: block ", i, " arrived incomplete"));
     }
   }
   out.surprisal_bits.assign(out.token_ids.size(), 0.0f);
-  return out;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::StatsResponse> Client::Stats(const std::string& ns_override) {

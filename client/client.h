@@ -23,6 +23,7 @@
 #include "absl/types/span.h"
 #include "client/put_stream.h"
 #include "codec/kv_dump.h"
+#include "codec/thread_pool.h"
 #include "kvtrie/v1/kvtrie.grpc.pb.h"
 
 namespace kvtrie {
@@ -40,6 +41,12 @@ struct ClientOptions {
   std::string tls_server_name = {};  // overrides the name checked in the server's certificate
   // Sent as `authorization: Bearer <token>` on every call (servers run with --tokens_file).
   std::string token = {};
+  // Threads that decode the blocks of a Get RESIDUAL (the caller's included): fast-profile blocks
+  // decode in parallel, a window of 4 per thread at a time. 1 = on the calling thread only.
+  int codec_threads = 1;
+  // Lookup and Get send token ids as LookupRequest/GetRequest.token_ids_packed (4 bytes each,
+  // parsed without varint decoding); false: as varint token_ids, for servers older than the field.
+  bool packed_token_ids = true;
 };
 
 // Reads PEM files into `options` and turns TLS on when any is given (`ca` alone: TLS with that
@@ -95,6 +102,11 @@ class Client {
   // are the matched tokens (empty on a miss) and k/v hold exactly those tokens.
   absl::StatusOr<KvDump> Get(const std::string& model_id, absl::Span<const uint32_t> token_ids,
                              const GetOptions& options = {});
+  // As Get, into `out`, whose k and v buffers are reused: a Get of the same size again neither
+  // allocates nor clears them (the fastest way to read prefixes repeatedly). On an error `out`
+  // holds part of the result.
+  absl::Status GetInto(const std::string& model_id, absl::Span<const uint32_t> token_ids,
+                       const GetOptions& options, KvDump* out);
 
   absl::StatusOr<v1::StatsResponse> Stats(const std::string& ns_override = "");
   absl::StatusOr<v1::InspectResponse> Inspect(const std::string& model_id, uint64_t node_id);
@@ -119,7 +131,9 @@ class Client {
                                                       const BlockGeometry& g);
 
   const ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KVCache::Stub> stub_;
+  std::unique_ptr<ThreadPool> codec_pool_;  // codec_threads > 1
 };
 
 }  // namespace kvtrie

@@ -29,6 +29,7 @@
 #include "absl/types/span.h"
 #include "codec/block_geometry.h"
 #include "codec/decode_chain.h"
+#include "codec/thread_pool.h"
 
 namespace kvtrie {
 
@@ -45,11 +46,27 @@ class ResidualChain {
   absl::Status Decode(uint32_t block_index, uint64_t reference_node_id, absl::string_view encoded,
                       absl::Span<uint8_t> out);
 
+  // Decodes the next blocks at once, with the checks and errors of Decode (the first by position):
+  // block_indices[i] (consecutive from the next expected), reference_node_ids[i] and encoded[i]
+  // into outs[i]. Blocks that read neither their parent nor a centroid (the fast profile) are
+  // decoded on `pool` (null: the caller) in parallel, the others in order on this thread. `done(i)`
+  // is called once outs[i] holds block i, on the thread that decoded it (for example to scatter
+  // it), and must be safe to call concurrently for different i.
+  absl::Status DecodeMany(absl::Span<const uint32_t> block_indices,
+                          absl::Span<const uint64_t> reference_node_ids,
+                          absl::Span<const absl::string_view> encoded,
+                          absl::Span<const absl::Span<uint8_t>> outs, ThreadPool* pool,
+                          const std::function<void(size_t)>& done);
+
  private:
   const BlockGeometry geometry_;
   uint32_t next_block_ = 0;
   uint32_t current_block_ = 0;  // the block being decoded, for the fetcher's errors
   DecodeChain chain_;
+
+  // Decode's checks of one block; `independent` says it reads no parent nor centroid.
+  absl::Status Check(uint32_t block_index, uint32_t expected, uint64_t reference_node_id,
+                     absl::string_view encoded, absl::Span<uint8_t> out, bool* independent);
 };
 
 }  // namespace kvtrie

@@ -13,6 +13,7 @@
 #include "codec/fast_lossless.h"
 #include "codec/fast_residual.h"
 #include "codec/lossless.h"
+#include "codec/predictor_state.h"
 #include "codec/residual_codec.h"
 
 namespace kvtrie {
@@ -22,8 +23,9 @@ constexpr char kMagic[4] = {'K', 'V', 'B', '1'};
 constexpr uint8_t kFormatVersion = 1;
 constexpr size_t kFixedHeader = 24;
 constexpr char kLosslessHalfWords = 2;
-constexpr char kLosslessCentroidDiff = 3;        // centroid_lossless.h; needs context.reference
-constexpr uint8_t kFlagFastProfile = 1;          // envelope flags bit 0: Profile::kFast
+constexpr char kLosslessCentroidDiff = 3;     // centroid_lossless.h; needs context.reference
+constexpr uint8_t kFlagFastProfile = 1;       // envelope flags bit 0: Profile::kFast
+constexpr uint8_t kFlagPredictorVersion = 2;  // bit 1: a u32 predictor version follows the node id
 constexpr uint8_t kFlagShiftedReference = 0x80;  // bit 7: reference_shift.h prefix in params
 
 template <typename T>
@@ -127,6 +129,8 @@ absl::string_view PredictorName(Predictor predictor) {
       return "centroid";
     case Predictor::kExternal:
       return "external";
+    case Predictor::kTokenMean:
+      return "token_mean";
   }
   return "unknown";
 }
@@ -178,21 +182,24 @@ void MeasureError(const BlockGeometry& g, const float* x, const float* y, Encode
 namespace internal {
 std::string WriteEnvelope(Encoding encoding, const BlockGeometry& geometry,
                           uint64_t reference_node_id, absl::string_view params,
-                          absl::string_view payload, Profile profile, const ReferenceShift* shift) {
+                          absl::string_view payload, Profile profile, uint32_t predictor_version,
+                          const ReferenceShift* shift) {
   const bool shifted = shift != nullptr && shift->enabled;
   std::string out;
-  out.reserve(kFixedHeader + 12 + params.size() + payload.size());
+  out.reserve(kFixedHeader + 16 + params.size() + payload.size());
   out.append(kMagic, 4);
   PutLE<uint8_t>(&out, kFormatVersion);
   PutLE<uint8_t>(&out, static_cast<uint8_t>(encoding));
   PutLE<uint8_t>(&out, static_cast<uint8_t>(geometry.dtype));
   PutLE<uint8_t>(&out, (profile == Profile::kFast ? kFlagFastProfile : 0) |
+                           (predictor_version != 0 ? kFlagPredictorVersion : 0) |
                            (shifted ? kFlagShiftedReference : 0));
   PutLE<uint16_t>(&out, static_cast<uint16_t>(geometry.num_layers));
   PutLE<uint16_t>(&out, static_cast<uint16_t>(geometry.num_kv_heads));
   PutLE<uint16_t>(&out, static_cast<uint16_t>(geometry.block_tokens));
   PutLE<uint16_t>(&out, static_cast<uint16_t>(geometry.head_dim));
   PutLE<uint64_t>(&out, reference_node_id);
+  if (predictor_version != 0) PutLE<uint32_t>(&out, predictor_version);
   std::string prefix;
   if (shifted) AppendReferenceShift(*shift, &prefix);
   PutLE<uint32_t>(&out, static_cast<uint32_t>(prefix.size() + params.size()));
@@ -263,10 +270,11 @@ absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
   }
   if (options.profile == Profile::kFast && options.encoding == Encoding::kResidual) {
     internal::FastOutput fast;
-    absl::Status s = internal::EncodeFastResidual(geometry, kv, options, &fast);
+    absl::Status s = internal::EncodeFastResidual(geometry, kv, options, context, &fast);
     if (s.ok()) {
       result.bytes = internal::WriteEnvelope(Encoding::kResidual, geometry, 0, fast.params,
-                                             fast.payload, Profile::kFast);
+                                             fast.payload, Profile::kFast,
+                                             fast.uses_learned ? context.learned->version() : 0);
       result.bits_per_component = 8.0 * result.bytes.size() / geometry.num_elements();
       result.rel_rms_error_k = fast.rel_rms_error[0];
       result.rel_rms_error_v = fast.rel_rms_error[1];
@@ -294,7 +302,7 @@ absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
         CompressCentroidDiff(kv, ctx.reference, DTypeBytes(geometry.dtype), &payload);
         result.bytes =
             internal::WriteEnvelope(Encoding::kLossless, geometry, options.reference_node_id,
-                                    params, payload, Profile::kCompact, &shift);
+                                    params, payload, Profile::kCompact, 0, &shift);
         break;
       }
       if (DTypeBytes(geometry.dtype) == 2) {
@@ -326,9 +334,13 @@ absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
       const int centroid = static_cast<int>(Predictor::kCentroid);
       const bool uses_reference =
           lossy.predictor_count[0][centroid] + lossy.predictor_count[1][centroid] > 0;
+      const int token_mean = static_cast<int>(Predictor::kTokenMean);
+      const bool uses_learned =
+          lossy.predictor_count[0][token_mean] + lossy.predictor_count[1][token_mean] > 0;
       result.bytes = internal::WriteEnvelope(
           options.encoding, geometry, uses_reference ? options.reference_node_id : 0, lossy.params,
-          lossy.payload, Profile::kCompact, uses_reference ? &shift : nullptr);
+          lossy.payload, Profile::kCompact, uses_learned ? context.learned->version() : 0,
+          uses_reference ? &shift : nullptr);
       // What the decoder returns: the reconstruction rounded to the dtype.
       std::vector<uint8_t> decoded(geometry.num_bytes());
       FromFloatSaturating(geometry.dtype, lossy.recon.data(), lossy.recon.size(), decoded.data());
@@ -362,7 +374,9 @@ absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
   return result;
 }
 
-absl::StatusOr<BlockHeader> ParseBlock(absl::string_view encoded) {
+namespace {
+
+absl::StatusOr<BlockHeader> ParseEnvelope(absl::string_view encoded, bool check_crc) {
   if (encoded.size() < kFixedHeader + 12) {
     return absl::DataLossError(
         absl::StrCat("encoded block: truncated (", encoded.size(), " bytes)"));
@@ -371,7 +385,8 @@ absl::StatusOr<BlockHeader> ParseBlock(absl::string_view encoded) {
     return absl::DataLossError("encoded block: bad magic");
   }
   const uint32_t stored_crc = GetLE<uint32_t>(encoded.data() + encoded.size() - 4);
-  const uint32_t actual_crc = Crc32c(encoded.substr(0, encoded.size() - 4));
+  const uint32_t actual_crc =
+      check_crc ? Crc32c(encoded.substr(0, encoded.size() - 4)) : stored_crc;
   if (stored_crc != actual_crc) {
     return absl::DataLossError(absl::StrCat("encoded block: CRC-32C mismatch (stored ",
                                             absl::Hex(stored_crc), ", computed ",
@@ -393,7 +408,7 @@ absl::StatusOr<BlockHeader> ParseBlock(absl::string_view encoded) {
     return absl::DataLossError(absl::StrCat("encoded block: unknown dtype ", dtype));
   }
   const uint8_t flags = static_cast<uint8_t>(p[7]);
-  if (flags & ~(kFlagFastProfile | kFlagShiftedReference)) {
+  if (flags & ~(kFlagFastProfile | kFlagPredictorVersion | kFlagShiftedReference)) {
     return absl::DataLossError(absl::StrCat("encoded block: unknown flags ", flags));
   }
   if ((flags & kFlagFastProfile) && encoding != static_cast<uint8_t>(Encoding::kResidual) &&
@@ -413,6 +428,19 @@ absl::StatusOr<BlockHeader> ParseBlock(absl::string_view encoded) {
   h.reference_node_id = GetLE<uint64_t>(p + 16);
   const size_t body_end = encoded.size() - 4;
   size_t pos = kFixedHeader;
+  if (flags & kFlagPredictorVersion) {
+    if (encoded.size() < kFixedHeader + 16) {
+      return absl::DataLossError("encoded block: truncated predictor version");
+    }
+    h.predictor_version = GetLE<uint32_t>(p + pos);
+    pos += 4;
+    if (h.predictor_version == 0) {
+      return absl::DataLossError("encoded block: predictor version flag with version 0");
+    }
+    if (h.encoding != Encoding::kResidual) {
+      return absl::DataLossError("encoded block: predictor version on a non-residual encoding");
+    }
+  }
   const uint32_t params_len = GetLE<uint32_t>(p + pos);
   pos += 4;
   if (params_len > body_end - pos || body_end - pos - params_len < 4) {
@@ -442,13 +470,57 @@ absl::StatusOr<BlockHeader> ParseBlock(absl::string_view encoded) {
   return h;
 }
 
+absl::Status DecodeParsed(const absl::StatusOr<BlockHeader>& h, absl::Span<uint8_t> out,
+                          const PredictionContext& context);
+
+}  // namespace
+
+absl::StatusOr<BlockHeader> ParseBlock(absl::string_view encoded) {
+  return ParseEnvelope(encoded, /*check_crc=*/true);
+}
+
+absl::StatusOr<BlockHeader> ParseVerifiedBlock(absl::string_view encoded) {
+  return ParseEnvelope(encoded, /*check_crc=*/false);
+}
+
 absl::Status DecodeBlock(absl::string_view encoded, absl::Span<uint8_t> out,
                          const PredictionContext& context) {
-  absl::StatusOr<BlockHeader> h = ParseBlock(encoded);
+  return DecodeParsed(ParseBlock(encoded), out, context);
+}
+
+absl::Status DecodeVerifiedBlock(absl::string_view encoded, absl::Span<uint8_t> out,
+                                 const PredictionContext& context) {
+  return DecodeParsed(ParseVerifiedBlock(encoded), out, context);
+}
+
+namespace {
+
+absl::Status DecodeParsed(const absl::StatusOr<BlockHeader>& h, absl::Span<uint8_t> out,
+                          const PredictionContext& context) {
   if (!h.ok()) return h.status();
   if (out.size() != h->geometry.num_bytes()) {
     return absl::InvalidArgumentError(absl::StrCat("out: block needs ", h->geometry.num_bytes(),
                                                    " bytes, buffer has ", out.size()));
+  }
+  if (h->predictor_version != 0) {
+    if (context.learned == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("learned: the block is coded against predictor state version ",
+                       h->predictor_version, " and no predictor state was given"));
+    }
+    if (context.learned->version() != h->predictor_version) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "learned: the block is coded against predictor state version ", h->predictor_version,
+          ", the given state is version ", context.learned->version()));
+    }
+    if (context.tokens.size() != h->geometry.block_tokens) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "tokens: the block is coded against predictor state version ", h->predictor_version,
+          " and needs its ", h->geometry.block_tokens, " token ids, got ", context.tokens.size()));
+    }
+    if (auto s = internal::CheckLearnedGeometry(*context.learned, h->geometry); !s.ok()) {
+      return absl::FailedPreconditionError(s.message());
+    }
   }
   std::vector<uint8_t> window;
   PredictionContext shifted_context;
@@ -475,7 +547,9 @@ absl::Status DecodeBlock(absl::string_view encoded, absl::Span<uint8_t> out,
   const PredictionContext& ctx = h->reference_shift.enabled ? shifted_context : context;
   if (h->profile == Profile::kFast) {
     if (h->encoding == Encoding::kResidual) {
-      return internal::DecodeFastResidual(h->geometry, h->params, h->payload, out);
+      return internal::DecodeFastResidual(
+          h->geometry, h->params, h->payload, out,
+          h->predictor_version != 0 ? context : PredictionContext{});
     }
     if (h->params.size() != 1 || static_cast<uint8_t>(h->params[0]) != kFastLosslessParamsVersion) {
       return absl::DataLossError("lossless params: unknown fast mode");
@@ -512,9 +586,11 @@ absl::Status DecodeBlock(absl::string_view encoded, absl::Span<uint8_t> out,
     case Encoding::kKivi2:
     case Encoding::kTurboQuant: {
       std::vector<float> y(h->geometry.num_elements());
+      PredictionContext rctx = ctx;  // the shifted window when there is one
+      if (h->predictor_version == 0) rctx.learned = nullptr;  // the block names no state
       absl::Status s =
           h->encoding == Encoding::kResidual
-              ? internal::DecodeResidual(h->geometry, h->params, h->payload, ctx, y.data())
+              ? internal::DecodeResidual(h->geometry, h->params, h->payload, rctx, y.data())
               : internal::DecodeBaseline(h->encoding, h->geometry, h->params, h->payload, y.data());
       if (!s.ok()) return s;
       FromFloatSaturating(h->geometry.dtype, y.data(), y.size(), out.data());
@@ -523,5 +599,7 @@ absl::Status DecodeBlock(absl::string_view encoded, absl::Span<uint8_t> out,
   }
   return absl::DataLossError("encoded block: unknown encoding");
 }
+
+}  // namespace
 
 }  // namespace kvtrie

@@ -9,11 +9,15 @@
 //   5   1  encoding (Encoding)
 //   6   1  dtype (DType)
 //   7   1  flags: bit 0 = the fast profile (Profile::kFast: fast_residual.h, fast_lossless.h;
-//            codec/FORMAT.md); bit 7 = coded against a shifted reference (reference_shift.h:
-//            the params start with its 20-byte prefix); other bits 0
+//            codec/FORMAT.md); bit 1 = a predictor version follows the node id (kResidual only);
+//            bit 7 = coded against a shifted reference (reference_shift.h: the params start
+//            with its prefix); other bits 0
 //   8   2  num_layers    10  2  num_kv_heads    12  2  block_tokens    14  2  head_dim
 //   16  8  reference node id (the centroid a residual is taken against; 0 = none)
-//   24  4  params_len P, then P bytes of encoding parameters (quantizer steps, predictor choice)
+//  [24  4  predictor version (> 0), only with flags bit 1: the learned PredictorState the block
+//          was coded against (predictor_state.h); set exactly when some (layer, K/V, head) uses a
+//          learned predictor. Blocks without it are byte-identical to before.]
+//   ..  4  params_len P, then P bytes of encoding parameters (quantizer steps, predictor choice)
 //   ..  4  payload_len N, then N bytes of payload
 //   ..  4  CRC-32C of every byte before it
 // A block that fails any of these checks is rejected with DATA_LOSS, never decoded.
@@ -60,8 +64,13 @@ enum class Predictor : uint8_t {
   kParent = 3,       // as temporal, first token from the parent block's last token
   kCentroid = 4,     // the reference block, same position
   kExternal = 5,     // the caller's prediction tensor, same position
+  // Learned (PredictionContext::learned, PredictorState::Predict): the state's (previous token,
+  // token) pair mean where it has one, else E[kv | token], else the all-token mean (keys pre-RoPE,
+  // rotated at first_position + t). Needs context.learned and context.tokens (and the same
+  // previous_token at encode and decode); the block then names the state's version.
+  kTokenMean = 6,
 };
-inline constexpr int kNumPredictors = 6;
+inline constexpr int kNumPredictors = 7;
 absl::string_view PredictorName(Predictor predictor);
 // Bit mask of every predictor, for EncodeOptions::predictors.
 inline constexpr uint32_t kAllPredictors = (1u << kNumPredictors) - 1;
@@ -85,6 +94,21 @@ enum class Profile : uint8_t {
   // kResidual: static tables, 32 interleaved rANS lanes, no parent predictor (fast_residual.h);
   // kLossless: high byte plane + zstd, low bytes as is (fast_lossless.h). Built for GB/s.
   kFast = 1,
+};
+
+// What EncodeOptions::target_rel_rms is relative to for keys (values: always their energy).
+// Keys carry a large per-channel offset (80-94 % of their energy on stories260K), so a key plane at
+// "rel RMS 0.173" of its raw energy is about 0.5 of its content around the offset: measured
+// (bench/learned.md, learned_nll_bench), today's predictors at 0.173 cost +4.3 % ΔNLL, mostly from
+// keys. With the learned state the prediction removes the offset and the content the tokens
+// explain, and the same raw-energy target costs +0.3 % ΔNLL at 25x smaller than fp16; kRaw stays
+// the default (old blocks and callers keep their meaning), and kMeanRemoved is the definition that
+// tracks ΔNLL when no state is at hand.
+enum class KeyError : uint8_t {
+  kRaw = 0,  // ||K - K'|| / ||K||, per (layer) plane
+  // ||K - K'|| / ||K - mean||, mean per (head, channel) over the block's tokens. FAST profile only
+  // (the compact profile answers INVALID_ARGUMENT naming `key_error`).
+  kMeanRemoved = 1,
 };
 
 struct EncodeOptions {
@@ -123,6 +147,9 @@ struct EncodeOptions {
   // kResidual: how the quantizer step is shared (StepGroups). Every (layer, K/V) plane meets
   // target_rel_rms either way.
   StepGroups step_groups = StepGroups::kPlane;
+  // kResidual: what target_rel_rms means for keys (KeyError). EncodedBlock::rel_rms_error_k
+  // always reports the raw-energy error.
+  KeyError key_error = KeyError::kRaw;
 };
 
 // What the codec may need besides the encoded bytes. Spans are empty when absent. Blocks are in the
@@ -201,19 +228,27 @@ struct BlockHeader {
 
 // Parses and checks the envelope (magic, version, lengths, CRC-32C). Errors: DATA_LOSS.
 absl::StatusOr<BlockHeader> ParseBlock(absl::string_view encoded);
+// As ParseBlock without the CRC-32C pass, for bytes whose checksum was already verified and that
+// have not left memory since (a store's hot payload): every length is still checked.
+absl::StatusOr<BlockHeader> ParseVerifiedBlock(absl::string_view encoded);
 
 // Decodes `encoded` into `out` (geometry.num_bytes() bytes, dtype of the header).
 // Errors: DATA_LOSS on a bad checksum, truncated or malformed input; INVALID_ARGUMENT if `out`
-// has the wrong size; FAILED_PRECONDITION if the block needs a context span that is empty.
+// has the wrong size; FAILED_PRECONDITION if the block needs a context span that is empty, or
+// names a predictor version (BlockHeader::predictor_version) and context.learned is null or has
+// another version, or context.tokens does not hold block_tokens ids (the message names them).
 absl::Status DecodeBlock(absl::string_view encoded, absl::Span<uint8_t> out,
                          const PredictionContext& context = {});
+// As DecodeBlock, parsed with ParseVerifiedBlock (no CRC-32C pass).
+absl::Status DecodeVerifiedBlock(absl::string_view encoded, absl::Span<uint8_t> out,
+                                 const PredictionContext& context = {});
 
 namespace internal {
 // Builds the envelope around `params` and `payload`.
 std::string WriteEnvelope(Encoding encoding, const BlockGeometry& geometry,
                           uint64_t reference_node_id, absl::string_view params,
                           absl::string_view payload, Profile profile = Profile::kCompact,
-                          const ReferenceShift* shift = nullptr);
+                          uint32_t predictor_version = 0, const ReferenceShift* shift = nullptr);
 }  // namespace internal
 
 }  // namespace kvtrie

@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "codec/fast_residual_kernels.h"
+#include "codec/predictor_state.h"
 #include "codec/rans.h"
 #include "codec/rans_interleaved.h"
 #include "codec/residual_kernels.h"
@@ -34,8 +35,8 @@ constexpr float kDeadZoneOffset = 0.1f;   // as the compact profile (residual_co
 constexpr double kDeadZoneFrom = 0.1;
 constexpr int kMaxSearchPasses = 12;
 
-constexpr Predictor kPredictorOf[3] = {Predictor::kNone, Predictor::kChannelMean,
-                                       Predictor::kTemporal};
+constexpr Predictor kPredictorOf[4] = {Predictor::kNone, Predictor::kChannelMean,
+                                       Predictor::kTemporal, Predictor::kTokenMean};
 
 struct Layout {
   size_t planes_per_segment = 1;
@@ -71,9 +72,10 @@ void PutVarint(std::string* out, uint64_t v) {
 // One plane's encoder state.
 struct PlaneCode {
   float step = 1.0f;
-  std::vector<uint8_t> pred;  // per head
-  std::vector<float> means;   // per head x D, fp16-exact (only mean heads are sent)
-  std::vector<int32_t> q;     // plane_elems
+  std::vector<uint8_t> pred;       // per head
+  std::vector<float> means;        // per head x D, fp16-exact (only mean heads are sent)
+  const float* learned = nullptr;  // the plane's kTokenMean prediction [H][T][D], or null
+  std::vector<int32_t> q;          // plane_elems
   double sse = 0, energy = 0, max_abs = 0;
 };
 
@@ -83,6 +85,11 @@ struct Scratch {
   std::vector<uint8_t> dt;
 };
 
+// The kernels' `mean` argument of head h: its channel means, or its [T][D] token-mean prediction.
+const float* HeadSide(const Dims& n, const PlaneCode& pc, size_t h) {
+  return pc.pred[h] == kPredToken ? pc.learned + h * n.head_elems() : pc.means.data() + h * n.D;
+}
+
 // Quantizes the plane at `step`; returns the squared error after rounding to the dtype.
 double QuantizePlane(const Dims& n, DType dtype, const float* x, const PlaneCode& pc, float step,
                      float dz, Scratch* s, int32_t* q, double* max_abs) {
@@ -91,15 +98,15 @@ double QuantizePlane(const Dims& n, DType dtype, const float* x, const PlaneCode
     double sse = 0;
     float mx = 0;
     for (size_t h = 0; h < n.H; ++h) {
-      sse += QuantizeHeadFp16(x + h * he, n.T, n.D, pc.pred[h], pc.means.data() + h * n.D,
-                              s->zeros.data(), step, dz, q + h * he, s->rec.data() + h * he, &mx);
+      sse += QuantizeHeadFp16(x + h * he, n.T, n.D, pc.pred[h], HeadSide(n, pc, h), s->zeros.data(),
+                              step, dz, q + h * he, s->rec.data() + h * he, &mx);
     }
     *max_abs = mx;
     return sse;
   }
   for (size_t h = 0; h < n.H; ++h) {
-    QuantizeHead(x + h * he, n.T, n.D, pc.pred[h], pc.means.data() + h * n.D, s->zeros.data(), step,
-                 dz, q + h * he, s->rec.data() + h * he);
+    QuantizeHead(x + h * he, n.T, n.D, pc.pred[h], HeadSide(n, pc, h), s->zeros.data(), step, dz,
+                 q + h * he, s->rec.data() + h * he);
   }
   const size_t pe = n.plane_elems();
   FromFloat(dtype, s->rec.data(), pe, s->dt.data());
@@ -112,9 +119,10 @@ double QuantizePlane(const Dims& n, DType dtype, const float* x, const PlaneCode
 
 // Chooses the predictors and the step of one plane (x: pe floats) and quantizes it.
 // `hint`: the chosen step over the first guess in the previous plane of the same K/V (0 = none);
-// updated, so that the first pass usually meets the target.
-void EncodePlane(const Dims& n, DType dtype, const float* x, double target, PlaneCode* pc,
-                 Scratch* s, float* hint) {
+// updated, so that the first pass usually meets the target. `mean_removed`: the target is
+// relative to the plane's energy around its per-(head, channel) means (KeyError::kMeanRemoved).
+void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool mean_removed,
+                 PlaneCode* pc, Scratch* s, float* hint) {
   const size_t pe = n.plane_elems(), he = n.head_elems(), D = n.D;
   pc->pred.assign(n.H, kPredNone);
   pc->means.assign(n.H * D, 0.0f);
@@ -128,10 +136,23 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, Plan
     pc->step = 1.0f;
     return;
   }
+  double ref = energy;  // what the target is relative to
+  if (mean_removed) {
+    double mean_energy = 0;
+    for (size_t h = 0; h < n.H; ++h) {
+      for (size_t d = 0; d < D; ++d) {
+        double m = 0;
+        for (size_t t = 0; t < n.T; ++t) m += x[h * he + t * D + d];
+        mean_energy += m * m / n.T;
+      }
+    }
+    ref = std::max(energy - mean_energy, 0.0);
+    if (ref == 0) ref = energy;  // a constant plane: fall back to its energy
+  }
   const float dz = target >= kDeadZoneFrom ? kDeadZoneOffset : 0.0f;
   const float min_step = std::max(2.0f * max_x / kMaxQ, 1e-30f);
   float step =
-      Bf16Round(std::max(static_cast<float>(target * std::sqrt(12.0 * energy / pe)), min_step));
+      Bf16Round(std::max(static_cast<float>(target * std::sqrt(12.0 * ref / pe)), min_step));
   // Predictors from an open-loop L1 estimate of the bits at the first step.
   for (size_t h = 0; h < n.H; ++h) {
     const float* xh = x + h * he;
@@ -140,8 +161,8 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, Plan
       for (size_t d = 0; d < D; ++d) m[d] += xh[t * D + d];
     for (size_t d = 0; d < D; ++d) m[d] = HalfToFloat(FloatToHalf(m[d] / n.T));
     // Per-channel partial sums (the inner loop vectorizes), then their total.
-    float* acc = s->l1.data();  // [3][D]
-    std::fill(acc, acc + 3 * D, 0.0f);
+    float* acc = s->l1.data();  // [4][D]
+    std::fill(acc, acc + 4 * D, 0.0f);
     for (size_t t = 0; t < n.T; ++t) {
       const float* row = xh + t * D;
       const float* prev = t ? row - D : s->zeros.data();
@@ -151,11 +172,16 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, Plan
         acc[2 * D + d] += std::fabs(row[d] - prev[d]);
       }
     }
-    double l1[3] = {0, 0, 0};
-    for (int p = 0; p < 3; ++p)
+    const int num_preds = pc->learned ? 4 : 3;
+    if (pc->learned) {
+      const float* lh = pc->learned + h * he;
+      for (size_t i = 0; i < he; ++i) acc[3 * D + i % D] += std::fabs(xh[i] - lh[i]);
+    }
+    double l1[4] = {0, 0, 0, 0};
+    for (int p = 0; p < num_preds; ++p)
       for (size_t d = 0; d < D; ++d) l1[p] += acc[p * D + d];
     double best = INFINITY;
-    for (uint8_t p = 0; p < 3; ++p) {
+    for (uint8_t p = 0; p < num_preds; ++p) {
       const double bits =
           he * std::log2(1.0 + 2.0 * l1[p] / (he * step)) + (p == kPredMean ? 16.0 * D : 0);
       if (bits < best) best = bits, pc->pred[h] = p;
@@ -165,7 +191,7 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, Plan
   if (*hint > 0) step = std::max(Bf16Round(guess * *hint * 0.995f), min_step);
   // Step search: the high-rate model (error ~ step^2) from each pass, bf16 steps, keep the
   // coarsest step that met the target.
-  const double target_sse = target * target * energy;
+  const double target_sse = target * target * ref;
   bool met = false;
   float tried_lo = 0;
   for (int pass = 0; pass < kMaxSearchPasses; ++pass) {
@@ -205,8 +231,22 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, Plan
 
 }  // namespace
 
+absl::Status CheckLearnedGeometry(const PredictorState& state, const BlockGeometry& g) {
+  const BlockGeometry& sg = state.geometry();
+  if (sg.num_layers != g.num_layers || sg.num_kv_heads != g.num_kv_heads ||
+      sg.head_dim != g.head_dim || sg.dtype != g.dtype) {
+    BlockGeometry shown = sg;
+    shown.block_tokens = g.block_tokens;
+    return absl::InvalidArgumentError(
+        absl::StrCat("learned: predictor state version ", state.version(), " predicts ",
+                     shown.DebugString(), ", the block is ", g.DebugString()));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t> kv,
-                                const EncodeOptions& o, FastOutput* out) {
+                                const EncodeOptions& o, const PredictionContext& context,
+                                FastOutput* out) {
   if (!(o.target_rel_rms > 0) || !std::isfinite(o.target_rel_rms)) {
     return absl::InvalidArgumentError("target_rel_rms: the FAST profile needs target_rel_rms > 0");
   }
@@ -222,7 +262,17 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   s.rec.resize(pe);
   s.rt.resize(pe);
   s.zeros.assign(n.D, 0.0f);
-  s.l1.resize(3 * n.D);
+  s.l1.resize(4 * n.D);
+  // The learned token-mean prediction of the whole block, when eligible.
+  std::vector<float> learned;
+  if (context.learned != nullptr && context.tokens.size() == n.T &&
+      (o.predictors & (1u << static_cast<int>(Predictor::kTokenMean)))) {
+    if (auto st = CheckLearnedGeometry(*context.learned, g); !st.ok()) return st;
+    learned.resize(g.num_elements());
+    context.learned->Predict(context.tokens, context.first_position, context.previous_token,
+                             learned.data());
+  }
+  out->uses_learned = false;
   s.q.resize(pe);
   s.dt.resize(pe * eb);
   // Reused per thread up to 16 MiB (no zeroing or page faults per block); larger ones are local.
@@ -254,7 +304,9 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
     ToFloat(g.dtype, kv.data() + pl * pe * eb, pe, s.x.data());
     if (AnyNonFinite(s.x.data(), pe))
       return absl::FailedPreconditionError("kv: NaN or infinity (FAST profile)");
-    EncodePlane(n, g.dtype, s.x.data(), o.target_rel_rms, &pc, &s, &hint[side]);
+    pc.learned = learned.empty() ? nullptr : learned.data() + pl * pe;
+    EncodePlane(n, g.dtype, s.x.data(), o.target_rel_rms,
+                side == 0 && o.key_error == KeyError::kMeanRemoved, &pc, &s, &hint[side]);
     sse[side] += pc.sse;
     energy[side] += pc.energy;
     out->max_abs_error = std::max(out->max_abs_error, pc.max_abs);
@@ -277,6 +329,7 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
     PutVarint(&pp, escape_bits[pl]);
     for (size_t h = 0; h < n.H; ++h) {
       ++out->predictor_count[side][static_cast<int>(kPredictorOf[pc.pred[h]])];
+      out->uses_learned |= pc.pred[h] == kPredToken;
       if (pc.pred[h] != kPredMean) continue;
       for (size_t d = 0; d < n.D; ++d)
         PutLE<uint16_t>(&means_out, FloatToHalf(pc.means[h * n.D + d]));
@@ -391,7 +444,8 @@ absl::Status PlaneValues(const uint8_t* sym, size_t n, const PlaneInfo& pi, cons
 }  // namespace
 
 absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params,
-                                absl::string_view payload, absl::Span<uint8_t> out) {
+                                absl::string_view payload, absl::Span<uint8_t> out,
+                                const PredictionContext& context) {
   const Dims n(g);
   const size_t pe = n.plane_elems(), he = n.head_elems(), planes = n.L * 2;
   const size_t eb = DTypeBytes(g.dtype);
@@ -413,6 +467,7 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
   std::vector<PlaneInfo> info(planes);
   std::vector<uint8_t> preds(planes * n.H);
   size_t num_means = 0;
+  bool uses_learned = false;
   uint64_t num_bits = 0;
   for (size_t pl = 0; pl < planes; ++pl) {
     PlaneInfo& pi = info[pl];
@@ -426,7 +481,11 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
     pi.means = num_means;
     for (size_t h = 0; h < n.H; ++h) {
       const uint8_t c = (static_cast<uint8_t>(in[2 + h / 4]) >> (2 * (h % 4))) & 3;
-      if (c > kPredTemporal) return absl::DataLossError("fast residual params: unknown predictor");
+      if (c == kPredToken && (context.learned == nullptr || context.tokens.size() != n.T)) {
+        return absl::DataLossError(
+            "fast residual params: a learned predictor in a block that names no predictor state");
+      }
+      uses_learned |= c == kPredToken;
       preds[pl * n.H + h] = c;
       num_means += c == kPredMean;
     }
@@ -466,6 +525,12 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
   for (size_t i = 0; i < means.size(); ++i) {
     means[i] =
         HalfToFloat(static_cast<uint8_t>(in[2 * i]) | (static_cast<uint8_t>(in[2 * i + 1]) << 8));
+  }
+  std::vector<float> learned;
+  if (uses_learned) {
+    learned.resize(g.num_elements());
+    context.learned->Predict(context.tokens, context.first_position, context.previous_token,
+                             learned.data());
   }
   // Payload.
   const size_t ns = lo.num_segments(planes);
@@ -511,7 +576,9 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
       size_t mean_i = pi.means;
       for (size_t h = 0; h < n.H; ++h) {
         const uint8_t pr = preds[pi.preds + h];
-        const float* m = pr == kPredMean ? means.data() + (mean_i++) * n.D : zeros.data();
+        const float* m = pr == kPredMean    ? means.data() + (mean_i++) * n.D
+                         : pr == kPredToken ? learned.data() + pl * pe + h * he
+                                            : zeros.data();
         ReconHead(qf.data() + h * he, n.T, n.D, pr, m, zeros.data(), pi.step, rec.data());
         FromFloat(g.dtype, rec.data(), he, out.data() + (pl * pe + h * he) * eb);
       }

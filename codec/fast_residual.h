@@ -38,6 +38,7 @@ struct FastOutput {
   double rel_rms_error[2] = {0, 0};  // K, V over the block
   double max_abs_error = 0;
   uint32_t predictor_count[2][kNumPredictors] = {};
+  bool uses_learned = false;  // some head uses kTokenMean: the block names the state's version
 };
 
 // The first params byte of a fast-profile residual block.
@@ -46,13 +47,23 @@ inline constexpr uint8_t kFastResidualParamsVersion = 16;
 // `kv`: the block in geometry.dtype. Errors: INVALID_ARGUMENT for a missing target or an option
 // the fast profile does not have; FAILED_PRECONDITION if `kv` holds a NaN or an infinity (the
 // caller then uses the compact profile).
+// `context`: only learned, tokens and first_position are read (kTokenMean, eligible when
+// context.learned is set, context.tokens holds block_tokens ids and options.predictors has it;
+// INVALID_ARGUMENT if the state's geometry does not match).
 absl::Status EncodeFastResidual(const BlockGeometry& geometry, absl::Span<const uint8_t> kv,
-                                const EncodeOptions& options, FastOutput* out);
+                                const EncodeOptions& options, const PredictionContext& context,
+                                FastOutput* out);
 
-// Writes the block in its dtype to `out` (geometry.num_bytes()). Errors: DATA_LOSS if `params` or
-// `payload` is malformed.
+// Writes the block in its dtype to `out` (geometry.num_bytes()). `context`: as for the encoder;
+// the caller (DecodeBlock) has checked that it is the block's state and its tokens. Errors:
+// DATA_LOSS if `params` or `payload` is malformed (a kTokenMean head without context.learned).
 absl::Status DecodeFastResidual(const BlockGeometry& geometry, absl::string_view params,
-                                absl::string_view payload, absl::Span<uint8_t> out);
+                                absl::string_view payload, absl::Span<uint8_t> out,
+                                const PredictionContext& context = {});
+
+// OK if `state` predicts blocks of `geometry` (layers, KV heads, head_dim, dtype), else
+// INVALID_ARGUMENT naming both.
+absl::Status CheckLearnedGeometry(const PredictorState& state, const BlockGeometry& geometry);
 
 }  // namespace internal
 }  // namespace kvtrie

@@ -131,6 +131,7 @@ void QuantizeHead(const float* x, size_t T, size_t D, uint8_t pred, const float*
   for (size_t t = 0; t < T; ++t) {
     const float* p = pred == kPredTemporal ? (t ? rec + (t - 1) * D : zeros)
                      : pred == kPredMean   ? mean
+                     : pred == kPredToken  ? mean + t * D
                                            : zeros;
     const float* xr = x + t * D;
     int32_t* qr = q + t * D;
@@ -176,6 +177,7 @@ __attribute__((target("avx2,f16c"))) double QuantizeHeadFp16(const float* x, siz
   for (size_t t = 0; t < T; ++t) {
     const float* p = pred == kPredTemporal ? (t ? rec + (t - 1) * D : zeros)
                      : pred == kPredMean   ? mean
+                     : pred == kPredToken  ? mean + t * D
                                            : zeros;
     for (size_t d = 0; d < D; d += 8) {
       const size_t i = t * D + d;
@@ -234,6 +236,7 @@ __attribute__((target("avx2"))) void ReconHeadAvx2(const float* qf, size_t T, si
   for (size_t t = 0; t < T; ++t) {
     const float* p = pred == kPredTemporal ? (t ? rec + (t - 1) * D : zeros)
                      : pred == kPredMean   ? mean
+                     : pred == kPredToken  ? mean + t * D
                                            : zeros;
     const float* qr = qf + t * D;
     float* rr = rec + t * D;
@@ -252,6 +255,7 @@ void ReconHeadScalar(const float* qf, size_t T, size_t D, uint8_t pred, const fl
   for (size_t t = 0; t < T; ++t) {
     const float* p = pred == kPredTemporal ? (t ? rec + (t - 1) * D : zeros)
                      : pred == kPredMean   ? mean
+                     : pred == kPredToken  ? mean + t * D
                                            : zeros;
     for (size_t d = 0; d < D; ++d) rec[t * D + d] = p[d] + qf[t * D + d] * step;
   }

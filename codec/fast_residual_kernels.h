@@ -36,7 +36,9 @@ constexpr BucketTable kBucket;
 constexpr int32_t kMaxQ = 2051;  // ZigZag(+-kMaxQ) < kBucket.base[kBuckets] = 4104
 static_assert(2 * kMaxQ < kBucket.base[kBuckets]);
 
-enum : uint8_t { kPredNone = 0, kPredMean = 1, kPredTemporal = 2 };
+// Predictor codes of a head (2 bits in params). kPredToken: a per-token prediction [T][D] (the
+// learned token mean, predictor_state.h); the kernels' `mean` then points to the head's [T][D].
+enum : uint8_t { kPredNone = 0, kPredMean = 1, kPredTemporal = 2, kPredToken = 3 };
 
 // LSB-first bit stream.
 class BitWriter {

@@ -66,6 +66,44 @@ TEST(FastResidual, MeetsTheErrorTargetOnRealBlocksWithoutTheParent) {
   }
 }
 
+// KeyError::kMeanRemoved: each key plane's error relative to its energy around the per-(head,
+// channel) block means meets the target (and is finer than the raw-energy definition).
+TEST(FastResidual, MeanRemovedKeyErrorMeetsTheTargetAroundTheChannelMeans) {
+  const RealBlocks r = LoadRealBlocks("GPL-3");
+  const BlockGeometry& g = r.geometry;
+  EncodeOptions o = Fast(0.17);
+  o.key_error = KeyError::kMeanRemoved;
+  for (size_t b = 0; b < r.blocks.size(); b += 7) {
+    auto e = EncodeBlock(g, r.blocks[b], o);
+    auto raw = EncodeBlock(g, r.blocks[b], Fast(0.17));
+    ASSERT_TRUE(e.ok() && raw.ok()) << e.status();
+    EXPECT_GT(e->bits_per_component, raw->bits_per_component);
+    std::vector<uint8_t> out(g.num_bytes());
+    ASSERT_TRUE(DecodeBlock(e->bytes, absl::MakeSpan(out)).ok());
+    const std::vector<float> x = AsFloat(g, r.blocks[b]), y = AsFloat(g, out);
+    const size_t T = g.block_tokens, D = g.head_dim, pe = g.plane_elements();
+    for (uint32_t l = 0; l < g.num_layers; ++l) {
+      const size_t base = 2 * l * pe;  // the key plane
+      double err = 0, centred = 0;
+      for (size_t h = 0; h < g.num_kv_heads; ++h) {
+        for (size_t d = 0; d < D; ++d) {
+          double m = 0;
+          for (size_t t = 0; t < T; ++t) m += x[base + (h * T + t) * D + d] / T;
+          for (size_t t = 0; t < T; ++t) {
+            const size_t i = base + (h * T + t) * D + d;
+            err += (x[i] - y[i]) * static_cast<double>(x[i] - y[i]);
+            centred += (x[i] - m) * (x[i] - m);
+          }
+        }
+      }
+      EXPECT_LE(std::sqrt(err / centred), 0.17 * 1.0001) << "block " << b << " layer " << l;
+      EXPECT_LE(RelRms(g, r.blocks[b], out, 1, l), 0.17);  // values as before
+    }
+  }
+  o.profile = Profile::kCompact;
+  EXPECT_TRUE(absl::IsInvalidArgument(EncodeBlock(g, r.blocks[0], o).status()));
+}
+
 TEST(FastResidual, LlamaShapedBlockRoundTripsOnSimdAndScalarPaths) {
   const RealBlocks r = LoadRealBlocks("genesis_1-3");
   const BlockGeometry g{4, 8, 16, 128, DType::kFp16};
@@ -134,7 +172,7 @@ TEST(FastResidual, MalformedParamsAndPayloadAreDataLoss) {
   const RealBlocks r = LoadRealBlocks("GPL-3");
   const BlockGeometry& g = r.geometry;
   internal::FastOutput f;
-  ASSERT_TRUE(internal::EncodeFastResidual(g, r.blocks[2], Fast(0.05), &f).ok());
+  ASSERT_TRUE(internal::EncodeFastResidual(g, r.blocks[2], Fast(0.05), {}, &f).ok());
   std::vector<uint8_t> out(g.num_bytes());
   ASSERT_TRUE(internal::DecodeFastResidual(g, f.params, f.payload, absl::MakeSpan(out)).ok());
   int rejected = 0, tried = 0;

@@ -21,6 +21,19 @@ namespace kvtrie {
 void GatherBlock(const BlockGeometry& geometry, size_t num_tokens, const uint8_t* k,
                  const uint8_t* v, size_t block_index, absl::Span<uint8_t> block);
 
+// Writes layers [layer_begin, layer_end) of block `block_index` — `layers`, the block layout's
+// [layer_end - layer_begin][2][num_kv_heads][block_tokens][head_dim] — into `k` and `v`.
+// REQUIRES: layer_begin < layer_end <= num_layers, layers.size() = that range's bytes.
+void ScatterLayers(const BlockGeometry& geometry, size_t num_tokens, uint32_t layer_begin,
+                   uint32_t layer_end, absl::Span<const uint8_t> layers, size_t block_index,
+                   uint8_t* k, uint8_t* v);
+
+// As ScatterLayers, with the layers' bytes in consecutive pieces (e.g. the slices a message
+// arrived in). REQUIRES: the pieces' sizes add up to the layer range's bytes.
+void ScatterLayerPieces(const BlockGeometry& geometry, size_t num_tokens, uint32_t layer_begin,
+                        uint32_t layer_end, absl::Span<const absl::Span<const uint8_t>> pieces,
+                        size_t block_index, uint8_t* k, uint8_t* v);
+
 // Inverse of GatherBlock: writes `block` into its tokens of `k` and `v`.
 void ScatterBlock(const BlockGeometry& geometry, size_t num_tokens, absl::Span<const uint8_t> block,
                   size_t block_index, uint8_t* k, uint8_t* v);

@@ -63,6 +63,29 @@ class PredictorState {
   virtual uint32_t tokens_in_table() const = 0;
   // One line for Stats/Inspect, e.g. "v3: 512 tokens, 2,113 pairs, linear, klt, 412 KB".
   virtual std::string Describe() const = 0;
+
+  // ---- What the codec predicts with (added by the codec half of issue 11) ----
+  // RoPE base the state's keys were de-rotated with (10000, 500000), or 0 when keys are stored as
+  // given (not rotated).
+  virtual double rope_base() const = 0;
+  // The token-mean prediction of a block of tokens.size() tokens whose tokens[0] is at absolute
+  // position `first_position`: out[layer][K/V][head][t][channel] floats (num_elements() of the
+  // state's geometry with block_tokens = tokens.size()). Keys are the pre-RoPE mean rotated at
+  // position first_position + t; a token without a learned mean gets the mean over every token.
+  // Deterministic: the same floats on every IEEE machine (no libm; the codec's decoders rely on
+  // it).
+  virtual void PredictTokenMean(absl::Span<const int32_t> tokens, uint32_t first_position,
+                                float* out) const = 0;
+  // (previous token, token) pairs with a learned prediction.
+  virtual uint32_t pairs_in_table() const = 0;
+  // The learned prediction the codec codes against (Predictor::kTokenMean): as PredictTokenMean,
+  // but token t whose (previous token, token) pair the state has — the previous token of t = 0 is
+  // `previous_token`, -1 = none — gets the pair's mean shrunk toward the token mean,
+  // n / (n + k) of the way (n the pair's count, k per (layer, K/V) from the within- and
+  // between-pair variances the learner saw). Encoder and decoder must pass the same tokens,
+  // first_position and previous_token.
+  virtual void Predict(absl::Span<const int32_t> tokens, uint32_t first_position,
+                       int32_t previous_token, float* out) const = 0;
 };
 
 // What the learner may keep and fit.

@@ -250,6 +250,10 @@ absl::Status EncodeResidual(const BlockGeometry& g, const float* x, const Encode
         "target_rel_rms: residual encoding needs target_rel_rms > 0 or target_bits_per_component > "
         "0");
   }
+  if (o.key_error != KeyError::kRaw) {
+    return absl::InvalidArgumentError(
+        "key_error: KeyError::kMeanRemoved is a FAST-profile option (profile = FAST)");
+  }
   const Dims n(g);
   std::optional<RandomizedHadamard> rot;
   if (o.rotate) {
@@ -264,6 +268,7 @@ absl::Status EncodeResidual(const BlockGeometry& g, const float* x, const Encode
   if (auto s = LoadLastTokens(g, c.parent, "parent", r, &src.parent); !s.ok()) return s;
   if (auto s = LoadSource(g, c.reference, "reference", r, &src.reference); !s.ok()) return s;
   if (auto s = LoadSource(g, c.external, "external", r, &src.external); !s.ok()) return s;
+  if (auto s = LoadLearned(g, c, r, &src); !s.ok()) return s;
   std::vector<float> xr;
   const float* xc = x;
   if (r) {
@@ -444,6 +449,14 @@ absl::Status DecodeResidual(const BlockGeometry& g, absl::string_view params,
     const auto load =
         nd.predictor == static_cast<int>(Predictor::kParent) ? LoadLastTokens : LoadSource;
     if (auto s = load(g, nd.span, nd.name, r, nd.dst); !s.ok()) return s;
+  }
+  if (uses[static_cast<int>(Predictor::kTokenMean)]) {
+    // DecodeBlock passes the state only for a block that names its version (and checked it).
+    if (c.learned == nullptr || c.tokens.size() != n.T) {
+      return absl::DataLossError(
+          "residual params: a learned predictor in a block that names no predictor state");
+    }
+    if (auto s = LoadLearned(g, c, r, &src); !s.ok()) return s;
   }
 
   // Entropy decoding and reconstruction, head by head. The context of q[t][d] is

@@ -3,11 +3,12 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "codec/fast_residual.h"
+#include "codec/predictor_state.h"
 
 namespace kvtrie {
 namespace internal {
 namespace residual {
-namespace {
 
 double DetExp(double y) {  // e^y for |y| <= ~40: Taylor series of e^(y / 2^12), squared 12 times
   const double z = y / 4096.0;
@@ -39,8 +40,6 @@ void DetCosSin(double a, double* c, double* s) {  // |a| <= 1: Taylor series
   *c = cs;
   *s = sn;
 }
-
-}  // namespace
 
 float Bf16Round(float f) { return Bf16ToFloat(FloatToBf16(f)); }
 float TokenScale(int code) { return std::exp2(-static_cast<float>(code) / 4.0f); }
@@ -234,9 +233,24 @@ const float* SideOf(Predictor p, const Sources& s, const Dims& n, size_t off, co
       return s.reference.empty() ? nullptr : s.reference.data() + off;
     case Predictor::kExternal:
       return s.external.empty() ? nullptr : s.external.data() + off;
+    case Predictor::kTokenMean:
+      return s.learned.empty() ? nullptr : s.learned.data() + off;
     default:
       return nullptr;
   }
+}
+
+absl::Status LoadLearned(const BlockGeometry& g, const PredictionContext& c,
+                         const RandomizedHadamard* rot, Sources* s) {
+  s->learned.clear();
+  if (c.learned == nullptr || c.tokens.size() != g.block_tokens) return absl::OkStatus();
+  if (auto st = CheckLearnedGeometry(*c.learned, g); !st.ok()) return st;
+  s->learned.resize(g.num_elements());
+  c.learned->Predict(c.tokens, c.first_position, c.previous_token, s->learned.data());
+  if (rot) {
+    for (size_t i = 0; i < s->learned.size(); i += g.head_dim) rot->Forward(s->learned.data() + i);
+  }
+  return absl::OkStatus();
 }
 
 float ChooseRope(const BlockGeometry& g, const float* x) {

@@ -73,6 +73,11 @@ inline float RoundHalfEven(float u) {
 // pre-RoPE key were constant. The cos / sin table is computed from log(base) (a float in params)
 // with +, *, / only (no libm), so encoder and decoder agree bit for bit on any IEEE machine.
 
+// e^y for |y| <= ~40 and cos, sin of |a| <= 1, with +, *, / only (deterministic on any IEEE
+// machine).
+double DetExp(double y);
+void DetCosSin(double a, double* c, double* s);
+
 // Per-lane factors of the turn, 2 * D floats: cos[] = {c_0, c_0, c_1, c_1, ...} then
 // sin[] = {-s_0, s_0, -s_1, s_1, ...}, with c_i, s_i = cos, sin theta_i (an odd last channel:
 // 1, 0).
@@ -120,6 +125,7 @@ inline const float* PredictRow(Predictor p, const float* side, const float* rec,
       break;
     case Predictor::kCentroid:
     case Predictor::kExternal:
+    case Predictor::kTokenMean:
       return side + t * D;
   }
   if (rope == nullptr) return src;
@@ -141,7 +147,14 @@ void ReconstructHead(const int32_t* q, const Dims& n, Predictor p, const float* 
 // Context blocks as floats in the coded (possibly rotated) domain.
 struct Sources {
   std::vector<float> parent, reference, external;
+  std::vector<float> learned;  // kTokenMean: PredictorState::PredictTokenMean of the block
 };
+
+// Fills s->learned from context.learned (PredictTokenMean, rotated by `rot` if set) when it is
+// present and context.tokens holds block_tokens ids; else leaves it empty. Errors:
+// INVALID_ARGUMENT when the state's geometry does not match.
+absl::Status LoadLearned(const BlockGeometry& g, const PredictionContext& c,
+                         const RandomizedHadamard* rot, Sources* s);
 
 // Converts a context span (empty = absent) to floats in the coded domain (rotated if `rot`).
 // Errors: INVALID_ARGUMENT naming context.`name` when the span has the wrong size.

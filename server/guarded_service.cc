@@ -66,24 +66,38 @@ class GuardedService::PutReader final : public grpc::ServerReaderInterface<v1::P
 };
 
 // Passes Get's messages through and remembers the header's matched token count.
-class GuardedService::GetWriter final : public grpc::ServerWriterInterface<v1::GetResponse> {
+class GuardedService::GetWriter final : public GetSink {
  public:
-  explicit GetWriter(grpc::ServerWriterInterface<v1::GetResponse>* inner) : inner_(inner) {}
-  void SendInitialMetadata() override { inner_->SendInitialMetadata(); }
-  bool Write(const v1::GetResponse& msg, grpc::WriteOptions options) override {
-    if (msg.has_header()) matched_tokens_ = msg.header().matched_tokens();
-    return inner_->Write(msg, options);
+  explicit GetWriter(GetSink* inner) : inner_(inner) {}
+  bool WriteHeader(const v1::GetResponse& header) override {
+    matched_tokens_ = header.header().matched_tokens();
+    return inner_->WriteHeader(header);
+  }
+  bool WriteBlock(const v1::GetBlock& block, bool encoded, absl::string_view bytes,
+                  std::shared_ptr<const void> owner) override {
+    return inner_->WriteBlock(block, encoded, bytes, std::move(owner));
   }
   uint32_t matched_tokens() const { return matched_tokens_; }
 
  private:
-  grpc::ServerWriterInterface<v1::GetResponse>* const inner_;
+  GetSink* const inner_;
   uint32_t matched_tokens_ = 0;
 };
 
 GuardedService::GuardedService(KvCacheService* inner, const Authenticator* auth, KvStore* store,
                                Metrics* metrics)
-    : inner_(inner), auth_(auth), store_(store), metrics_(metrics) {}
+    : inner_(inner), auth_(auth), store_(store), metrics_(metrics) {
+  // Get's responses are framed by hand (server/get_sink.h) so its payloads go out uncopied: the
+  // method is served as a split stream whose responses are grpc::ByteBuffers. The wire format is
+  // the proto's; only this server's side of the serialization changes.
+  grpc::Service::MarkMethodStreamed(
+      kGetMethodIndex,
+      new grpc::internal::SplitServerStreamingHandler<v1::GetRequest, grpc::ByteBuffer>(
+          [this](grpc::ServerContext* context,
+                 grpc::ServerSplitStreamer<v1::GetRequest, grpc::ByteBuffer>* stream) {
+            return StreamedGet(context, stream);
+          }));
+}
 
 GuardedService::NamespaceCounters* GuardedService::CountersOf(const std::string& ns) {
   absl::MutexLock lock(&mu_);
@@ -153,12 +167,11 @@ grpc::Status GuardedService::AdmitPut(const Caller& caller, const v1::PutHeader&
 grpc::Status GuardedService::Lookup(grpc::ServerContext* context, const v1::LookupRequest* request,
                                     v1::LookupResponse* response) {
   return Guard("Lookup", context, request->namespace_(), [&](const Caller& caller) {
-    v1::LookupRequest r = *request;
-    r.set_namespace_(caller.ns);
-    grpc::Status s = inner_->Lookup(context, &r, response);
+    grpc::Status s = inner_->LookupIn(caller.ns, *request, response);
     if (s.ok()) {
       if (metrics_ != nullptr) {
-        metrics_->RecordMatch(caller.ns, r.token_ids_size(), response->matched_tokens());
+        metrics_->RecordMatch(caller.ns, KvCacheService::TokenCount(*request),
+                              response->matched_tokens());
       }
       if (caller.tenant != nullptr) {
         NamespaceCounters* c = CountersOf(caller.ns);
@@ -206,14 +219,35 @@ grpc::Status GuardedService::Put(grpc::ServerContext* context,
 
 grpc::Status GuardedService::Get(grpc::ServerContext* context, const v1::GetRequest* request,
                                  grpc::ServerWriter<v1::GetResponse>* writer) {
-  return Guard("Get", context, request->namespace_(), [&](const Caller& caller) {
-    v1::GetRequest r = *request;
-    r.set_namespace_(caller.ns);
-    GetWriter w(writer);
-    grpc::Status s = inner_->GetStream(context, &r, &w);
-    if (s.ok() && r.node_id() == 0) {
-      if (metrics_ != nullptr)
-        metrics_->RecordMatch(caller.ns, r.token_ids_size(), w.matched_tokens());
+  v1::GetRequest r = *request;
+  MessageGetSink sink(writer);
+  return GuardedGet(context, &r, &sink);
+}
+
+grpc::Status GuardedService::StreamedGet(
+    grpc::ServerContext* context,
+    grpc::ServerSplitStreamer<v1::GetRequest, grpc::ByteBuffer>* stream) {
+  v1::GetRequest request;
+  if (!stream->Read(&request)) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "request: did not parse (proto3 string fields such as namespace and "
+                        "model_id must be valid UTF-8)");
+  }
+  ByteBufferGetSink sink(stream);
+  return GuardedGet(context, &request, &sink);
+}
+
+grpc::Status GuardedService::GuardedGet(grpc::ServerContext* context, v1::GetRequest* request,
+                                        GetSink* sink) {
+  const std::string requested_ns = request->namespace_();
+  return Guard("Get", context, requested_ns, [&](const Caller& caller) {
+    request->set_namespace_(caller.ns);
+    GetWriter w(sink);
+    grpc::Status s = inner_->GetStream(context, request, &w);
+    if (s.ok() && request->node_id() == 0) {
+      if (metrics_ != nullptr) {
+        metrics_->RecordMatch(caller.ns, KvCacheService::TokenCount(*request), w.matched_tokens());
+      }
     }
     if (s.ok() && caller.tenant != nullptr) CountersOf(caller.ns)->gets++;
     return s;

@@ -13,6 +13,9 @@
 //   Stats  of a tenant (not admin) is that of its own namespace, and the server-wide counters in
 //          it (lookups, gets, puts, deletes, blocks stored / deduplicated) are replaced by that
 //          namespace's own; the store-wide tier and eviction counters are zeroed.
+//   Get    is registered as a split stream of grpc::ByteBuffer responses, so KvCacheService's
+//          zero-copy sink (server/get_sink.h) frames them; a request that does not parse is
+//          INVALID_ARGUMENT "request: did not parse ...", as for the other calls.
 // Metrics (server/metrics.h) record each call's method, final code, latency and namespace.
 //
 // Thread-safe. `inner`, `auth`, `store` and `metrics` (may be null) must outlive it.
@@ -65,6 +68,13 @@ class GuardedService final : public v1::KVCache::Service {
   };
   class PutReader;
   class GetWriter;
+  static constexpr int kGetMethodIndex = 2;  // of Get in kvtrie.v1.KVCache (generated order)
+
+  // Get as registered: the request read from the stream, the responses framed by hand.
+  grpc::Status StreamedGet(grpc::ServerContext* context,
+                           grpc::ServerSplitStreamer<v1::GetRequest, grpc::ByteBuffer>* stream);
+  // Authorizes `request` (its namespace replaced by the caller's) and serves it into `sink`.
+  grpc::Status GuardedGet(grpc::ServerContext* context, v1::GetRequest* request, GetSink* sink);
 
   // Authorizes, runs `body` with the resolved caller, records metrics. `body` returns the status.
   template <typename Body>

@@ -7,39 +7,21 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "codec/block_codec.h"
 #include "server/grpc_status.h"
+#include "server/request_checks.h"
 
 namespace kvtrie {
 namespace {
 
-// Reads of a Get retried when a block's centroid was deleted concurrently.
-constexpr int kGetRetries = 3;
+using service_checks::CheckName;
+using service_checks::CheckTokens;
+using service_checks::Invalid;
+using service_checks::TokensOf;
+using service_checks::ToModelSpec;
 
 // Pins longer than this are refused (a larger TTL would overflow the expiry time).
 constexpr uint64_t kMaxPinTtlSeconds = 100ull * 366 * 24 * 3600;
-
-grpc::Status Invalid(std::string message) {
-  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::move(message));
-}
-
-// Namespaces and model ids are opaque strings; NUL is reserved by the store's key encoding.
-grpc::Status CheckName(absl::string_view field, const std::string& value, bool required) {
-  if (required && value.empty()) return Invalid(absl::StrCat(field, ": required"));
-  if (value.size() > 1024) return Invalid(absl::StrCat(field, ": longer than 1024 bytes"));
-  if (value.find('\0') != std::string::npos) {
-    return Invalid(absl::StrCat(field, ": must not contain NUL"));
-  }
-  return grpc::Status::OK;
-}
-
-grpc::Status CheckTokens(absl::string_view field, int count, uint32_t max_tokens) {
-  if (static_cast<uint32_t>(count) > max_tokens) {
-    return grpc::Status(
-        grpc::StatusCode::RESOURCE_EXHAUSTED,
-        absl::StrCat(field, ": ", count, " tokens exceed the server's --max_tokens=", max_tokens));
-  }
-  return grpc::Status::OK;
-}
 
 grpc::Status ToModelInfo(const v1::ModelSpec& spec, ModelInfo* out) {
   if (auto s = CheckName("model.model_id", spec.model_id(), true); !s.ok()) return s;
@@ -59,15 +41,6 @@ grpc::Status ToModelInfo(const v1::ModelSpec& spec, ModelInfo* out) {
     return Invalid(absl::StrCat("model.", s.message()));
   }
   return grpc::Status::OK;
-}
-
-void ToModelSpec(const ModelInfo& info, v1::ModelSpec* spec) {
-  spec->set_model_id(info.model_id);
-  spec->set_num_layers(info.geometry.num_layers);
-  spec->set_num_kv_heads(info.geometry.num_kv_heads);
-  spec->set_head_dim(info.geometry.head_dim);
-  spec->set_dtype(static_cast<v1::DType>(info.geometry.dtype));
-  spec->set_block_tokens(info.geometry.block_tokens);
 }
 
 void ToNodeInfo(const NodeView& v, v1::NodeInfo* out) {
@@ -149,15 +122,36 @@ grpc::Status ToEncodeOptions(const v1::EncodingSpec& e, const EncodeOptions& def
 }  // namespace
 
 KvCacheService::KvCacheService(KvStore* store, const ServiceOptions& options)
-    : store_(store), options_(options), put_limits_(options.put_limits) {}
+    : store_(store),
+      options_(options),
+      put_limits_(options.put_limits),
+      codec_pool_(std::make_unique<ThreadPool>(std::max(1, options.codec_threads))) {}
+
+KvCacheService::~KvCacheService() = default;
+
+uint32_t KvCacheService::TokenCount(const v1::LookupRequest& r) {
+  return static_cast<uint32_t>(r.token_ids_size() + r.token_ids_packed().size() / 4);
+}
+
+uint32_t KvCacheService::TokenCount(const v1::GetRequest& r) {
+  return static_cast<uint32_t>(r.token_ids_size() + r.token_ids_packed().size() / 4);
+}
 
 grpc::Status KvCacheService::Lookup(grpc::ServerContext*, const v1::LookupRequest* request,
                                     v1::LookupResponse* response) {
-  if (auto s = CheckName("namespace", request->namespace_(), false); !s.ok()) return s;
-  if (auto s = CheckName("model_id", request->model_id(), true); !s.ok()) return s;
-  if (auto s = CheckTokens("token_ids", request->token_ids_size(), options_.max_tokens); !s.ok())
+  return LookupIn(request->namespace_(), *request, response);
+}
+
+grpc::Status KvCacheService::LookupIn(const std::string& ns, const v1::LookupRequest& request,
+                                      v1::LookupResponse* response) {
+  if (auto s = CheckName("namespace", ns, false); !s.ok()) return s;
+  if (auto s = CheckName("model_id", request.model_id(), true); !s.ok()) return s;
+  if (auto s = CheckTokens("token_ids", TokenCount(request), options_.max_tokens); !s.ok())
     return s;
-  MatchResult m = store_->Lookup(request->namespace_(), request->model_id(), request->token_ids());
+  std::vector<uint32_t> scratch;
+  absl::Span<const uint32_t> tokens;
+  if (auto s = TokensOf(request, &scratch, &tokens); !s.ok()) return s;
+  MatchResult m = store_->Lookup(ns, request.model_id(), tokens);
   response->set_block_tokens(m.block_tokens);
   response->set_matched_blocks(static_cast<uint32_t>(m.node_ids.size()));
   response->set_matched_tokens(static_cast<uint32_t>(m.node_ids.size()) * m.block_tokens);
@@ -285,101 +279,6 @@ grpc::Status KvCacheService::PutStream(grpc::ServerContext* context,
       response->set_blocks_stored(response->blocks_stored() + 1);
     } else {
       response->set_blocks_deduplicated(response->blocks_deduplicated() + 1);
-    }
-  }
-  return grpc::Status::OK;
-}
-
-grpc::Status KvCacheService::Get(grpc::ServerContext* context, const v1::GetRequest* request,
-                                 grpc::ServerWriter<v1::GetResponse>* writer) {
-  return GetStream(context, request, writer);
-}
-
-grpc::Status KvCacheService::GetStream(grpc::ServerContext* context, const v1::GetRequest* request,
-                                       grpc::ServerWriterInterface<v1::GetResponse>* writer) {
-  if (auto s = CheckName("namespace", request->namespace_(), false); !s.ok()) return s;
-  if (auto s = CheckName("model_id", request->model_id(), true); !s.ok()) return s;
-  if (auto s = CheckTokens("token_ids", request->token_ids_size(), options_.max_tokens); !s.ok())
-    return s;
-  if (!v1::GetMode_IsValid(request->mode())) {
-    return Invalid(absl::StrCat("mode: unknown value ", static_cast<int>(request->mode())));
-  }
-  const bool residual = request->mode() == v1::GET_MODE_RESIDUAL;
-  std::vector<uint32_t> tokens(request->token_ids().begin(), request->token_ids().end());
-  if (request->node_id() != 0) {  // the path to a node (a centroid): its tokens, root first
-    absl::StatusOr<std::vector<uint32_t>> path =
-        store_->PathTokens(request->namespace_(), request->model_id(), request->node_id());
-    if (!path.ok()) return ToGrpcStatus(path.status());
-    tokens = *std::move(path);
-  }
-  absl::StatusOr<GetResult> got =
-      store_->Get(request->namespace_(), request->model_id(), tokens, request->max_blocks());
-  if (!got.ok()) return ToGrpcStatus(got.status());
-  v1::GetResponse header;
-  const uint32_t bt = got->model.geometry.block_tokens;
-  if (!got->model.model_id.empty())
-    ToModelSpec(got->model, header.mutable_header()->mutable_model());
-  header.mutable_header()->set_matched_blocks(static_cast<uint32_t>(got->blocks.size()));
-  header.mutable_header()->set_matched_tokens(static_cast<uint32_t>(got->blocks.size()) * bt);
-  if (!writer->Write(header)) return grpc::Status(grpc::StatusCode::CANCELLED, "client gone");
-
-  const BlockGeometry& g = got->model.geometry;
-  std::vector<uint8_t> kv(g.num_bytes());
-  DecodeChain chain(g, nullptr);  // the store reads the centroids
-  const size_t layer_bytes = g.num_layers ? g.layer_range_bytes(0, 1) : 1;
-  const uint32_t layers_per_message =
-      static_cast<uint32_t>(std::max<uint64_t>(1, options_.max_get_message_bytes / layer_bytes));
-  v1::GetResponse msg;
-  for (size_t i = 0; i < got->blocks.size(); ++i) {
-    const BlockRead& b = got->blocks[i];
-    if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client gone");
-    msg.Clear();
-    v1::GetBlock* out = msg.mutable_block();
-    out->set_block_index(static_cast<uint32_t>(i));
-    out->set_node_id(b.node_id);
-    out->set_encoding(static_cast<v1::Encoding>(b.encoding));
-    out->set_reference_node_id(b.reference_node_id);
-    if (residual) {
-      out->set_layer_begin(0);
-      out->set_layer_end(g.num_layers);
-      // A cold block is read from RocksDB here (DATA_LOSS if it fails its checksum).
-      absl::StatusOr<std::shared_ptr<const std::string>> payload =
-          store_->ReadPayload(request->namespace_(), request->model_id(), b);
-      if (!payload.ok()) return ToGrpcStatus(payload.status());
-      out->set_encoded(**payload);
-      if (!writer->Write(msg)) return grpc::Status(grpc::StatusCode::CANCELLED, "client gone");
-      continue;
-    }
-    absl::Status s = store_->ReadAndDecodeBlock(request->namespace_(), request->model_id(), b,
-                                                &chain, absl::MakeSpan(kv));
-    // ABORTED: the centroid this block is a residual of was deleted while the Get ran. Delete
-    // first re-encodes its dependents as bit-exact standalone copies under the same node ids,
-    // so read the rest of the prefix again and decode the same node (bounded).
-    for (int retry = 0; absl::IsAborted(s) && retry < kGetRetries; ++retry) {
-      absl::StatusOr<GetResult> again =
-          store_->Get(request->namespace_(), request->model_id(), tokens, request->max_blocks());
-      if (!again.ok()) break;
-      if (again->blocks.size() <= i || again->blocks[i].node_id != b.node_id) {
-        // The block itself went (a Delete of its prefix): what this Get promised is gone.
-        return grpc::Status(grpc::StatusCode::ABORTED,
-                            absl::StrCat("token_ids: blocks [", i, ", ", got->blocks.size(),
-                                         ") were deleted while this Get streamed them; retry"));
-      }
-      for (size_t j = i; j < again->blocks.size() && j < got->blocks.size() &&
-                         again->blocks[j].node_id == got->blocks[j].node_id;
-           ++j) {
-        got->blocks[j] = again->blocks[j];
-      }
-      s = store_->ReadAndDecodeBlock(request->namespace_(), request->model_id(), b, &chain,
-                                     absl::MakeSpan(kv));
-    }
-    if (!s.ok()) return ToGrpcStatus(s);
-    for (uint32_t l = 0; l < g.num_layers; l += layers_per_message) {
-      const uint32_t end = std::min(g.num_layers, l + layers_per_message);
-      out->set_layer_begin(l);
-      out->set_layer_end(end);
-      out->set_kv(kv.data() + g.layer_range_bytes(0, l), g.layer_range_bytes(l, end));
-      if (!writer->Write(msg)) return grpc::Status(grpc::StatusCode::CANCELLED, "client gone");
     }
   }
   return grpc::Status::OK;

@@ -76,6 +76,9 @@ ABSL_FLAG(uint32_t, max_concurrent_put_streams, 256,
 ABSL_FLAG(kvtrie::ByteSize, max_inflight_put_bytes_per_namespace, kvtrie::ByteSize{256ull << 20},
           "most dense KV bytes one namespace's unfinished Put streams together may buffer "
           "(0 = only --max_inflight_put_bytes)" KVTRIE_BYTE_UNITS_HELP);
+ABSL_FLAG(int, codec_threads, 0,
+          "threads that decode the blocks of a Get (RECONSTRUCTED), the next blocks while the "
+          "current ones are sent; 0 = the machine's cores");
 ABSL_FLAG(int, max_threads, 512,
           "most threads gRPC may run calls on; calls past it are refused with "
           "RESOURCE_EXHAUSTED");
@@ -186,6 +189,10 @@ int Run() {
   ServiceOptions service_options;
   service_options.max_tokens = absl::GetFlag(FLAGS_max_tokens);
   service_options.max_get_message_bytes = absl::GetFlag(FLAGS_max_get_message_bytes).bytes;
+  service_options.codec_threads =
+      absl::GetFlag(FLAGS_codec_threads) > 0
+          ? absl::GetFlag(FLAGS_codec_threads)
+          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   service_options.default_encoding.encoding = *encoding;
   service_options.default_encoding.target_rel_rms = absl::GetFlag(FLAGS_default_target_rel_rms);
   service_options.put_limits.max_concurrent_streams =
@@ -235,6 +242,9 @@ int Run() {
   grpc::ResourceQuota quota("kvtrie-server");
   quota.SetMaxThreads(absl::GetFlag(FLAGS_max_threads));
   builder.SetResourceQuota(quota);
+  // A request of --max_tokens packed token ids (4 bytes each) must fit in one message.
+  builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<uint64_t>(
+      INT32_MAX, std::max<uint64_t>(4u << 20, 4ull * service_options.max_tokens + (64u << 10)))));
   int port = 0;
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), *credentials, &port);
   builder.RegisterService(&guarded);

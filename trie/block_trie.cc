@@ -35,27 +35,11 @@ TrieNode* BlockTrie::FindChild(const TrieNode* parent, absl::Span<const uint32_t
 std::vector<TrieNode*> BlockTrie::Match(absl::Span<const uint32_t> token_ids,
                                         size_t max_blocks) const {
   std::vector<TrieNode*> path;
-  size_t blocks = token_ids.size() / block_tokens_;
-  if (max_blocks != 0) blocks = std::min(blocks, max_blocks);
-  path.reserve(blocks);
-  const TrieNode* node = &root_;
-  const uint32_t* tokens = token_ids.data();
-  const size_t block_bytes = block_tokens_ * sizeof(uint32_t);
-  const bool inline_tokens = block_tokens_ <= TrieNode::kInlineTokens;
-  for (size_t b = 0; b < blocks; ++b, tokens += block_tokens_) {
-    TrieNode* child = node->only_child;
-    if (child != nullptr) {
-      // One child: its tokens decide; no other child could match.
-      if (TrieNode* next = child->only_child) __builtin_prefetch(next);
-      const uint32_t* have = inline_tokens ? child->inline_tokens : child->token_ids.data();
-      if (std::memcmp(have, tokens, block_bytes) != 0) break;
-    } else {
-      child = FindChild(node, absl::MakeConstSpan(tokens, block_tokens_));
-      if (child == nullptr) break;
-    }
-    path.push_back(child);
-    node = child;
-  }
+  path.reserve(token_ids.size() / block_tokens_);
+  MatchVisit(token_ids, max_blocks, [&](TrieNode* n) {
+    path.push_back(n);
+    return true;
+  });
   return path;
 }
 

@@ -16,6 +16,7 @@
 #define KVTRIE_TRIE_BLOCK_TRIE_H_
 
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
@@ -36,8 +37,10 @@ struct TrieNode {
   static constexpr size_t kInlineTokens = 16;
   TrieNode* only_child = nullptr;
   uint32_t inline_tokens[kInlineTokens] = {};
-
   uint64_t id = 0;  // unique in its (namespace, model) trie; 0 for the root
+  // Set while a delete or eviction of this node is being written: readers no longer match it.
+  bool removing = false;
+
   TrieNode* parent = nullptr;
   uint32_t depth = 0;                 // in blocks; root = 0, its children 1
   std::vector<uint32_t> token_ids;    // block_tokens ids (empty for the root)
@@ -52,8 +55,6 @@ struct TrieNode {
   float rel_rms_error_v = 0;
   uint64_t hits = 0;               // Gets that returned this node
   uint64_t reference_node_id = 0;  // the centroid this block is a residual of (0 = none)
-  // Set while a delete or eviction of this node is being written: readers no longer match it.
-  bool removing = false;
 
   // Children by token hash; a bucket holds more than one node only on a hash collision.
   absl::flat_hash_map<uint64_t, absl::InlinedVector<TrieNode*, 1>> children;
@@ -82,6 +83,12 @@ class BlockTrie {
   // The nodes of the longest stored prefix of `token_ids`, root's child first; at most
   // `max_blocks` (0 = no limit). Only full blocks of `token_ids` are considered.
   std::vector<TrieNode*> Match(absl::Span<const uint32_t> token_ids, size_t max_blocks = 0) const;
+  // As Match without building the path: calls visit(node) for each matched node, root's child
+  // first, and stops before the first for which it returns false. Returns the nodes visited.
+  // One pass: each node is read once, while its cache lines are in (id and `removing` share the
+  // first two with the tokens).
+  template <typename Visit>
+  size_t MatchVisit(absl::Span<const uint32_t> token_ids, size_t max_blocks, Visit visit) const;
 
   // The child of `parent` whose tokens equal `block` (block_tokens ids), or nullptr.
   TrieNode* FindChild(const TrieNode* parent, absl::Span<const uint32_t> block) const;
@@ -107,6 +114,33 @@ class BlockTrie {
   TrieNode root_;
   absl::flat_hash_map<uint64_t, std::unique_ptr<TrieNode>> by_id_;  // owns every non-root node
 };
+
+template <typename Visit>
+size_t BlockTrie::MatchVisit(absl::Span<const uint32_t> token_ids, size_t max_blocks,
+                             Visit visit) const {
+  size_t blocks = token_ids.size() / block_tokens_;
+  if (max_blocks != 0 && max_blocks < blocks) blocks = max_blocks;
+  const TrieNode* node = &root_;
+  const uint32_t* tokens = token_ids.data();
+  const size_t block_bytes = block_tokens_ * sizeof(uint32_t);
+  const bool inline_tokens = block_tokens_ <= TrieNode::kInlineTokens;
+  size_t b = 0;
+  for (; b < blocks; ++b, tokens += block_tokens_) {
+    TrieNode* child = node->only_child;
+    if (child != nullptr) {
+      // One child: its tokens decide; no other child could match.
+      if (TrieNode* next = child->only_child) __builtin_prefetch(next);
+      const uint32_t* have = inline_tokens ? child->inline_tokens : child->token_ids.data();
+      if (std::memcmp(have, tokens, block_bytes) != 0) break;
+    } else {
+      child = FindChild(node, absl::MakeConstSpan(tokens, block_tokens_));
+      if (child == nullptr) break;
+    }
+    if (!visit(child)) break;
+    node = child;
+  }
+  return b;
+}
 
 }  // namespace kvtrie
 

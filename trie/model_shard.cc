@@ -237,7 +237,13 @@ MatchResult ModelShard::Match(absl::Span<const uint32_t> token_ids) {
   absl::MutexLock lock(&mu_);
   if (!committed_) return result;
   result.block_tokens = model_.geometry.block_tokens;
-  for (TrieNode* n : MatchLive(token_ids, 0)) result.node_ids.push_back(n->id);
+  // One walk: ids collected as the nodes are matched, stopping at one being removed.
+  result.node_ids.reserve(token_ids.size() / model_.geometry.block_tokens);
+  trie_->MatchVisit(token_ids, 0, [&](const TrieNode* n) {
+    if (n->removing) return false;
+    result.node_ids.push_back(n->id);
+    return true;
+  });
   return result;
 }
 
@@ -325,7 +331,8 @@ absl::Status ModelShard::ReadAndDecodeInternal(const BlockRead& block, DecodeCha
   if (auto s = ReadPayloadInternal(block, &payload, corrupt); !s.ok()) return s;
   // The centroid and, for one used at a position offset, its parent (codec/reference_shift.h).
   const uint64_t needed[2] = {block.reference_node_id,
-                              DecodeChain::ReferenceParentOf(*payload, block.reference_node_id)};
+                              DecodeChain::ReferenceParentOf(*payload, block.reference_node_id,
+                                                             /*verified=*/true)};
   if (needed[1] != 0) {  // it must be the centroid's parent in the trie
     absl::MutexLock lock(&mu_);
     const TrieNode* c = FindLive(needed[0]);
@@ -363,7 +370,10 @@ absl::Status ModelShard::ReadAndDecodeInternal(const BlockRead& block, DecodeCha
     }
     chain->AddReference(ref_id, reference);
   }
-  absl::Status s = chain->Next(*payload, block.reference_node_id, out);
+  // ReadPayloadInternal's bytes are verified: a hot copy was checked when it was made (encoded
+  // here, or parsed when read from disk), a cold one was just parsed.
+  absl::Status s =
+      chain->Next(*payload, block.reference_node_id, out, /*tokens=*/{}, /*verified=*/true);
   if (!absl::IsDataLoss(s)) return s;
   spdlog::error("node {} of '{}'/'{}' failed to decode, dropping it and its subtree: {}",
                 block.node_id, ns_, model_.model_id, std::string(s.message()));

@@ -1,0 +1,202 @@
+// bench/learned_nll_bench.cc
+//
+// ΔNLL vs bits/component with and without the learned predictor state (issue 11), in process (no
+// server): the held-out dumps of bench/make_learned_dumps.sh, the state learned from the training
+// dumps. Per test dump (one window each): the context is its first C tokens (C = min(384, a
+// multiple of block_tokens leaving >= 32 tokens)), the continuation the next <= 128 tokens. The
+// context KV is encoded block by block, decoded, loaded into the model (stories260K, real forward
+// pass) and the continuation scored; the baseline loads the dump's own (fp16) KV the same way.
+//
+//   learned_nll_bench [--dumps=build/learned_dumps] [--model=GGUF] [--block_tokens=16]
+//
+// ΔNLL % = 100 * (sum of continuation surprisal from decoded KV - the same from the dump's KV) /
+// the latter, pooled over every window; s.e. from the per-window ΔNLL spread.
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "bench/learned_data.h"
+#include "client/worker/llama_model.h"
+
+namespace kvtrie {
+namespace {
+
+struct Window {
+  const Text* text = nullptr;
+  size_t context = 0, end = 0;
+};
+
+// Sum of surprisal (bits) of tokens [context, end) after loading `prefix` as the context KV.
+double ScoreWith(const worker::LlamaModel& model, const Text& t, const Window& w,
+                 const KvDump& prefix) {
+  worker::Sequence seq(&model, w.end, DType::kFp16);
+  if (!seq.LoadPrefix(prefix).ok() || !seq.RecomputeLastLogits().ok()) std::exit(2);
+  std::vector<uint32_t> cont(t.dump.token_ids.begin() + w.context,
+                             t.dump.token_ids.begin() + w.end);
+  if (!seq.Extend(cont).ok()) std::exit(2);
+  double s = 0;
+  for (size_t i = w.context; i < w.end; ++i) s += seq.surprisal_bits()[i];
+  return s;
+}
+
+// The first `context` tokens of `t` as a KvDump, from `blocks` (block layout) or, when null, the
+// dump's own KV.
+KvDump Prefix(const BlockGeometry& g, const Text& t, size_t context,
+              const std::vector<std::vector<uint8_t>>* blocks) {
+  KvDump p;
+  p.model_id = t.dump.model_id;
+  p.num_layers = t.dump.num_layers;
+  p.num_kv_heads = t.dump.num_kv_heads;
+  p.head_dim = t.dump.head_dim;
+  p.dtype = t.dump.dtype;
+  p.token_ids.assign(t.dump.token_ids.begin(), t.dump.token_ids.begin() + context);
+  p.surprisal_bits.assign(t.dump.surprisal_bits.begin(), t.dump.surprisal_bits.begin() + context);
+  const size_t row = static_cast<size_t>(p.head_dim) * DTypeBytes(p.dtype);
+  p.k.resize(static_cast<size_t>(p.num_layers) * p.num_kv_heads * context * row);
+  p.v.resize(p.k.size());
+  if (blocks == nullptr) {
+    const size_t n = t.dump.num_tokens();
+    for (size_t lh = 0; lh < static_cast<size_t>(p.num_layers) * p.num_kv_heads; ++lh) {
+      std::memcpy(p.k.data() + lh * context * row, t.dump.k.data() + lh * n * row, context * row);
+      std::memcpy(p.v.data() + lh * context * row, t.dump.v.data() + lh * n * row, context * row);
+    }
+    return p;
+  }
+  for (size_t b = 0; b < blocks->size(); ++b) {
+    ScatterBlock(g, context, (*blocks)[b], b, p.k.data(), p.v.data());
+  }
+  return p;
+}
+
+struct Row {
+  std::string name;
+  double bpc = 0, delta_pct = 0, se_pct = 0;
+};
+
+Row Evaluate(const worker::LlamaModel& model, const BlockGeometry& g,
+             const std::vector<Window>& windows, const std::vector<double>& baseline,
+             const std::string& name, Profile profile, double target, const PredictorState* state,
+             KeyError key_error) {
+  EncodeOptions o;
+  o.key_error = key_error;
+  o.encoding = Encoding::kResidual;
+  o.profile = profile;
+  o.target_rel_rms = target;
+  double bytes = 0, comps = 0, sum = 0, base = 0;
+  std::vector<double> per_window;
+  for (size_t i = 0; i < windows.size(); ++i) {
+    const Window& w = windows[i];
+    std::vector<std::vector<uint8_t>> decoded;
+    for (size_t b = 0; b < w.context / g.block_tokens; ++b) {
+      const Block& blk = w.text->blocks[b];
+      const PredictionContext ctx = ContextOf(blk, state);
+      auto e = EncodeBlock(g, blk.kv, o, ctx);
+      if (!e.ok()) std::exit(3);
+      bytes += e->bytes.size();
+      comps += g.num_elements();
+      decoded.emplace_back(g.num_bytes());
+      if (!DecodeBlock(e->bytes, absl::MakeSpan(decoded.back()), ctx).ok()) std::exit(3);
+    }
+    const double s = ScoreWith(model, *w.text, w, Prefix(g, *w.text, w.context, &decoded));
+    sum += s;
+    base += baseline[i];
+    per_window.push_back(100 * (s - baseline[i]) / baseline[i]);
+  }
+  Row r;
+  r.name = name;
+  r.bpc = 8 * bytes / comps;
+  r.delta_pct = 100 * (sum - base) / base;
+  double mean = 0, var = 0;
+  for (double v : per_window) mean += v / per_window.size();
+  for (double v : per_window) var += (v - mean) * (v - mean) / (per_window.size() - 1);
+  r.se_pct = std::sqrt(var / per_window.size());
+  return r;
+}
+
+std::string Flag(int argc, char** argv, const std::string& name, const std::string& def) {
+  const std::string prefix = "--" + name + "=";
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], prefix.c_str(), prefix.size()) == 0) return argv[i] + prefix.size();
+  }
+  return def;
+}
+
+int Main(int argc, char** argv) {
+  const std::string dir = Flag(argc, argv, "dumps", "build/learned_dumps");
+  const std::string model_path =
+      Flag(argc, argv, "model", "../shared/data/stories260K/stories260K.gguf");
+  const uint32_t T = std::stoi(Flag(argc, argv, "block_tokens", "16"));
+  auto model = worker::LlamaModel::Load(model_path);
+  if (!model.ok()) {
+    std::fprintf(stderr, "%s\n", model.status().ToString().c_str());
+    return 1;
+  }
+  BlockGeometry g;
+  const std::vector<Text> train = LoadDir(dir + "/train", T, &g);
+  const std::vector<Text> test = LoadDir(dir + "/test", T, &g);
+  uint64_t learned = 0;
+  const auto state = Learn(g, train, UINT64_MAX, &learned);
+  if (!state) return 1;
+  std::vector<Window> windows;
+  std::vector<double> baseline;
+  size_t scored = 0;
+  for (const Text& t : test) {
+    const size_t n = t.dump.num_tokens();
+    if (n < 32 + T) continue;
+    Window w;
+    w.text = &t;
+    w.context = std::min<size_t>(384, (n - 32) / T * T);
+    w.end = std::min(n, w.context + 128);
+    windows.push_back(w);
+    baseline.push_back(ScoreWith(**model, t, w, Prefix(g, t, w.context, nullptr)));
+    scored += w.end - w.context;
+  }
+  double base_sum = 0;
+  for (double b : baseline) base_sum += b;
+  std::printf(
+      "# learned_nll_bench: %zu held-out windows, %zu scored tokens, baseline NLL %.3f "
+      "bits/token; state %s\n\n",
+      windows.size(), scored, base_sum / scored, state->Describe().c_str());
+  std::printf(
+      "| setting | bits/component | ratio vs fp16 | ΔNLL %% | s.e. %% |\n|---|---|---|---|---|\n");
+  struct S {
+    const char* name;
+    Profile p;
+    double target;
+    bool learned;
+    KeyError key_error = KeyError::kRaw;
+  };
+  const S settings[] = {
+      {"today fast", Profile::kFast, 0.05, false},
+      {"today fast", Profile::kFast, 0.1, false},
+      {"today fast", Profile::kFast, 0.173, false},
+      {"today compact", Profile::kCompact, 0.173, false},
+      {"learned fast", Profile::kFast, 0.1, true},
+      {"learned fast", Profile::kFast, 0.173, true},
+      {"learned fast", Profile::kFast, 0.3, true},
+      {"learned fast", Profile::kFast, 0.5, true},
+      {"learned compact", Profile::kCompact, 0.173, true},
+      {"learned compact", Profile::kCompact, 0.3, true},
+      {"today fast, keys mean-removed", Profile::kFast, 0.1, false, KeyError::kMeanRemoved},
+      {"today fast, keys mean-removed", Profile::kFast, 0.173, false, KeyError::kMeanRemoved},
+      {"today fast, keys mean-removed", Profile::kFast, 0.3, false, KeyError::kMeanRemoved},
+      {"learned fast, keys mean-removed", Profile::kFast, 0.173, true, KeyError::kMeanRemoved},
+      {"learned fast, keys mean-removed", Profile::kFast, 0.3, true, KeyError::kMeanRemoved},
+      {"learned fast", Profile::kFast, 0.7, true},
+  };
+  for (const S& s : settings) {
+    const Row r = Evaluate(**model, g, windows, baseline, s.name, s.p, s.target,
+                           s.learned ? state.get() : nullptr, s.key_error);
+    std::printf("| %s @%.3f | %.3f | %.1fx | %+.3f | %.3f |\n", s.name, s.target, r.bpc,
+                16.0 / r.bpc, r.delta_pct, r.se_pct);
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvtrie
+
+int main(int argc, char** argv) { return kvtrie::Main(argc, argv); }

@@ -1,0 +1,332 @@
+#include "codec/predictor_state.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "codec/crc32c.h"
+#include "codec/predictor_state_internal.h"
+#include "codec/residual_kernels.h"
+
+namespace kvtrie {
+namespace internal {
+namespace {
+
+// Serialized state, format 1 (little-endian; codec/FORMAT.md):
+//   0   4  magic "KVPS"
+//   4   1  format 1
+//   5   1  dtype (DType)
+//   6   1  rope code (kRopeBaseOf)
+//   7   1  reserved 0
+//   8   4  version (> 0)
+//   12  2  num_layers   14  2  num_kv_heads   16  2  head_dim   18  2  reserved 0
+//   20  8  tokens_learned
+//   28  4  num_entries E
+//   32     E x (i32 token id, u32 count): ids >= 0, strictly ascending
+//   ..     (E + 1) x V fp16 means (V = layers * 2 * kv_heads * head_dim), the all-token mean first
+//   ..  4  num_pairs P
+//   ..     P x (i32 previous token, i32 token, u32 count): ids >= 0, (previous, token) ascending
+//   ..     P x V fp16 pair predictions
+//   ..  4  CRC-32C of every byte before it
+// Every mean is finite; keys pre-RoPE.
+constexpr char kMagic[4] = {'K', 'V', 'P', 'S'};
+constexpr uint8_t kFormat = 1;
+constexpr size_t kHeader = 32;
+// log(base), as literals so that every machine predicts with the same angles.
+constexpr double kRopeLogBaseOf[kNumRopeCodes] = {0.0, 9.210340371976184, 13.122363377404328};
+
+template <typename T>
+void PutLE(std::string* out, T v) {
+  for (size_t i = 0; i < sizeof(T); ++i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+template <typename T>
+T GetLE(const char* p) {
+  T v = 0;
+  for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<T>(static_cast<uint8_t>(p[i])) << (8 * i);
+  return v;
+}
+
+// cos, sin of `angle` (any finite double), deterministically: exact reduction mod 2 pi (fmod is
+// exact), then the Taylor series at a quarter of the angle and two angle doublings.
+void RopeCosSin(double angle, double* c, double* s) {
+  constexpr double kTwoPi = 6.283185307179586;
+  constexpr double kPi = 3.141592653589793;
+  double r = std::fmod(angle, kTwoPi);
+  if (r > kPi) r -= kTwoPi;
+  if (r < -kPi) r += kTwoPi;
+  double cc, ss;
+  residual::DetCosSin(r / 4.0, &cc, &ss);
+  for (int k = 0; k < 2; ++k) {
+    const double c2 = cc * cc - ss * ss, s2 = 2.0 * ss * cc;
+    cc = c2;
+    ss = s2;
+  }
+  *c = cc;
+  *s = ss;
+}
+
+class State final : public PredictorState {
+ public:
+  explicit State(StateData d) : d_(std::move(d)), V_(VectorSize(d_.geometry)) {
+    const size_t D = d_.geometry.head_dim;
+    thetas_.assign(D / 2, 0.0);
+    for (size_t i = 0; i < D / 2; ++i) {
+      thetas_[i] = residual::DetExp(-2.0 * static_cast<double>(i) / static_cast<double>(D) *
+                                    kRopeLogBaseOf[d_.rope_code]);
+    }
+  }
+
+  std::string Serialize() const override {
+    std::string out;
+    out.reserve(kHeader + d_.ids.size() * 8 + d_.means.size() * 2 + d_.pairs.size() * 12 +
+                d_.pair_means.size() * 2 + 8);
+    out.append(kMagic, 4);
+    PutLE<uint8_t>(&out, kFormat);
+    PutLE<uint8_t>(&out, static_cast<uint8_t>(d_.geometry.dtype));
+    PutLE<uint8_t>(&out, static_cast<uint8_t>(d_.rope_code));
+    PutLE<uint8_t>(&out, 0);
+    PutLE<uint32_t>(&out, d_.version);
+    PutLE<uint16_t>(&out, static_cast<uint16_t>(d_.geometry.num_layers));
+    PutLE<uint16_t>(&out, static_cast<uint16_t>(d_.geometry.num_kv_heads));
+    PutLE<uint16_t>(&out, static_cast<uint16_t>(d_.geometry.head_dim));
+    PutLE<uint16_t>(&out, 0);
+    PutLE<uint64_t>(&out, d_.tokens_learned);
+    PutLE<uint32_t>(&out, static_cast<uint32_t>(d_.ids.size()));
+    for (size_t i = 0; i < d_.ids.size(); ++i) {
+      PutLE<uint32_t>(&out, static_cast<uint32_t>(d_.ids[i]));
+      PutLE<uint32_t>(&out, d_.counts[i]);
+    }
+    for (uint16_t h : d_.means) PutLE<uint16_t>(&out, h);
+    PutLE<uint32_t>(&out, static_cast<uint32_t>(d_.pairs.size()));
+    for (size_t i = 0; i < d_.pairs.size(); ++i) {
+      PutLE<uint32_t>(&out, static_cast<uint32_t>(d_.pairs[i] >> 32));
+      PutLE<uint32_t>(&out, static_cast<uint32_t>(d_.pairs[i]));
+      PutLE<uint32_t>(&out, d_.pair_counts[i]);
+    }
+    for (uint16_t h : d_.pair_means) PutLE<uint16_t>(&out, h);
+    PutLE<uint32_t>(&out, Crc32c(out));
+    return out;
+  }
+
+  uint32_t version() const override { return d_.version; }
+  const BlockGeometry& geometry() const override { return d_.geometry; }
+  size_t memory_bytes() const override {
+    return sizeof(*this) + d_.ids.size() * 8 + d_.means.size() * 2 + d_.pairs.size() * 12 +
+           d_.pair_means.size() * 2 + thetas_.size() * 8;
+  }
+  uint64_t tokens_learned() const override { return d_.tokens_learned; }
+  uint32_t tokens_in_table() const override { return static_cast<uint32_t>(d_.ids.size()); }
+  uint32_t pairs_in_table() const override { return static_cast<uint32_t>(d_.pairs.size()); }
+  std::string Describe() const override {
+    return absl::StrFormat("v%u: %u tokens, %u pairs (learned from %u tokens), rope %s, %u KB",
+                           d_.version, d_.ids.size(), d_.pairs.size(), d_.tokens_learned,
+                           d_.rope_code == 0 ? "none" : absl::StrCat(kRopeBaseOf[d_.rope_code]),
+                           (memory_bytes() + 1023) / 1024);
+  }
+  double rope_base() const override { return kRopeBaseOf[d_.rope_code]; }
+
+  void PredictTokenMean(absl::Span<const int32_t> tokens, uint32_t first_position,
+                        float* out) const override {
+    std::vector<const uint16_t*> rows(tokens.size());
+    for (size_t t = 0; t < tokens.size(); ++t) rows[t] = TokenRow(tokens[t]);
+    Emit(rows, first_position, out);
+  }
+
+  void Predict(absl::Span<const int32_t> tokens, uint32_t first_position, int32_t previous_token,
+               float* out) const override {
+    std::vector<const uint16_t*> rows(tokens.size());
+    for (size_t t = 0; t < tokens.size(); ++t) {
+      const int32_t prev = t ? tokens[t - 1] : previous_token;
+      rows[t] = nullptr;
+      if (prev >= 0 && tokens[t] >= 0 && !d_.pairs.empty()) {
+        const uint64_t key = PairKey(prev, tokens[t]);
+        auto it = std::lower_bound(d_.pairs.begin(), d_.pairs.end(), key);
+        if (it != d_.pairs.end() && *it == key) {
+          rows[t] = d_.pair_means.data() + (it - d_.pairs.begin()) * V_;
+        }
+      }
+      if (rows[t] == nullptr) rows[t] = TokenRow(tokens[t]);
+    }
+    Emit(rows, first_position, out);
+  }
+
+ private:
+  const uint16_t* TokenRow(int32_t token) const {
+    auto it = std::lower_bound(d_.ids.begin(), d_.ids.end(), token);
+    const size_t e = (it != d_.ids.end() && *it == token) ? 1 + (it - d_.ids.begin()) : 0;
+    return d_.means.data() + e * V_;
+  }
+
+  // out[l][kv][h][t][d] from token t's vector rows[t], keys rotated at first_position + t.
+  void Emit(const std::vector<const uint16_t*>& rows, uint32_t first_position, float* out) const {
+    const BlockGeometry& g = d_.geometry;
+    const size_t T = rows.size(), D = g.head_dim, H = g.num_kv_heads, P = D / 2;
+    // The tokens' fp16 vectors as floats, [T][V] (exact), then laid out per (layer, K/V, head).
+    thread_local std::vector<float> gathered;
+    gathered.resize(T * V_);
+    for (size_t t = 0; t < T; ++t) ToFloat(DType::kFp16, rows[t], V_, gathered.data() + t * V_);
+    std::vector<float> cs, sn;
+    if (d_.rope_code != 0) {
+      cs.resize(T * P);
+      sn.resize(T * P);
+      for (size_t t = 0; t < T; ++t) {
+        const double pos = static_cast<double>(first_position) + static_cast<double>(t);
+        for (size_t i = 0; i < P; ++i) {
+          double c, s;
+          RopeCosSin(pos * thetas_[i], &c, &s);
+          cs[t * P + i] = static_cast<float>(c);
+          sn[t * P + i] = static_cast<float>(s);
+        }
+      }
+    }
+    for (size_t l = 0; l < g.num_layers; ++l) {
+      for (size_t kv = 0; kv < 2; ++kv) {
+        for (size_t h = 0; h < H; ++h) {
+          const size_t off = ((l * 2 + kv) * H + h) * D;
+          float* o = out + off * T;
+          for (size_t t = 0; t < T; ++t, o += D) {
+            const float* m = gathered.data() + t * V_ + off;
+            if (kv == 1 || d_.rope_code == 0) {
+              std::memcpy(o, m, D * sizeof(float));
+              continue;
+            }
+            const float* c = cs.data() + t * P;
+            const float* s = sn.data() + t * P;
+            for (size_t i = 0; i < P; ++i) {
+              const float a = m[2 * i], b = m[2 * i + 1];
+              o[2 * i] = c[i] * a - s[i] * b;
+              o[2 * i + 1] = s[i] * a + c[i] * b;
+            }
+            if (D % 2) o[D - 1] = m[D - 1];
+          }
+        }
+      }
+    }
+  }
+
+  const StateData d_;
+  const size_t V_;
+  std::vector<double> thetas_;  // per channel pair
+};
+
+absl::Status ReadMeans(const char** q, size_t n, std::vector<uint16_t>* out, const char* what) {
+  out->resize(n);
+  for (size_t i = 0; i < n; ++i, *q += 2) {
+    (*out)[i] = GetLE<uint16_t>(*q);
+    if (((*out)[i] & 0x7c00) == 0x7c00) {
+      return absl::DataLossError(absl::StrCat("predictor state: ", what, " ", i, " not finite"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::shared_ptr<const PredictorState> MakeState(StateData data) {
+  return std::make_shared<State>(std::move(data));
+}
+
+}  // namespace internal
+
+absl::StatusOr<std::shared_ptr<const PredictorState>> PredictorState::Parse(
+    absl::string_view bytes) {
+  using internal::GetLE;
+  if (bytes.size() < internal::kHeader + 8) {
+    return absl::DataLossError(
+        absl::StrCat("predictor state: truncated (", bytes.size(), " bytes)"));
+  }
+  if (std::memcmp(bytes.data(), internal::kMagic, 4) != 0) {
+    return absl::DataLossError("predictor state: bad magic");
+  }
+  const uint32_t stored = GetLE<uint32_t>(bytes.data() + bytes.size() - 4);
+  const uint32_t actual = Crc32c(bytes.substr(0, bytes.size() - 4));
+  if (stored != actual) {
+    return absl::DataLossError(absl::StrCat("predictor state: CRC-32C mismatch (stored ",
+                                            absl::Hex(stored), ", computed ", absl::Hex(actual),
+                                            ")"));
+  }
+  const char* p = bytes.data();
+  if (static_cast<uint8_t>(p[4]) != internal::kFormat) {
+    return absl::DataLossError(
+        absl::StrCat("predictor state: unsupported format ", static_cast<uint8_t>(p[4])));
+  }
+  internal::StateData d;
+  const uint8_t dtype = static_cast<uint8_t>(p[5]);
+  if (!IsValidDType(dtype)) {
+    return absl::DataLossError(absl::StrCat("predictor state: unknown dtype ", dtype));
+  }
+  const uint8_t rope = static_cast<uint8_t>(p[6]);
+  if (rope >= internal::kNumRopeCodes) {
+    return absl::DataLossError(absl::StrCat("predictor state: unknown rope code ", rope));
+  }
+  d.rope_code = rope;
+  if (p[7] != 0 || GetLE<uint16_t>(p + 18) != 0) {
+    return absl::DataLossError("predictor state: reserved bytes not 0");
+  }
+  d.version = GetLE<uint32_t>(p + 8);
+  if (d.version == 0) return absl::DataLossError("predictor state: version 0");
+  BlockGeometry& g = d.geometry;
+  g.dtype = static_cast<DType>(dtype);
+  g.num_layers = GetLE<uint16_t>(p + 12);
+  g.num_kv_heads = GetLE<uint16_t>(p + 14);
+  g.head_dim = GetLE<uint16_t>(p + 16);
+  g.block_tokens = 1;
+  if (!g.Validate().ok()) {
+    return absl::DataLossError("predictor state: invalid geometry " + g.DebugString());
+  }
+  g.block_tokens = 0;
+  d.tokens_learned = GetLE<uint64_t>(p + 20);
+  const uint64_t V = internal::VectorSize(g);
+  const char* q = p + internal::kHeader;
+  const char* const end = bytes.data() + bytes.size() - 4;
+  // Tokens: E * 8 + (E + 1) * 2V bytes, then at least the 4-byte pair count.
+  const uint64_t entries = GetLE<uint32_t>(p + 28);
+  uint64_t left = end - q;
+  if (left < 2 * V + 4 || entries > (left - 2 * V - 4) / (8 + 2 * V)) {
+    return absl::DataLossError(absl::StrCat("predictor state: ", entries, " token entries of ", V,
+                                            " values past the end"));
+  }
+  d.ids.resize(entries);
+  d.counts.resize(entries);
+  for (uint64_t i = 0; i < entries; ++i, q += 8) {
+    const uint32_t id = GetLE<uint32_t>(q);
+    if (id > static_cast<uint32_t>(INT32_MAX) ||
+        (i > 0 && static_cast<int32_t>(id) <= d.ids[i - 1])) {
+      return absl::DataLossError(
+          absl::StrCat("predictor state: token id ", id, " at entry ", i, " out of order"));
+    }
+    d.ids[i] = static_cast<int32_t>(id);
+    d.counts[i] = GetLE<uint32_t>(q + 4);
+  }
+  if (auto s = internal::ReadMeans(&q, (entries + 1) * V, &d.means, "token mean"); !s.ok()) {
+    return s;
+  }
+  // Pairs: P * 12 + P * 2V bytes, exactly what is left.
+  const uint64_t pairs = GetLE<uint32_t>(q);
+  q += 4;
+  left = end - q;
+  if (left % (12 + 2 * V) != 0 || left / (12 + 2 * V) != pairs) {
+    return absl::DataLossError(absl::StrCat("predictor state: ", pairs, " pairs do not match the ",
+                                            left, " bytes present"));
+  }
+  d.pairs.resize(pairs);
+  d.pair_counts.resize(pairs);
+  for (uint64_t i = 0; i < pairs; ++i, q += 12) {
+    const uint32_t prev = GetLE<uint32_t>(q), tok = GetLE<uint32_t>(q + 4);
+    const uint64_t key = (static_cast<uint64_t>(prev) << 32) | tok;
+    if (prev > static_cast<uint32_t>(INT32_MAX) || tok > static_cast<uint32_t>(INT32_MAX) ||
+        (i > 0 && key <= d.pairs[i - 1])) {
+      return absl::DataLossError(absl::StrCat("predictor state: pair (", prev, ", ", tok,
+                                              ") at entry ", i, " out of order"));
+    }
+    d.pairs[i] = key;
+    d.pair_counts[i] = GetLE<uint32_t>(q + 8);
+  }
+  if (auto s = internal::ReadMeans(&q, pairs * V, &d.pair_means, "pair mean"); !s.ok()) return s;
+  return internal::MakeState(std::move(d));
+}
+
+}  // namespace kvtrie

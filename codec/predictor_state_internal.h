@@ -1,0 +1,51 @@
+// codec/predictor_state_internal.h
+//
+// What a fitted PredictorState holds (predictor_state.cc builds and serializes it; the learner,
+// predictor_learner.cc, fits it). Internal to the codec. Serialized layout: codec/FORMAT.md.
+#ifndef KVTRIE_CODEC_PREDICTOR_STATE_INTERNAL_H_
+#define KVTRIE_CODEC_PREDICTOR_STATE_INTERNAL_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "codec/block_geometry.h"
+#include "codec/predictor_state.h"
+
+namespace kvtrie {
+namespace internal {
+
+// RoPE codes: 0 = keys not rotated, 1 = base 10000, 2 = base 500000.
+inline constexpr int kNumRopeCodes = 3;
+inline constexpr double kRopeBaseOf[kNumRopeCodes] = {0.0, 10000.0, 500000.0};
+
+// Values of one token's vector: [layers][2][kv_heads][head_dim] (keys pre-RoPE).
+inline size_t VectorSize(const BlockGeometry& g) {
+  return static_cast<size_t>(g.num_layers) * 2 * g.num_kv_heads * g.head_dim;
+}
+
+inline uint64_t PairKey(int32_t previous, int32_t token) {
+  return (static_cast<uint64_t>(static_cast<uint32_t>(previous)) << 32) |
+         static_cast<uint32_t>(token);
+}
+
+struct StateData {
+  BlockGeometry geometry;  // block_tokens 0
+  uint32_t version = 0;
+  int rope_code = 0;
+  uint64_t tokens_learned = 0;
+  std::vector<int32_t> ids;      // ascending token ids
+  std::vector<uint32_t> counts;  // per id
+  std::vector<uint16_t> means;   // (1 + ids) x VectorSize fp16: the all-token mean, then per id
+  std::vector<uint64_t> pairs;   // ascending PairKey(previous, token)
+  std::vector<uint32_t> pair_counts;
+  // pairs x VectorSize fp16: the pair's prediction (its mean shrunk toward the token mean).
+  std::vector<uint16_t> pair_means;
+};
+
+std::shared_ptr<const PredictorState> MakeState(StateData data);
+
+}  // namespace internal
+}  // namespace kvtrie
+
+#endif  // KVTRIE_CODEC_PREDICTOR_STATE_INTERNAL_H_
