@@ -6,7 +6,9 @@
 //   (a) every session alone, dense fp16 (what a per-request cache without sharing holds);
 //   (b) exact-prefix dedup only (vLLM / SGLang prefix caching): dense bytes of the trie's nodes;
 //   (c) kvtrie without centroids (--near_dup_clusters=false): lossless / residual at the target;
-//   (d) kvtrie with centroids: lossless / residual at the target.
+//   (d) kvtrie with centroids: lossless / residual at the target; (d0) the same with
+//       position-shifted branches stored standalone (--cluster_position_shifted=false: before
+//       they were coded against a centroid at the offset, codec/reference_shift.h).
 // Puts go in order n0, n1, n2, n3, s0, s1, s2, s3 into one namespace.
 // Run: build/bench/cluster_bench [--target=0.1] > bench/cluster_bench.md
 #include <algorithm>
@@ -36,13 +38,15 @@ struct Run {
   ClusterStats cluster;
 };
 
-Run Store(const std::vector<KvDump>& dumps, const EncodeOptions& enc, bool clusters) {
+Run Store(const std::vector<KvDump>& dumps, const EncodeOptions& enc, bool clusters,
+          bool shifted = true) {
   const auto dir = std::filesystem::temp_directory_path() /
                    ("kvtrie_cluster_bench_" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);
   StoreOptions o;
   o.data_dir = dir.string();
   o.near_dup.enabled = clusters;
+  o.near_dup.position_shifted = shifted;
   auto store = KvStore::Open(o);
   if (!store.ok()) {
     std::fprintf(stderr, "open: %s\n", std::string(store.status().message()).c_str());
@@ -114,6 +118,8 @@ int Main(int argc, char** argv) {
   const Run dedup = Store(dumps, raw, false);
   const Run ll_plain = Store(dumps, lossless, false), ll_cent = Store(dumps, lossless, true);
   const Run ly_plain = Store(dumps, lossy, false), ly_cent = Store(dumps, lossy, true);
+  const Run ll_unshifted = Store(dumps, lossless, true, false);
+  const Run ly_unshifted = Store(dumps, lossy, true, false);
 
   auto set_bytes = [](const Run& r, const char* prefix, bool logical) {
     uint64_t n = 0;
@@ -132,8 +138,10 @@ int Main(int argc, char** argv) {
       "block_tokens 16)\n\n");
   std::printf(
       "Stored bytes; x = smaller than (b) exact-prefix dedup by that factor. Lossy rows: "
-      "residual coding at target relative RMS %.3g (the server default).\n\n",
-      target);
+      "residual coding at target relative RMS %.3g (the server default). Command: "
+      "`build/bench/cluster_bench --target=%g > bench/cluster_bench.md` (stored sizes are "
+      "deterministic: one run, no timing).\n\n",
+      target, target);
   std::printf(
       "| scheme | neardup n0..n3 | x vs (b) | sessions s0..s3 | x vs (b) | all 8 | x vs (b) |\n");
   std::printf("|---|---:|---:|---:|---:|---:|---:|\n");
@@ -147,10 +155,14 @@ int Main(int argc, char** argv) {
   row("(b) exact-prefix dedup only (fp16)", b_nd, b_s);
   row("(c) kvtrie, no centroids, lossless", set_bytes(ll_plain, "neardup", false),
       set_bytes(ll_plain, "sessions", false));
+  row("(d0) centroids, shifted branches standalone, lossless",
+      set_bytes(ll_unshifted, "neardup", false), set_bytes(ll_unshifted, "sessions", false));
   row("(d) kvtrie + centroids, lossless", set_bytes(ll_cent, "neardup", false),
       set_bytes(ll_cent, "sessions", false));
   row("(c) kvtrie, no centroids, lossy", set_bytes(ly_plain, "neardup", false),
       set_bytes(ly_plain, "sessions", false));
+  row("(d0) centroids, shifted branches standalone, lossy",
+      set_bytes(ly_unshifted, "neardup", false), set_bytes(ly_unshifted, "sessions", false));
   row("(d) kvtrie + centroids, lossy", set_bytes(ly_cent, "neardup", false),
       set_bytes(ly_cent, "sessions", false));
 
@@ -179,6 +191,40 @@ int Main(int argc, char** argv) {
                 pct(ll_cent, ll_plain, div + 1), pct(ly_cent, ly_plain, div),
                 pct(ly_cent, ly_plain, div + 1), residuals(ll_cent), residuals(ly_cent));
   }
+  {
+    // The position-shifted branch n3 before (d0) and after (d), as a share of standalone (c).
+    const std::string name = kNames[3];
+    const size_t div = DivergenceBlock(dumps[0], dumps[3]);
+    auto pct = [&](const Run& c, const Run& p, size_t from) {
+      return 100.0 * PutBytes(c.puts.at(name), from) / PutBytes(p.puts.at(name), from);
+    };
+    auto residuals = [&](const Run& r) {
+      int n = 0;
+      for (const BlockReport& b : r.puts.at(name).blocks)
+        n += b.outcome == BlockOutcome::kResidualOfCentroid;
+      return n;
+    };
+    std::printf(
+        "\nPosition-shifted branch %s (the same text 4 tokens earlier after its changed word): "
+        "bytes as a share of the same blocks standalone (c), before = (d0) shifted blocks "
+        "standalone, after = (d) coded against n0's window at the offset (keys turned by "
+        "RoPE). Its last block repeats n0's last 12 tokens, where n0 ends: a tail window of "
+        "n0's last block.\n\n",
+        name.c_str());
+    std::printf(
+        "| %s | lossless incl. div | lossless after | lossy incl. div | lossy after | "
+        "residual blocks (lossless / lossy) |\n",
+        name.c_str());
+    std::printf("|---|---:|---:|---:|---:|---:|\n");
+    std::printf("| before (d0) | %.2f%% | %.2f%% | %.2f%% | %.2f%% | %d / %d |\n",
+                pct(ll_unshifted, ll_plain, div), pct(ll_unshifted, ll_plain, div + 1),
+                pct(ly_unshifted, ly_plain, div), pct(ly_unshifted, ly_plain, div + 1),
+                residuals(ll_unshifted), residuals(ly_unshifted));
+    std::printf("| after (d) | %.2f%% | %.2f%% | %.2f%% | %.2f%% | %d / %d |\n",
+                pct(ll_cent, ll_plain, div), pct(ll_cent, ll_plain, div + 1),
+                pct(ly_cent, ly_plain, div), pct(ly_cent, ly_plain, div + 1), residuals(ll_cent),
+                residuals(ly_cent));
+  }
   // The targets, judged on the aligned members n1 and n2 (n3 is position-shifted).
   double worst_after = 0, worst_incl = 0;
   for (int i = 1; i <= 2; ++i) {
@@ -205,10 +251,12 @@ int Main(int argc, char** argv) {
   std::printf(
       "\nStats of the lossy run with centroids: centroids %llu, residual nodes %llu, "
       "near-dup groups %llu, candidates tried %llu, gated by distance %llu, kept "
-      "standalone (residual not smaller) %llu, position-shifted skipped %llu.\n",
+      "standalone (residual not smaller) %llu, position-shifted coded %llu, position-shifted "
+      "skipped %llu.\n",
       (unsigned long long)cs.centroids, (unsigned long long)cs.residual_nodes,
       (unsigned long long)cs.near_dup_groups, (unsigned long long)cs.candidates_tried,
       (unsigned long long)cs.gated_by_distance, (unsigned long long)cs.residual_not_smaller,
+      (unsigned long long)cs.position_shifted_coded,
       (unsigned long long)cs.position_shifted_skipped);
   std::printf(
       "\nBranch distance histogram (bits, trie distance of each near-dup group member to "

@@ -7,11 +7,13 @@
 // envelope, the geometry, the reference id and the size of a fetched centroid. Block i may be
 // predicted from block i-1's reconstruction (its parent) and, when its envelope names a centroid
 // (reference_node_id != 0), from that centroid block's reconstruction, which `fetch` returns
-// (the client reads it with GetRequest.node_id); DecodeChain caches the last
-// DecodeChain::kMaxReferences centroids. A block coded against the model's learned predictor
-// state (GetBlock.predictor_version != 0, named in its envelope too) is decoded with the state
-// `fetch_predictor` returns (the client fetches it with GetPredictor and caches it) and the
-// block's token ids, position and previous token.
+// (the client reads it with GetRequest.node_id); a centroid used at a position offset
+// (codec/reference_shift.h) also needs the centroid's parent, named in the block's envelope and
+// fetched with the same `fetch`. DecodeChain caches the last DecodeChain::kMaxReferences of them.
+// A block coded against the model's learned predictor state (GetBlock.predictor_version != 0,
+// named in its envelope too) is decoded with the state `fetch_predictor` returns (the client
+// fetches it with GetPredictor and caches it) and the block's token ids, position and previous
+// token.
 //
 // Errors (the stream is then unusable): DATA_LOSS naming the block when it arrives out of order,
 // its envelope fails its checks, its geometry differs from the model's, its reference id differs

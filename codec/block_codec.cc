@@ -26,6 +26,7 @@ constexpr char kLosslessHalfWords = 2;
 constexpr char kLosslessCentroidDiff = 3;     // centroid_lossless.h; needs context.reference
 constexpr uint8_t kFlagFastProfile = 1;       // envelope flags bit 0: Profile::kFast
 constexpr uint8_t kFlagPredictorVersion = 2;  // bit 1: a u32 predictor version follows the node id
+constexpr uint8_t kFlagShiftedReference = 0x80;  // bit 7: reference_shift.h prefix in params
 
 template <typename T>
 void PutLE(std::string* out, T v) {
@@ -181,7 +182,9 @@ void MeasureError(const BlockGeometry& g, const float* x, const float* y, Encode
 namespace internal {
 std::string WriteEnvelope(Encoding encoding, const BlockGeometry& geometry,
                           uint64_t reference_node_id, absl::string_view params,
-                          absl::string_view payload, Profile profile, uint32_t predictor_version) {
+                          absl::string_view payload, Profile profile, uint32_t predictor_version,
+                          const ReferenceShift* shift) {
+  const bool shifted = shift != nullptr && shift->enabled;
   std::string out;
   out.reserve(kFixedHeader + 16 + params.size() + payload.size());
   out.append(kMagic, 4);
@@ -189,14 +192,18 @@ std::string WriteEnvelope(Encoding encoding, const BlockGeometry& geometry,
   PutLE<uint8_t>(&out, static_cast<uint8_t>(encoding));
   PutLE<uint8_t>(&out, static_cast<uint8_t>(geometry.dtype));
   PutLE<uint8_t>(&out, (profile == Profile::kFast ? kFlagFastProfile : 0) |
-                           (predictor_version != 0 ? kFlagPredictorVersion : 0));
+                           (predictor_version != 0 ? kFlagPredictorVersion : 0) |
+                           (shifted ? kFlagShiftedReference : 0));
   PutLE<uint16_t>(&out, static_cast<uint16_t>(geometry.num_layers));
   PutLE<uint16_t>(&out, static_cast<uint16_t>(geometry.num_kv_heads));
   PutLE<uint16_t>(&out, static_cast<uint16_t>(geometry.block_tokens));
   PutLE<uint16_t>(&out, static_cast<uint16_t>(geometry.head_dim));
   PutLE<uint64_t>(&out, reference_node_id);
   if (predictor_version != 0) PutLE<uint32_t>(&out, predictor_version);
-  PutLE<uint32_t>(&out, static_cast<uint32_t>(params.size()));
+  std::string prefix;
+  if (shifted) AppendReferenceShift(*shift, &prefix);
+  PutLE<uint32_t>(&out, static_cast<uint32_t>(prefix.size() + params.size()));
+  out.append(prefix);
   out.append(params.data(), params.size());
   PutLE<uint32_t>(&out, static_cast<uint32_t>(payload.size()));
   out.append(payload.data(), payload.size());
@@ -216,6 +223,42 @@ absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
   }
   const absl::string_view raw(reinterpret_cast<const char*>(kv.data()), kv.size());
   EncodedBlock result;
+  // A shifted reference: the codecs below see the window (reference_shift.h) as the reference.
+  ReferenceShift shift = options.reference_shift;
+  std::vector<uint8_t> window;
+  PredictionContext shifted_context;
+  if (shift.enabled) {
+    if (options.profile != Profile::kCompact ||
+        (options.encoding != Encoding::kResidual && options.encoding != Encoding::kLossless)) {
+      return absl::InvalidArgumentError(
+          "reference_shift: only the compact residual and lossless encodings predict from a "
+          "shifted reference");
+    }
+    if (options.reference_node_id == 0 || context.reference.empty()) {
+      return absl::InvalidArgumentError(
+          "reference_shift: needs reference_node_id and the reference block");
+    }
+    if (context.reference.size() != kv.size() ||
+        (shift.token_shift > 0 && !shift.tail && context.reference_parent.size() != kv.size())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "reference_shift: the reference (", context.reference.size(), " bytes) and its parent (",
+          context.reference_parent.size(), " bytes) must each have the block's ", kv.size()));
+    }
+    if (shift.log_rope_base < 0) {
+      internal::DetectShiftRope(geometry, kv, context.reference, context.reference_parent, &shift);
+    }
+    if (auto s = internal::CheckReferenceShift(geometry, shift); !s.ok()) return s;
+    window.resize(kv.size());
+    if (auto s = internal::BuildShiftedReference(geometry, shift, context.reference,
+                                                 context.reference_parent, absl::MakeSpan(window));
+        !s.ok()) {
+      return s;
+    }
+    shifted_context = context;
+    shifted_context.reference = window;
+    shifted_context.reference_parent = {};
+  }
+  const PredictionContext& ctx = shift.enabled ? shifted_context : context;
   if (options.profile == Profile::kFast && options.encoding == Encoding::kLossless) {
     std::string payload;
     CompressFastLossless(geometry, kv, &payload);
@@ -250,15 +293,16 @@ absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
       // params: empty = byte planes + zstd (any dtype); "\x02" = CompressHalfWords (2-byte dtypes).
       std::string payload;
       std::string params;
-      if (!context.reference.empty() && options.reference_node_id != 0) {
-        if (context.reference.size() != kv.size()) {
-          return absl::InvalidArgumentError(absl::StrCat("reference: ", context.reference.size(),
+      if (!ctx.reference.empty() && options.reference_node_id != 0) {
+        if (ctx.reference.size() != kv.size()) {
+          return absl::InvalidArgumentError(absl::StrCat("reference: ", ctx.reference.size(),
                                                          " bytes, the block has ", kv.size()));
         }
         params = std::string(1, kLosslessCentroidDiff);
-        CompressCentroidDiff(kv, context.reference, DTypeBytes(geometry.dtype), &payload);
-        result.bytes = internal::WriteEnvelope(Encoding::kLossless, geometry,
-                                               options.reference_node_id, params, payload);
+        CompressCentroidDiff(kv, ctx.reference, DTypeBytes(geometry.dtype), &payload);
+        result.bytes =
+            internal::WriteEnvelope(Encoding::kLossless, geometry, options.reference_node_id,
+                                    params, payload, Profile::kCompact, 0, &shift);
         break;
       }
       if (DTypeBytes(geometry.dtype) == 2) {
@@ -284,7 +328,7 @@ absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
       internal::LossyOutput lossy;
       absl::Status s =
           options.encoding == Encoding::kResidual
-              ? internal::EncodeResidual(geometry, x.data(), options, context, &lossy)
+              ? internal::EncodeResidual(geometry, x.data(), options, ctx, &lossy)
               : internal::EncodeBaseline(options.encoding, geometry, x.data(), options, &lossy);
       if (!s.ok()) return s;
       const int centroid = static_cast<int>(Predictor::kCentroid);
@@ -295,7 +339,8 @@ absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
           lossy.predictor_count[0][token_mean] + lossy.predictor_count[1][token_mean] > 0;
       result.bytes = internal::WriteEnvelope(
           options.encoding, geometry, uses_reference ? options.reference_node_id : 0, lossy.params,
-          lossy.payload, Profile::kCompact, uses_learned ? context.learned->version() : 0);
+          lossy.payload, Profile::kCompact, uses_learned ? context.learned->version() : 0,
+          uses_reference ? &shift : nullptr);
       // What the decoder returns: the reconstruction rounded to the dtype.
       std::vector<uint8_t> decoded(geometry.num_bytes());
       FromFloatSaturating(geometry.dtype, lossy.recon.data(), lossy.recon.size(), decoded.data());
@@ -363,7 +408,7 @@ absl::StatusOr<BlockHeader> ParseEnvelope(absl::string_view encoded, bool check_
     return absl::DataLossError(absl::StrCat("encoded block: unknown dtype ", dtype));
   }
   const uint8_t flags = static_cast<uint8_t>(p[7]);
-  if (flags & ~(kFlagFastProfile | kFlagPredictorVersion)) {
+  if (flags & ~(kFlagFastProfile | kFlagPredictorVersion | kFlagShiftedReference)) {
     return absl::DataLossError(absl::StrCat("encoded block: unknown flags ", flags));
   }
   if ((flags & kFlagFastProfile) && encoding != static_cast<uint8_t>(Encoding::kResidual) &&
@@ -403,6 +448,17 @@ absl::StatusOr<BlockHeader> ParseEnvelope(absl::string_view encoded, bool check_
   }
   h.params = encoded.substr(pos, params_len);
   pos += params_len;
+  if (flags & kFlagShiftedReference) {
+    if ((flags & kFlagFastProfile) || h.reference_node_id == 0 ||
+        (h.encoding != Encoding::kResidual && h.encoding != Encoding::kLossless)) {
+      return absl::DataLossError(
+          "encoded block: a shifted reference without a reference or with an encoding that "
+          "has none");
+    }
+    absl::StatusOr<ReferenceShift> shift = internal::ParseReferenceShift(h.geometry, &h.params);
+    if (!shift.ok()) return shift.status();
+    h.reference_shift = *shift;
+  }
   const uint32_t payload_len = GetLE<uint32_t>(p + pos);
   pos += 4;
   if (payload_len != body_end - pos) {
@@ -466,6 +522,29 @@ absl::Status DecodeParsed(const absl::StatusOr<BlockHeader>& h, absl::Span<uint8
       return absl::FailedPreconditionError(s.message());
     }
   }
+  std::vector<uint8_t> window;
+  PredictionContext shifted_context;
+  if (h->reference_shift.enabled) {
+    if (h->encoding == Encoding::kLossless &&
+        (h->params.size() != 1 || h->params[0] != kLosslessCentroidDiff)) {
+      return absl::DataLossError("lossless params: a shifted reference outside centroid mode");
+    }
+    if (context.reference.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("reference: the block is coded against centroid node ", h->reference_node_id,
+                       " and no reference block was given"));
+    }
+    window.resize(out.size());
+    if (auto s = internal::BuildShiftedReference(h->geometry, h->reference_shift, context.reference,
+                                                 context.reference_parent, absl::MakeSpan(window));
+        !s.ok()) {
+      return s;
+    }
+    shifted_context = context;
+    shifted_context.reference = window;
+    shifted_context.reference_parent = {};
+  }
+  const PredictionContext& ctx = h->reference_shift.enabled ? shifted_context : context;
   if (h->profile == Profile::kFast) {
     if (h->encoding == Encoding::kResidual) {
       return internal::DecodeFastResidual(
@@ -493,12 +572,12 @@ absl::Status DecodeParsed(const absl::StatusOr<BlockHeader>& h, absl::Span<uint8
         return DecompressHalfWords(h->geometry, h->payload, out);
       }
       if (h->params.size() == 1 && h->params[0] == kLosslessCentroidDiff) {
-        if (context.reference.empty()) {
+        if (ctx.reference.empty()) {
           return absl::FailedPreconditionError(
               absl::StrCat("reference: the block is coded against centroid node ",
                            h->reference_node_id, " and no reference block was given"));
         }
-        return DecompressCentroidDiff(h->payload, context.reference, DTypeBytes(h->geometry.dtype),
+        return DecompressCentroidDiff(h->payload, ctx.reference, DTypeBytes(h->geometry.dtype),
                                       out);
       }
       return absl::DataLossError("lossless params: unknown mode");
@@ -507,11 +586,11 @@ absl::Status DecodeParsed(const absl::StatusOr<BlockHeader>& h, absl::Span<uint8
     case Encoding::kKivi2:
     case Encoding::kTurboQuant: {
       std::vector<float> y(h->geometry.num_elements());
-      PredictionContext ctx = context;
-      if (h->predictor_version == 0) ctx.learned = nullptr;  // the block names no state
+      PredictionContext rctx = ctx;  // the shifted window when there is one
+      if (h->predictor_version == 0) rctx.learned = nullptr;  // the block names no state
       absl::Status s =
           h->encoding == Encoding::kResidual
-              ? internal::DecodeResidual(h->geometry, h->params, h->payload, ctx, y.data())
+              ? internal::DecodeResidual(h->geometry, h->params, h->payload, rctx, y.data())
               : internal::DecodeBaseline(h->encoding, h->geometry, h->params, h->payload, y.data());
       if (!s.ok()) return s;
       FromFloatSaturating(h->geometry.dtype, y.data(), y.size(), out.data());

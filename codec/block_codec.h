@@ -10,7 +10,8 @@
 //   6   1  dtype (DType)
 //   7   1  flags: bit 0 = the fast profile (Profile::kFast: fast_residual.h, fast_lossless.h;
 //            codec/FORMAT.md); bit 1 = a predictor version follows the node id (kResidual only);
-//            other bits 0
+//            bit 7 = coded against a shifted reference (reference_shift.h: the params start
+//            with its prefix); other bits 0
 //   8   2  num_layers    10  2  num_kv_heads    12  2  block_tokens    14  2  head_dim
 //   16  8  reference node id (the centroid a residual is taken against; 0 = none)
 //  [24  4  predictor version (> 0), only with flags bit 1: the learned PredictorState the block
@@ -35,6 +36,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "codec/block_geometry.h"
+#include "codec/reference_shift.h"
 
 namespace kvtrie {
 
@@ -135,6 +137,11 @@ struct EncodeOptions {
   // kLossless: when set and PredictionContext::reference is present, the block is coded bit-exact
   // as the difference from the reference (centroid_lossless.h) and the id is written to the header.
   uint64_t reference_node_id = 0;
+  // kResidual (compact) / kLossless against a reference: predict from the reference window at a
+  // position offset (reference_shift.h; needs PredictionContext::reference_parent when
+  // token_shift > 0). Written to the params only when the reference is used. INVALID_ARGUMENT
+  // for another encoding or profile, or without reference_node_id and the reference.
+  ReferenceShift reference_shift = {};
   // kTurboQuant: bits per component of the codebook, 1..8.
   int turboquant_bits = 3;
   // kResidual: how the quantizer step is shared (StepGroups). Every (layer, K/V) plane meets
@@ -152,6 +159,9 @@ struct PredictionContext {
   absl::Span<const uint8_t> parent;
   // The reconstructed reference (centroid) block named in the header (kCentroid).
   absl::Span<const uint8_t> reference;
+  // The reconstructed parent of the reference block (the first tokens of a shifted reference
+  // window, reference_shift.h; BlockHeader::reference_shift.reference_parent_node_id names it).
+  absl::Span<const uint8_t> reference_parent = {};
   // A caller-supplied prediction of this block (kExternal), e.g. the paper's top-k expected KV.
   // The server cannot compute it: decoding a block that used it without it is FAILED_PRECONDITION.
   absl::Span<const uint8_t> external;
@@ -207,6 +217,9 @@ struct BlockHeader {
   Profile profile = Profile::kCompact;  // flags bit 0
   BlockGeometry geometry;
   uint64_t reference_node_id = 0;
+  // Flags bit 7: the reference is used at a position offset (reference_shift.h); `params` below
+  // is what follows its prefix.
+  ReferenceShift reference_shift;
   // The learned predictor state the block was coded against (codec/predictor_state.h); 0 = none.
   uint32_t predictor_version = 0;
   absl::string_view params;
@@ -235,7 +248,7 @@ namespace internal {
 std::string WriteEnvelope(Encoding encoding, const BlockGeometry& geometry,
                           uint64_t reference_node_id, absl::string_view params,
                           absl::string_view payload, Profile profile = Profile::kCompact,
-                          uint32_t predictor_version = 0);
+                          uint32_t predictor_version = 0, const ReferenceShift* shift = nullptr);
 }  // namespace internal
 
 }  // namespace kvtrie

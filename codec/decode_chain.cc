@@ -28,6 +28,31 @@ void DecodeChain::AddReference(uint64_t node_id, absl::Span<const uint8_t> block
   references_[node_id].assign(block.begin(), block.end());
 }
 
+void DecodeChain::ReserveReferences(size_t n) {
+  if (references_.size() + n > kMaxReferences) references_.clear();
+}
+
+uint64_t DecodeChain::ReferenceParentOf(absl::string_view encoded, uint64_t reference_node_id,
+                                        bool verified) {
+  if (reference_node_id == 0) return 0;
+  absl::StatusOr<BlockHeader> h = verified ? ParseVerifiedBlock(encoded) : ParseBlock(encoded);
+  return h.ok() ? h->reference_shift.reference_parent_node_id : 0;
+}
+
+absl::StatusOr<absl::Span<const uint8_t>> DecodeChain::Reference(uint64_t node_id) {
+  auto it = references_.find(node_id);
+  if (it == references_.end()) {
+    if (!fetch_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("reference node ", node_id, ": no way to fetch it"));
+    }
+    std::vector<uint8_t> ref(geometry_.num_bytes());
+    if (absl::Status s = fetch_(node_id, absl::MakeSpan(ref)); !s.ok()) return s;
+    it = references_.emplace(node_id, std::move(ref)).first;
+  }
+  return absl::MakeConstSpan(it->second);
+}
+
 void DecodeChain::AddPredictor(std::shared_ptr<const PredictorState> state) {
   if (state == nullptr) return;
   if (predictors_.size() >= kMaxPredictors) predictors_.clear();
@@ -60,18 +85,18 @@ absl::Status DecodeChain::Next(absl::string_view encoded, uint64_t reference_nod
   PredictionContext ctx;
   ctx.parent = parent_;
   if (reference_node_id != 0) {
-    auto it = references_.find(reference_node_id);
-    if (it == references_.end()) {
-      if (!fetch_) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("reference node ", reference_node_id, ": no way to fetch it"));
-      }
-      std::vector<uint8_t> ref(geometry_.num_bytes());
-      if (absl::Status s = fetch_(reference_node_id, absl::MakeSpan(ref)); !s.ok()) return s;
-      if (references_.size() >= kMaxReferences) references_.clear();
-      it = references_.emplace(reference_node_id, std::move(ref)).first;
+    const uint64_t parent_id = ReferenceParentOf(encoded, reference_node_id, verified);
+    const size_t missing = (references_.contains(reference_node_id) ? 0 : 1) +
+                           (parent_id != 0 && !references_.contains(parent_id) ? 1 : 0);
+    if (missing > 0) ReserveReferences(missing);  // the two spans below stay valid
+    absl::StatusOr<absl::Span<const uint8_t>> ref = Reference(reference_node_id);
+    if (!ref.ok()) return ref.status();
+    ctx.reference = *ref;
+    if (parent_id != 0) {
+      absl::StatusOr<absl::Span<const uint8_t>> up = Reference(parent_id);
+      if (!up.ok()) return up.status();
+      ctx.reference_parent = *up;
     }
-    ctx.reference = it->second;
   }
   if (const uint32_t version = PeekPredictorVersion(encoded); version != 0) {
     auto it = predictors_.find(version);

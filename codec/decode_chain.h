@@ -3,9 +3,12 @@
 // Decodes the blocks of one trie path in order, root first. A block may predict from its parent
 // (the previous block's reconstruction, kept here) and from a reference block — a near-duplicate's
 // centroid, named by node id in the block's header and reconstructed by a caller-supplied
-// fetcher (the store reads it, a client asks the server). The last kMaxReferences references
-// are cached. Used by the store (reconstruction, Put), the service (Get) and the client (Get of
-// RESIDUAL blocks), so the parent/centroid context is built in one place.
+// fetcher (the store reads it, a client asks the server). A block coded against its centroid at a
+// position offset (codec/reference_shift.h) also needs the centroid's parent, named in its
+// envelope (BlockHeader::reference_shift.reference_parent_node_id) and fetched the same way. The
+// last kMaxReferences references are cached. Used by the store (reconstruction, Put), the service
+// (Get) and the client (Get of RESIDUAL blocks), so the parent/centroid context is built in one
+// place.
 //
 // Learned predictors (issue 11): a block coded against a PredictorState names its version in its
 // envelope (BlockHeader::predictor_version). The chain gets that state from a caller-supplied
@@ -64,7 +67,8 @@ class DecodeChain {
   // empty otherwise, and then the next block has no known previous token). `verified`: the bytes'
   // CRC-32C was checked already (a store's payload), so it is not again. Errors: DecodeBlock's
   // (DATA_LOSS on a bad checksum; FAILED_PRECONDITION naming the version when no state or no
-  // tokens are at hand); the fetchers' errors, unchanged.
+  // tokens are at hand); the fetchers' errors, unchanged, for the reference, the reference's
+  // parent and the predictor state.
   absl::Status Next(absl::string_view encoded, uint64_t reference_node_id, absl::Span<uint8_t> out,
                     absl::Span<const int32_t> tokens = {}, bool verified = false);
   // As Next, but the block's bytes are already dense (a raw copy): only kept as the parent.
@@ -82,6 +86,14 @@ class DecodeChain {
   // Supplies the reconstruction of reference `node_id` (e.g. just encoded against), so it is not
   // fetched.
   void AddReference(uint64_t node_id, absl::Span<const uint8_t> block);
+  // Makes room for `n` (<= kMaxReferences) more references without dropping any added after this
+  // call: call it before adding a block's centroid and its parent.
+  void ReserveReferences(size_t n);
+  // The reference node ids block `encoded` needs besides `reference_node_id` (its header's): the
+  // shifted centroid's parent, or 0. An envelope that fails ParseBlock gives 0 (Next reports it).
+  // `verified`: as Next's.
+  static uint64_t ReferenceParentOf(absl::string_view encoded, uint64_t reference_node_id,
+                                    bool verified = false);
   bool HasReference(uint64_t node_id) const { return references_.contains(node_id); }
 
   // The previous block's reconstruction (empty before the first).
@@ -94,6 +106,9 @@ class DecodeChain {
  private:
   // Advances the position past one block of `tokens`.
   void Advance(absl::Span<const int32_t> tokens);
+
+  // The cached reconstruction of `node_id`, fetched if missing. REQUIRES: ReserveReferences.
+  absl::StatusOr<absl::Span<const uint8_t>> Reference(uint64_t node_id);
 
   const BlockGeometry geometry_;
   const FetchReference fetch_;

@@ -394,6 +394,7 @@ grpc::Status KvCacheService::Stats(grpc::ServerContext*, const v1::StatsRequest*
   response->set_near_dup_gated_by_distance(s.cluster.gated_by_distance);
   response->set_near_dup_not_smaller(s.cluster.residual_not_smaller);
   response->set_position_shifted_skipped(s.cluster.position_shifted_skipped);
+  response->set_position_shifted_coded(s.cluster.position_shifted_coded);
   ToHistogram(s.cluster.path_surprisal_histogram, response->mutable_path_surprisal_histogram());
   ToHistogram(s.cluster.branch_distance_histogram, response->mutable_branch_distance_histogram());
   response->set_predictor_versions(s.predictor_versions);

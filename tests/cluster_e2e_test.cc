@@ -1,7 +1,8 @@
 // End-to-end tests of near-duplicate clusters (issue 4) through a real kvtrie-server: Put of the
-// real neardup dumps (tests/data/neardup/n0..n2), RESIDUAL_OF_CENTROID dispositions, Get in both
-// modes (the client library fetches the centroid for RESIDUAL), Inspect's trie distance, Stats'
-// histograms, Delete of the centroid's branch, and namespace isolation.
+// real neardup dumps (tests/data/neardup/n0..n3; n3 is position-shifted), RESIDUAL_OF_CENTROID
+// dispositions, Get in both modes (the client library fetches the centroid for RESIDUAL, and the
+// centroid's parent for a shifted one), Inspect's trie distance, Stats' histograms, Delete of the
+// centroid's branch, and namespace isolation.
 #include <grpcpp/grpcpp.h>
 
 #include <cmath>
@@ -177,6 +178,37 @@ TEST_F(ClusterEndToEnd, LossyNearDuplicatesMeetTheDefaultTargetInBothGetModes) {
   EXPECT_EQ(dense->v, here->v);
   EXPECT_LE(RelRms(*dense, n1_, false), 0.1);
   EXPECT_LE(RelRms(*dense, n1_, true), 0.1);
+}
+
+// neardup/n3 repeats n0's text 4 tokens earlier after its changed word: its blocks are coded
+// against n0's at that offset (codec/reference_shift.h). A RESIDUAL Get decoded by the client
+// (which then fetches each centroid and the centroid's parent) gives the server's bytes.
+TEST_F(ClusterEndToEnd, PositionShiftedBranchReadsBackTheSameInBothGetModes) {
+  const KvDump n3 = Load("neardup/n3");
+  for (v1::Encoding enc : {v1::ENCODING_LOSSLESS, v1::ENCODING_RESIDUAL}) {
+    auto client = NewClient(v1::Encoding_Name(enc));
+    ASSERT_TRUE(client->Put(n0_, {.encoding = enc}).ok());
+    absl::StatusOr<v1::PutResponse> r3 = client->Put(n3, {.encoding = enc});
+    ASSERT_TRUE(r3.ok()) << r3.status();
+    EXPECT_EQ(Residuals(*r3), 32 - 6) << v1::Encoding_Name(enc);  // the last: a tail window
+    absl::StatusOr<KvDump> dense = client->Get(n3.model_id, n3.token_ids);
+    absl::StatusOr<KvDump> here =
+        client->Get(n3.model_id, n3.token_ids, {.mode = v1::GET_MODE_RESIDUAL});
+    ASSERT_TRUE(dense.ok()) << dense.status();
+    ASSERT_TRUE(here.ok()) << here.status();
+    EXPECT_EQ(dense->k, here->k);
+    EXPECT_EQ(dense->v, here->v);
+    if (enc == v1::ENCODING_LOSSLESS) {
+      EXPECT_EQ(here->k, n3.k);
+      EXPECT_EQ(here->v, n3.v);
+    } else {
+      EXPECT_LE(RelRms(*dense, n3, false), 0.1);
+      EXPECT_LE(RelRms(*dense, n3, true), 0.1);
+    }
+    absl::StatusOr<v1::StatsResponse> st = client->Stats(v1::Encoding_Name(enc));
+    ASSERT_TRUE(st.ok());
+    EXPECT_EQ(st->position_shifted_coded(), static_cast<uint64_t>(Residuals(*r3)));
+  }
 }
 
 TEST_F(ClusterEndToEnd, NamespacesNeverClusterAcrossEachOther) {

@@ -24,6 +24,7 @@ void ClusterStats::Merge(const ClusterStats& o) {
   candidates_tried += o.candidates_tried;
   gated_by_distance += o.gated_by_distance;
   residual_not_smaller += o.residual_not_smaller;
+  position_shifted_coded += o.position_shifted_coded;
   position_shifted_skipped += o.position_shifted_skipped;
   for (int i = 0; i < kHistogramBuckets; ++i) {
     path_surprisal_histogram[i] += o.path_surprisal_histogram[i];
@@ -132,25 +133,81 @@ std::vector<ClusterIndex::Candidate> ClusterIndex::FindCandidates(
   if (out.size() > max_candidates) out.resize(max_candidates);
   if (!out.empty()) return out;
 
-  // No aligned candidate: is it a position-shifted near-duplicate (counted, not clustered)?
-  const uint32_t half = static_cast<uint32_t>(block.size() / 2);
-  const int64_t offset = static_cast<int64_t>(depth - 1) * static_cast<int64_t>(block.size());
+  // No aligned candidate: is it a position-shifted near-duplicate? Block token j at position
+  // p + j repeats the stored token at position start + j of a stored path (start = p - shift).
+  const uint32_t bt = static_cast<uint32_t>(block.size());
+  const uint32_t half = bt / 2;
+  const int64_t p = static_cast<int64_t>(depth - 1) * bt;
+  bool detected = false;
+  absl::flat_hash_set<std::pair<uint64_t, uint32_t>> seen;  // (centroid, token_shift)
+  auto consider = [&](const TrieNode* a, const TrieNode* b, uint32_t s, int32_t rotation) {
+    if (b->reference_node_id != 0 || b->removing || a->removing || a->depth == 0) return;
+    if (!seen.insert({b->id, s}).second) return;
+    const double d = distance_to(b);
+    if (d > max_distance_bits) {
+      ++counters_.gated_by_distance;
+      return;
+    }
+    uint32_t matched = 0;
+    for (uint32_t j = 0; j < bt; ++j) {
+      matched += block[j] == (j < s ? a->token_ids[bt - s + j] : b->token_ids[j - s]);
+    }
+    out.push_back({b->id, d, true, s, rotation, a->id, matched});
+  };
+  // A tail window: a's last s tokens, the rest of the block past the stored text.
+  auto consider_tail = [&](const TrieNode* a, uint32_t s, int32_t rotation) {
+    if (a->reference_node_id != 0 || a->removing || a->depth == 0) return;
+    if (!seen.insert({a->id, s | 0x80000000u}).second) return;
+    const double d = distance_to(a);
+    if (d > max_distance_bits) {
+      ++counters_.gated_by_distance;
+      return;
+    }
+    uint32_t matched = 0;
+    for (uint32_t j = 0; j < s; ++j) matched += block[j] == a->token_ids[bt - s + j];
+    out.push_back({a->id, d, true, s, rotation, 0, matched, true});
+  };
   for (uint32_t o = 0; half > 0 && o <= half; ++o) {
     auto it = windows_.find(WindowKey(block.subspan(o, half)));
     if (it == windows_.end()) continue;
     for (const auto& [id, old_o] : it->second) {
       const TrieNode* n = trie->Find(id);
-      if (n == nullptr) continue;
-      const int64_t shift = (offset + o) - (static_cast<int64_t>(n->token_offset()) + old_o);
+      if (n == nullptr || n->depth == 0) continue;
+      const int64_t q = n->token_offset();
+      const int64_t start = q + old_o - o;
+      const int64_t shift = p - start;
       if (shift == 0 || std::llabs(shift) > half) continue;
       if (!std::equal(block.begin() + o, block.begin() + o + half, n->token_ids.begin() + old_o)) {
         continue;
       }
-      if (distance_to(n) > max_distance_bits) continue;
-      ++counters_.position_shifted_skipped;
-      return out;
+      detected = true;
+      const int32_t rotation = static_cast<int32_t>(shift);
+      if (start < q) {  // the window ends in n: A = n's parent, B = n
+        if (start >= 0 && n->parent != nullptr) {
+          consider(n->parent, n, static_cast<uint32_t>(q - start), rotation);
+        }
+      } else {  // the window starts in n: A = n, B = a child of n that continues it
+        const uint32_t s = static_cast<uint32_t>(bt - (start - q));
+        bool continued = false;
+        for (const auto& [h, bucket] : n->children) {
+          for (const TrieNode* c : bucket) {
+            if (std::equal(block.begin() + s, block.end(), c->token_ids.begin())) {
+              continued = true;
+              consider(n, c, s, rotation);
+            }
+          }
+        }
+        if (!continued) consider_tail(n, s, rotation);
+      }
     }
   }
+  std::sort(out.begin(), out.end(), [](const Candidate& a, const Candidate& b) {
+    if (a.matched_tokens != b.matched_tokens) return a.matched_tokens > b.matched_tokens;
+    if (a.distance_bits != b.distance_bits) return a.distance_bits < b.distance_bits;
+    return a.node_id < b.node_id || (a.node_id == b.node_id && a.token_shift < b.token_shift);
+  });
+  if (out.size() > max_candidates) out.resize(max_candidates);
+  if (detected && out.empty()) ++counters_.position_shifted_skipped;
   return out;
 }
 

@@ -16,10 +16,21 @@
 // Choosing, per block, the candidate whose residual is smallest is an online
 // medoid-by-residual-size; centroids are not re-elected when later members arrive.
 //
-// Position-shifted near-duplicates (one token inserted or removed before repeated text, so the same
-// tokens sit at other positions and keys after RoPE are rotated differently) are NOT clustered:
-// they are detected (a half-block window of identical tokens within block_tokens / 2 positions
-// of a stored one, within the distance limit) and counted as skipped in the stats.
+// Position-shifted near-duplicates (tokens inserted or removed before repeated text, so the same
+// tokens sit at other positions and keys after RoPE are rotated differently): when a new block has
+// no aligned candidate, a half-block window of its tokens that a stored node holds at a position
+// within block_tokens / 2 of the block's (and not the same position) detects one. The stored
+// path's tokens at the block's positions minus that offset span two consecutive nodes A -> B
+// (parent, child); B becomes the candidate centroid (it must be standalone and within the distance
+// limit), A its window's first tokens, and the codec predicts the block from them with B's keys
+// turned by RoPE to the new positions (codec/reference_shift.h). Where A has no child that
+// continues the window (the stored text ends there), A itself is the candidate with a tail
+// window (its last tokens, then its last token repeated). Candidates are ranked by how many
+// of the block's tokens the window repeats, then by distance. Stats: `position_shifted_coded`
+// counts shifted blocks stored against a centroid; `position_shifted_skipped` those stored
+// standalone: no usable window (its centroid itself a residual, over the distance limit, or the
+// window before the first block), or a residual not smaller (also counted in
+// residual_not_smaller).
 //
 // Namespaces: there is one index per (namespace, model) trie, so clusters never cross namespaces.
 // Not thread-safe: the owner (ModelShard) serializes access under its mutex. It is the one owner
@@ -39,7 +50,7 @@
 namespace kvtrie {
 
 // Server options of the near-duplicate index (flags --near_dup_clusters,
-// --cluster_max_distance_bits).
+// --cluster_max_distance_bits, --cluster_position_shifted).
 struct NearDupOptions {
   bool enabled = true;
   // Candidates farther than this trie distance (bits) are not tried. Two branches that differ by
@@ -48,6 +59,9 @@ struct NearDupOptions {
   // near-duplicates are still clustered.
   double max_distance_bits = 16384;
   uint32_t max_candidates = 2;  // candidates encoded per new block, nearest first
+  // Code position-shifted near-duplicates against their centroid at the offset (see below);
+  // false stores them standalone (counted as skipped), as before.
+  bool position_shifted = true;
 };
 
 // Log2 histogram over bits: bucket 0 = [0, 1), bucket i >= 1 = [2^(i-1), 2^i), the last bucket is
@@ -61,10 +75,13 @@ struct ClusterStats {
   uint64_t residual_nodes = 0;   // nodes stored as a residual of a centroid
   uint64_t near_dup_groups = 0;  // (depth, tokens) groups holding more than one node
   // Counters since start (the Puts' encoding decisions).
-  uint64_t candidates_tried = 0;          // (block, candidate) encodings tried
-  uint64_t gated_by_distance = 0;         // candidates skipped: trie distance over the limit
-  uint64_t residual_not_smaller = 0;      // blocks with candidates stored standalone (smaller)
-  uint64_t position_shifted_skipped = 0;  // new blocks that are position-shifted near-duplicates
+  uint64_t candidates_tried = 0;      // (block, candidate) encodings tried
+  uint64_t gated_by_distance = 0;     // candidates skipped: trie distance over the limit
+  uint64_t residual_not_smaller = 0;  // blocks with candidates stored standalone (smaller)
+  // New blocks that are position-shifted near-duplicates: stored against a centroid at the
+  // offset, and stored standalone (see above for why).
+  uint64_t position_shifted_coded = 0;
+  uint64_t position_shifted_skipped = 0;
   // Histograms (HistogramBucket): path surprisal of every node; trie distance of every node in a
   // near-duplicate group to the group's oldest node (the branch distances).
   uint64_t path_surprisal_histogram[kHistogramBuckets] = {};
@@ -82,6 +99,16 @@ class ClusterIndex {
   struct Candidate {
     uint64_t node_id = 0;
     double distance_bits = 0;
+    // Position-shifted (codec/reference_shift.h): the window's first token_shift tokens are
+    // reference_parent_id's last ones (node_id's parent), the rest node_id's first ones; keys
+    // turn by `rotation` positions; matched_tokens of the block's tokens equal the window's.
+    bool shifted = false;
+    uint32_t token_shift = 0;
+    int32_t rotation = 0;
+    uint64_t reference_parent_id = 0;
+    uint32_t matched_tokens = 0;
+    // The window's end is not stored: node_id holds its start (reference_parent_id is 0).
+    bool tail = false;
   };
 
   // Indexes `node` (already in the trie, reference_node_id set: a dependent of that centroid).
@@ -92,7 +119,9 @@ class ClusterIndex {
   // Candidates for a new block of `block` token ids at `depth`, child of the chain whose deepest
   // stored node is `anchor` (the root if the prefix is new), whose path surprisal will be
   // `path_bits`: standalone nodes with the same tokens at the same depth, trie distance <=
-  // max_distance_bits, nearest first, at most max_candidates. Counts gated and shifted ones.
+  // max_distance_bits, nearest first, at most max_candidates. Without any, the position-shifted
+  // candidates (shifted = true, best first, at most max_candidates). Counts gated ones, and a
+  // shifted near-duplicate without a usable candidate as skipped.
   std::vector<Candidate> FindCandidates(BlockTrie* trie, const TrieNode* anchor, uint32_t depth,
                                         absl::Span<const uint32_t> block, double path_bits,
                                         double max_distance_bits, size_t max_candidates);
@@ -104,6 +133,9 @@ class ClusterIndex {
 
   void CountTried(uint64_t n) { counters_.candidates_tried += n; }
   void CountNotSmaller() { ++counters_.residual_not_smaller; }
+  void CountShifted(bool coded) {
+    ++(coded ? counters_.position_shifted_coded : counters_.position_shifted_skipped);
+  }
 
   // Adds this index's numbers and histograms to `out`: O(near-duplicate groups), no walk of the
   // trie (counters are kept as nodes are added and removed).

@@ -94,21 +94,83 @@ TEST(ClusterIndex, ResidualsAreNotCentroidsAndDependentsAreTracked) {
   EXPECT_FALSE(index.HasDependents(t.c->id));
 }
 
-TEST(ClusterIndex, PositionShiftedRepeatIsCountedAsSkipped) {
+// Block tokens 4. Stored: a [1 2 3 4] -> b [5 6 7 8]. Branch a2 [9 1 2 3] repeats a's text one
+// token later (its start, position -1, is before the first block: skipped); its child
+// [4 5 6 7] repeats the end of a and the start of b one token later: a shifted candidate.
+TEST(ClusterIndex, PositionShiftedRepeatIsAShiftedCandidateWhereAWindowIsStored) {
   BlockTrie trie(4);
   ClusterIndex index;
   TrieNode* a = trie.AddChild(trie.root(), 1, std::vector<uint32_t>{1, 2, 3, 4}, {});
-  TrieNode* b = trie.AddChild(a, 2, std::vector<uint32_t>{10, 11, 12, 13}, {});
+  TrieNode* b = trie.AddChild(a, 2, std::vector<uint32_t>{5, 6, 7, 8}, {});
   index.Add(*a);
   index.Add(*b);
-  // Another branch: [1 2 3 9] then [x 10 11 12]: the same text one token later.
-  TrieNode* a2 = trie.AddChild(trie.root(), 3, std::vector<uint32_t>{1, 2, 3, 9}, {});
-  index.Add(*a2);
-  auto c = index.FindCandidates(&trie, a2, 2, std::vector<uint32_t>{9, 10, 11, 12}, 0, 1e9, 4);
+  auto c =
+      index.FindCandidates(&trie, trie.root(), 1, std::vector<uint32_t>{9, 1, 2, 3}, 0, 1e9, 4);
   EXPECT_TRUE(c.empty());
+  TrieNode* a2 = trie.AddChild(trie.root(), 3, std::vector<uint32_t>{9, 1, 2, 3}, {});
+  index.Add(*a2);
+  c = index.FindCandidates(&trie, a2, 2, std::vector<uint32_t>{4, 5, 6, 7}, 0, 1e9, 4);
+  ASSERT_EQ(c.size(), 1u);
+  EXPECT_TRUE(c[0].shifted);
+  EXPECT_EQ(c[0].node_id, b->id);  // the centroid: the window's end
+  EXPECT_EQ(c[0].reference_parent_id, a->id);
+  EXPECT_EQ(c[0].token_shift, 1u);  // token 0 from a's last token, tokens 1..3 from b's 0..2
+  EXPECT_EQ(c[0].rotation, 1);      // one position later
+  EXPECT_EQ(c[0].matched_tokens, 4u);
+  // Nothing was clustered yet: the index only proposes; the skipped one is counted.
   ClusterStats s;
   index.AddStats(&trie, &s);
   EXPECT_EQ(s.position_shifted_skipped, 1u);
+  EXPECT_EQ(s.position_shifted_coded, 0u);
+  index.CountShifted(true);
+  ClusterStats s2;
+  index.AddStats(&trie, &s2);
+  EXPECT_EQ(s2.position_shifted_coded, 1u);
+}
+
+// A token deleted: [6 7 8 9] at depth 2 repeats b's tokens 1..3 one position earlier and needs
+// b's child to continue it; without one it is a tail window of b; a child that continues it but
+// is itself a residual is no centroid (skipped).
+TEST(ClusterIndex, ShiftedWindowNeedsAStandaloneContinuation) {
+  BlockTrie trie(4);
+  ClusterIndex index;
+  TrieNode* a = trie.AddChild(trie.root(), 1, std::vector<uint32_t>{1, 2, 3, 4}, {});
+  TrieNode* b = trie.AddChild(a, 2, std::vector<uint32_t>{5, 6, 7, 8}, {});
+  TrieNode* x = trie.AddChild(trie.root(), 3, std::vector<uint32_t>{1, 2, 4, 5}, {});
+  index.Add(*a);
+  index.Add(*b);
+  index.Add(*x);
+  const std::vector<uint32_t> block{6, 7, 8, 9};
+  // Nothing stored after b: a tail window, b's last 3 tokens (token 3 from b's last one).
+  auto tail = index.FindCandidates(&trie, x, 2, block, 0, 1e9, 4);
+  ASSERT_EQ(tail.size(), 1u);
+  EXPECT_TRUE(tail[0].tail);
+  EXPECT_EQ(tail[0].node_id, b->id);
+  EXPECT_EQ(tail[0].reference_parent_id, 0u);
+  EXPECT_EQ(tail[0].token_shift, 3u);
+  EXPECT_EQ(tail[0].rotation, -1);
+  EXPECT_EQ(tail[0].matched_tokens, 3u);
+  TrieNode* c = trie.AddChild(b, 4, std::vector<uint32_t>{9, 10, 11, 12}, {});
+  c->reference_node_id = 99;  // a residual: never a centroid
+  index.Add(*c);
+  EXPECT_TRUE(index.FindCandidates(&trie, x, 2, block, 0, 1e9, 4).empty());
+  index.Remove(*c);
+  c->reference_node_id = 0;
+  index.Add(*c);
+  auto cands = index.FindCandidates(&trie, x, 2, block, 0, 1e9, 4);
+  ASSERT_EQ(cands.size(), 1u);
+  EXPECT_FALSE(cands[0].tail);
+  EXPECT_EQ(cands[0].node_id, c->id);
+  EXPECT_EQ(cands[0].reference_parent_id, b->id);
+  EXPECT_EQ(cands[0].token_shift, 3u);
+  EXPECT_EQ(cands[0].rotation, -1);
+  EXPECT_EQ(cands[0].matched_tokens, 4u);
+  // Over the distance limit: gated, and skipped.
+  EXPECT_TRUE(index.FindCandidates(&trie, x, 2, block, 1e6, 10, 4).empty());
+  ClusterStats s;
+  index.AddStats(&trie, &s);
+  EXPECT_EQ(s.position_shifted_skipped, 2u);  // c a residual; over the distance limit
+  EXPECT_GE(s.gated_by_distance, 1u);
 }
 
 }  // namespace

@@ -344,10 +344,27 @@ absl::Status ModelShard::ReadAndDecodeInternal(const BlockRead& block, DecodeCha
                                                std::vector<Corrupt>* corrupt) {
   std::shared_ptr<const std::string> payload;
   if (auto s = ReadPayloadInternal(block, &payload, corrupt); !s.ok()) return s;
-  if (block.reference_node_id != 0 && !chain->HasReference(block.reference_node_id)) {
+  // The centroid and, for one used at a position offset, its parent (codec/reference_shift.h).
+  const uint64_t needed[2] = {block.reference_node_id,
+                              DecodeChain::ReferenceParentOf(*payload, block.reference_node_id,
+                                                             /*verified=*/true)};
+  if (needed[1] != 0) {  // it must be the centroid's parent in the trie
+    absl::MutexLock lock(&mu_);
+    const TrieNode* c = FindLive(needed[0]);
+    if (c != nullptr && (c->parent == nullptr || c->parent->id != needed[1])) {
+      const std::string why =
+          absl::StrCat("names node ", needed[1], " as the parent of its centroid ", needed[0],
+                       ", whose parent is ", c->parent ? c->parent->id : 0);
+      corrupt->push_back({block.node_id, why});
+      return absl::DataLossError(absl::StrCat("node ", block.node_id, ": ", why,
+                                              "; the node and its subtree were dropped"));
+    }
+  }
+  if (needed[0] != 0) chain->ReserveReferences(2);
+  for (const uint64_t ref_id : needed) {
+    if (ref_id == 0 || chain->HasReference(ref_id)) continue;
     std::vector<uint8_t> reference(out.size());
-    absl::Status s =
-        ReconstructInternal(block.reference_node_id, absl::MakeSpan(reference), corrupt);
+    absl::Status s = ReconstructInternal(ref_id, absl::MakeSpan(reference), corrupt);
     if (!s.ok()) {
       // The centroid failed its check (and is dropped) or is gone. If this member is still coded
       // against it (not re-encoded meanwhile by a Delete), it can never be decoded again.
@@ -366,7 +383,7 @@ absl::Status ModelShard::ReadAndDecodeInternal(const BlockRead& block, DecodeCha
                                               block.reference_node_id, " is lost (", s.message(),
                                               "); the node and its subtree were dropped"));
     }
-    chain->AddReference(block.reference_node_id, reference);
+    chain->AddReference(ref_id, reference);
   }
   absl::Status s = DecodeNext(block, *payload, chain, out);
   if (!absl::IsDataLoss(s)) return s;

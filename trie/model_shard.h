@@ -86,6 +86,10 @@ class ModelShard {
     EncodedBlock encoded;
     uint64_t reference_node_id = 0;  // 0 = standalone
     std::vector<uint8_t> reference;  // the centroid's reconstruction when reference_node_id != 0
+    // A centroid used at a position offset (codec/reference_shift.h): its parent, whose last
+    // tokens start the window, and that parent's reconstruction (0 / empty when not needed).
+    uint64_t reference_parent_id = 0;
+    std::vector<uint8_t> reference_parent;
   };
 
   // `committed`: the model record is on disk (recovered); otherwise the shard was created by a

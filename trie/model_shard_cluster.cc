@@ -55,12 +55,17 @@ absl::StatusOr<ModelShard::NearDupEncoded> ModelShard::EncodeNewBlock(
         clusters_.FindCandidates(trie_.get(), anchor, block_index + 1,
                                  token_ids.subspan(static_cast<size_t>(block_index) * bt, bt), path,
                                  nd.max_distance_bits, nd.max_candidates);
+    if (!nd.position_shifted && !candidates.empty() && candidates.front().shifted) {
+      clusters_.CountShifted(false);
+      candidates.clear();
+    }
     clusters_.CountTried(candidates.size());
   }
   if (candidates.empty()) return out;
 
   bool found = false;
   std::vector<uint8_t> reference(g.num_bytes());
+  std::vector<uint8_t> reference_parent;
   for (const ClusterIndex::Candidate& c : candidates) {
     absl::Status s = ReconstructNode(c.node_id, absl::MakeSpan(reference));
     if (!s.ok()) continue;  // gone meanwhile: not a candidate any more
@@ -68,6 +73,20 @@ absl::StatusOr<ModelShard::NearDupEncoded> ModelShard::EncodeNewBlock(
     ctx.reference = reference;
     EncodeOptions o = options;
     o.reference_node_id = c.node_id;
+    if (c.shifted) {  // the centroid's window at a position offset (codec/reference_shift.h)
+      reference_parent.resize(g.num_bytes());
+      if (!c.tail &&
+          !ReconstructNode(c.reference_parent_id, absl::MakeSpan(reference_parent)).ok()) {
+        continue;
+      }
+      ctx.reference_parent = reference_parent;
+      o.reference_shift = {.enabled = true,
+                           .token_shift = c.token_shift,
+                           .rotation = c.rotation,
+                           .log_rope_base = -1,  // detected from the block and the window
+                           .reference_parent_node_id = c.tail ? 0 : c.reference_parent_id,
+                           .tail = c.tail};
+    }
     absl::StatusOr<EncodedBlock> e = EncodeBlock(g, kv, o, ctx);
     if (!e.ok()) return e.status();
     absl::StatusOr<BlockHeader> h = ParseBlock(e->bytes);
@@ -76,13 +95,14 @@ absl::StatusOr<ModelShard::NearDupEncoded> ModelShard::EncodeNewBlock(
       out.encoded = *std::move(e);
       out.reference_node_id = c.node_id;
       out.reference = reference;
+      out.reference_parent_id = h->reference_shift.reference_parent_node_id;
+      out.reference_parent = out.reference_parent_id ? reference_parent : std::vector<uint8_t>();
       found = true;
     }
   }
-  if (!found) {
-    absl::MutexLock lock(&mu_);
-    clusters_.CountNotSmaller();
-  }
+  absl::MutexLock lock(&mu_);
+  if (!found) clusters_.CountNotSmaller();
+  if (candidates.front().shifted) clusters_.CountShifted(found);
   return out;
 }
 

@@ -283,7 +283,13 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
       } else if (encode_.encoding == Encoding::kRaw || encode_.encoding == Encoding::kLossless) {
         chain.NextDense(kv, block_tokens);
       } else {
-        if (nd->reference_node_id != 0) chain.AddReference(nd->reference_node_id, nd->reference);
+        if (nd->reference_node_id != 0) {
+          chain.ReserveReferences(2);
+          chain.AddReference(nd->reference_node_id, nd->reference);
+          if (nd->reference_parent_id != 0) {
+            chain.AddReference(nd->reference_parent_id, nd->reference_parent);
+          }
+        }
         if (auto s = chain.Next(nd->encoded.bytes, nd->reference_node_id, absl::MakeSpan(recon),
                                 block_tokens);
             !s.ok()) {
