@@ -78,7 +78,7 @@ void ModelShard::QueueLearning(uint32_t block_index, absl::Span<const uint32_t> 
   std::shared_ptr<PredictorRegistry> registry = predictors();
   const uint32_t bt = model().geometry.block_tokens;
   const size_t off = static_cast<size_t>(block_index) * bt;
-  if (off + bt > token_ids.size()) return;
+  if (off + bt > token_ids.size() || kv.size() != model().geometry.num_bytes()) return;
   std::vector<int32_t> tokens(token_ids.begin() + off, token_ids.begin() + off + bt);
   const int32_t previous = off == 0 ? -1 : static_cast<int32_t>(token_ids[off - 1]);
   auto job = [this, registry, block_index, tokens = std::move(tokens), previous,

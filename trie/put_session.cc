@@ -109,7 +109,13 @@ void PutSession::BlockComplete(uint32_t block_index, Pending* p) {
   if (!early_ || block_index < stored_at_begin_) return;  // encoded at Finish if still needed
   const BlockGeometry& g = model_.geometry;
   p->encoded = std::make_unique<absl::StatusOr<std::shared_ptr<const EncodedBlock>>>();
-  auto encode = [this, g, block_index, out = p->encoded.get(), kv = std::move(p->kv)] {
+  // With learning on, the dense bytes stay until the commit queues them for the learner;
+  // otherwise they move into the task and are freed once encoded.
+  const bool learning = context_->learn_queue != nullptr;
+  const std::string* kept = learning ? &p->kv : nullptr;  // pending_'s nodes do not move
+  std::string moved = learning ? std::string() : std::move(p->kv);
+  auto encode = [this, g, block_index, out = p->encoded.get(), kept, moved = std::move(moved)] {
+    const std::string& kv = kept != nullptr ? *kept : moved;
     PredictionContext ctx;
     const size_t off = static_cast<size_t>(block_index) * g.block_tokens;
     ctx.surprisal_bits = absl::MakeConstSpan(surprisal_bits_).subspan(off, g.block_tokens);
@@ -130,7 +136,7 @@ void PutSession::BlockComplete(uint32_t block_index, Pending* p) {
       *out = e.status();
     }
   };
-  p->kv = std::string();
+  if (!learning) p->kv = std::string();
   if (encoders_) {
     encoders_->Run(std::move(encode));
   } else {
@@ -340,7 +346,10 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
     shard_->CountPut(blocks.size(), matched, anchor);
     // Learned from in the background, never on this Put's path (a full queue drops them).
     for (const ModelShard::NewBlock& nb : blocks) {
-      shard_->QueueLearning(nb.block_index, tokens, pending_.at(nb.block_index).kv);
+      const std::string& kv = pending_.at(nb.block_index).kv;
+      shard_->QueueLearning(
+          nb.block_index, tokens,
+          absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(kv.data()), kv.size()));
     }
     return summary;
   }
