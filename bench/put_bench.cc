@@ -38,7 +38,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "bench/bench_redis.h"
+#include "bench/speed_net.h"
 #include "codec/kv_dump.h"
 #include "codec/kv_layout.h"
 #include "kvtrie/v1/kvtrie.grpc.pb.h"

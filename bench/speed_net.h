@@ -1,6 +1,6 @@
 // bench/speed_net.h
 //
-// Loopback helpers of bench/speed_bench: a minimal RESP client (pipelined SET / GET of binary
+// Loopback helpers of bench/speed_bench and bench/put_bench: a minimal RESP client (pipelined SET / GET of binary
 // values), redis-server started on a free port in a folder and stopped by PID, one loopback TCP
 // stream. Benchmark code: errors are returned as false / -1, not explained.
 #ifndef KVTRIE_BENCH_SPEED_NET_H_

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "codec/residual_kernels.h"  // DetExp, DetCosSin: the same bits on every machine
 
 namespace kvtrie {
 namespace internal {
@@ -16,39 +17,6 @@ constexpr uint8_t kFlagHalfSplit = 1;
 constexpr uint8_t kBaseMask = 6;  // flags bits 1-2: the RoPE base code
 constexpr uint8_t kFlagTail = 8;
 constexpr float kMaxLogBase = 40.0f;
-
-// e^y for |y| <= ~40: Taylor series of e^(y / 2^12), squared 12 times (as residual_kernels.cc).
-double DetExp(double y) {
-  const double z = y / 4096.0;
-  double term = 1, sum = 1;
-  for (int k = 1; k < 12; ++k) sum += term *= z / k;
-  for (int k = 0; k < 12; ++k) sum *= sum;
-  return sum;
-}
-
-// cos and sin of a, |a| <= pi / 4 + a little: Taylor series.
-void CosSinSmall(double a, double* c, double* s) {
-  double term = 1, cs = 1, sn = 0;
-  for (int k = 1; k < 24; ++k) {
-    term *= a / k;
-    switch (k % 4) {
-      case 1:
-        sn += term;
-        break;
-      case 2:
-        cs -= term;
-        break;
-      case 3:
-        sn -= term;
-        break;
-      default:
-        cs += term;
-        break;
-    }
-  }
-  *c = cs;
-  *s = sn;
-}
 
 // cos and sin of a, |a| <= 2^16 * 1.6: Cody-Waite reduction by pi / 2 (fdlibm's 33-bit split, so
 // k * kPio2Hi is exact for |k| < 2^20), then the series. IEEE operations only: the same bits on
@@ -60,7 +28,7 @@ void DetCosSin(double a, double* c, double* s) {
   const double k = std::floor(a * kTwoOverPi + 0.5);
   const double r = (a - k * kPio2Hi) - k * kPio2Lo;
   double cr, sr;
-  CosSinSmall(r, &cr, &sr);
+  residual::DetCosSin(r, &cr, &sr);  // |r| <= pi / 4 + a little: the Taylor series
   switch (static_cast<int64_t>(k) & 3) {
     case 0:
       *c = cr, *s = sr;
@@ -134,7 +102,7 @@ Turn MakeTurn(uint32_t head_dim, int32_t rotation, float log_base, bool half_spl
     t.first.push_back(half_split ? i : 2 * i);
     t.second.push_back(half_split ? i + pairs : 2 * i + 1);
     const double theta =
-        DetExp(-2.0 * static_cast<double>(i) / static_cast<double>(head_dim) * log_base);
+        residual::DetExp(-2.0 * static_cast<double>(i) / static_cast<double>(head_dim) * log_base);
     double c, s;
     DetCosSin(static_cast<double>(rotation) * theta, &c, &s);
     t.cos.push_back(c);
