@@ -111,7 +111,7 @@ ABSL_FLAG(bool, near_dup_clusters, true,
 ABSL_FLAG(double, cluster_max_distance_bits, kvtrie::NearDupOptions().max_distance_bits,
           "near-duplicate candidates farther than this trie distance (bits of the two histories "
           "not shared) are not tried");
-ABSL_FLAG(bool, learn_predictors, kvtrie::PredictorOptions().learn,
+ABSL_FLAG(bool, learn_predictors, true,
           "learn a predictor state per (namespace, model) from the stored blocks in the background "
           "and code new RESIDUAL blocks against its latest version (README \"Learned predictor "
           "states\"); a RESIDUAL Get then needs GetPredictor to decode.");
