@@ -72,7 +72,8 @@ TEST(ParseGetResponseTest, KnowsEveryFieldOfGetBlock) {
   const std::string wire = m.SerializeAsString();
   v1::GetResponse got;
   std::vector<absl::Span<const uint8_t>> pieces;
-  ASSERT_TRUE(ParseGetResponse(Cut(wire, {}), &got, &pieces));
+  const std::vector<grpc::Slice> slices = Cut(wire, {});  // the pieces point into these
+  ASSERT_TRUE(ParseGetResponse(slices, &got, &pieces));
   got.mutable_block()->set_kv(Join(pieces));
   EXPECT_EQ(got.SerializeAsString(), wire);
 }
