@@ -30,6 +30,8 @@ constexpr uint8_t kFlagSharedTables = 1;  // params flags: one table per K/V, af
 // ... and a bitmap of the planes whose quantized residual is all zero: they have no step, bucket
 // bit count, table or symbols (x' is the prediction).
 constexpr uint8_t kFlagZeroPlanes = 2;
+// ... every head of every plane uses the learned predictor (code 3): no predictor bytes.
+constexpr uint8_t kFlagAllLearned = 4;
 constexpr size_t kMinSegmentSymbols = 65536;  // planes are grouped into segments of >= this
 // ... but of at most this many planes: a decoder holds a 16 KiB table per plane of a segment.
 constexpr size_t kMaxSegmentPlanes = 64;
@@ -292,6 +294,7 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   std::vector<std::array<uint32_t, irans::kMaxSymbols>> plane_counts(planes);
   std::vector<uint8_t> zero(planes, 0);  // the plane's quantized residual is all zero
   std::vector<size_t> coded;             // the other planes, in order
+  bool all_learned = true;               // every head chose kPredToken
   std::string means_out;
   double sse[2] = {0, 0}, energy[2] = {0, 0};
   out->max_abs_error = 0;
@@ -331,6 +334,7 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
     }
     if (!zero[pl]) PutVarint(&pp, escape_bits[pl]);
     for (size_t h = 0; h < n.H; ++h) {
+      all_learned &= pc.pred[h] == kPredToken;
       ++out->predictor_count[side][static_cast<int>(kPredictorOf[pc.pred[h]])];
       out->uses_learned |= pc.pred[h] == kPredToken;
       if (pc.pred[h] != kPredMean) continue;
@@ -343,7 +347,8 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   const Layout lo = ChooseLayout(n, coded.size());
   const bool any_zero = coded.size() < planes;
   p.push_back(static_cast<char>(kFastResidualParamsVersion));
-  p.push_back(static_cast<char>(any_zero ? kFlagZeroPlanes : 0));  // flags
+  p.push_back(static_cast<char>((any_zero ? kFlagZeroPlanes : 0) |
+                                (all_learned ? kFlagAllLearned : 0)));  // flags
   p.push_back(static_cast<char>(lo.lanes));
   p.push_back(0);  // reserved
   PutLE<uint16_t>(&p, static_cast<uint16_t>(lo.planes_per_segment));
@@ -386,7 +391,13 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   }
   const bool shared_tables = p[1] & kFlagSharedTables;
   for (size_t pl = 0; pl < planes; ++pl) {
-    p += plane_params[pl];
+    if (all_learned) {  // the plane's params without its predictor bytes
+      const size_t at = zero[pl] ? 0 : 2;
+      p.append(plane_params[pl], 0, at);
+      p.append(plane_params[pl], at + (n.H + 3) / 4, std::string::npos);
+    } else {
+      p += plane_params[pl];
+    }
     if (!shared_tables && !zero[pl]) irans::WriteTable(tables[pl], &p);
   }
   if (shared_tables) {
@@ -474,7 +485,8 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
   const size_t eb = DTypeBytes(g.dtype);
   if (out.size() != g.num_bytes()) return absl::InvalidArgumentError("out: wrong size");
   if (params.size() < 6 || static_cast<uint8_t>(params[0]) != kFastResidualParamsVersion ||
-      (static_cast<uint8_t>(params[1]) & ~(kFlagSharedTables | kFlagZeroPlanes)) != 0 ||
+      (static_cast<uint8_t>(params[1]) &
+       ~(kFlagSharedTables | kFlagZeroPlanes | kFlagAllLearned)) != 0 ||
       params[3] != 0) {
     return absl::DataLossError("fast residual params: bad version or flags");
   }
@@ -483,6 +495,7 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
   lo.planes_per_segment =
       static_cast<uint8_t>(params[4]) | (static_cast<size_t>(static_cast<uint8_t>(params[5])) << 8);
   const bool shared_tables = static_cast<uint8_t>(params[1]) & kFlagSharedTables;
+  const bool all_learned = static_cast<uint8_t>(params[1]) & kFlagAllLearned;
   absl::string_view in = params.substr(6);
   std::vector<uint8_t> zero(planes, 0);
   if (static_cast<uint8_t>(params[1]) & kFlagZeroPlanes) {
@@ -515,7 +528,7 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
   uint64_t num_bits = 0;
   for (size_t pl = 0; pl < planes; ++pl) {
     PlaneInfo& pi = info[pl];
-    const size_t pred_bytes = (n.H + 3) / 4;
+    const size_t pred_bytes = all_learned ? 0 : (n.H + 3) / 4;
     const size_t step_bytes = zero[pl] ? 0 : 2;
     if (in.size() < step_bytes + pred_bytes) {
       return absl::DataLossError("fast residual params: truncated");
@@ -531,7 +544,9 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
     pi.preds = pl * n.H;
     pi.means = num_means;
     for (size_t h = 0; h < n.H; ++h) {
-      const uint8_t c = (static_cast<uint8_t>(in[step_bytes + h / 4]) >> (2 * (h % 4))) & 3;
+      const uint8_t c = all_learned
+                            ? kPredToken
+                            : (static_cast<uint8_t>(in[step_bytes + h / 4]) >> (2 * (h % 4))) & 3;
       if (c == kPredToken && (context.learned == nullptr || context.tokens.size() != n.T)) {
         return absl::DataLossError(
             "fast residual params: a learned predictor in a block that names no predictor state");

@@ -182,7 +182,7 @@ TEST(PredictorStateTest, AllZeroPlanesAreFlaggedAndDecodeToThePrediction) {
   ASSERT_EQ(g.dtype, DType::kFp16);
   const size_t planes = 2 * g.num_layers;
   const size_t pe = static_cast<size_t>(g.num_kv_heads) * kT * g.head_dim;
-  size_t zero_planes = 0, flagged_blocks = 0, checked_planes = 0;
+  size_t zero_planes = 0, flagged_blocks = 0, checked_planes = 0, all_learned_blocks = 0;
   std::string zero_params, zero_payload;
   PredictionContext zero_ctx;
   for (double target : {0.173, 0.3}) {
@@ -201,6 +201,17 @@ TEST(PredictorStateTest, AllZeroPlanesAreFlaggedAndDecodeToThePrediction) {
           internal::DecodeFastResidual(g, f.params, f.payload, absl::MakeSpan(out), ctx).ok());
       EXPECT_LE(RelRms(g, gen.real.blocks[b], out, 0), target * 1.0001);
       EXPECT_LE(RelRms(g, gen.real.blocks[b], out, 1), target * 1.0001);
+      // Flags bit 2: every head learned, no predictor bytes.
+      const bool all_learned = static_cast<uint8_t>(f.params[1]) & 4;
+      all_learned_blocks += all_learned;
+      EXPECT_EQ(all_learned,
+                f.predictor_count[0][static_cast<int>(Predictor::kTokenMean)] +
+                        f.predictor_count[1][static_cast<int>(Predictor::kTokenMean)] ==
+                    2u * g.num_kv_heads * g.num_layers);
+      if (all_learned) {  // ... which needs the state
+        EXPECT_EQ(internal::DecodeFastResidual(g, f.params, f.payload, absl::MakeSpan(out)).code(),
+                  absl::StatusCode::kDataLoss);
+      }
       if (!(static_cast<uint8_t>(f.params[1]) & 2)) continue;
       ++flagged_blocks;
       if (zero_params.empty()) zero_params = f.params, zero_payload = f.payload, zero_ctx = ctx;
@@ -228,6 +239,7 @@ TEST(PredictorStateTest, AllZeroPlanesAreFlaggedAndDecodeToThePrediction) {
               flagged_blocks, zero_planes, checked_planes);
   EXPECT_GT(flagged_blocks, gen.real.blocks.size() / 2);
   EXPECT_GT(checked_planes, 0u);
+  EXPECT_GT(all_learned_blocks, 0u);
   ASSERT_FALSE(zero_params.empty());
   // A bit past the last plane is DATA_LOSS; clearing a zero plane's bit or cutting the params
   // never crashes.
