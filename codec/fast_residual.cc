@@ -26,7 +26,12 @@ using namespace fast;  // NOLINT: the profile's own kernels
 using residual::Bf16Round;
 using residual::Dims;
 
-constexpr uint8_t kFlagSharedTables = 1;      // params flags: one table per K/V, after the planes
+constexpr uint8_t kFlagSharedTables = 1;  // params flags: one table per K/V, after the planes
+// ... and a bitmap of the planes whose quantized residual is all zero: they have no step, bucket
+// bit count, table or symbols (x' is the prediction).
+constexpr uint8_t kFlagZeroPlanes = 2;
+// ... every head of every plane uses the learned predictor (code 3): no predictor bytes.
+constexpr uint8_t kFlagAllLearned = 4;
 constexpr size_t kMinSegmentSymbols = 65536;  // planes are grouped into segments of >= this
 // ... but of at most this many planes: a decoder holds a 16 KiB table per plane of a segment.
 constexpr size_t kMaxSegmentPlanes = 64;
@@ -46,9 +51,11 @@ struct Layout {
   }
 };
 
-Layout ChooseLayout(const Dims& n) {
+// `planes`: how many planes have symbols (0: no segments; lanes and planes_per_segment are 1).
+Layout ChooseLayout(const Dims& n, size_t planes) {
   Layout lo;
-  const size_t pe = n.plane_elems(), planes = n.L * 2;
+  if (planes == 0) return lo;
+  const size_t pe = n.plane_elems();
   lo.planes_per_segment = std::min(
       {planes, kMaxSegmentPlanes, std::max<size_t>(1, (kMinSegmentSymbols + pe - 1) / pe)});
   const size_t seg = lo.planes_per_segment * pe;
@@ -285,14 +292,9 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   std::vector<uint64_t> escape_bits(planes, 0);
   std::vector<std::string> plane_params(planes);
   std::vector<std::array<uint32_t, irans::kMaxSymbols>> plane_counts(planes);
-  std::string& p = out->params;
-  p.clear();
-  const Layout lo = ChooseLayout(n);
-  p.push_back(static_cast<char>(kFastResidualParamsVersion));
-  p.push_back(0);  // flags
-  p.push_back(static_cast<char>(lo.lanes));
-  p.push_back(0);  // reserved
-  PutLE<uint16_t>(&p, static_cast<uint16_t>(lo.planes_per_segment));
+  std::vector<uint8_t> zero(planes, 0);  // the plane's quantized residual is all zero
+  std::vector<size_t> coded;             // the other planes, in order
+  bool all_learned = true;               // every head chose kPredToken
   std::string means_out;
   double sse[2] = {0, 0}, energy[2] = {0, 0};
   out->max_abs_error = 0;
@@ -310,24 +312,29 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
     sse[side] += pc.sse;
     energy[side] += pc.energy;
     out->max_abs_error = std::max(out->max_abs_error, pc.max_abs);
-    // Symbols and bucket offsets.
-    uint8_t* const sym = symbols.data() + pl * pe;
-    const uint64_t bits_before = bits.bits();
-    MapSymbols(pc.q.data(), pe, sym);
-    uint32_t* const counts = plane_counts[pl].data();
-    Histogram(sym, pe, counts);
-    EncodeBuckets(pc.q.data(), pe, sym, counts, &bits);
-    escape_bits[pl] = bits.bits() - bits_before;
-    tables[pl] = irans::NormalizeCounts(counts, irans::kMaxSymbols);
+    // Symbols and bucket offsets (none for an all-zero plane).
+    zero[pl] = std::all_of(pc.q.begin(), pc.q.end(), [](int32_t v) { return v == 0; });
     std::string& pp = plane_params[pl];
-    PutLE<uint16_t>(&pp, FloatToBf16(pc.step));
+    if (!zero[pl]) {
+      uint8_t* const sym = symbols.data() + coded.size() * pe;
+      coded.push_back(pl);
+      const uint64_t bits_before = bits.bits();
+      MapSymbols(pc.q.data(), pe, sym);
+      uint32_t* const counts = plane_counts[pl].data();
+      Histogram(sym, pe, counts);
+      EncodeBuckets(pc.q.data(), pe, sym, counts, &bits);
+      escape_bits[pl] = bits.bits() - bits_before;
+      tables[pl] = irans::NormalizeCounts(counts, irans::kMaxSymbols);
+      PutLE<uint16_t>(&pp, FloatToBf16(pc.step));
+    }
     for (size_t h = 0; h < n.H; h += 4) {
       uint8_t b = 0;
       for (size_t k = 0; k < 4 && h + k < n.H; ++k) b |= pc.pred[h + k] << (2 * k);
       pp.push_back(static_cast<char>(b));
     }
-    PutVarint(&pp, escape_bits[pl]);
+    if (!zero[pl]) PutVarint(&pp, escape_bits[pl]);
     for (size_t h = 0; h < n.H; ++h) {
+      all_learned &= pc.pred[h] == kPredToken;
       ++out->predictor_count[side][static_cast<int>(kPredictorOf[pc.pred[h]])];
       out->uses_learned |= pc.pred[h] == kPredToken;
       if (pc.pred[h] != kPredMean) continue;
@@ -335,22 +342,42 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
         PutLE<uint16_t>(&means_out, FloatToHalf(pc.means[h * n.D + d]));
     }
   }
-  // Tables: one per plane, or one per K/V for the whole block when that costs fewer bits (small
-  // blocks, where a table is a large share of a plane's bits).
+  std::string& p = out->params;
+  p.clear();
+  const Layout lo = ChooseLayout(n, coded.size());
+  const bool any_zero = coded.size() < planes;
+  p.push_back(static_cast<char>(kFastResidualParamsVersion));
+  p.push_back(static_cast<char>((any_zero ? kFlagZeroPlanes : 0) |
+                                (all_learned ? kFlagAllLearned : 0)));  // flags
+  p.push_back(static_cast<char>(lo.lanes));
+  p.push_back(0);  // reserved
+  PutLE<uint16_t>(&p, static_cast<uint16_t>(lo.planes_per_segment));
+  if (any_zero) {
+    for (size_t pl = 0; pl < planes; pl += 8) {
+      uint8_t b = 0;
+      for (size_t k = 0; k < 8 && pl + k < planes; ++k) b |= zero[pl + k] << k;
+      p.push_back(static_cast<char>(b));
+    }
+  }
+  // Tables: one per coded plane, or one per K/V (with coded planes) for the whole block when that
+  // costs fewer bits (small blocks, where a table is a large share of a plane's bits).
   irans::Table shared[2];
+  bool side_coded[2] = {false, false};
+  for (size_t pl : coded) side_coded[pl % 2] = true;
   {
     std::array<uint32_t, irans::kMaxSymbols> side_counts[2] = {};
-    for (size_t pl = 0; pl < planes; ++pl)
+    for (size_t pl : coded)
       for (int k = 0; k < irans::kMaxSymbols; ++k) side_counts[pl % 2][k] += plane_counts[pl][k];
     double own = 0, common = 0;
     std::string scratch;
     for (int side = 0; side < 2; ++side) {
+      if (!side_coded[side]) continue;
       shared[side] = irans::NormalizeCounts(side_counts[side].data(), irans::kMaxSymbols);
       scratch.clear();
       irans::WriteTable(shared[side], &scratch);
       common += 8.0 * scratch.size();
     }
-    for (size_t pl = 0; pl < planes; ++pl) {
+    for (size_t pl : coded) {
       scratch.clear();
       irans::WriteTable(tables[pl], &scratch);
       own += 8.0 * scratch.size() +
@@ -358,18 +385,24 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
       common += irans::CostBits(shared[pl % 2], plane_counts[pl].data(), irans::kMaxSymbols);
     }
     if (common < own) {
-      p[1] = static_cast<char>(kFlagSharedTables);
-      for (size_t pl = 0; pl < planes; ++pl) tables[pl] = shared[pl % 2];
+      p[1] = static_cast<char>(p[1] | kFlagSharedTables);
+      for (size_t pl : coded) tables[pl] = shared[pl % 2];
     }
   }
   const bool shared_tables = p[1] & kFlagSharedTables;
   for (size_t pl = 0; pl < planes; ++pl) {
-    p += plane_params[pl];
-    if (!shared_tables) irans::WriteTable(tables[pl], &p);
+    if (all_learned) {  // the plane's params without its predictor bytes
+      const size_t at = zero[pl] ? 0 : 2;
+      p.append(plane_params[pl], 0, at);
+      p.append(plane_params[pl], at + (n.H + 3) / 4, std::string::npos);
+    } else {
+      p += plane_params[pl];
+    }
+    if (!shared_tables && !zero[pl]) irans::WriteTable(tables[pl], &p);
   }
   if (shared_tables) {
-    irans::WriteTable(shared[0], &p);
-    irans::WriteTable(shared[1], &p);
+    for (int side = 0; side < 2; ++side)
+      if (side_coded[side]) irans::WriteTable(shared[side], &p);
   }
   p += means_out;
   for (int kv = 0; kv < 2; ++kv) {
@@ -378,13 +411,14 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   // Payload: segment sizes, segments, escapes.
   std::string& pay = out->payload;
   pay.clear();
-  const size_t ns = lo.num_segments(planes);
+  const size_t nc = coded.size();
+  const size_t ns = nc == 0 ? 0 : lo.num_segments(nc);
   pay.resize(4 * ns);
-  std::vector<const irans::Table*> tp(planes);
-  for (size_t pl = 0; pl < planes; ++pl) tp[pl] = &tables[pl];
+  std::vector<const irans::Table*> tp(nc);
+  for (size_t c = 0; c < nc; ++c) tp[c] = &tables[coded[c]];
   for (size_t sg = 0; sg < ns; ++sg) {
     const size_t first = sg * lo.planes_per_segment;
-    const size_t count = std::min(lo.planes_per_segment, planes - first);
+    const size_t count = std::min(lo.planes_per_segment, nc - first);
     const size_t before = pay.size();
     irans::EncodeSegment(absl::MakeConstSpan(symbols).subspan(first * pe, count * pe), lo.lanes, pe,
                          absl::MakeConstSpan(tp).subspan(first, count), &pay);
@@ -451,19 +485,42 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
   const size_t eb = DTypeBytes(g.dtype);
   if (out.size() != g.num_bytes()) return absl::InvalidArgumentError("out: wrong size");
   if (params.size() < 6 || static_cast<uint8_t>(params[0]) != kFastResidualParamsVersion ||
-      (static_cast<uint8_t>(params[1]) & ~kFlagSharedTables) != 0 || params[3] != 0) {
+      (static_cast<uint8_t>(params[1]) &
+       ~(kFlagSharedTables | kFlagZeroPlanes | kFlagAllLearned)) != 0 ||
+      params[3] != 0) {
     return absl::DataLossError("fast residual params: bad version or flags");
   }
   Layout lo;
   lo.lanes = static_cast<uint8_t>(params[2]);
   lo.planes_per_segment =
       static_cast<uint8_t>(params[4]) | (static_cast<size_t>(static_cast<uint8_t>(params[5])) << 8);
+  const bool shared_tables = static_cast<uint8_t>(params[1]) & kFlagSharedTables;
+  const bool all_learned = static_cast<uint8_t>(params[1]) & kFlagAllLearned;
+  absl::string_view in = params.substr(6);
+  std::vector<uint8_t> zero(planes, 0);
+  if (static_cast<uint8_t>(params[1]) & kFlagZeroPlanes) {
+    const size_t bytes = (planes + 7) / 8;
+    if (in.size() < bytes) return absl::DataLossError("fast residual params: truncated");
+    for (size_t pl = 0; pl < bytes * 8; ++pl) {
+      const bool bit = (static_cast<uint8_t>(in[pl / 8]) >> (pl % 8)) & 1;
+      if (pl >= planes && bit) return absl::DataLossError("fast residual params: bad zero planes");
+      if (pl < planes) zero[pl] = bit;
+    }
+    in.remove_prefix(bytes);
+  }
+  std::vector<size_t> coded;
+  bool side_coded[2] = {false, false};
+  for (size_t pl = 0; pl < planes; ++pl) {
+    if (zero[pl]) continue;
+    coded.push_back(pl);
+    side_coded[pl % 2] = true;
+  }
+  const size_t nc = coded.size();
   if (lo.lanes < 1 || lo.lanes > irans::kMaxLanes || (lo.lanes & (lo.lanes - 1)) || pe % lo.lanes ||
-      lo.planes_per_segment < 1 || lo.planes_per_segment > std::min(planes, kMaxSegmentPlanes)) {
+      lo.planes_per_segment < 1 ||
+      lo.planes_per_segment > std::min(std::max<size_t>(nc, 1), kMaxSegmentPlanes)) {
     return absl::DataLossError("fast residual params: bad lane layout");
   }
-  const bool shared_tables = static_cast<uint8_t>(params[1]) & kFlagSharedTables;
-  absl::string_view in = params.substr(6);
   std::vector<PlaneInfo> info(planes);
   std::vector<uint8_t> preds(planes * n.H);
   size_t num_means = 0;
@@ -471,16 +528,25 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
   uint64_t num_bits = 0;
   for (size_t pl = 0; pl < planes; ++pl) {
     PlaneInfo& pi = info[pl];
-    const size_t pred_bytes = (n.H + 3) / 4;
-    if (in.size() < 2 + pred_bytes) return absl::DataLossError("fast residual params: truncated");
-    pi.step = Bf16ToFloat(static_cast<uint8_t>(in[0]) | (static_cast<uint8_t>(in[1]) << 8));
+    const size_t pred_bytes = all_learned ? 0 : (n.H + 3) / 4;
+    const size_t step_bytes = zero[pl] ? 0 : 2;
+    if (in.size() < step_bytes + pred_bytes) {
+      return absl::DataLossError("fast residual params: truncated");
+    }
+    if (zero[pl]) {
+      pi.step = 1.0f;  // unused: every q is 0
+    } else {
+      pi.step = Bf16ToFloat(static_cast<uint8_t>(in[0]) | (static_cast<uint8_t>(in[1]) << 8));
+    }
     if (!(pi.step > 0) || !std::isfinite(pi.step)) {
       return absl::DataLossError("fast residual params: bad step");
     }
     pi.preds = pl * n.H;
     pi.means = num_means;
     for (size_t h = 0; h < n.H; ++h) {
-      const uint8_t c = (static_cast<uint8_t>(in[2 + h / 4]) >> (2 * (h % 4))) & 3;
+      const uint8_t c = all_learned
+                            ? kPredToken
+                            : (static_cast<uint8_t>(in[step_bytes + h / 4]) >> (2 * (h % 4))) & 3;
       if (c == kPredToken && (context.learned == nullptr || context.tokens.size() != n.T)) {
         return absl::DataLossError(
             "fast residual params: a learned predictor in a block that names no predictor state");
@@ -489,7 +555,8 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
       preds[pl * n.H + h] = c;
       num_means += c == kPredMean;
     }
-    in.remove_prefix(2 + pred_bytes);
+    in.remove_prefix(step_bytes + pred_bytes);
+    if (zero[pl]) continue;  // no bucket bits, no table
     uint64_t nbits = 0;
     for (int shift = 0;; shift += 7) {
       if (in.empty() || shift > 35) return absl::DataLossError("fast residual params: bad count");
@@ -509,12 +576,14 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
   }
   if (shared_tables) {
     irans::Table side[2];
-    for (irans::Table& t : side) {
-      if (auto s = irans::ReadTable(&in, &t); !s.ok()) return s;
+    for (int k = 0; k < 2; ++k) {
+      if (!side_coded[k]) continue;
+      if (auto s = irans::ReadTable(&in, &side[k]); !s.ok()) return s;
     }
-    for (size_t pl = 0; pl < planes; ++pl) info[pl].table = side[pl % 2];
+    for (size_t pl : coded) info[pl].table = side[pl % 2];
   }
-  for (PlaneInfo& pi : info) {
+  for (size_t pl : coded) {
+    PlaneInfo& pi = info[pl];
     for (int sym = kDirect; sym < pi.table.num_symbols; ++sym)
       pi.escapable |= pi.table.freq[sym] > 0;
   }
@@ -533,7 +602,7 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
                              learned.data());
   }
   // Payload.
-  const size_t ns = lo.num_segments(planes);
+  const size_t ns = nc == 0 ? 0 : lo.num_segments(nc);
   if (payload.size() < 4 * ns) return absl::DataLossError("fast residual payload: truncated");
   std::vector<size_t> seg_at(ns + 1);
   seg_at[0] = 4 * ns;
@@ -554,11 +623,24 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
   std::vector<const irans::DecodeTable*> dtp(lo.planes_per_segment);
   std::vector<uint8_t> symbols(lo.planes_per_segment * pe);
   std::vector<float> rec(he), qf(pe), zeros(n.D, 0.0f);
+  // x' = prediction + q * step of plane pl from its q (qf).
+  auto reconstruct = [&](size_t pl) {
+    const PlaneInfo& pi = info[pl];
+    size_t mean_i = pi.means;
+    for (size_t h = 0; h < n.H; ++h) {
+      const uint8_t pr = preds[pi.preds + h];
+      const float* m = pr == kPredMean    ? means.data() + (mean_i++) * n.D
+                       : pr == kPredToken ? learned.data() + pl * pe + h * he
+                                          : zeros.data();
+      ReconHead(qf.data() + h * he, n.T, n.D, pr, m, zeros.data(), pi.step, rec.data());
+      FromFloat(g.dtype, rec.data(), he, out.data() + (pl * pe + h * he) * eb);
+    }
+  };
   for (size_t sg = 0; sg < ns; ++sg) {
     const size_t first = sg * lo.planes_per_segment;
-    const size_t count = std::min(lo.planes_per_segment, planes - first);
+    const size_t count = std::min(lo.planes_per_segment, nc - first);
     for (size_t k = 0; k < count; ++k) {
-      irans::BuildDecodeTable(info[first + k].table, &dtab[k]);
+      irans::BuildDecodeTable(info[coded[first + k]].table, &dtab[k]);
       dtp[k] = &dtab[k];
     }
     if (auto s = irans::DecodeSegment(payload.substr(seg_at[sg], seg_at[sg + 1] - seg_at[sg]),
@@ -568,21 +650,18 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
       return s;
     }
     for (size_t k = 0; k < count; ++k) {
-      const size_t pl = first + k;
-      const PlaneInfo& pi = info[pl];
-      if (auto s = PlaneValues(symbols.data() + k * pe, pe, pi, bits.data(), qf.data()); !s.ok()) {
+      const size_t pl = coded[first + k];
+      if (auto s = PlaneValues(symbols.data() + k * pe, pe, info[pl], bits.data(), qf.data());
+          !s.ok()) {
         return s;
       }
-      size_t mean_i = pi.means;
-      for (size_t h = 0; h < n.H; ++h) {
-        const uint8_t pr = preds[pi.preds + h];
-        const float* m = pr == kPredMean    ? means.data() + (mean_i++) * n.D
-                         : pr == kPredToken ? learned.data() + pl * pe + h * he
-                                            : zeros.data();
-        ReconHead(qf.data() + h * he, n.T, n.D, pr, m, zeros.data(), pi.step, rec.data());
-        FromFloat(g.dtype, rec.data(), he, out.data() + (pl * pe + h * he) * eb);
-      }
+      reconstruct(pl);
     }
+  }
+  if (nc < planes) {
+    std::fill(qf.begin(), qf.end(), 0.0f);
+    for (size_t pl = 0; pl < planes; ++pl)
+      if (zero[pl]) reconstruct(pl);
   }
   return absl::OkStatus();
 }

@@ -12,6 +12,9 @@
 //     parallel and in any order;
 //   - the quantized residuals are coded with static per-plane frequency tables (rans_interleaved.h,
 //     32 symbols: ZigZag values 0..30, 31 = escape to a u16 list) and many interleaved rANS lanes;
+//     a plane whose quantized residual is all zero (keys under a learned state) is flagged in the
+//     params and has no step, table, bit count or symbols; a block whose every head uses the
+//     learned predictor has no predictor bytes;
 //     no rotation, RoPE-aware keys, surprisal steps, step groups or bits budget (INVALID_ARGUMENT
 //     naming `profile` if asked for).
 // The step per (layer, K/V) plane is bf16 and searched (2-4 quantization passes) so that the

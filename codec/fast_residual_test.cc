@@ -168,6 +168,43 @@ TEST(FastResidual, NonFiniteValuesAreRejectedLikeTheCompactProfile) {
   EXPECT_NE(e.status().message().find("kv:"), absl::string_view::npos) << e.status();
 }
 
+// Planes whose quantized residual is all zero carry no symbols (params flags bit 1); a block of
+// only such planes has no rANS segments at all.
+TEST(FastResidual, AllZeroPlanesRoundTripWithoutAState) {
+  const RealBlocks r = LoadRealBlocks("GPL-3");
+  const BlockGeometry& g = r.geometry;
+  const size_t planes = 2 * g.num_layers, pe = g.num_bytes() / planes;  // bytes per plane
+  std::vector<uint8_t> kv = r.blocks[2];
+  for (size_t pl = 0; pl < planes; ++pl)
+    if (pl != 3) std::fill(kv.begin() + pl * pe, kv.begin() + (pl + 1) * pe, 0);
+  internal::FastOutput f;
+  ASSERT_TRUE(internal::EncodeFastResidual(g, kv, Fast(0.05), {}, &f).ok());
+  EXPECT_EQ(static_cast<uint8_t>(f.params[1]) & 6, 2);  // zero planes, not all learned
+  std::vector<uint8_t> out(g.num_bytes(), 0xff);
+  ASSERT_TRUE(internal::DecodeFastResidual(g, f.params, f.payload, absl::MakeSpan(out)).ok());
+  for (size_t pl = 0; pl < planes; ++pl) {
+    if (pl == 3) continue;
+    for (size_t i = pl * pe; i < (pl + 1) * pe; ++i) ASSERT_EQ(out[i], 0) << "plane " << pl;
+  }
+  EXPECT_LE(RelRms(g, kv, out, 1), 0.05 * 1.0001);  // plane 3 is a V plane
+  internal::FastOutput dense;
+  ASSERT_TRUE(internal::EncodeFastResidual(g, r.blocks[2], Fast(0.05), {}, &dense).ok());
+  EXPECT_LT(f.params.size() + f.payload.size(), (dense.params.size() + dense.payload.size()) / 5);
+
+  const std::vector<uint8_t> zeros(g.num_bytes(), 0);
+  ASSERT_TRUE(internal::EncodeFastResidual(g, zeros, Fast(0.05), {}, &f).ok());
+  EXPECT_EQ(f.payload.size(), 0u);  // no segments, no bucket bits
+  std::fill(out.begin(), out.end(), 0xff);
+  ASSERT_TRUE(internal::DecodeFastResidual(g, f.params, f.payload, absl::MakeSpan(out)).ok());
+  EXPECT_EQ(out, zeros);
+  EXPECT_EQ(internal::DecodeFastResidual(g, f.params, "x", absl::MakeSpan(out)).code(),
+            absl::StatusCode::kDataLoss);
+  std::string p = f.params;
+  p[6] = 0;  // claims every plane is coded: the tables and bit counts are missing
+  EXPECT_EQ(internal::DecodeFastResidual(g, p, f.payload, absl::MakeSpan(out)).code(),
+            absl::StatusCode::kDataLoss);
+}
+
 TEST(FastResidual, MalformedParamsAndPayloadAreDataLoss) {
   const RealBlocks r = LoadRealBlocks("GPL-3");
   const BlockGeometry& g = r.geometry;

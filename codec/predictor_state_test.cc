@@ -9,6 +9,7 @@
 #include "codec/block_codec.h"
 #include "codec/crc32c.h"
 #include "codec/decode_chain.h"
+#include "codec/fast_residual.h"
 #include "codec/testing_blocks.h"
 #include "gtest/gtest.h"
 
@@ -169,6 +170,96 @@ TEST(PredictorStateTest, HeldOutRoundTripWithinTargetAndSmaller) {
       EXPECT_LT(bits_learned, 0.9 * bits_plain)
           << "profile " << static_cast<int>(profile) << " target " << target;
     }
+  }
+}
+
+// Planes whose quantized residual is all zero (keys under the learned state) are flagged in the
+// params and carry no step, bit count, table or symbols; they decode to the prediction itself.
+TEST(PredictorStateTest, AllZeroPlanesAreFlaggedAndDecodeToThePrediction) {
+  const auto state = TrainState(2);
+  const TokenBlocks gen = Load("genesis_1-3");
+  const BlockGeometry& g = gen.real.geometry;
+  ASSERT_EQ(g.dtype, DType::kFp16);
+  const size_t planes = 2 * g.num_layers;
+  const size_t pe = static_cast<size_t>(g.num_kv_heads) * kT * g.head_dim;
+  size_t zero_planes = 0, flagged_blocks = 0, checked_planes = 0, all_learned_blocks = 0;
+  std::string zero_params, zero_payload;
+  PredictionContext zero_ctx;
+  for (double target : {0.173, 0.3}) {
+    for (size_t b = 0; b < gen.real.blocks.size(); ++b) {
+      PredictionContext ctx;
+      ctx.learned = state.get();
+      ctx.tokens = gen.tokens[b];
+      ctx.first_position = static_cast<uint32_t>(b * kT);
+      ctx.previous_token = b ? gen.tokens[b - 1].back() : -1;
+      internal::FastOutput f;
+      ASSERT_TRUE(internal::EncodeFastResidual(g, gen.real.blocks[b],
+                                               Residual(Profile::kFast, target), ctx, &f)
+                      .ok());
+      std::vector<uint8_t> out(g.num_bytes());
+      ASSERT_TRUE(
+          internal::DecodeFastResidual(g, f.params, f.payload, absl::MakeSpan(out), ctx).ok());
+      EXPECT_LE(RelRms(g, gen.real.blocks[b], out, 0), target * 1.0001);
+      EXPECT_LE(RelRms(g, gen.real.blocks[b], out, 1), target * 1.0001);
+      // Flags bit 2: every head learned, no predictor bytes.
+      const bool all_learned = static_cast<uint8_t>(f.params[1]) & 4;
+      all_learned_blocks += all_learned;
+      EXPECT_EQ(all_learned,
+                f.predictor_count[0][static_cast<int>(Predictor::kTokenMean)] +
+                        f.predictor_count[1][static_cast<int>(Predictor::kTokenMean)] ==
+                    2u * g.num_kv_heads * g.num_layers);
+      if (all_learned) {  // ... which needs the state
+        EXPECT_EQ(internal::DecodeFastResidual(g, f.params, f.payload, absl::MakeSpan(out)).code(),
+                  absl::StatusCode::kDataLoss);
+      }
+      if (!(static_cast<uint8_t>(f.params[1]) & 2)) continue;
+      ++flagged_blocks;
+      if (zero_params.empty()) zero_params = f.params, zero_payload = f.payload, zero_ctx = ctx;
+      std::vector<float> pred(g.num_elements());
+      state->Predict(ctx.tokens, ctx.first_position, ctx.previous_token, pred.data());
+      for (size_t pl = 0; pl < planes; ++pl) {
+        if (!((static_cast<uint8_t>(f.params[6 + pl / 8]) >> (pl % 8)) & 1)) continue;
+        ++zero_planes;
+        // Every head of this block chose the learned predictor: x' is the prediction in fp16.
+        if (f.predictor_count[pl % 2][static_cast<int>(Predictor::kTokenMean)] !=
+            g.num_kv_heads * g.num_layers) {
+          continue;
+        }
+        ++checked_planes;
+        for (size_t i = 0; i < pe; ++i) {
+          uint16_t h;
+          std::memcpy(&h, out.data() + 2 * (pl * pe + i), 2);
+          ASSERT_EQ(HalfToFloat(h), HalfToFloat(FloatToHalf(pred[pl * pe + i])))
+              << "plane " << pl << " element " << i;
+        }
+      }
+    }
+  }
+  std::printf("%zu blocks with all-zero planes, %zu planes (%zu checked against the prediction)\n",
+              flagged_blocks, zero_planes, checked_planes);
+  EXPECT_GT(flagged_blocks, gen.real.blocks.size() / 2);
+  EXPECT_GT(checked_planes, 0u);
+  EXPECT_GT(all_learned_blocks, 0u);
+  ASSERT_FALSE(zero_params.empty());
+  // A bit past the last plane is DATA_LOSS; clearing a zero plane's bit or cutting the params
+  // never crashes.
+  std::vector<uint8_t> out(g.num_bytes());
+  std::string p = zero_params;
+  p[6 + (planes - 1) / 8] |= static_cast<char>(0x80);
+  if (planes % 8 != 0) {
+    EXPECT_EQ(
+        internal::DecodeFastResidual(g, p, zero_payload, absl::MakeSpan(out), zero_ctx).code(),
+        absl::StatusCode::kDataLoss);
+  }
+  for (size_t pl = 0; pl < planes; ++pl) {
+    p = zero_params;
+    p[6 + pl / 8] ^= static_cast<char>(1 << (pl % 8));
+    (void)internal::DecodeFastResidual(g, p, zero_payload, absl::MakeSpan(out), zero_ctx);
+  }
+  for (size_t cut = 0; cut < zero_params.size(); ++cut) {
+    EXPECT_FALSE(internal::DecodeFastResidual(g, zero_params.substr(0, cut), zero_payload,
+                                              absl::MakeSpan(out), zero_ctx)
+                     .ok());
   }
 }
 
