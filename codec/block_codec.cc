@@ -12,12 +12,16 @@
 #include "codec/crc32c.h"
 #include "codec/fast_lossless.h"
 #include "codec/fast_residual.h"
+#include "codec/little_endian.h"
 #include "codec/lossless.h"
 #include "codec/predictor_state.h"
 #include "codec/residual_codec.h"
 
 namespace kvtrie {
 namespace {
+
+using internal::GetLE;
+using internal::PutLE;
 
 constexpr char kMagic[4] = {'K', 'V', 'B', '1'};
 constexpr uint8_t kFormatVersion = 1;
@@ -27,20 +31,6 @@ constexpr char kLosslessCentroidDiff = 3;     // centroid_lossless.h; needs cont
 constexpr uint8_t kFlagFastProfile = 1;       // envelope flags bit 0: Profile::kFast
 constexpr uint8_t kFlagPredictorVersion = 2;  // bit 1: a u32 predictor version follows the node id
 constexpr uint8_t kFlagShiftedReference = 0x80;  // bit 7: reference_shift.h prefix in params
-
-template <typename T>
-void PutLE(std::string* out, T v) {
-  char buf[sizeof(T)];
-  for (size_t i = 0; i < sizeof(T); ++i) buf[i] = static_cast<char>((v >> (8 * i)) & 0xff);
-  out->append(buf, sizeof(T));
-}
-
-template <typename T>
-T GetLE(const char* p) {
-  T v = 0;
-  for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<T>(static_cast<uint8_t>(p[i])) << (8 * i);
-  return v;
-}
 
 }  // namespace
 
@@ -137,23 +127,10 @@ absl::string_view PredictorName(Predictor predictor) {
 
 namespace {
 
-// The largest finite value of `dtype`.
-float MaxFinite(DType dtype) {
-  switch (dtype) {
-    case DType::kFp16:
-      return 65504.0f;
-    case DType::kBf16:
-      return Bf16ToFloat(0x7f7f);
-    case DType::kFp32:
-      break;
-  }
-  return std::numeric_limits<float>::max();
-}
-
 // FromFloat of a lossy reconstruction: finite values beyond the dtype's range saturate to its
 // largest finite value (a quantizer may overshoot the input's absmax by half a step). NaN stays.
 void FromFloatSaturating(DType dtype, float* y, size_t n, void* out) {
-  const float limit = MaxFinite(dtype);
+  const float limit = MaxFiniteValue(dtype);
   for (size_t i = 0; i < n; ++i) {
     if (y[i] > limit) y[i] = limit;
     if (y[i] < -limit) y[i] = -limit;
@@ -272,9 +249,10 @@ absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
     internal::FastOutput fast;
     absl::Status s = internal::EncodeFastResidual(geometry, kv, options, context, &fast);
     if (s.ok()) {
-      result.bytes = internal::WriteEnvelope(Encoding::kResidual, geometry, 0, fast.params,
-                                             fast.payload, Profile::kFast,
-                                             fast.uses_learned ? context.learned->version() : 0);
+      result.predictor_version = fast.uses_learned ? context.learned->version() : 0;
+      result.bytes =
+          internal::WriteEnvelope(Encoding::kResidual, geometry, 0, fast.params, fast.payload,
+                                  Profile::kFast, result.predictor_version);
       result.bits_per_component = 8.0 * result.bytes.size() / geometry.num_elements();
       result.rel_rms_error_k = fast.rel_rms_error[0];
       result.rel_rms_error_v = fast.rel_rms_error[1];
@@ -337,9 +315,10 @@ absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
       const int token_mean = static_cast<int>(Predictor::kTokenMean);
       const bool uses_learned =
           lossy.predictor_count[0][token_mean] + lossy.predictor_count[1][token_mean] > 0;
+      result.predictor_version = uses_learned ? context.learned->version() : 0;
       result.bytes = internal::WriteEnvelope(
           options.encoding, geometry, uses_reference ? options.reference_node_id : 0, lossy.params,
-          lossy.payload, Profile::kCompact, uses_learned ? context.learned->version() : 0,
+          lossy.payload, Profile::kCompact, result.predictor_version,
           uses_reference ? &shift : nullptr);
       // What the decoder returns: the reconstruction rounded to the dtype.
       std::vector<uint8_t> decoded(geometry.num_bytes());

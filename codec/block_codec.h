@@ -188,6 +188,8 @@ struct EncodedBlock {
   double max_abs_error = 0;       // max |x - x'| over the block
   // kResidual: how many (layer, head) groups chose each Predictor, [0 = K, 1 = V][Predictor].
   uint32_t predictor_count[2][kNumPredictors] = {};
+  // The learned state the block is coded against (BlockHeader::predictor_version; 0 = none).
+  uint32_t predictor_version = 0;
 };
 
 // Encodes `kv` (exactly geometry.num_bytes() bytes). Errors: INVALID_ARGUMENT naming the field if

@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 
 #include "absl/status/status.h"
@@ -72,6 +73,19 @@ inline float Bf16ToFloat(uint16_t b) {
   float f;
   __builtin_memcpy(&f, &bits, 4);
   return f;
+}
+
+// The largest finite value of `dtype` (fp16 65504, bf16 0x7f7f, fp32 FLT_MAX).
+inline float MaxFiniteValue(DType dtype) {
+  switch (dtype) {
+    case DType::kFp16:
+      return 65504.0f;
+    case DType::kBf16:
+      return Bf16ToFloat(0x7f7f);
+    case DType::kFp32:
+      break;
+  }
+  return std::numeric_limits<float>::max();
 }
 uint16_t FloatToBf16(float f);
 

@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "codec/fast_residual_kernels.h"
+#include "codec/little_endian.h"
 #include "codec/predictor_state.h"
 #include "codec/rans.h"
 #include "codec/rans_interleaved.h"
@@ -64,10 +65,6 @@ Layout ChooseLayout(const Dims& n, size_t planes) {
   return lo;
 }
 
-template <typename T>
-void PutLE(std::string* out, T v) {
-  for (size_t i = 0; i < sizeof(T); ++i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-}
 void PutVarint(std::string* out, uint64_t v) {
   while (v >= 128) {
     out->push_back(static_cast<char>((v & 127) | 128));

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "codec/crc32c.h"
+#include "codec/little_endian.h"
 #include "codec/predictor_state_internal.h"
 #include "codec/residual_kernels.h"
 
@@ -37,17 +38,6 @@ constexpr uint8_t kFormat = 1;
 constexpr size_t kHeader = 32;
 // log(base), as literals so that every machine predicts with the same angles.
 constexpr double kRopeLogBaseOf[kNumRopeCodes] = {0.0, 9.210340371976184, 13.122363377404328};
-
-template <typename T>
-void PutLE(std::string* out, T v) {
-  for (size_t i = 0; i < sizeof(T); ++i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-}
-template <typename T>
-T GetLE(const char* p) {
-  T v = 0;
-  for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<T>(static_cast<uint8_t>(p[i])) << (8 * i);
-  return v;
-}
 
 // cos, sin of `angle` (any finite double), deterministically: exact reduction mod 2 pi (fmod is
 // exact), then the Taylor series at a quarter of the angle and two angle doublings.

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "codec/little_endian.h"
 #include "codec/residual_kernels.h"  // DetExp, DetCosSin: the same bits on every machine
 
 namespace kvtrie {
@@ -75,20 +76,6 @@ std::string ShiftProblem(const BlockGeometry& g, const ReferenceShift& shift) {
   return "";
 }
 
-template <typename T>
-void PutLE(std::string* out, T v) {
-  char buf[sizeof(T)];
-  for (size_t i = 0; i < sizeof(T); ++i) buf[i] = static_cast<char>((v >> (8 * i)) & 0xff);
-  out->append(buf, sizeof(T));
-}
-
-template <typename T>
-T GetLE(const char* p) {
-  T v = 0;
-  for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<T>(static_cast<uint8_t>(p[i])) << (8 * i);
-  return v;
-}
-
 // Per channel pair i: the two channels it turns, and cos / sin of rotation * theta_i.
 struct Turn {
   std::vector<uint32_t> first, second;
@@ -122,18 +109,6 @@ void TurnRow(const Turn& t, float limit, float* row) {
     row[t.first[i]] = clamp(t.cos[i] * a - t.sin[i] * b);
     row[t.second[i]] = clamp(t.sin[i] * a + t.cos[i] * b);
   }
-}
-
-float MaxFinite(DType dtype) {
-  switch (dtype) {
-    case DType::kFp16:
-      return 65504.0f;
-    case DType::kBf16:
-      return Bf16ToFloat(0x7f7f);
-    case DType::kFp32:
-      break;
-  }
-  return std::numeric_limits<float>::max();
 }
 
 // The window's source row of token j of head (l, kv, h): a pointer to head_dim elements.
@@ -292,7 +267,8 @@ void DetectShiftRope(const BlockGeometry& g, absl::Span<const uint8_t> kv,
         for (uint32_t j = 0; j < T; ++j) {
           ToFloat(g.dtype, kv.data() + (head + j * D) * w, D, x.data());
           ToFloat(g.dtype, SourceRow(g, *shift, reference, reference_parent, head, j), D, y.data());
-          if (o.log_base > 0) TurnRow(turns[ExtraTurn(*shift, j)], MaxFinite(g.dtype), y.data());
+          if (o.log_base > 0)
+            TurnRow(turns[ExtraTurn(*shift, j)], MaxFiniteValue(g.dtype), y.data());
           for (size_t d = 0; d < D; ++d) {
             const double e = static_cast<double>(x[d]) - y[d];
             sse += e * e;
@@ -348,7 +324,7 @@ absl::Status BuildShiftedReference(const BlockGeometry& g, const ReferenceShift&
             continue;
           }
           ToFloat(g.dtype, src, D, row.data());
-          TurnRow(turns[ExtraTurn(shift, j)], MaxFinite(g.dtype), row.data());
+          TurnRow(turns[ExtraTurn(shift, j)], MaxFiniteValue(g.dtype), row.data());
           FromFloat(g.dtype, row.data(), D, dst);
         }
       }

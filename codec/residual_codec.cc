@@ -10,6 +10,7 @@
 #endif
 
 #include "absl/strings/str_cat.h"
+#include "codec/little_endian.h"
 #include "codec/rans.h"
 #include "codec/residual_kernels.h"
 #include "codec/residual_search.h"
@@ -83,11 +84,6 @@ std::vector<AdaptiveModel> InitialModels(bool context_priors) {
     return m;
   }();
   return *kPriors;
-}
-
-template <typename T>
-void PutLE(std::string* out, T v) {
-  for (size_t i = 0; i < sizeof(T); ++i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
 }
 
 // Encodes at one error target. `bits_out`: the size of params + payload in bits.

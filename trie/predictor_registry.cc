@@ -81,8 +81,7 @@ void PredictorRegistry::Release(uint32_t version) {
   if (it != versions_.end() && it->second.pending > 0) --it->second.pending;
 }
 
-absl::Status PredictorRegistry::Check(uint32_t version) const {
-  absl::MutexLock lock(&mu_);
+absl::Status PredictorRegistry::CheckLocked(uint32_t version) const {
   auto it = versions_.find(version);
   if (it == versions_.end()) {
     return absl::NotFoundError(
@@ -95,18 +94,16 @@ absl::Status PredictorRegistry::Check(uint32_t version) const {
   return absl::OkStatus();
 }
 
+absl::Status PredictorRegistry::Check(uint32_t version) const {
+  absl::MutexLock lock(&mu_);
+  return CheckLocked(version);
+}
+
 absl::StatusOr<std::shared_ptr<const PredictorState>> PredictorRegistry::Find(uint32_t version) {
   {
     absl::MutexLock lock(&mu_);
+    if (absl::Status s = CheckLocked(version); !s.ok()) return s;
     auto it = versions_.find(version);
-    if (it == versions_.end()) {
-      return absl::NotFoundError(
-          absl::StrCat("version: predictor state version ", version, " is not stored"));
-    }
-    if (!it->second.error.ok()) {
-      return absl::DataLossError(absl::StrCat("predictor state version ", version,
-                                              " is unreadable: ", it->second.error.message()));
-    }
     if (it->second.state) {
       it->second.last_use = ++uses_;
       return it->second.state;

@@ -119,6 +119,8 @@ class PredictorRegistry {
 
   // Drops from memory the least recently used versions past resident_versions (never the latest).
   void TrimResidentLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Check's answer: NOT_FOUND if `version` is not kept, DATA_LOSS if it is unreadable.
+  absl::Status CheckLocked(uint32_t version) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SetStateLocked(Version* v, std::shared_ptr<const PredictorState> state)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

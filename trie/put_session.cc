@@ -257,13 +257,7 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
       const Pending& p = pending_.at(b);
       if (p.encoded != nullptr) {
         if (!p.encoded->ok()) return p.encoded->status();
-        uint32_t predictor_version = 0;
-        if (early_learned_) {  // the block names the state it was coded against, if any
-          absl::StatusOr<BlockHeader> h = ParseBlock((**p.encoded)->bytes);
-          if (!h.ok()) return h.status();
-          predictor_version = h->predictor_version;
-        }
-        blocks.push_back({b, **p.encoded, encode_.encoding, 0, predictor_version});
+        blocks.push_back({b, **p.encoded, encode_.encoding, 0, (**p.encoded)->predictor_version});
         continue;
       }
       const auto kv =
@@ -303,12 +297,7 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
               absl::StrCat("codec: cannot decode what it encoded: ", s.message()));
         }
       }
-      uint32_t predictor_version = 0;
-      if (learned) {
-        absl::StatusOr<BlockHeader> h = ParseBlock(nd->encoded.bytes);
-        if (!h.ok()) return h.status();
-        predictor_version = h->predictor_version;
-      }
+      const uint32_t predictor_version = nd->encoded.predictor_version;
       blocks.push_back({b, std::make_shared<const EncodedBlock>(std::move(nd->encoded)),
                         encode_.encoding, nd->reference_node_id, predictor_version});
     }
