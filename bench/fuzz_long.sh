@@ -9,8 +9,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-300}
 targets=(codec/codec_decode_fuzzer server/put_stream_fuzzer codec/kv_dump_fuzzer
-  client/residual_chain_fuzzer)
-seeds=("" server/fuzz/put_stream_corpus codec/fuzz/kv_dump_corpus client/fuzz/residual_chain_corpus)
+  codec/predictor_state_fuzzer client/residual_chain_fuzzer)
+seeds=("" server/fuzz/put_stream_corpus codec/fuzz/kv_dump_corpus
+  codec/fuzz/predictor_state_corpus client/fuzz/residual_chain_corpus)
 tests/run_sanitizers.sh asan-build "${targets[@]##*/}" >/dev/null
 export ASAN_OPTIONS=detect_leaks=1:detect_container_overflow=0
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1

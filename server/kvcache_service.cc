@@ -53,6 +53,7 @@ grpc::Status AppendTokens(absl::string_view field,
     out->insert(out->end(), ids.begin(), ids.end());
     return grpc::Status::OK;
   }
+  if (n == 0) return grpc::Status::OK;  // memcpy's source may not be null, even for 0 bytes
   const size_t at = out->size();
   out->resize(at + n);
   std::memcpy(out->data() + at, packed.data(), packed.size());

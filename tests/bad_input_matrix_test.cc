@@ -135,6 +135,9 @@ TEST_F(BadInputMatrix, EveryCaseGetsItsStatusAndChangesNothing) {
   v1::PutHeader too_many = HeaderOf(s0_, "fresh", 0);
   for (int i = 0; i < 5000; ++i) too_many.add_token_ids(i % 512);
   v1::PutHeader bad_utf8 = Fresh("caf\xc3");
+  v1::PutHeader no_tokens = Fresh();
+  no_tokens.clear_token_ids();
+  no_tokens.clear_surprisal_bits();
   v1::PutRequest tokens_msg;
   tokens_msg.mutable_tokens()->add_token_ids(1);
   v1::PutRequest oversized = block(0);
@@ -245,6 +248,11 @@ TEST_F(BadInputMatrix, EveryCaseGetsItsStatusAndChangesNothing) {
          return Put({Msg(too_many), Commit()});
        },
        C::RESOURCE_EXHAUSTED, "token_ids:"},
+      {"no token ids, with a block",
+       [&] {
+         return Put({Msg(no_tokens), block(0), Commit()});
+       },
+       C::INVALID_ARGUMENT, "block_index:"},
       {"PutTokens after a block",
        [&] {
          return Put({Msg(Fresh()), block(0), tokens_msg, Commit()});
