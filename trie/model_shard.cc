@@ -248,16 +248,13 @@ void ModelShard::Recover(uint64_t id, absl::StatusOr<NodeMeta> meta, const std::
 
 MatchResult ModelShard::Match(absl::Span<const uint32_t> token_ids) {
   MatchResult result;
-  absl::MutexLock lock(&mu_);
+  absl::ReaderMutexLock lock(&mu_);  // reads only: Lookups of a shard run side by side
   if (!committed_) return result;
   result.block_tokens = model_.geometry.block_tokens;
-  // One walk: ids collected as the nodes are matched, stopping at one being removed.
+  // One walk over the compressed edges: ids copied from the chains, stopping at a node being
+  // removed.
   result.node_ids.reserve(token_ids.size() / model_.geometry.block_tokens);
-  trie_->MatchVisit(token_ids, 0, [&](const TrieNode* n) {
-    if (n->removing) return false;
-    result.node_ids.push_back(n->id);
-    return true;
-  });
+  trie_->MatchIds(token_ids, 0, &result.node_ids);
   return result;
 }
 

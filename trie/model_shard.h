@@ -14,7 +14,8 @@
 //              again and publishes. So what it checked under mu_ still holds when it publishes,
 //              and memory changes only after the write succeeded.
 //   mu_        guards the trie, the index and the counters; held for memory work only. Readers
-//              (Lookup, Get, Inspect, Stats) take only mu_, so they never wait for a disk write.
+//              (Lookup, Get, Inspect, Stats) take only mu_, so they never wait for a disk write;
+//              Match/Lookup take it shared (they change nothing), so they run side by side.
 // Lock order: write_mu_ -> mu_ -> PredictorRegistry::mu_ | TierManager::mu_ ->
 // RecordStore::error_mu_ (the registry takes no other lock). A thread holds
 // the locks of at most one shard; eviction for the disk budget runs with none held.

@@ -73,7 +73,7 @@ absl::Status ModelShard::RemoveSubtrees(const std::vector<uint64_t>& roots, Drop
       marked_roots.push_back(root);
       for (TrieNode* n : SubtreeLocked(root)) {
         if (n->removing) continue;
-        n->removing = true;  // readers stop here from now on
+        trie_->SetRemoving(n, true);  // readers stop here from now on
         marked.push_back(n);
         batch.DeleteNode(shard_id_, n->id);
         if (removed_bytes) *removed_bytes += n->bytes_stored;
@@ -87,7 +87,7 @@ absl::Status ModelShard::RemoveSubtrees(const std::vector<uint64_t>& roots, Drop
   {
     absl::MutexLock lock(&mu_);
     if (!s.ok()) {  // nothing changed in memory: it agrees with the disk
-      for (TrieNode* n : marked) n->removing = false;
+      for (TrieNode* n : marked) trie_->SetRemoving(n, false);
       for (TrieNode* n : marked) UpdateEvictableLocked(n);
       return s;
     }
