@@ -22,6 +22,10 @@
 //   speed_bench [--tokens=512] [--repeats=3] [--codec_threads=1,2] [--client_threads=1,2]
 //               [--clients=4,16] [--lookup_tokens=1024,16384,131072,1048576] [--redis=PATH]
 //               [--only=all|get|lookup] [--get_repeats=1] [--varint_tokens] [--modes=RAW,...]
+//               [--server_flag=--name=value ...]
+// --server_flag: one more kvtrie-server flag (repeatable), e.g.
+// --server_flag=--learn_predictors=false so that a Lookup run is not measured while the server
+// learns from the stored prefix.
 // --varint_tokens: token ids as varints (token_ids), for a server older than token_ids_packed.
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
@@ -133,6 +137,7 @@ int main(int argc, char** argv) {
   size_t tokens = 512;
   int repeats = 3, get_repeats = 1;
   std::string redis_bin = "/usr/bin/redis-server", only = "all", mode_filter;
+  std::vector<std::string> server_flags;  // --server_flag, appended to every kvtrie-server
   std::vector<int> codec_threads = {1, 2}, client_threads = {1, 2}, clients = {4, 16},
                    lookup_tokens = {1024, 16384, 131072, 1048576};
   for (int i = 1; i < argc; ++i) {
@@ -159,6 +164,8 @@ int main(int argc, char** argv) {
       get_repeats = std::stoi(v);
     } else if (const char* v = value("--modes=")) {
       mode_filter = v;
+    } else if (const char* v = value("--server_flag=")) {
+      server_flags.push_back(v);
     } else if (a == "--varint_tokens") {
       packed_tokens = false;
     } else if (const char* v = value("--only=")) {
@@ -223,11 +230,11 @@ int main(int argc, char** argv) {
     Server s;
     s.codec_threads = c;
     s.name = absl::StrCat("kvtrie (codec_threads ", c, ")");
+    std::vector<std::string> flags = {"--memory_bytes=8589934592",
+                                      absl::StrCat("--codec_threads=", c), "--max_tokens=2097152"};
+    flags.insert(flags.end(), server_flags.begin(), server_flags.end());
     absl::StatusOr<std::unique_ptr<kvtrie::testing::ServerProcess>> p =
-        kvtrie::testing::ServerProcess::Start(
-            absl::StrCat(dir, "/kvtrie", c),
-            {"--memory_bytes=8589934592", absl::StrCat("--codec_threads=", c),
-             "--max_tokens=2097152"});
+        kvtrie::testing::ServerProcess::Start(absl::StrCat(dir, "/kvtrie", c), flags);
     if (!p.ok()) {
       std::fprintf(stderr, "kvtrie-server: %s\n", std::string(p.status().message()).c_str());
       return 1;

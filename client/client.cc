@@ -1,6 +1,7 @@
 #include "client/client.h"
 
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/client_unary_call.h>
 
 #include <algorithm>
 #include <chrono>
@@ -30,6 +31,29 @@ void PackTokens(absl::Span<const uint32_t> token_ids, std::string* out) {
   for (size_t i = 0; i < token_ids.size(); ++i) {
     for (int b = 0; b < 4; ++b) (*out)[4 * i + b] = static_cast<char>(token_ids[i] >> (8 * b));
   }
+}
+
+// `rest` serialized, followed by bytes field `field` holding `token_ids` as little-endian
+// uint32s, as one gRPC message whose token bytes are a slice of the caller's memory (not copied
+// into the message: the RPC must finish before token_ids goes). REQUIRES: little-endian.
+grpc::ByteBuffer WithPackedTokens(const google::protobuf::MessageLite& rest, uint32_t field,
+                                  absl::Span<const uint32_t> token_ids, std::string* head) {
+  head->clear();
+  rest.AppendToString(head);
+  if (token_ids.empty()) {
+    grpc::Slice only(head->data(), head->size(), grpc::Slice::STATIC_SLICE);
+    return grpc::ByteBuffer(&only, 1);
+  }
+  const auto varint = [head](uint64_t v) {
+    for (; v >= 0x80; v >>= 7) head->push_back(static_cast<char>(v | 0x80));
+    head->push_back(static_cast<char>(v));
+  };
+  varint((uint64_t{field} << 3) | 2);  // the tag: field, wire type LEN
+  varint(token_ids.size() * 4);
+  grpc::Slice parts[2] = {
+      grpc::Slice(head->data(), head->size(), grpc::Slice::STATIC_SLICE),
+      grpc::Slice(token_ids.data(), token_ids.size() * 4, grpc::Slice::STATIC_SLICE)};
+  return grpc::ByteBuffer(parts, 2);
 }
 
 // Token ids (and as many surprisal values) per Put message: 128K x 8 bytes = 1 MiB.
@@ -217,13 +241,28 @@ absl::StatusOr<v1::LookupResponse> Client::Lookup(const std::string& model_id,
   v1::LookupRequest req;
   req.set_namespace_(options_.ns);
   req.set_model_id(model_id);
+  v1::LookupResponse resp;
+  auto ctx = NewContext();
+  if (options_.packed_token_ids && ABSL_IS_LITTLE_ENDIAN) {
+    // The ids go to the wire from the caller's memory (a 1M-token Lookup is 4 MB): no copy into
+    // the message nor into a serialized buffer.
+    std::string head;
+    const grpc::ByteBuffer wire =
+        WithPackedTokens(req, v1::LookupRequest::kTokenIdsPackedFieldNumber, token_ids, &head);
+    const grpc::internal::RpcMethod method("/kvtrie.v1.KVCache/Lookup",
+                                           grpc::internal::RpcMethod::NORMAL_RPC);
+    grpc::Status st =
+        grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, v1::LookupResponse, grpc::ByteBuffer,
+                                          grpc::protobuf::MessageLite>(channel_.get(), method,
+                                                                       ctx.get(), wire, &resp);
+    if (auto s = FromGrpc(st); !s.ok()) return s;
+    return resp;
+  }
   if (options_.packed_token_ids) {
     PackTokens(token_ids, req.mutable_token_ids_packed());
   } else {
     req.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
   }
-  v1::LookupResponse resp;
-  auto ctx = NewContext();
   if (auto s = FromGrpc(stub_->Lookup(ctx.get(), req, &resp)); !s.ok()) return s;
   return resp;
 }

@@ -126,6 +126,43 @@ TEST_F(EndToEnd, LookupReturnsEachSessionsFullBlockAlignedLength) {
             kSharedPrefixTokens / 16 * 16);
 }
 
+TEST_F(EndToEnd, PackedLookupFromTheCallersMemoryAgreesWithVarintIds) {
+  // kvtrie::Client sends the ids of a Lookup as token_ids_packed straight from the caller's
+  // memory (its own wire bytes); the varint path is the reference. Prefixes end inside the
+  // trie's compressed edges (the sessions share 369 tokens, then branch), on a block boundary,
+  // inside a block, or are empty; one diverges inside an edge.
+  auto packed = NewClient("ns-a");
+  ClientOptions varint_options{.target = server_->target(), .ns = "ns-a"};
+  varint_options.packed_token_ids = false;
+  auto varint = Client::Create(varint_options);
+  PutAllSessions(*packed, v1::ENCODING_RAW);
+  std::vector<uint32_t> diverging = sessions_[1].token_ids;
+  diverging[200] ^= 1;
+  for (const KvDump& s : {sessions_[0], sessions_[1]}) {
+    for (size_t n : {0u, 7u, 16u, 100u, 368u, 369u, 400u, 512u}) {
+      const absl::Span<const uint32_t> prefix(s.token_ids.data(), n);
+      absl::StatusOr<v1::LookupResponse> a = packed->Lookup(s.model_id, prefix);
+      absl::StatusOr<v1::LookupResponse> b = varint->Lookup(s.model_id, prefix);
+      ASSERT_TRUE(a.ok()) << a.status();
+      ASSERT_TRUE(b.ok()) << b.status();
+      EXPECT_EQ(a->matched_tokens(), n / 16 * 16) << n;
+      EXPECT_EQ(a->block_tokens(), 16u);
+      EXPECT_EQ(std::vector<uint64_t>(a->node_ids().begin(), a->node_ids().end()),
+                std::vector<uint64_t>(b->node_ids().begin(), b->node_ids().end()))
+          << n;
+    }
+  }
+  absl::StatusOr<v1::LookupResponse> d = packed->Lookup(sessions_[1].model_id, diverging);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->matched_tokens(), 192u);
+  // Another namespace sees nothing; an unknown model is a miss, not an error.
+  EXPECT_EQ(
+      NewClient("ns-b")->Lookup(sessions_[0].model_id, sessions_[0].token_ids)->node_ids_size(), 0);
+  absl::StatusOr<v1::LookupResponse> unknown = packed->Lookup("no-such-model", diverging);
+  ASSERT_TRUE(unknown.ok()) << unknown.status();
+  EXPECT_EQ(unknown->block_tokens(), 0u);
+}
+
 TEST_F(EndToEnd, StatsShowTheSharedPrefixStoredOnce) {
   auto client = NewClient("");
   PutAllSessions(*client, v1::ENCODING_LOSSLESS);
