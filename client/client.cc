@@ -13,6 +13,7 @@
 #include "absl/base/config.h"
 #include "absl/strings/str_cat.h"
 #include "client/get_wire.h"
+#include "client/packed_tokens.h"
 #include "client/residual_chain.h"
 #include "codec/block_codec.h"
 #include "codec/crc32c.h"
@@ -20,41 +21,6 @@
 
 namespace kvtrie {
 namespace {
-
-// Token ids as little-endian uint32s (LookupRequest/GetRequest.token_ids_packed).
-void PackTokens(absl::Span<const uint32_t> token_ids, std::string* out) {
-  out->resize(token_ids.size() * 4);
-  if (ABSL_IS_LITTLE_ENDIAN) {
-    std::memcpy(out->data(), token_ids.data(), out->size());
-    return;
-  }
-  for (size_t i = 0; i < token_ids.size(); ++i) {
-    for (int b = 0; b < 4; ++b) (*out)[4 * i + b] = static_cast<char>(token_ids[i] >> (8 * b));
-  }
-}
-
-// `rest` serialized, followed by bytes field `field` holding `token_ids` as little-endian
-// uint32s, as one gRPC message whose token bytes are a slice of the caller's memory (not copied
-// into the message: the RPC must finish before token_ids goes). REQUIRES: little-endian.
-grpc::ByteBuffer WithPackedTokens(const google::protobuf::MessageLite& rest, uint32_t field,
-                                  absl::Span<const uint32_t> token_ids, std::string* head) {
-  head->clear();
-  rest.AppendToString(head);
-  if (token_ids.empty()) {
-    grpc::Slice only(head->data(), head->size(), grpc::Slice::STATIC_SLICE);
-    return grpc::ByteBuffer(&only, 1);
-  }
-  const auto varint = [head](uint64_t v) {
-    for (; v >= 0x80; v >>= 7) head->push_back(static_cast<char>(v | 0x80));
-    head->push_back(static_cast<char>(v));
-  };
-  varint((uint64_t{field} << 3) | 2);  // the tag: field, wire type LEN
-  varint(token_ids.size() * 4);
-  grpc::Slice parts[2] = {
-      grpc::Slice(head->data(), head->size(), grpc::Slice::STATIC_SLICE),
-      grpc::Slice(token_ids.data(), token_ids.size() * 4, grpc::Slice::STATIC_SLICE)};
-  return grpc::ByteBuffer(parts, 2);
-}
 
 // Token ids (and as many surprisal values) per Put message: 128K x 8 bytes = 1 MiB.
 constexpr size_t kTokensPerMessage = 128 * 1024;
