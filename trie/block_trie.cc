@@ -20,6 +20,17 @@ uint64_t BlockTrie::DefaultTokenHash(absl::Span<const uint32_t> token_ids) {
   return XXH3_64bits(token_ids.data(), token_ids.size() * sizeof(uint32_t));
 }
 
+namespace {
+
+// min(n's children, 2) without counting them all (the root may have very many).
+size_t ChildrenUpToTwo(const TrieNode& n) {
+  if (n.children.size() >= 2) return 2;
+  if (n.children.empty()) return 0;
+  return std::min<size_t>(2, n.children.begin()->second.size());
+}
+
+}  // namespace
+
 BlockTrie::BlockTrie(uint32_t block_tokens, TokenHash hash)
     : block_tokens_(block_tokens), hash_(std::move(hash)) {}
 
@@ -167,7 +178,7 @@ TrieNode* BlockTrie::AddChild(TrieNode* parent, uint64_t id, absl::Span<const ui
   for (float s : surprisal_bits) sum += s;
   node->path_surprisal_bits = parent->path_surprisal_bits + sum;
   TrieNode* raw = node.get();
-  const size_t siblings = parent->num_children();
+  const size_t siblings = ChildrenUpToTwo(*parent);
   parent->children[hash_(block)].push_back(raw);
   by_id_[id] = std::move(node);
   if (parent == &root_ || siblings >= 2) {
@@ -230,7 +241,7 @@ void BlockTrie::RemoveSubtree(TrieNode* node, std::vector<uint64_t>* removed) {
     chain->nodes.resize(slot);
   }
   // A branch left with one child continues into it.
-  if (parent != &root_ && slot == 0 && parent->num_children() == 1) {
+  if (parent != &root_ && slot == 0 && ChildrenUpToTwo(*parent) == 1) {
     Merge(parent, parent->children.begin()->second.front());
   }
   for (auto it = order.rbegin(); it != order.rend(); ++it) {
