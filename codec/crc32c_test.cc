@@ -35,11 +35,13 @@ uint32_t Reference(const std::string& s) {
 }
 
 TEST(Crc32c, LargeBuffersMatchTheBitwiseDefinition) {
-  // Around the three-lane path's 24 KiB stride (and multiples), at odd offsets and lengths.
+  // Around the three-lane strides (768 bytes, 24 KiB, and multiples), at odd offsets and
+  // lengths.
   std::mt19937 rng(7);
   std::string big(200000, '\0');
   for (char& c : big) c = static_cast<char>(rng());
-  for (size_t n : {0ul, 7ul, 24575ul, 24576ul, 24577ul, 49152ul, 73731ul, 199990ul}) {
+  for (size_t n : {0ul, 7ul, 767ul, 768ul, 769ul, 1543ul, 24575ul, 24576ul, 24577ul, 32761ul,
+                   49152ul, 73731ul, 199990ul}) {
     for (size_t off : {0ul, 3ul}) {
       const std::string s = big.substr(off, n);
       ASSERT_EQ(Crc32c(s), Reference(s)) << "n=" << n << " off=" << off;
