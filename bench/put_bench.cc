@@ -3,11 +3,11 @@
 // The Put path at 1 and 16 concurrent clients against Redis 7 with AOF everysec, in one run
 // (issue 10: Put RAW >= Redis AOF SET at 1 and 16 clients, Put RESIDUAL fast >= 0.75 GB/s, a
 // Put's peak memory). Starts kvtrie-server (tests/server_process.h, with --server_flags) and a
-// redis-server (--appendonly yes --appendfsync everysec) on free loopback ports in temp dirs,
-// stops both by PID. One prefix = --tokens (1 client) or --tokens16 (each of 16 clients) tokens
-// of Llama-3-8B-shaped KV, 2 MiB blocks [32][2][8][16][128] fp16 tiled from the real
-// stories260K values of tests/data (as bench/speed_bench.cc). Both systems get the same
-// pre-gathered raw blocks: kvtrie through a raw gRPC stub (one channel per client; one header,
+// redis-server with --appendonly yes --appendfsync everysec and one without persistence, on free
+// loopback ports in temp dirs, stops them by PID. One prefix = --tokens (1 client) or --tokens16
+// (each of 16 clients) tokens of Llama-3-8B-shaped KV, 2 MiB blocks [32][2][8][16][128] fp16 tiled
+// from the real stories260K values of tests/data (as bench/speed_bench.cc). Both systems get the
+// same pre-gathered raw blocks: kvtrie through a raw gRPC stub (one channel per client; one header,
 // one PutBlock per block, the commit), Redis as pipelined SETs of one key per block (one
 // connection per client). Each repeat uses fresh token ids and keys (nothing deduplicated) and
 // runs every row in turn (interleaved). Per row: aggregate GB/s (all clients' bytes / wall
@@ -238,13 +238,15 @@ int main(int argc, char** argv) {
   }
   kvtrie::testing::RunCommand({"/bin/mkdir", "-p", dir + "/redis-aof"}, nullptr, nullptr);
   bench::Redis aof = bench::StartRedis(redis_bin, dir + "/redis-aof", true);
-  if (aof.fd < 0) {
+  kvtrie::testing::RunCommand({"/bin/mkdir", "-p", dir + "/redis-mem"}, nullptr, nullptr);
+  bench::Redis mem = bench::StartRedis(redis_bin, dir + "/redis-mem", false);
+  if (aof.fd < 0 || mem.fd < 0) {
     std::fprintf(stderr, "redis-server did not start\n");
     return 1;
   }
   const int max_clients = *std::max_element(client_counts.begin(), client_counts.end());
   std::vector<std::unique_ptr<v1::KVCache::Stub>> stubs, before_stubs;
-  std::vector<int> redis_fds = {aof.fd};
+  std::vector<int> redis_fds = {aof.fd}, mem_fds = {mem.fd};
   for (int c = 0; c < max_clients; ++c) {
     grpc::ChannelArguments args;
     args.SetInt("kvtrie.put_bench.client", c);  // a channel (connection) of its own
@@ -255,6 +257,7 @@ int main(int argc, char** argv) {
           grpc::CreateCustomChannel(before->target(), grpc::InsecureChannelCredentials(), args)));
     }
     if (c > 0) redis_fds.push_back(bench::Connect(aof.port));
+    if (c > 0) mem_fds.push_back(bench::Connect(mem.port));
   }
   struct Mode {
     std::string name;
@@ -341,10 +344,17 @@ int main(int argc, char** argv) {
                                    std::to_string(clients) + ":";
         return bench::RedisSet(redis_fds[c], prefix, prefixes[c].blocks) ? "" : "SET failed";
       });
+      run_row("Redis (no persistence) SET", mem.pid, [&](int c) {
+        const std::string prefix = "r" + std::to_string(rep) + "c" + std::to_string(c) + "n" +
+                                   std::to_string(clients) + ":";
+        return bench::RedisSet(mem_fds[c], prefix, prefixes[c].blocks) ? "" : "SET failed";
+      });
     }
   }
   for (size_t c = 1; c < redis_fds.size(); ++c) close(redis_fds[c]);
+  for (size_t c = 1; c < mem_fds.size(); ++c) close(mem_fds[c]);
   bench::StopRedis(&aof);
+  bench::StopRedis(&mem);
   const double server_hwm = StatusBytes(spid, "VmHWM:");
   const int rc = (*server)->Stop();
   if (before) before->Stop();

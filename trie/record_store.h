@@ -37,8 +37,18 @@
 // 3 x disk_bytes + kFolderSlackBytes (the rest is obsolete files RocksDB has not deleted yet
 // and blob garbage between two collections, which grows when the collections lag on a busy
 // machine); measured peaks at 4 MiB: 1.4-2.4 x disk_bytes, and 3.1 x (12.9 MB) once under ASan
-// with two test processes per core. Measured by TierTest.DiskBudgetBoundsTheWholeDataFolder (20 MiB of
-// one-block Puts at a 4 MiB budget); the folder was unbounded before (1.29 GB, 39 WAL files).
+// with two test processes per core. Measured by TierTest.DiskBudgetBoundsTheWholeDataFolder (20 MiB
+// of one-block Puts at a 4 MiB budget); the folder was unbounded before (1.29 GB, 39 WAL files).
+//
+// Layout and durability of a payload: one RocksDB value (the encoded block, with kvtrie's own
+// CRC-32C in its envelope) in the payloads column family, written with its node record in one
+// WriteBatch: appended to the WAL first (write(2) before Write returns; fsynced too when
+// Options::sync), then the memtable; at flush BlobDB moves it to a blob file (so each payload
+// byte is written twice: WAL, then blob file). RocksDB checksums the WAL record and the blob
+// record with CRC-32C; that CRC is kvtrie's hardware one (trie/rocksdb_crc32c.h; Debian's
+// librocksdb would use a software loop). Without Options::sync a Put acknowledged by Write
+// survives a crash or SIGKILL of the process (the WAL bytes are in the page cache), not a power
+// loss; with it, a power loss too.
 //
 // Thread-safe (RocksDB is); the sticky error has its own mutex, taken last.
 #ifndef KVTRIE_TRIE_RECORD_STORE_H_
