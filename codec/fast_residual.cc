@@ -33,6 +33,14 @@ constexpr uint8_t kFlagSharedTables = 1;  // params flags: one table per K/V, af
 constexpr uint8_t kFlagZeroPlanes = 2;
 // ... every head of every plane uses the learned predictor (code 3): no predictor bytes.
 constexpr uint8_t kFlagAllLearned = 4;
+// ... predictor codes are 4 bits per head (codes 0..4; never with kFlagAllLearned).
+constexpr uint8_t kFlagWideCodes = 8;
+// ... with kFlagAllLearned: a bitmap of the planes whose every head uses code 4 (linear) follows.
+constexpr uint8_t kFlagLinearPlanes = 16;
+// Code 4: the learned mean plus the state's cross-layer linear prediction (kTokenMeanLinear);
+// the kernels see it as kPredToken with the plane's linear prediction as the side.
+constexpr uint8_t kPredLinear = 4;
+constexpr uint8_t KernelCode(uint8_t c) { return c == kPredLinear ? uint8_t{kPredToken} : c; }
 constexpr size_t kMinSegmentSymbols = 65536;  // planes are grouped into segments of >= this
 // ... but of at most this many planes: a decoder holds a 16 KiB table per plane of a segment.
 constexpr size_t kMaxSegmentPlanes = 64;
@@ -41,8 +49,9 @@ constexpr float kDeadZoneOffset = 0.1f;   // as the compact profile (residual_co
 constexpr double kDeadZoneFrom = 0.1;
 constexpr int kMaxSearchPasses = 12;
 
-constexpr Predictor kPredictorOf[4] = {Predictor::kNone, Predictor::kChannelMean,
-                                       Predictor::kTemporal, Predictor::kTokenMean};
+constexpr Predictor kPredictorOf[5] = {Predictor::kNone, Predictor::kChannelMean,
+                                       Predictor::kTemporal, Predictor::kTokenMean,
+                                       Predictor::kTokenMeanLinear};
 
 struct Layout {
   size_t planes_per_segment = 1;
@@ -79,8 +88,12 @@ struct PlaneCode {
   std::vector<uint8_t> pred;       // per head
   std::vector<float> means;        // per head x D, fp16-exact (only mean heads are sent)
   const float* learned = nullptr;  // the plane's kTokenMean prediction [H][T][D], or null
+  const float* linear = nullptr;   // its kTokenMeanLinear prediction [H][T][D], or null
   std::vector<int32_t> q;          // plane_elems
   double sse = 0, energy = 0, max_abs = 0;
+  // The cost model's bits of the best non-learned predictor per head minus those of the chosen
+  // one (at the first step; > 0 only when a learned predictor was chosen).
+  double learned_saved_bits = 0;
 };
 
 struct Scratch {
@@ -91,6 +104,7 @@ struct Scratch {
 
 // The kernels' `mean` argument of head h: its channel means, or its [T][D] token-mean prediction.
 const float* HeadSide(const Dims& n, const PlaneCode& pc, size_t h) {
+  if (pc.pred[h] == kPredLinear) return pc.linear + h * n.head_elems();
   return pc.pred[h] == kPredToken ? pc.learned + h * n.head_elems() : pc.means.data() + h * n.D;
 }
 
@@ -102,15 +116,15 @@ double QuantizePlane(const Dims& n, DType dtype, const float* x, const PlaneCode
     double sse = 0;
     float mx = 0;
     for (size_t h = 0; h < n.H; ++h) {
-      sse += QuantizeHeadFp16(x + h * he, n.T, n.D, pc.pred[h], HeadSide(n, pc, h), s->zeros.data(),
-                              step, dz, q + h * he, s->rec.data() + h * he, &mx);
+      sse += QuantizeHeadFp16(x + h * he, n.T, n.D, KernelCode(pc.pred[h]), HeadSide(n, pc, h),
+                              s->zeros.data(), step, dz, q + h * he, s->rec.data() + h * he, &mx);
     }
     *max_abs = mx;
     return sse;
   }
   for (size_t h = 0; h < n.H; ++h) {
-    QuantizeHead(x + h * he, n.T, n.D, pc.pred[h], HeadSide(n, pc, h), s->zeros.data(), step, dz,
-                 q + h * he, s->rec.data() + h * he);
+    QuantizeHead(x + h * he, n.T, n.D, KernelCode(pc.pred[h]), HeadSide(n, pc, h), s->zeros.data(),
+                 step, dz, q + h * he, s->rec.data() + h * he);
   }
   const size_t pe = n.plane_elems();
   FromFloat(dtype, s->rec.data(), pe, s->dt.data());
@@ -136,6 +150,7 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
   pc->energy = energy;
   pc->sse = 0;
   pc->max_abs = 0;
+  pc->learned_saved_bits = 0;
   if (energy == 0) {
     pc->step = 1.0f;
     return;
@@ -157,7 +172,11 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
   const float min_step = std::max(2.0f * max_x / kMaxQ, 1e-30f);
   float step =
       Bf16Round(std::max(static_cast<float>(target * std::sqrt(12.0 * ref / pe)), min_step));
-  // Predictors from an open-loop L1 estimate of the bits at the first step.
+  // Predictors from an open-loop L1 estimate of the bits at the first step. With a linear
+  // candidate, a plane's heads share one code (3 or 4: one bit per plane in the params) unless
+  // choosing per head saves more than the 4-bit codes cost (4 bits per head).
+  double uniform[2] = {0, 0}, mixed = 4.0 * n.H, plain = 0;
+  std::vector<double> chosen_bits(n.H);
   for (size_t h = 0; h < n.H; ++h) {
     const float* xh = x + h * he;
     float* m = pc->means.data() + h * D;
@@ -165,8 +184,8 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
       for (size_t d = 0; d < D; ++d) m[d] += xh[t * D + d];
     for (size_t d = 0; d < D; ++d) m[d] = HalfToFloat(FloatToHalf(m[d] / n.T));
     // Per-channel partial sums (the inner loop vectorizes), then their total.
-    float* acc = s->l1.data();  // [4][D]
-    std::fill(acc, acc + 4 * D, 0.0f);
+    float* acc = s->l1.data();  // [5][D]
+    std::fill(acc, acc + 5 * D, 0.0f);
     for (size_t t = 0; t < n.T; ++t) {
       const float* row = xh + t * D;
       const float* prev = t ? row - D : s->zeros.data();
@@ -176,12 +195,16 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
         acc[2 * D + d] += std::fabs(row[d] - prev[d]);
       }
     }
-    const int num_preds = pc->learned ? 4 : 3;
+    const int num_preds = pc->linear ? 5 : pc->learned ? 4 : 3;
     if (pc->learned) {
       const float* lh = pc->learned + h * he;
       for (size_t i = 0; i < he; ++i) acc[3 * D + i % D] += std::fabs(xh[i] - lh[i]);
     }
-    double l1[4] = {0, 0, 0, 0};
+    if (pc->linear) {
+      const float* lh = pc->linear + h * he;
+      for (size_t i = 0; i < he; ++i) acc[4 * D + i % D] += std::fabs(xh[i] - lh[i]);
+    }
+    double l1[5] = {0, 0, 0, 0, 0};
     for (int p = 0; p < num_preds; ++p)
       for (size_t d = 0; d < D; ++d) l1[p] += acc[p * D + d];
     double best = INFINITY;
@@ -189,8 +212,22 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
       const double bits =
           he * std::log2(1.0 + 2.0 * l1[p] / (he * step)) + (p == kPredMean ? 16.0 * D : 0);
       if (bits < best) best = bits, pc->pred[h] = p;
+      if (p >= kPredToken) uniform[p - kPredToken] += bits;
+      if (p == kPredTemporal) plain += best;  // the best of none, channel mean, temporal
+    }
+    mixed += best;
+    chosen_bits[h] = best;
+  }
+  double chosen = 0;
+  for (double b : chosen_bits) chosen += b;
+  if (pc->linear) {
+    const double u = std::min(uniform[0], uniform[1]) + 1.0;
+    if (u <= mixed) {
+      pc->pred.assign(n.H, uniform[1] < uniform[0] ? kPredLinear : uint8_t{kPredToken});
+      chosen = u;
     }
   }
+  pc->learned_saved_bits = std::max(0.0, plain - chosen);
   const float guess = step;
   if (*hint > 0) step = std::max(Bf16Round(guess * *hint * 0.995f), min_step);
   // Step search: the high-rate model (error ~ step^2) from each pass, bf16 steps, keep the
@@ -266,7 +303,7 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   s.rec.resize(pe);
   s.rt.resize(pe);
   s.zeros.assign(n.D, 0.0f);
-  s.l1.resize(4 * n.D);
+  s.l1.resize(5 * n.D);
   // The learned token-mean prediction of the whole block, when eligible.
   std::vector<float> learned;
   if (context.learned != nullptr && context.tokens.size() == n.T &&
@@ -276,7 +313,16 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
     context.learned->Predict(context.tokens, context.first_position, context.previous_token,
                              learned.data());
   }
+  // The cross-layer linear candidate (closed loop: from the planes' reconstructions, as decoded).
+  const bool linear_ok =
+      !learned.empty() && (o.predictors & (1u << static_cast<int>(Predictor::kTokenMeanLinear)));
+  std::vector<float> residual, linear;  // [planes][pe]: reconstruction - learned; [pe]
+  if (linear_ok) {
+    residual.resize(g.num_elements());
+    linear.resize(pe);
+  }
   out->uses_learned = false;
+  out->learned_saved_bits = 0;
   s.q.resize(pe);
   s.dt.resize(pe * eb);
   // Reused per thread up to 16 MiB (no zeroing or page faults per block); larger ones are local.
@@ -287,11 +333,13 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   BitWriter bits;
   std::vector<irans::Table> tables(planes);
   std::vector<uint64_t> escape_bits(planes, 0);
-  std::vector<std::string> plane_params(planes);
+  std::vector<std::string> plane_step(planes), plane_bits(planes);  // step; bucket bit count
+  std::vector<std::vector<uint8_t>> plane_pred(planes);
   std::vector<std::array<uint32_t, irans::kMaxSymbols>> plane_counts(planes);
   std::vector<uint8_t> zero(planes, 0);  // the plane's quantized residual is all zero
   std::vector<size_t> coded;             // the other planes, in order
-  bool all_learned = true;               // every head chose kPredToken
+  bool all_learned = true;               // every head chose kPredToken or kPredLinear
+  bool any_linear = false;               // some head chose kPredLinear
   std::string means_out;
   double sse[2] = {0, 0}, energy[2] = {0, 0};
   out->max_abs_error = 0;
@@ -304,14 +352,38 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
     if (AnyNonFinite(s.x.data(), pe))
       return absl::FailedPreconditionError("kv: NaN or infinity (FAST profile)");
     pc.learned = learned.empty() ? nullptr : learned.data() + pl * pe;
+    pc.linear = nullptr;
+    if (linear_ok && context.learned->HasLinear(pl)) {
+      std::memcpy(linear.data(), pc.learned, pe * sizeof(float));
+      context.learned->PredictLinear(
+          pl, context.first_position, n.T, residual.data() + (pl - 1) * pe,
+          pl >= 2 ? residual.data() + (pl - 2) * pe : nullptr, linear.data());
+      pc.linear = linear.data();
+    }
     EncodePlane(n, g.dtype, s.x.data(), o.target_rel_rms,
                 side == 0 && o.key_error == KeyError::kMeanRemoved, &pc, &s, &hint[side]);
     sse[side] += pc.sse;
     energy[side] += pc.energy;
+    out->learned_saved_bits += pc.learned_saved_bits;
     out->max_abs_error = std::max(out->max_abs_error, pc.max_abs);
     // Symbols and bucket offsets (none for an all-zero plane).
     zero[pl] = std::all_of(pc.q.begin(), pc.q.end(), [](int32_t v) { return v == 0; });
-    std::string& pp = plane_params[pl];
+    if (linear_ok) {  // the decoder's reconstruction of the plane, minus the learned mean
+      std::vector<float> qf(n.head_elems()), rec(n.head_elems());
+      for (size_t h = 0; h < n.H; ++h) {
+        const size_t he = n.head_elems();
+        for (size_t i = 0; i < he; ++i) qf[i] = static_cast<float>(pc.q[h * he + i]);
+        const uint8_t c = pc.pred[h];
+        ReconHead(qf.data(), n.T, n.D, KernelCode(c),
+                  c == kPredMean || c >= kPredToken ? HeadSide(n, pc, h) : s.zeros.data(),
+                  s.zeros.data(), pc.step, rec.data());
+        FromFloat(g.dtype, rec.data(), he, s.dt.data());
+        ToFloat(g.dtype, s.dt.data(), he, rec.data());
+        float* r = residual.data() + pl * pe + h * he;
+        const float* m = pc.learned + h * he;
+        for (size_t i = 0; i < he; ++i) r[i] = rec[i] - m[i];
+      }
+    }
     if (!zero[pl]) {
       uint8_t* const sym = symbols.data() + coded.size() * pe;
       coded.push_back(pl);
@@ -322,18 +394,15 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
       EncodeBuckets(pc.q.data(), pe, sym, counts, &bits);
       escape_bits[pl] = bits.bits() - bits_before;
       tables[pl] = irans::NormalizeCounts(counts, irans::kMaxSymbols);
-      PutLE<uint16_t>(&pp, FloatToBf16(pc.step));
+      PutLE<uint16_t>(&plane_step[pl], FloatToBf16(pc.step));
+      PutVarint(&plane_bits[pl], escape_bits[pl]);
     }
-    for (size_t h = 0; h < n.H; h += 4) {
-      uint8_t b = 0;
-      for (size_t k = 0; k < 4 && h + k < n.H; ++k) b |= pc.pred[h + k] << (2 * k);
-      pp.push_back(static_cast<char>(b));
-    }
-    if (!zero[pl]) PutVarint(&pp, escape_bits[pl]);
+    plane_pred[pl] = pc.pred;
     for (size_t h = 0; h < n.H; ++h) {
-      all_learned &= pc.pred[h] == kPredToken;
+      all_learned &= pc.pred[h] == kPredToken || pc.pred[h] == kPredLinear;
+      any_linear |= pc.pred[h] == kPredLinear;
       ++out->predictor_count[side][static_cast<int>(kPredictorOf[pc.pred[h]])];
-      out->uses_learned |= pc.pred[h] == kPredToken;
+      out->uses_learned |= pc.pred[h] >= kPredToken;
       if (pc.pred[h] != kPredMean) continue;
       for (size_t d = 0; d < n.D; ++d)
         PutLE<uint16_t>(&means_out, FloatToHalf(pc.means[h * n.D + d]));
@@ -343,9 +412,18 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   p.clear();
   const Layout lo = ChooseLayout(n, coded.size());
   const bool any_zero = coded.size() < planes;
+  // Predictor codes: none (all learned; with linear, a bitmap of the linear planes when every
+  // plane is uniform), 4 bits per head (some linear head otherwise), else 2 bits per head.
+  bool linear_planes = any_linear && all_learned;
+  for (size_t pl = 0; pl < planes && linear_planes; ++pl) {
+    for (uint8_t c : plane_pred[pl]) linear_planes &= c == plane_pred[pl][0];
+  }
+  const bool wide = any_linear && !linear_planes;
+  all_learned &= !wide;
   p.push_back(static_cast<char>(kFastResidualParamsVersion));
   p.push_back(static_cast<char>((any_zero ? kFlagZeroPlanes : 0) |
-                                (all_learned ? kFlagAllLearned : 0)));  // flags
+                                (all_learned ? kFlagAllLearned : 0) | (wide ? kFlagWideCodes : 0) |
+                                (linear_planes ? kFlagLinearPlanes : 0)));  // flags
   p.push_back(static_cast<char>(lo.lanes));
   p.push_back(0);  // reserved
   PutLE<uint16_t>(&p, static_cast<uint16_t>(lo.planes_per_segment));
@@ -353,6 +431,14 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
     for (size_t pl = 0; pl < planes; pl += 8) {
       uint8_t b = 0;
       for (size_t k = 0; k < 8 && pl + k < planes; ++k) b |= zero[pl + k] << k;
+      p.push_back(static_cast<char>(b));
+    }
+  }
+  if (linear_planes) {
+    for (size_t pl = 0; pl < planes; pl += 8) {
+      uint8_t b = 0;
+      for (size_t k = 0; k < 8 && pl + k < planes; ++k)
+        b |= (plane_pred[pl + k][0] == kPredLinear) << k;
       p.push_back(static_cast<char>(b));
     }
   }
@@ -388,13 +474,19 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   }
   const bool shared_tables = p[1] & kFlagSharedTables;
   for (size_t pl = 0; pl < planes; ++pl) {
-    if (all_learned) {  // the plane's params without its predictor bytes
-      const size_t at = zero[pl] ? 0 : 2;
-      p.append(plane_params[pl], 0, at);
-      p.append(plane_params[pl], at + (n.H + 3) / 4, std::string::npos);
-    } else {
-      p += plane_params[pl];
+    p += plane_step[pl];
+    const std::vector<uint8_t>& pr = plane_pred[pl];
+    if (wide) {
+      for (size_t h = 0; h < n.H; h += 2)
+        p.push_back(static_cast<char>(pr[h] | (h + 1 < n.H ? pr[h + 1] << 4 : 0)));
+    } else if (!all_learned) {
+      for (size_t h = 0; h < n.H; h += 4) {
+        uint8_t b = 0;
+        for (size_t k = 0; k < 4 && h + k < n.H; ++k) b |= pr[h + k] << (2 * k);
+        p.push_back(static_cast<char>(b));
+      }
     }
+    p += plane_bits[pl];
     if (!shared_tables && !zero[pl]) irans::WriteTable(tables[pl], &p);
   }
   if (shared_tables) {
@@ -482,11 +574,17 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
   const size_t eb = DTypeBytes(g.dtype);
   if (out.size() != g.num_bytes()) return absl::InvalidArgumentError("out: wrong size");
   if (params.size() < 6 || static_cast<uint8_t>(params[0]) != kFastResidualParamsVersion ||
-      (static_cast<uint8_t>(params[1]) &
-       ~(kFlagSharedTables | kFlagZeroPlanes | kFlagAllLearned)) != 0 ||
+      (static_cast<uint8_t>(params[1]) & ~(kFlagSharedTables | kFlagZeroPlanes | kFlagAllLearned |
+                                           kFlagWideCodes | kFlagLinearPlanes)) != 0 ||
       params[3] != 0) {
     return absl::DataLossError("fast residual params: bad version or flags");
   }
+  const uint8_t flags = static_cast<uint8_t>(params[1]);
+  if (((flags & kFlagWideCodes) && (flags & (kFlagAllLearned | kFlagLinearPlanes))) ||
+      ((flags & kFlagLinearPlanes) && !(flags & kFlagAllLearned))) {
+    return absl::DataLossError("fast residual params: bad version or flags");
+  }
+  const bool wide = flags & kFlagWideCodes;
   Layout lo;
   lo.lanes = static_cast<uint8_t>(params[2]);
   lo.planes_per_segment =
@@ -502,6 +600,18 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
       const bool bit = (static_cast<uint8_t>(in[pl / 8]) >> (pl % 8)) & 1;
       if (pl >= planes && bit) return absl::DataLossError("fast residual params: bad zero planes");
       if (pl < planes) zero[pl] = bit;
+    }
+    in.remove_prefix(bytes);
+  }
+  std::vector<uint8_t> linear_plane(planes, 0);  // with kFlagLinearPlanes: every head code 4
+  if (flags & kFlagLinearPlanes) {
+    const size_t bytes = (planes + 7) / 8;
+    if (in.size() < bytes) return absl::DataLossError("fast residual params: truncated");
+    for (size_t pl = 0; pl < bytes * 8; ++pl) {
+      const bool bit = (static_cast<uint8_t>(in[pl / 8]) >> (pl % 8)) & 1;
+      if (pl >= planes && bit)
+        return absl::DataLossError("fast residual params: bad linear planes");
+      if (pl < planes) linear_plane[pl] = bit;
     }
     in.remove_prefix(bytes);
   }
@@ -521,11 +631,11 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
   std::vector<PlaneInfo> info(planes);
   std::vector<uint8_t> preds(planes * n.H);
   size_t num_means = 0;
-  bool uses_learned = false;
+  bool uses_learned = false, uses_linear = false;
   uint64_t num_bits = 0;
   for (size_t pl = 0; pl < planes; ++pl) {
     PlaneInfo& pi = info[pl];
-    const size_t pred_bytes = all_learned ? 0 : (n.H + 3) / 4;
+    const size_t pred_bytes = all_learned ? 0 : wide ? (n.H + 1) / 2 : (n.H + 3) / 4;
     const size_t step_bytes = zero[pl] ? 0 : 2;
     if (in.size() < step_bytes + pred_bytes) {
       return absl::DataLossError("fast residual params: truncated");
@@ -541,14 +651,25 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
     pi.preds = pl * n.H;
     pi.means = num_means;
     for (size_t h = 0; h < n.H; ++h) {
-      const uint8_t c = all_learned
-                            ? kPredToken
+      const uint8_t c = all_learned ? (linear_plane[pl] ? kPredLinear : uint8_t{kPredToken})
+                        : wide
+                            ? (static_cast<uint8_t>(in[step_bytes + h / 2]) >> (4 * (h % 2))) & 15
                             : (static_cast<uint8_t>(in[step_bytes + h / 4]) >> (2 * (h % 4))) & 3;
-      if (c == kPredToken && (context.learned == nullptr || context.tokens.size() != n.T)) {
+      if (c > kPredLinear || (wide && n.H % 2 && h + 1 == n.H &&
+                              (static_cast<uint8_t>(in[step_bytes + h / 2]) >> 4) != 0)) {
+        return absl::DataLossError("fast residual params: unknown predictor");
+      }
+      if (c >= kPredToken && (context.learned == nullptr || context.tokens.size() != n.T)) {
         return absl::DataLossError(
             "fast residual params: a learned predictor in a block that names no predictor state");
       }
-      uses_learned |= c == kPredToken;
+      if (c == kPredLinear && !context.learned->HasLinear(pl)) {
+        return absl::DataLossError(absl::StrCat(
+            "fast residual params: a linear predictor on plane ", pl,
+            " that predictor state version ", context.learned->version(), " has no weights for"));
+      }
+      uses_learned |= c >= kPredToken;
+      uses_linear |= c == kPredLinear;
       preds[pl * n.H + h] = c;
       num_means += c == kPredMean;
     }
@@ -620,17 +741,40 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
   std::vector<const irans::DecodeTable*> dtp(lo.planes_per_segment);
   std::vector<uint8_t> symbols(lo.planes_per_segment * pe);
   std::vector<float> rec(he), qf(pe), zeros(n.D, 0.0f);
-  // x' = prediction + q * step of plane pl from its q (qf).
-  auto reconstruct = [&](size_t pl) {
+  // With a linear head, planes are reconstructed in plane order after every symbol is decoded
+  // (plane p's prediction needs planes p-1 and p-2): q of every plane, the residuals.
+  std::vector<float> all_q, residual, linear;
+  if (uses_linear) {
+    all_q.assign(g.num_elements(), 0.0f);
+    residual.resize(g.num_elements());
+    linear.resize(pe);
+  }
+  // x' = prediction + q * step of plane pl from its q.
+  auto reconstruct = [&](size_t pl, const float* q) {
     const PlaneInfo& pi = info[pl];
     size_t mean_i = pi.means;
+    bool lin = false;
+    for (size_t h = 0; h < n.H; ++h) lin |= preds[pi.preds + h] == kPredLinear;
+    if (lin) {
+      std::memcpy(linear.data(), learned.data() + pl * pe, pe * sizeof(float));
+      context.learned->PredictLinear(
+          pl, context.first_position, n.T, residual.data() + (pl - 1) * pe,
+          pl >= 2 ? residual.data() + (pl - 2) * pe : nullptr, linear.data());
+    }
     for (size_t h = 0; h < n.H; ++h) {
       const uint8_t pr = preds[pi.preds + h];
-      const float* m = pr == kPredMean    ? means.data() + (mean_i++) * n.D
-                       : pr == kPredToken ? learned.data() + pl * pe + h * he
-                                          : zeros.data();
-      ReconHead(qf.data() + h * he, n.T, n.D, pr, m, zeros.data(), pi.step, rec.data());
-      FromFloat(g.dtype, rec.data(), he, out.data() + (pl * pe + h * he) * eb);
+      const float* m = pr == kPredMean     ? means.data() + (mean_i++) * n.D
+                       : pr == kPredToken  ? learned.data() + pl * pe + h * he
+                       : pr == kPredLinear ? linear.data() + h * he
+                                           : zeros.data();
+      ReconHead(q + h * he, n.T, n.D, KernelCode(pr), m, zeros.data(), pi.step, rec.data());
+      uint8_t* o = out.data() + (pl * pe + h * he) * eb;
+      FromFloat(g.dtype, rec.data(), he, o);
+      if (!uses_linear) continue;
+      ToFloat(g.dtype, o, he, rec.data());
+      float* r = residual.data() + pl * pe + h * he;
+      const float* lm = learned.data() + pl * pe + h * he;
+      for (size_t i = 0; i < he; ++i) r[i] = rec[i] - lm[i];
     }
   };
   for (size_t sg = 0; sg < ns; ++sg) {
@@ -648,17 +792,19 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
     }
     for (size_t k = 0; k < count; ++k) {
       const size_t pl = coded[first + k];
-      if (auto s = PlaneValues(symbols.data() + k * pe, pe, info[pl], bits.data(), qf.data());
-          !s.ok()) {
+      float* q = uses_linear ? all_q.data() + pl * pe : qf.data();
+      if (auto s = PlaneValues(symbols.data() + k * pe, pe, info[pl], bits.data(), q); !s.ok()) {
         return s;
       }
-      reconstruct(pl);
+      if (!uses_linear) reconstruct(pl, q);
     }
   }
-  if (nc < planes) {
+  if (uses_linear) {
+    for (size_t pl = 0; pl < planes; ++pl) reconstruct(pl, all_q.data() + pl * pe);
+  } else if (nc < planes) {
     std::fill(qf.begin(), qf.end(), 0.0f);
     for (size_t pl = 0; pl < planes; ++pl)
-      if (zero[pl]) reconstruct(pl);
+      if (zero[pl]) reconstruct(pl, qf.data());
   }
   return absl::OkStatus();
 }

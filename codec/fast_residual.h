@@ -41,7 +41,8 @@ struct FastOutput {
   double rel_rms_error[2] = {0, 0};  // K, V over the block
   double max_abs_error = 0;
   uint32_t predictor_count[2][kNumPredictors] = {};
-  bool uses_learned = false;  // some head uses kTokenMean: the block names the state's version
+  bool uses_learned = false;      // some head uses kTokenMean: the block names the state's version
+  double learned_saved_bits = 0;  // EncodedBlock::learned_bytes_saved, in bits
 };
 
 // The first params byte of a fast-profile residual block.

@@ -1,0 +1,255 @@
+// Cross-layer linear predictors (Predictor::kTokenMeanLinear, state format 2) and the
+// compatibility of blocks and states written before them. Real stories260K KV, learned from
+// GPL-3 and story_prompt, tested on Genesis 1-3 (no shared text).
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "codec/block_codec.h"
+#include "codec/crc32c.h"
+#include "codec/predictor_state.h"
+#include "codec/testing_blocks.h"
+#include "gtest/gtest.h"
+
+namespace kvtrie {
+namespace {
+
+constexpr uint32_t kT = 16;
+
+struct TokenBlocks {
+  RealBlocks real;
+  std::vector<std::vector<int32_t>> tokens;
+};
+
+TokenBlocks Load(const std::string& dump) {
+  TokenBlocks r;
+  r.real = LoadRealBlocks(dump, kT);
+  absl::StatusOr<KvDump> m = ReadKvManifest(std::string(KVTRIE_TESTDATA_DIR) + "/" + dump);
+  EXPECT_TRUE(m.ok()) << m.status();
+  if (!m.ok()) return r;
+  for (size_t b = 0; b < r.real.blocks.size(); ++b) {
+    r.tokens.emplace_back(m->token_ids.begin() + b * kT, m->token_ids.begin() + (b + 1) * kT);
+  }
+  return r;
+}
+
+std::shared_ptr<const PredictorState> TrainState(uint32_t version, LearnerOptions options) {
+  const TokenBlocks gpl = Load("GPL-3"), story = Load("story_prompt");
+  auto learner = PredictorLearner::Create(gpl.real.geometry, options);
+  EXPECT_TRUE(learner.ok()) << learner.status();
+  for (const TokenBlocks* d : {&gpl, &story}) {
+    for (size_t b = 0; b < d->real.blocks.size(); ++b) {
+      EXPECT_TRUE((*learner)
+                      ->Observe(d->real.blocks[b], d->tokens[b], static_cast<uint32_t>(b * kT),
+                                b ? d->tokens[b - 1].back() : -1)
+                      .ok());
+    }
+  }
+  auto state = (*learner)->Fit(version);
+  EXPECT_TRUE(state.ok()) << state.status();
+  return *state;
+}
+
+PredictionContext Context(const TokenBlocks& d, size_t b, const PredictorState* state) {
+  PredictionContext ctx;
+  ctx.learned = state;
+  ctx.tokens = d.tokens[b];
+  ctx.first_position = static_cast<uint32_t>(b * kT);
+  ctx.previous_token = b ? d.tokens[b - 1].back() : -1;
+  return ctx;
+}
+
+EncodeOptions Fast(double target) {
+  EncodeOptions o;
+  o.encoding = Encoding::kResidual;
+  o.profile = Profile::kFast;
+  o.target_rel_rms = target;
+  return o;
+}
+
+std::string Reseal(std::string bytes) {
+  const uint32_t crc = Crc32c(absl::string_view(bytes).substr(0, bytes.size() - 4));
+  std::memcpy(bytes.data() + bytes.size() - 4, &crc, 4);
+  return bytes;
+}
+
+uint32_t Crc(const std::vector<uint8_t>& v) {
+  return Crc32c(absl::string_view(reinterpret_cast<const char*>(v.data()), v.size()));
+}
+
+TEST(LearnedLinearTest, StateWithWeightsSerializesParsesAndRejectsCorruption) {
+  const auto state = TrainState(2, {});
+  size_t planes = 0;
+  for (size_t p = 0; p < 10; ++p) planes += state->HasLinear(p);
+  EXPECT_FALSE(state->HasLinear(0));
+  EXPECT_GE(planes, 3u) << state->Describe();
+  // 4 heads x 8 x (8 or 16) fp16 per plane.
+  EXPECT_GE(state->linear_bytes(), planes * 4 * 8 * 8 * 2);
+  EXPECT_LE(state->linear_bytes(), planes * 4 * 8 * 16 * 2);
+  EXPECT_NE(state->Describe().find("linear"), std::string::npos);
+  const std::string bytes = state->Serialize();
+  EXPECT_EQ(bytes[4], 2);  // format 2
+  auto parsed = PredictorState::Parse(bytes);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ((*parsed)->Serialize(), bytes);
+  for (size_t p = 0; p < 10; ++p) EXPECT_EQ((*parsed)->HasLinear(p), state->HasLinear(p));
+  // Without weights the state is format 1, as main wrote it.
+  LearnerOptions no_linear;
+  no_linear.fit_linear = false;
+  const std::string v1 = TrainState(2, no_linear)->Serialize();
+  EXPECT_EQ(v1[4], 1);
+  EXPECT_LT(v1.size(), bytes.size());
+  // Corruption: a CRC mismatch, a non-finite weight, truncation, format 1 with weights after.
+  std::string bad = bytes;
+  bad[bad.size() - 10] ^= 1;
+  EXPECT_EQ(PredictorState::Parse(bad).status().code(), absl::StatusCode::kDataLoss);
+  bad = bytes;
+  bad[bad.size() - 5] = static_cast<char>(0x7c);  // the last weight's high byte: +Inf
+  auto s = PredictorState::Parse(Reseal(bad)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(s.message().find("linear weight"), std::string::npos) << s;
+  bad = bytes.substr(0, bytes.size() - 6) + bytes.substr(bytes.size() - 4);
+  EXPECT_EQ(PredictorState::Parse(Reseal(bad)).status().code(), absl::StatusCode::kDataLoss);
+  bad = bytes;
+  bad[4] = 1;
+  EXPECT_EQ(PredictorState::Parse(Reseal(bad)).status().code(), absl::StatusCode::kDataLoss);
+  bad = bytes;
+  bad[4] = 3;
+  EXPECT_EQ(PredictorState::Parse(Reseal(bad)).status().code(), absl::StatusCode::kDataLoss);
+  for (size_t cut = 0; cut < bytes.size(); cut += 997) {
+    EXPECT_FALSE(PredictorState::Parse(Reseal(bytes.substr(0, cut) + "0000")).ok()) << cut;
+  }
+}
+
+TEST(LearnedLinearTest, HeldOutRoundTripWithinTargetAndNoLargerThanTokenMeanAlone) {
+  const auto state = TrainState(4, {});
+  auto parsed = PredictorState::Parse(state->Serialize());
+  ASSERT_TRUE(parsed.ok());
+  const TokenBlocks gen = Load("genesis_1-3");
+  const BlockGeometry& g = gen.real.geometry;
+  const int lin = static_cast<int>(Predictor::kTokenMeanLinear);
+  for (double target : {0.1, 0.173, 0.3}) {
+    size_t bytes_with = 0, bytes_without = 0;
+    uint32_t linear_heads = 0;
+    for (size_t b = 0; b < gen.real.blocks.size(); ++b) {
+      EncodeOptions o = Fast(target);
+      const PredictionContext ctx = Context(gen, b, state.get());
+      auto with = EncodeBlock(g, gen.real.blocks[b], o, ctx);
+      o.predictors &= ~(1u << lin);
+      auto without = EncodeBlock(g, gen.real.blocks[b], o, ctx);
+      ASSERT_TRUE(with.ok() && without.ok()) << with.status();
+      bytes_with += with->bytes.size();
+      bytes_without += without->bytes.size();
+      linear_heads += with->predictor_count[0][lin] + with->predictor_count[1][lin];
+      EXPECT_EQ(without->predictor_count[0][lin] + without->predictor_count[1][lin], 0u);
+      // Decoded with the parsed state, as a client would: within target, and what the encoder
+      // measured.
+      std::vector<uint8_t> out(g.num_bytes());
+      const PredictionContext dctx = Context(gen, b, parsed->get());
+      ASSERT_TRUE(DecodeBlock(with->bytes, absl::MakeSpan(out), dctx).ok());
+      EXPECT_LE(RelRms(g, gen.real.blocks[b], out, 0), target * 1.0001);
+      EXPECT_LE(RelRms(g, gen.real.blocks[b], out, 1), target * 1.0001);
+      EXPECT_NEAR(RelRms(g, gen.real.blocks[b], out, 1), with->rel_rms_error_v, 1e-6);
+      // Encoding is deterministic.
+      EXPECT_EQ(EncodeBlock(g, gen.real.blocks[b], Fast(target), ctx)->bytes, with->bytes);
+    }
+    std::printf("target %.3f: %zu -> %zu bytes with linear (%u linear heads)\n", target,
+                bytes_without, bytes_with, linear_heads);
+    EXPECT_GT(linear_heads, 0u) << target;
+    EXPECT_LE(bytes_with, bytes_without * 1.01) << target;
+  }
+}
+
+TEST(LearnedLinearTest, LinearBlocksNeedTheWeightsAndMalformedParamsAreDataLoss) {
+  const auto state = TrainState(5, {});
+  LearnerOptions no_linear;
+  no_linear.fit_linear = false;
+  const auto plain = TrainState(5, no_linear);  // same version, no weights
+  const TokenBlocks gen = Load("genesis_1-3");
+  const BlockGeometry& g = gen.real.geometry;
+  int checked = 0;
+  for (size_t b = 0; b < gen.real.blocks.size(); ++b) {
+    auto e = EncodeBlock(g, gen.real.blocks[b], Fast(0.173), Context(gen, b, state.get()));
+    ASSERT_TRUE(e.ok());
+    const int lin = static_cast<int>(Predictor::kTokenMeanLinear);
+    if (e->predictor_count[0][lin] + e->predictor_count[1][lin] == 0) continue;
+    ++checked;
+    std::vector<uint8_t> out(g.num_bytes());
+    auto s = DecodeBlock(e->bytes, absl::MakeSpan(out), Context(gen, b, plain.get()));
+    EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+    EXPECT_NE(s.message().find("linear"), std::string::npos) << s;
+    // Flag combinations that are not written are DATA_LOSS; cut params never decode.
+    auto h = ParseBlock(e->bytes);
+    ASSERT_TRUE(h.ok());
+    const size_t params_at = h->params.data() - e->bytes.data();
+    const uint8_t flags = static_cast<uint8_t>(e->bytes[params_at + 1]);
+    EXPECT_TRUE(flags & (8 | 16)) << int{flags};
+    for (uint8_t bad : {static_cast<uint8_t>(flags ^ 4), static_cast<uint8_t>(flags | 8 | 16),
+                        static_cast<uint8_t>(flags | 32)}) {
+      std::string edited = e->bytes;
+      edited[params_at + 1] = static_cast<char>(bad);
+      EXPECT_FALSE(
+          DecodeBlock(Reseal(edited), absl::MakeSpan(out), Context(gen, b, state.get())).ok())
+          << int{bad};
+    }
+  }
+  EXPECT_GT(checked, 0);
+}
+
+// Blocks and the state written by main 20a16da (before linear predictors; its encoder wrote
+// tests/data/golden/learned_v1_golden.bin: u32 n, n x (u32 len, bytes): the format-1 state, then
+// per block its encoded bytes and the CRC-32C of its decode; Genesis blocks 0-3, fast 0.173, fast
+// 0.1, compact 0.173) decode bit-identically, and encoding them again gives the same bytes.
+TEST(LearnedLinearTest, BlocksWrittenBeforeLinearDecodeBitIdentically) {
+  std::ifstream f(std::string(KVTRIE_TESTDATA_DIR) + "/golden/learned_v1_golden.bin",
+                  std::ios::binary);
+  ASSERT_TRUE(f.good());
+  std::stringstream ss;
+  ss << f.rdbuf();
+  const std::string file = ss.str();
+  std::vector<std::string> items;
+  size_t at = 4;
+  uint32_t n;
+  std::memcpy(&n, file.data(), 4);
+  for (uint32_t i = 0; i < n; ++i) {
+    uint32_t len;
+    ASSERT_LE(at + 4, file.size());
+    std::memcpy(&len, file.data() + at, 4);
+    ASSERT_LE(at + 4 + len, file.size());
+    items.push_back(file.substr(at + 4, len));
+    at += 4 + len;
+  }
+  ASSERT_EQ(items.size(), 1u + 3 * 4 * 2);
+  auto state = PredictorState::Parse(items[0]);
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_EQ((*state)->Serialize(), items[0]);
+  EXPECT_EQ((*state)->linear_bytes(), 0u);
+  const TokenBlocks gen = Load("genesis_1-3");
+  const BlockGeometry& g = gen.real.geometry;
+  const struct {
+    Profile p;
+    double t;
+  } cfg[] = {{Profile::kFast, 0.173}, {Profile::kFast, 0.1}, {Profile::kCompact, 0.173}};
+  size_t k = 1;
+  for (const auto& c : cfg) {
+    for (size_t b = 0; b < 4; ++b, k += 2) {
+      const PredictionContext ctx = Context(gen, b, state->get());
+      std::vector<uint8_t> out(g.num_bytes());
+      ASSERT_TRUE(DecodeBlock(items[k], absl::MakeSpan(out), ctx).ok());
+      uint32_t crc;
+      std::memcpy(&crc, items[k + 1].data(), 4);
+      EXPECT_EQ(Crc(out), crc) << "block " << b;
+      EncodeOptions o = Fast(c.t);
+      o.profile = c.p;
+      auto e = EncodeBlock(g, gen.real.blocks[b], o, ctx);
+      ASSERT_TRUE(e.ok());
+      EXPECT_EQ(e->bytes, items[k]) << "block " << b;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvtrie
