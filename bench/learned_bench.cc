@@ -41,16 +41,22 @@ using Clock = std::chrono::steady_clock;
 struct Result {
   double bpc = 0, rel_k = 0, rel_v = 0;
   double learned_share = 0;  // share of (layer, K/V, head) groups that chose a learned predictor
+  double linear_share = 0;   // ... that chose kTokenMeanLinear
+  double saved_share = 0;    // EncodedBlock::learned_bytes_saved / (bytes + saved)
 };
+
+constexpr uint32_t kNoLinear =
+    kAllPredictors & ~(1u << static_cast<int>(Predictor::kTokenMeanLinear));
 
 // Bits and errors over `texts` (errors: pooled over every block).
 Result Measure(const BlockGeometry& g, const std::vector<Text>& texts, Profile profile,
-               double target, const PredictorState* state) {
+               double target, const PredictorState* state, uint32_t predictors = kAllPredictors) {
   EncodeOptions o;
   o.encoding = Encoding::kResidual;
   o.profile = profile;
   o.target_rel_rms = target;
-  double bytes = 0, comps = 0, ek = 0, ev = 0, groups = 0, learned = 0;
+  o.predictors = predictors;
+  double bytes = 0, comps = 0, ek = 0, ev = 0, groups = 0, learned = 0, linear = 0, saved = 0;
   for (const Text& t : texts) {
     for (const Block& b : t.blocks) {
       auto e = EncodeBlock(g, b.kv, o, ContextOf(b, state));
@@ -59,12 +65,14 @@ Result Measure(const BlockGeometry& g, const std::vector<Text>& texts, Profile p
         std::exit(1);
       }
       bytes += e->bytes.size();
+      saved += e->learned_bytes_saved;
       comps += g.num_elements();
       ek += e->rel_rms_error_k * e->rel_rms_error_k;
       ev += e->rel_rms_error_v * e->rel_rms_error_v;
       for (int kv = 0; kv < 2; ++kv) {
         for (int p = 0; p < kNumPredictors; ++p) groups += e->predictor_count[kv][p];
         learned += e->predictor_count[kv][static_cast<int>(Predictor::kTokenMean)];
+        linear += e->predictor_count[kv][static_cast<int>(Predictor::kTokenMeanLinear)];
       }
     }
   }
@@ -74,7 +82,9 @@ Result Measure(const BlockGeometry& g, const std::vector<Text>& texts, Profile p
   r.bpc = 8 * bytes / comps;
   r.rel_k = std::sqrt(ek / nb);
   r.rel_v = std::sqrt(ev / nb);
-  r.learned_share = groups > 0 ? learned / groups : 0;
+  r.learned_share = groups > 0 ? (learned + linear) / groups : 0;
+  r.linear_share = groups > 0 ? linear / groups : 0;
+  r.saved_share = saved / (bytes + saved);
   return r;
 }
 
@@ -85,11 +95,13 @@ double Median(std::vector<double> v) {
 
 // Encode and decode MB/s (fp16 input bytes), median of `repeats` passes over every test block.
 void Throughput(const BlockGeometry& g, const std::vector<Text>& texts, Profile profile,
-                const PredictorState* state, int repeats, double* enc_mbs, double* dec_mbs) {
+                const PredictorState* state, int repeats, double* enc_mbs, double* dec_mbs,
+                uint32_t predictors = kAllPredictors) {
   EncodeOptions o;
   o.encoding = Encoding::kResidual;
   o.profile = profile;
   o.target_rel_rms = 0.173;
+  o.predictors = predictors;
   std::vector<std::string> encoded;
   std::vector<const Block*> blocks;
   for (const Text& t : texts)
@@ -326,6 +338,38 @@ int Main(int argc, char** argv) {
                 a.bpc, b.bpc);
   }
 
+  std::printf(
+      "\n## 6. Cross-layer linear predictors (kTokenMeanLinear), fast profile, same state\n\n"
+      "Before: the learned state's token / pair means only (kTokenMeanLinear masked off); after:\n"
+      "the codec may also choose the ridge-fitted linear prediction from the two planes below.\n"
+      "Saved: the encoder's estimate of what the learned predictors saved against the best\n"
+      "non-learned predictor (EncodedBlock::learned_bytes_saved), as a share of that cost.\n\n");
+  std::printf(
+      "| target rel RMS | before | after | change | relK / relV (after) | linear share of heads "
+      "| learned saved (after) |\n|---|---|---|---|---|---|---|\n");
+  for (double target : {0.1, 0.173, 0.316}) {
+    const Result a = Measure(g, test, Profile::kFast, target, state.get(), kNoLinear);
+    const Result b = Measure(g, test, Profile::kFast, target, state.get());
+    std::printf("| %.3f | %.3f | %.3f | %+.1f %% | %.3f / %.3f | %.0f %% | %.0f %% |\n", target,
+                a.bpc, b.bpc, 100 * (b.bpc / a.bpc - 1), b.rel_k, b.rel_v, 100 * b.linear_share,
+                100 * b.saved_share);
+  }
+  std::printf("\n| fast, 0.173, median of %d | encode MB/s | decode MB/s |\n|---|---|---|\n",
+              repeats);
+  for (int round = 0; round < 2; ++round) {  // interleaved: the machine is shared
+    for (const PredictorState* s : {static_cast<const PredictorState*>(nullptr), state.get()}) {
+      for (uint32_t mask : {kNoLinear, kAllPredictors}) {
+        if (s == nullptr && mask == kAllPredictors) continue;
+        double e = 0, d = 0;
+        Throughput(g, test, Profile::kFast, s, repeats, &e, &d, mask);
+        std::printf("| %s (round %d) | %.1f | %.1f |\n",
+                    s == nullptr             ? "no state"
+                    : mask == kAllPredictors ? "learned + linear"
+                                             : "learned, no linear",
+                    round + 1, e, d);
+      }
+    }
+  }
   std::printf(
       "\n## 5. Headroom: cross-layer linear prediction of the learned residual (open loop)\n\n"
       "Share of the held-out residual energy (x - learned prediction) of V_l left after a ridge\n"

@@ -78,8 +78,9 @@ struct Row {
 Row Evaluate(const worker::LlamaModel& model, const BlockGeometry& g,
              const std::vector<Window>& windows, const std::vector<double>& baseline,
              const std::string& name, Profile profile, double target, const PredictorState* state,
-             KeyError key_error) {
+             KeyError key_error, uint32_t predictors) {
   EncodeOptions o;
+  o.predictors = predictors;
   o.key_error = key_error;
   o.encoding = Encoding::kResidual;
   o.profile = profile;
@@ -167,7 +168,10 @@ int Main(int argc, char** argv) {
     double target;
     bool learned;
     KeyError key_error = KeyError::kRaw;
+    uint32_t predictors = kAllPredictors;
   };
+  constexpr uint32_t kNoLinear =
+      kAllPredictors & ~(1u << static_cast<int>(Predictor::kTokenMeanLinear));
   const S settings[] = {
       {"today fast", Profile::kFast, 0.05, false},
       {"today fast", Profile::kFast, 0.1, false},
@@ -185,10 +189,13 @@ int Main(int argc, char** argv) {
       {"learned fast, keys mean-removed", Profile::kFast, 0.173, true, KeyError::kMeanRemoved},
       {"learned fast, keys mean-removed", Profile::kFast, 0.3, true, KeyError::kMeanRemoved},
       {"learned fast", Profile::kFast, 0.7, true},
+      // The cross-layer linear predictor masked off (what main coded with the same state).
+      {"learned fast, no linear", Profile::kFast, 0.173, true, KeyError::kRaw, kNoLinear},
+      {"learned fast, no linear", Profile::kFast, 0.3, true, KeyError::kRaw, kNoLinear},
   };
   for (const S& s : settings) {
     const Row r = Evaluate(**model, g, windows, baseline, s.name, s.p, s.target,
-                           s.learned ? state.get() : nullptr, s.key_error);
+                           s.learned ? state.get() : nullptr, s.key_error, s.predictors);
     std::printf("| %s @%.3f | %.3f | %.1fx | %+.3f | %.3f |\n", s.name, s.target, r.bpc,
                 16.0 / r.bpc, r.delta_pct, r.se_pct);
     std::fflush(stdout);

@@ -154,6 +154,9 @@ struct EncodeOptions {
   // kResidual: what target_rel_rms means for keys (KeyError). EncodedBlock::rel_rms_error_k
   // always reports the raw-energy error.
   KeyError key_error = KeyError::kRaw;
+  // kResidual FAST with a learned state that has KLT bases (PredictorState::Klt): the encoder may
+  // code a plane's learned heads in the basis (chosen per plane by its cost model; FORMAT.md).
+  bool klt = true;
 };
 
 // What the codec may need besides the encoded bytes. Spans are empty when absent. Blocks are in the

@@ -37,6 +37,8 @@ constexpr uint8_t kFlagAllLearned = 4;
 constexpr uint8_t kFlagWideCodes = 8;
 // ... with kFlagAllLearned: a bitmap of the planes whose every head uses code 4 (linear) follows.
 constexpr uint8_t kFlagLinearPlanes = 16;
+// ... a bitmap of the planes whose learned heads (codes 3, 4) are coded in the state's KLT basis.
+constexpr uint8_t kFlagKltPlanes = 32;
 // Code 4: the learned mean plus the state's cross-layer linear prediction (kTokenMeanLinear);
 // the kernels see it as kPredToken with the plane's linear prediction as the side.
 constexpr uint8_t kPredLinear = 4;
@@ -89,6 +91,9 @@ struct PlaneCode {
   std::vector<float> means;        // per head x D, fp16-exact (only mean heads are sent)
   const float* learned = nullptr;  // the plane's kTokenMean prediction [H][T][D], or null
   const float* linear = nullptr;   // its kTokenMeanLinear prediction [H][T][D], or null
+  const float* klt = nullptr;      // the state's KLT bases of the plane [H][D][D], or null
+  bool use_klt = false;            // its learned heads are coded as z = U^T (x - pred)
+  std::vector<float> z;            // [H][T][D]: z of the learned heads (use_klt)
   std::vector<int32_t> q;          // plane_elems
   double sse = 0, energy = 0, max_abs = 0;
   // The cost model's bits of the best non-learned predictor per head minus those of the chosen
@@ -97,7 +102,7 @@ struct PlaneCode {
 };
 
 struct Scratch {
-  std::vector<float> x, rec, rt, zeros, l1;
+  std::vector<float> x, rec, rt, zeros, l1, zero_head, qf;
   std::vector<int32_t> q;
   std::vector<uint8_t> dt;
 };
@@ -112,7 +117,7 @@ const float* HeadSide(const Dims& n, const PlaneCode& pc, size_t h) {
 double QuantizePlane(const Dims& n, DType dtype, const float* x, const PlaneCode& pc, float step,
                      float dz, Scratch* s, int32_t* q, double* max_abs) {
   const size_t he = n.head_elems();
-  if (dtype == DType::kFp16 && n.D % 8 == 0 && HasAvx2F16c()) {
+  if (dtype == DType::kFp16 && n.D % 8 == 0 && HasAvx2F16c() && !pc.use_klt) {
     double sse = 0;
     float mx = 0;
     for (size_t h = 0; h < n.H; ++h) {
@@ -123,6 +128,14 @@ double QuantizePlane(const Dims& n, DType dtype, const float* x, const PlaneCode
     return sse;
   }
   for (size_t h = 0; h < n.H; ++h) {
+    if (pc.use_klt && pc.pred[h] >= kPredToken) {  // q of z; x' = pred + U (q * step)
+      QuantizeHead(pc.z.data() + h * he, n.T, n.D, kPredToken, s->zero_head.data(), s->zeros.data(),
+                   step, dz, q + h * he, s->rec.data() + h * he);
+      for (size_t i = 0; i < he; ++i) s->qf[i] = static_cast<float>(q[h * he + i]);
+      KltReconHead(s->qf.data(), HeadSide(n, pc, h), pc.klt + h * n.D * n.D, n.T, n.D, step,
+                   s->l1.data(), s->rec.data() + h * he);
+      continue;
+    }
     QuantizeHead(x + h * he, n.T, n.D, KernelCode(pc.pred[h]), HeadSide(n, pc, h), s->zeros.data(),
                  step, dz, q + h * he, s->rec.data() + h * he);
   }
@@ -228,6 +241,26 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
     }
   }
   pc->learned_saved_bits = std::max(0.0, plain - chosen);
+  // The KLT of the learned heads, if the cost model says it saves more than its bitmap bit.
+  pc->use_klt = false;
+  if (pc->klt != nullptr) {
+    pc->z.resize(pe);
+    double with = 0, without = 0;
+    for (size_t h = 0; h < n.H; ++h) {
+      if (pc->pred[h] < kPredToken) continue;
+      const float* side = HeadSide(n, *pc, h);
+      float* z = pc->z.data() + h * he;
+      KltForward(x + h * he, side, pc->klt + h * D * D, n.T, D, z);
+      double l1e = 0, l1z = 0;
+      for (size_t i = 0; i < he; ++i) {
+        l1e += std::fabs(x[h * he + i] - side[i]);
+        l1z += std::fabs(z[i]);
+      }
+      without += he * std::log2(1.0 + 2.0 * l1e / (he * step));
+      with += he * std::log2(1.0 + 2.0 * l1z / (he * step));
+    }
+    pc->use_klt = with + 1.0 < without;
+  }
   const float guess = step;
   if (*hint > 0) step = std::max(Bf16Round(guess * *hint * 0.995f), min_step);
   // Step search: the high-rate model (error ~ step^2) from each pass, bf16 steps, keep the
@@ -304,6 +337,8 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   s.rt.resize(pe);
   s.zeros.assign(n.D, 0.0f);
   s.l1.resize(5 * n.D);
+  s.zero_head.assign(n.head_elems(), 0.0f);
+  s.qf.resize(n.head_elems());
   // The learned token-mean prediction of the whole block, when eligible.
   std::vector<float> learned;
   if (context.learned != nullptr && context.tokens.size() == n.T &&
@@ -316,6 +351,7 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   // The cross-layer linear candidate (closed loop: from the planes' reconstructions, as decoded).
   const bool linear_ok =
       !learned.empty() && (o.predictors & (1u << static_cast<int>(Predictor::kTokenMeanLinear)));
+  const bool klt_ok = !learned.empty() && o.klt;
   std::vector<float> residual, linear;  // [planes][pe]: reconstruction - learned; [pe]
   if (linear_ok) {
     residual.resize(g.num_elements());
@@ -340,6 +376,8 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   std::vector<size_t> coded;             // the other planes, in order
   bool all_learned = true;               // every head chose kPredToken or kPredLinear
   bool any_linear = false;               // some head chose kPredLinear
+  std::vector<uint8_t> klt_plane(planes, 0);
+  bool any_klt = false;
   std::string means_out;
   double sse[2] = {0, 0}, energy[2] = {0, 0};
   out->max_abs_error = 0;
@@ -353,6 +391,7 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
       return absl::FailedPreconditionError("kv: NaN or infinity (FAST profile)");
     pc.learned = learned.empty() ? nullptr : learned.data() + pl * pe;
     pc.linear = nullptr;
+    pc.klt = klt_ok ? context.learned->Klt(pl) : nullptr;
     if (linear_ok && context.learned->HasLinear(pl)) {
       std::memcpy(linear.data(), pc.learned, pe * sizeof(float));
       context.learned->PredictLinear(
@@ -374,9 +413,14 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
         const size_t he = n.head_elems();
         for (size_t i = 0; i < he; ++i) qf[i] = static_cast<float>(pc.q[h * he + i]);
         const uint8_t c = pc.pred[h];
-        ReconHead(qf.data(), n.T, n.D, KernelCode(c),
-                  c == kPredMean || c >= kPredToken ? HeadSide(n, pc, h) : s.zeros.data(),
-                  s.zeros.data(), pc.step, rec.data());
+        if (pc.use_klt && c >= kPredToken) {
+          KltReconHead(qf.data(), HeadSide(n, pc, h), pc.klt + h * n.D * n.D, n.T, n.D, pc.step,
+                       s.l1.data(), rec.data());
+        } else {
+          ReconHead(qf.data(), n.T, n.D, KernelCode(c),
+                    c == kPredMean || c >= kPredToken ? HeadSide(n, pc, h) : s.zeros.data(),
+                    s.zeros.data(), pc.step, rec.data());
+        }
         FromFloat(g.dtype, rec.data(), he, s.dt.data());
         ToFloat(g.dtype, s.dt.data(), he, rec.data());
         float* r = residual.data() + pl * pe + h * he;
@@ -398,6 +442,8 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
       PutVarint(&plane_bits[pl], escape_bits[pl]);
     }
     plane_pred[pl] = pc.pred;
+    klt_plane[pl] = pc.use_klt;
+    any_klt |= pc.use_klt;
     for (size_t h = 0; h < n.H; ++h) {
       all_learned &= pc.pred[h] == kPredToken || pc.pred[h] == kPredLinear;
       any_linear |= pc.pred[h] == kPredLinear;
@@ -423,7 +469,8 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   p.push_back(static_cast<char>(kFastResidualParamsVersion));
   p.push_back(static_cast<char>((any_zero ? kFlagZeroPlanes : 0) |
                                 (all_learned ? kFlagAllLearned : 0) | (wide ? kFlagWideCodes : 0) |
-                                (linear_planes ? kFlagLinearPlanes : 0)));  // flags
+                                (linear_planes ? kFlagLinearPlanes : 0) |
+                                (any_klt ? kFlagKltPlanes : 0)));  // flags
   p.push_back(static_cast<char>(lo.lanes));
   p.push_back(0);  // reserved
   PutLE<uint16_t>(&p, static_cast<uint16_t>(lo.planes_per_segment));
@@ -439,6 +486,13 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
       uint8_t b = 0;
       for (size_t k = 0; k < 8 && pl + k < planes; ++k)
         b |= (plane_pred[pl + k][0] == kPredLinear) << k;
+      p.push_back(static_cast<char>(b));
+    }
+  }
+  if (any_klt) {
+    for (size_t pl = 0; pl < planes; pl += 8) {
+      uint8_t b = 0;
+      for (size_t k = 0; k < 8 && pl + k < planes; ++k) b |= klt_plane[pl + k] << k;
       p.push_back(static_cast<char>(b));
     }
   }
@@ -575,7 +629,8 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
   if (out.size() != g.num_bytes()) return absl::InvalidArgumentError("out: wrong size");
   if (params.size() < 6 || static_cast<uint8_t>(params[0]) != kFastResidualParamsVersion ||
       (static_cast<uint8_t>(params[1]) & ~(kFlagSharedTables | kFlagZeroPlanes | kFlagAllLearned |
-                                           kFlagWideCodes | kFlagLinearPlanes)) != 0 ||
+                                           kFlagWideCodes | kFlagLinearPlanes | kFlagKltPlanes)) !=
+          0 ||
       params[3] != 0) {
     return absl::DataLossError("fast residual params: bad version or flags");
   }
@@ -612,6 +667,17 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
       if (pl >= planes && bit)
         return absl::DataLossError("fast residual params: bad linear planes");
       if (pl < planes) linear_plane[pl] = bit;
+    }
+    in.remove_prefix(bytes);
+  }
+  std::vector<uint8_t> klt_plane(planes, 0);  // with kFlagKltPlanes: learned heads in the KLT
+  if (flags & kFlagKltPlanes) {
+    const size_t bytes = (planes + 7) / 8;
+    if (in.size() < bytes) return absl::DataLossError("fast residual params: truncated");
+    for (size_t pl = 0; pl < bytes * 8; ++pl) {
+      const bool bit = (static_cast<uint8_t>(in[pl / 8]) >> (pl % 8)) & 1;
+      if (pl >= planes && bit) return absl::DataLossError("fast residual params: bad KLT planes");
+      if (pl < planes) klt_plane[pl] = bit;
     }
     in.remove_prefix(bytes);
   }
@@ -667,6 +733,11 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
         return absl::DataLossError(absl::StrCat(
             "fast residual params: a linear predictor on plane ", pl,
             " that predictor state version ", context.learned->version(), " has no weights for"));
+      }
+      if (c >= kPredToken && klt_plane[pl] && context.learned->Klt(pl) == nullptr) {
+        return absl::DataLossError(absl::StrCat("fast residual params: a KLT on plane ", pl,
+                                                " that predictor state version ",
+                                                context.learned->version(), " has no basis for"));
       }
       uses_learned |= c >= kPredToken;
       uses_linear |= c == kPredLinear;
@@ -740,7 +811,7 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
   std::vector<irans::DecodeTable> dtab(lo.planes_per_segment);
   std::vector<const irans::DecodeTable*> dtp(lo.planes_per_segment);
   std::vector<uint8_t> symbols(lo.planes_per_segment * pe);
-  std::vector<float> rec(he), qf(pe), zeros(n.D, 0.0f);
+  std::vector<float> rec(he), qf(pe), zeros(n.D, 0.0f), klt_scratch(n.D);
   // With a linear head, planes are reconstructed in plane order after every symbol is decoded
   // (plane p's prediction needs planes p-1 and p-2): q of every plane, the residuals.
   std::vector<float> all_q, residual, linear;
@@ -767,7 +838,12 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
                        : pr == kPredToken  ? learned.data() + pl * pe + h * he
                        : pr == kPredLinear ? linear.data() + h * he
                                            : zeros.data();
-      ReconHead(q + h * he, n.T, n.D, KernelCode(pr), m, zeros.data(), pi.step, rec.data());
+      if (klt_plane[pl] && pr >= kPredToken) {
+        KltReconHead(q + h * he, m, context.learned->Klt(pl) + h * n.D * n.D, n.T, n.D, pi.step,
+                     klt_scratch.data(), rec.data());
+      } else {
+        ReconHead(q + h * he, n.T, n.D, KernelCode(pr), m, zeros.data(), pi.step, rec.data());
+      }
       uint8_t* o = out.data() + (pl * pe + h * he) * eb;
       FromFloat(g.dtype, rec.data(), he, o);
       if (!uses_linear) continue;

@@ -1,6 +1,7 @@
 // Cross-layer linear predictors (Predictor::kTokenMeanLinear, state format 2) and the
 // compatibility of blocks and states written before them. Real stories260K KV, learned from
 // GPL-3 and story_prompt, tested on Genesis 1-3 (no shared text).
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -11,6 +12,7 @@
 #include "codec/block_codec.h"
 #include "codec/crc32c.h"
 #include "codec/predictor_state.h"
+#include "codec/predictor_state_internal.h"
 #include "codec/testing_blocks.h"
 #include "gtest/gtest.h"
 
@@ -81,7 +83,9 @@ uint32_t Crc(const std::vector<uint8_t>& v) {
 }
 
 TEST(LearnedLinearTest, StateWithWeightsSerializesParsesAndRejectsCorruption) {
-  const auto state = TrainState(2, {});
+  LearnerOptions linear_only;
+  linear_only.fit_klt = false;
+  const auto state = TrainState(2, linear_only);
   size_t planes = 0;
   for (size_t p = 0; p < 10; ++p) planes += state->HasLinear(p);
   EXPECT_FALSE(state->HasLinear(0));
@@ -99,6 +103,7 @@ TEST(LearnedLinearTest, StateWithWeightsSerializesParsesAndRejectsCorruption) {
   // Without weights the state is format 1, as main wrote it.
   LearnerOptions no_linear;
   no_linear.fit_linear = false;
+  no_linear.fit_klt = false;
   const std::string v1 = TrainState(2, no_linear)->Serialize();
   EXPECT_EQ(v1[4], 1);
   EXPECT_LT(v1.size(), bytes.size());
@@ -107,7 +112,7 @@ TEST(LearnedLinearTest, StateWithWeightsSerializesParsesAndRejectsCorruption) {
   bad[bad.size() - 10] ^= 1;
   EXPECT_EQ(PredictorState::Parse(bad).status().code(), absl::StatusCode::kDataLoss);
   bad = bytes;
-  bad[bad.size() - 5] = static_cast<char>(0x7c);  // the last weight's high byte: +Inf
+  bad[bad.size() - 7] = static_cast<char>(0x7c);  // the last weight's high byte: +Inf
   auto s = PredictorState::Parse(Reseal(bad)).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
   EXPECT_NE(s.message().find("linear weight"), std::string::npos) << s;
@@ -167,6 +172,7 @@ TEST(LearnedLinearTest, LinearBlocksNeedTheWeightsAndMalformedParamsAreDataLoss)
   const auto state = TrainState(5, {});
   LearnerOptions no_linear;
   no_linear.fit_linear = false;
+  no_linear.fit_klt = false;
   const auto plain = TrainState(5, no_linear);  // same version, no weights
   const TokenBlocks gen = Load("genesis_1-3");
   const BlockGeometry& g = gen.real.geometry;
@@ -180,7 +186,9 @@ TEST(LearnedLinearTest, LinearBlocksNeedTheWeightsAndMalformedParamsAreDataLoss)
     std::vector<uint8_t> out(g.num_bytes());
     auto s = DecodeBlock(e->bytes, absl::MakeSpan(out), Context(gen, b, plain.get()));
     EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
-    EXPECT_NE(s.message().find("linear"), std::string::npos) << s;
+    EXPECT_TRUE(s.message().find("linear") != std::string::npos ||
+                s.message().find("KLT") != std::string::npos)
+        << s;
     // Flag combinations that are not written are DATA_LOSS; cut params never decode.
     auto h = ParseBlock(e->bytes);
     ASSERT_TRUE(h.ok());
@@ -188,7 +196,7 @@ TEST(LearnedLinearTest, LinearBlocksNeedTheWeightsAndMalformedParamsAreDataLoss)
     const uint8_t flags = static_cast<uint8_t>(e->bytes[params_at + 1]);
     EXPECT_TRUE(flags & (8 | 16)) << int{flags};
     for (uint8_t bad : {static_cast<uint8_t>(flags ^ 4), static_cast<uint8_t>(flags | 8 | 16),
-                        static_cast<uint8_t>(flags | 32)}) {
+                        static_cast<uint8_t>(flags | 64)}) {
       std::string edited = e->bytes;
       edited[params_at + 1] = static_cast<char>(bad);
       EXPECT_FALSE(
@@ -197,6 +205,104 @@ TEST(LearnedLinearTest, LinearBlocksNeedTheWeightsAndMalformedParamsAreDataLoss)
     }
   }
   EXPECT_GT(checked, 0);
+}
+
+TEST(LearnedLinearTest, JacobiEigenDecomposesASymmetricMatrix) {
+  const size_t n = 6;
+  std::vector<double> a(n * n);
+  for (size_t i = 0; i < n; ++i)
+    for (size_t j = 0; j <= i; ++j) a[i * n + j] = a[j * n + i] = std::sin(1.0 + i * 7 + j * 3);
+  std::vector<double> values, vectors;
+  internal::SymmetricEigen(a, n, &values, &vectors);
+  for (size_t j = 1; j < n; ++j) EXPECT_GE(values[j - 1], values[j]);
+  for (size_t i = 0; i < n; ++i) {
+    for (size_t j = 0; j < n; ++j) {
+      double vtv = 0, rebuilt = 0;
+      for (size_t k = 0; k < n; ++k) {
+        vtv += vectors[k * n + i] * vectors[k * n + j];
+        rebuilt += vectors[i * n + k] * values[k] * vectors[j * n + k];
+      }
+      EXPECT_NEAR(vtv, i == j ? 1.0 : 0.0, 1e-12);
+      EXPECT_NEAR(rebuilt, a[i * n + j], 1e-10);
+    }
+  }
+}
+
+// The KLT bases are orthonormal, so the error in the transformed domain is the error in the
+// original domain; blocks coded with them round-trip within target on held-out text.
+TEST(LearnedLinearTest, KltIsOrthonormalAndRoundTripsWithinTarget) {
+  const auto state = TrainState(6, {});
+  const size_t D = 8, H = 4;
+  size_t with_basis = 0;
+  for (size_t p = 0; p < 10; ++p) {
+    const float* u = state->Klt(p);
+    if (u == nullptr) continue;
+    ++with_basis;
+    for (size_t h = 0; h < H; ++h) {
+      const float* uh = u + h * D * D;
+      for (size_t i = 0; i < D; ++i) {
+        for (size_t j = 0; j < D; ++j) {
+          double d = 0;
+          for (size_t k = 0; k < D; ++k) d += double(uh[k * D + i]) * uh[k * D + j];
+          EXPECT_NEAR(d, i == j ? 1.0 : 0.0, 1e-5) << p << " " << h;
+        }
+      }
+      // ||e - U z'|| == ||U^T e - z'|| for a residual e and a quantized z'.
+      std::vector<double> e(D), z(D, 0), zq(D), back(D, 0);
+      for (size_t i = 0; i < D; ++i) e[i] = std::cos(3.0 * i + p + h);
+      for (size_t j = 0; j < D; ++j)
+        for (size_t i = 0; i < D; ++i) z[j] += uh[i * D + j] * e[i];
+      double err_z = 0, err_x = 0;
+      for (size_t j = 0; j < D; ++j)
+        zq[j] = std::round(z[j] / 0.3) * 0.3, err_z += (z[j] - zq[j]) * (z[j] - zq[j]);
+      for (size_t i = 0; i < D; ++i)
+        for (size_t j = 0; j < D; ++j) back[i] += uh[i * D + j] * zq[j];
+      for (size_t i = 0; i < D; ++i) err_x += (e[i] - back[i]) * (e[i] - back[i]);
+      EXPECT_NEAR(err_x, err_z, 1e-5 * (1 + err_z));
+    }
+  }
+  EXPECT_GT(with_basis, 0u) << state->Describe();
+  EXPECT_NE(state->Describe().find("klt"), std::string::npos);
+  auto parsed = PredictorState::Parse(state->Serialize());
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ((*parsed)->klt_bytes(), state->klt_bytes());
+  LearnerOptions linear_only;
+  linear_only.fit_klt = false;
+  const auto no_klt = TrainState(6, linear_only);  // same version, no bases
+  const TokenBlocks gen = Load("genesis_1-3");
+  const BlockGeometry& g = gen.real.geometry;
+  for (double target : {0.1, 0.173}) {
+    size_t bytes_with = 0, bytes_without = 0, klt_blocks = 0;
+    for (size_t b = 0; b < gen.real.blocks.size(); ++b) {
+      EncodeOptions o = Fast(target);
+      const PredictionContext ctx = Context(gen, b, state.get());
+      auto with = EncodeBlock(g, gen.real.blocks[b], o, ctx);
+      o.klt = false;
+      auto without = EncodeBlock(g, gen.real.blocks[b], o, ctx);
+      ASSERT_TRUE(with.ok() && without.ok());
+      bytes_with += with->bytes.size();
+      bytes_without += without->bytes.size();
+      std::vector<uint8_t> out(g.num_bytes());
+      ASSERT_TRUE(
+          DecodeBlock(with->bytes, absl::MakeSpan(out), Context(gen, b, parsed->get())).ok());
+      EXPECT_LE(RelRms(g, gen.real.blocks[b], out, 0), target * 1.0001);
+      EXPECT_LE(RelRms(g, gen.real.blocks[b], out, 1), target * 1.0001);
+      EXPECT_NEAR(RelRms(g, gen.real.blocks[b], out, 1), with->rel_rms_error_v, 1e-6);
+      auto h = ParseBlock(with->bytes);
+      ASSERT_TRUE(h.ok());
+      if (!(static_cast<uint8_t>(h->params[1]) & 32)) continue;
+      ++klt_blocks;
+      auto s = DecodeBlock(with->bytes, absl::MakeSpan(out), Context(gen, b, no_klt.get()));
+      EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+    }
+    std::printf("target %.3f: %zu bytes without the KLT, %zu with (%zu blocks use it)\n", target,
+                bytes_without, bytes_with, klt_blocks);
+    EXPECT_GT(klt_blocks, 0u) << target;
+  }
+  // A basis value past 1 is DATA_LOSS.
+  std::string bad = state->Serialize();
+  bad[bad.size() - 5] = static_cast<char>(0x7f);  // the last float's high byte: huge
+  EXPECT_EQ(PredictorState::Parse(Reseal(bad)).status().code(), absl::StatusCode::kDataLoss);
 }
 
 // Blocks and the state written by main 20a16da (before linear predictors; its encoder wrote

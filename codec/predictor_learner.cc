@@ -39,7 +39,7 @@ class Learner final : public PredictorLearner {
     const size_t token_entry = 8 * K_ * (1 + kNumRopeCodes) + 12 + kMapNodeBytes + (8 + 2 * V_);
     const size_t pair_entry = 4 * V_ + 8 * planes_ + 12 + kMapNodeBytes + (12 + 2 * V_);
     // The linear fit's reservoir of blocks comes off the top (at most a quarter of the cap).
-    if (o_.fit_linear) {
+    if (o_.fit_linear || o_.fit_klt) {
       const size_t sample_bytes = std::min(o_.linear_sample_bytes, o_.max_bytes / 4);
       max_samples_ = sample_bytes / (g.num_bytes() + 4 * g.block_tokens + sizeof(LinearSample));
     }
@@ -400,6 +400,7 @@ absl::StatusOr<std::shared_ptr<const PredictorState>> Learner::Fit(uint32_t vers
   if (o_.fit_linear) {
     internal::FitLinear(samples_, g_.block_tokens, o_.linear_fit_rel_rms, &d);
   }
+  if (o_.fit_klt) internal::FitKlt(samples_, g_.block_tokens, o_.linear_fit_rel_rms, &d);
   return internal::MakeState(std::move(d));
 }
 

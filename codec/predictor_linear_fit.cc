@@ -173,5 +173,131 @@ void FitLinear(const std::vector<LinearSample>& samples, size_t block_tokens, do
   if (any) data->linear = std::move(linear);
 }
 
+void SymmetricEigen(std::vector<double> a, size_t n, std::vector<double>* values,
+                    std::vector<double>* vectors) {
+  std::vector<double> v(n * n, 0.0);
+  for (size_t i = 0; i < n; ++i) v[i * n + i] = 1.0;
+  for (int sweep = 0; sweep < 50; ++sweep) {
+    double off = 0, diag = 0;
+    for (size_t i = 0; i < n; ++i) {
+      diag += a[i * n + i] * a[i * n + i];
+      for (size_t j = i + 1; j < n; ++j) off += a[i * n + j] * a[i * n + j];
+    }
+    if (off <= 1e-30 * diag || off == 0) break;
+    for (size_t p = 0; p < n; ++p) {
+      for (size_t q = p + 1; q < n; ++q) {
+        const double apq = a[p * n + q];
+        if (apq == 0) continue;
+        // The rotation that zeroes a[p][q] (Golub & Van Loan 8.5.2).
+        const double theta = (a[q * n + q] - a[p * n + p]) / (2 * apq);
+        const double t =
+            (theta >= 0 ? 1.0 : -1.0) / (std::fabs(theta) + std::sqrt(theta * theta + 1));
+        const double c = 1 / std::sqrt(t * t + 1), s = t * c;
+        for (size_t k = 0; k < n; ++k) {  // columns p, q
+          const double akp = a[k * n + p], akq = a[k * n + q];
+          a[k * n + p] = c * akp - s * akq;
+          a[k * n + q] = s * akp + c * akq;
+        }
+        for (size_t k = 0; k < n; ++k) {  // rows p, q
+          const double apk = a[p * n + k], aqk = a[q * n + k];
+          a[p * n + k] = c * apk - s * aqk;
+          a[q * n + k] = s * apk + c * aqk;
+        }
+        for (size_t k = 0; k < n; ++k) {
+          const double vkp = v[k * n + p], vkq = v[k * n + q];
+          v[k * n + p] = c * vkp - s * vkq;
+          v[k * n + q] = s * vkp + c * vkq;
+        }
+      }
+    }
+  }
+  std::vector<size_t> order(n);
+  for (size_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t x, size_t y) { return a[x * n + x] > a[y * n + y]; });
+  values->resize(n);
+  vectors->assign(n * n, 0.0);
+  for (size_t j = 0; j < n; ++j) {
+    (*values)[j] = a[order[j] * n + order[j]];
+    for (size_t i = 0; i < n; ++i) (*vectors)[i * n + j] = v[i * n + order[j]];
+  }
+}
+
+void FitKlt(const std::vector<LinearSample>& samples, size_t block_tokens, double fit_rel_rms,
+            StateData* data) {
+  data->klt.clear();
+  if (samples.size() < 5 || block_tokens == 0) return;
+  BlockGeometry g = data->geometry;
+  g.block_tokens = static_cast<uint32_t>(block_tokens);
+  const size_t T = block_tokens, D = g.head_dim, H = g.num_kv_heads;
+  const size_t planes = 2 * static_cast<size_t>(g.num_layers), pe = H * T * D;
+  const std::shared_ptr<const PredictorState> base = MakeState(*data);
+  // [plane][head]: covariance of the training samples; held-out |e| and |U^T e| sums.
+  std::vector<std::vector<double>> cov(planes * H, std::vector<double>(D * D, 0.0));
+  std::vector<float> x(g.num_elements()), pred(g.num_elements()), rq(g.num_elements());
+  std::vector<float> lin(pe);
+  std::vector<std::vector<float>> held;  // held-out residuals, per sample [planes][pe]
+  for (size_t k = 0; k < samples.size(); ++k) {
+    const LinearSample& s = samples[k];
+    ToFloat(g.dtype, s.kv.data(), x.size(), x.data());
+    base->Predict(s.tokens, s.first_position, s.previous_token, pred.data());
+    std::vector<float> e(g.num_elements());
+    for (size_t pl = 0; pl < planes; ++pl) {
+      const float* xp = x.data() + pl * pe;
+      const float* pp = pred.data() + pl * pe;
+      double energy = 0;
+      for (size_t i = 0; i < pe; ++i) energy += static_cast<double>(xp[i]) * xp[i];
+      const double step = std::max(fit_rel_rms * std::sqrt(12.0 * energy / pe), 1e-30);
+      for (size_t i = 0; i < pe; ++i) {
+        rq[pl * pe + i] = static_cast<float>(std::nearbyint((xp[i] - pp[i]) / step) * step);
+      }
+      std::copy(pp, pp + pe, lin.begin());
+      if (base->HasLinear(pl)) {
+        base->PredictLinear(pl, s.first_position, T, rq.data() + (pl - 1) * pe,
+                            pl >= 2 ? rq.data() + (pl - 2) * pe : nullptr, lin.data());
+      }
+      for (size_t i = 0; i < pe; ++i) e[pl * pe + i] = xp[i] - lin[i];
+    }
+    if (k % 5 == 4) {
+      held.push_back(std::move(e));
+      continue;
+    }
+    for (size_t pl = 0; pl < planes; ++pl) {
+      for (size_t h = 0; h < H; ++h) {
+        std::vector<double>& c = cov[pl * H + h];
+        for (size_t t = 0; t < T; ++t) {
+          const float* r = e.data() + pl * pe + (h * T + t) * D;
+          for (size_t i = 0; i < D; ++i)
+            for (size_t j = 0; j < D; ++j) c[i * D + j] += static_cast<double>(r[i]) * r[j];
+        }
+      }
+    }
+  }
+  bool any = false;
+  std::vector<std::vector<float>> klt(planes);
+  std::vector<double> values, vectors;
+  for (size_t pl = 0; pl < planes; ++pl) {
+    std::vector<float> u(H * D * D);
+    double l1e = 0, l1z = 0;
+    for (size_t h = 0; h < H; ++h) {
+      SymmetricEigen(cov[pl * H + h], D, &values, &vectors);
+      for (size_t i = 0; i < D * D; ++i) u[h * D * D + i] = static_cast<float>(vectors[i]);
+      for (const std::vector<float>& e : held) {
+        for (size_t t = 0; t < T; ++t) {
+          const float* r = e.data() + pl * pe + (h * T + t) * D;
+          for (size_t j = 0; j < D; ++j) {
+            double z = 0;
+            for (size_t i = 0; i < D; ++i) z += u[(h * D + i) * D + j] * r[i];
+            l1z += std::fabs(z);
+            l1e += std::fabs(r[j]);
+          }
+        }
+      }
+    }
+    if (l1z < (1 - kMinGain) * l1e) klt[pl] = std::move(u), any = true;
+  }
+  if (any) data->klt = std::move(klt);
+}
+
 }  // namespace internal
 }  // namespace kvtrie

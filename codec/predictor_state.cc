@@ -31,9 +31,11 @@ namespace {
 //   ..  4  num_pairs P
 //   ..     P x (i32 previous token, i32 token, u32 count): ids >= 0, (previous, token) ascending
 //   ..     P x V fp16 pair predictions
-//   (format 2 only; format 1 has none of it)
-//   ..  2  M: planes with linear weights, 1 <= M < 2 * layers
+//   (format 2 only; format 1 has none of it; M + K >= 1)
+//   ..  2  M: planes with linear weights, 0 <= M < 2 * layers
 //   ..     M x (u16 plane, ascending, in [1, 2 * layers); LinearSize(plane) fp16 finite weights)
+//   ..  2  K: planes with a KLT, 0 <= K <= 2 * layers
+//   ..     K x (u16 plane, ascending, < 2 * layers; kv_heads x head_dim^2 f32 finite, |v| <= 1)
 //   ..  4  CRC-32C of every byte before it
 // Every mean is finite; keys pre-RoPE.
 constexpr char kMagic[4] = {'K', 'V', 'P', 'S'};
@@ -82,6 +84,14 @@ class State final : public PredictorState {
 
   bool HasLinear(size_t plane) const override {
     return plane < linear_.size() && !linear_[plane].empty();
+  }
+  const float* Klt(size_t plane) const override {
+    return plane < d_.klt.size() && !d_.klt[plane].empty() ? d_.klt[plane].data() : nullptr;
+  }
+  size_t klt_bytes() const override {
+    size_t b = 0;
+    for (const auto& u : d_.klt) b += 4 * u.size();
+    return b;
   }
   size_t linear_bytes() const override {
     size_t b = 0;
@@ -167,7 +177,7 @@ class State final : public PredictorState {
       PutLE<uint32_t>(&out, d_.pair_counts[i]);
     }
     for (uint16_t h : d_.pair_means) PutLE<uint16_t>(&out, h);
-    if (linear_bytes() > 0) {
+    if (linear_bytes() > 0 || klt_bytes() > 0) {
       out[4] = static_cast<char>(kFormatLinear);
       size_t m = 0;
       for (const auto& w : d_.linear) m += !w.empty();
@@ -176,6 +186,18 @@ class State final : public PredictorState {
         if (d_.linear[p].empty()) continue;
         PutLE<uint16_t>(&out, static_cast<uint16_t>(p));
         for (uint16_t h : d_.linear[p]) PutLE<uint16_t>(&out, h);
+      }
+      size_t k = 0;
+      for (const auto& u : d_.klt) k += !u.empty();
+      PutLE<uint16_t>(&out, static_cast<uint16_t>(k));
+      for (size_t p = 0; p < d_.klt.size(); ++p) {
+        if (d_.klt[p].empty()) continue;
+        PutLE<uint16_t>(&out, static_cast<uint16_t>(p));
+        for (float f : d_.klt[p]) {
+          uint32_t bits;
+          std::memcpy(&bits, &f, 4);
+          PutLE<uint32_t>(&out, bits);
+        }
       }
     }
     PutLE<uint32_t>(&out, Crc32c(out));
@@ -186,7 +208,7 @@ class State final : public PredictorState {
   const BlockGeometry& geometry() const override { return d_.geometry; }
   size_t memory_bytes() const override {
     return sizeof(*this) + d_.ids.size() * 8 + d_.means.size() * 2 + d_.pairs.size() * 12 +
-           d_.pair_means.size() * 2 + thetas_.size() * 8 + 3 * linear_bytes();
+           d_.pair_means.size() * 2 + thetas_.size() * 8 + 3 * linear_bytes() + klt_bytes();
   }
   uint64_t tokens_learned() const override { return d_.tokens_learned; }
   uint32_t tokens_in_table() const override { return static_cast<uint32_t>(d_.ids.size()); }
@@ -194,13 +216,16 @@ class State final : public PredictorState {
   std::string Describe() const override {
     size_t planes = 0;
     for (const auto& w : d_.linear) planes += !w.empty();
-    return absl::StrFormat("v%u: %u tokens, %u pairs (learned from %u tokens), rope %s, %s%u KB",
-                           d_.version, d_.ids.size(), d_.pairs.size(), d_.tokens_learned,
-                           d_.rope_code == 0 ? "none" : absl::StrCat(kRopeBaseOf[d_.rope_code]),
-                           planes ? absl::StrFormat("linear %u planes (%u KB), ", planes,
-                                                    (linear_bytes() + 1023) / 1024)
-                                  : std::string(),
-                           (memory_bytes() + 1023) / 1024);
+    return absl::StrFormat(
+        "v%u: %u tokens, %u pairs (learned from %u tokens), rope %s, %s%u KB", d_.version,
+        d_.ids.size(), d_.pairs.size(), d_.tokens_learned,
+        d_.rope_code == 0 ? "none" : absl::StrCat(kRopeBaseOf[d_.rope_code]),
+        std::string(planes ? absl::StrFormat("linear %u planes (%u KB), ", planes,
+                                             (linear_bytes() + 1023) / 1024)
+                           : "") +
+            std::string(klt_bytes() ? absl::StrFormat("klt %u KB, ", (klt_bytes() + 1023) / 1024)
+                                    : ""),
+        (memory_bytes() + 1023) / 1024);
   }
   double rope_base() const override { return kRopeBaseOf[d_.rope_code]; }
 
@@ -443,7 +468,7 @@ absl::StatusOr<std::shared_ptr<const PredictorState>> PredictorState::Parse(
     const size_t planes = 2 * static_cast<size_t>(g.num_layers);
     const size_t m = GetLE<uint16_t>(q);
     q += 2;
-    if (m == 0 || m >= planes) {
+    if (m >= planes) {
       return absl::DataLossError(absl::StrCat("predictor state: ", m, " linear planes"));
     }
     d.linear.resize(planes);
@@ -466,7 +491,41 @@ absl::StatusOr<std::shared_ptr<const PredictorState>> PredictorState::Parse(
         return s;
       }
     }
-    if (q != end) return absl::DataLossError("predictor state: bytes after the linear weights");
+    if (m == 0) d.linear.clear();
+    if (end - q < 2) return absl::DataLossError("predictor state: KLT planes past the end");
+    const size_t k = GetLE<uint16_t>(q);
+    q += 2;
+    if (k > planes || (m == 0 && k == 0)) {
+      return absl::DataLossError(absl::StrCat("predictor state: ", k, " KLT planes"));
+    }
+    if (k > 0) d.klt.resize(planes);
+    const size_t ku = static_cast<size_t>(g.num_kv_heads) * g.head_dim * g.head_dim;
+    for (size_t i = 0; i < k; ++i) {
+      if (end - q < 2) return absl::DataLossError("predictor state: KLT planes past the end");
+      const size_t plane = GetLE<uint16_t>(q);
+      q += 2;
+      if (plane >= planes || (i > 0 && plane <= last)) {
+        return absl::DataLossError(
+            absl::StrCat("predictor state: KLT plane ", plane, " out of order"));
+      }
+      last = plane;
+      if (static_cast<size_t>(end - q) / 4 < ku) {
+        return absl::DataLossError(
+            absl::StrCat("predictor state: KLT plane ", plane, " past the end"));
+      }
+      d.klt[plane].resize(ku);
+      for (size_t j = 0; j < ku; ++j, q += 4) {
+        const uint32_t bits = GetLE<uint32_t>(q);
+        float f;
+        std::memcpy(&f, &bits, 4);
+        if (!std::isfinite(f) || std::fabs(f) > 1.0f + 1e-3f) {
+          return absl::DataLossError(
+              absl::StrCat("predictor state: KLT plane ", plane, " value ", j, " out of range"));
+        }
+        d.klt[plane][j] = f;
+      }
+    }
+    if (q != end) return absl::DataLossError("predictor state: bytes after the KLT bases");
   }
   return internal::MakeState(std::move(d));
 }

@@ -107,6 +107,18 @@ class PredictorState {
                              const float* in2, float* inout) const = 0;
   // Bytes of the linear weights (0 without them).
   virtual size_t linear_bytes() const = 0;
+
+  // ---- Per-plane decorrelating transforms (KLT; state format 2) ----
+  // Per (plane, head) an orthonormal head_dim x head_dim basis U (eigenvectors of the learned
+  // residual's covariance): the FAST codec may quantize z = U^T e instead of the residual e of a
+  // learned head and reconstruct e' = U z'. Orthonormal, so ||e - e'|| = ||z - z'|| (to float
+  // rounding): the error target means the same in both domains. Size: planes with a basis x
+  // kv_heads x head_dim^2 float32 (stories260K: 10 x 4 x 64 x 4 = 10 KB; Llama-3-8B 64 x 8 x
+  // 128^2 x 4 = 33.5 MB).
+  // Plane `plane`'s bases, [kv_heads][head_dim][head_dim] row-major U[i][j] (column j the j-th
+  // basis vector), or null when it has none.
+  virtual const float* Klt(size_t plane) const = 0;
+  virtual size_t klt_bytes() const = 0;
 };
 
 // What the learner may keep and fit.
@@ -123,6 +135,11 @@ struct LearnerOptions {
   // are fitted as the decoder sees them (closed loop): quantized with the step a plane gets at
   // `linear_fit_rel_rms` (the TQ3 error by default), so key planes that quantize to zero give 0.
   bool fit_linear = true;
+  // Per-plane decorrelating transforms (PredictorState::Klt), from the same sample: per (plane,
+  // head) the eigenvectors of the training fifths' residual covariance (after the linear
+  // prediction where the plane has it); a plane keeps them if the held-out fifth's L1 norm of
+  // the transformed residual is 1 % below the residual's.
+  bool fit_klt = true;
   size_t linear_sample_bytes = 8u << 20;
   double linear_fit_rel_rms = 0.173;
 };
