@@ -50,12 +50,14 @@ constexpr uint32_t kNoLinear =
 
 // Bits and errors over `texts` (errors: pooled over every block).
 Result Measure(const BlockGeometry& g, const std::vector<Text>& texts, Profile profile,
-               double target, const PredictorState* state, uint32_t predictors = kAllPredictors) {
+               double target, const PredictorState* state, uint32_t predictors = kAllPredictors,
+               bool klt = true) {
   EncodeOptions o;
   o.encoding = Encoding::kResidual;
   o.profile = profile;
   o.target_rel_rms = target;
   o.predictors = predictors;
+  o.klt = klt;
   double bytes = 0, comps = 0, ek = 0, ev = 0, groups = 0, learned = 0, linear = 0, saved = 0;
   for (const Text& t : texts) {
     for (const Block& b : t.blocks) {
@@ -96,12 +98,13 @@ double Median(std::vector<double> v) {
 // Encode and decode MB/s (fp16 input bytes), median of `repeats` passes over every test block.
 void Throughput(const BlockGeometry& g, const std::vector<Text>& texts, Profile profile,
                 const PredictorState* state, int repeats, double* enc_mbs, double* dec_mbs,
-                uint32_t predictors = kAllPredictors) {
+                uint32_t predictors = kAllPredictors, bool klt = true) {
   EncodeOptions o;
   o.encoding = Encoding::kResidual;
   o.profile = profile;
   o.target_rel_rms = 0.173;
   o.predictors = predictors;
+  o.klt = klt;
   std::vector<std::string> encoded;
   std::vector<const Block*> blocks;
   for (const Text& t : texts)
@@ -339,35 +342,41 @@ int Main(int argc, char** argv) {
   }
 
   std::printf(
-      "\n## 6. Cross-layer linear predictors (kTokenMeanLinear), fast profile, same state\n\n"
-      "Before: the learned state's token / pair means only (kTokenMeanLinear masked off); after:\n"
-      "the codec may also choose the ridge-fitted linear prediction from the two planes below.\n"
-      "Saved: the encoder's estimate of what the learned predictors saved against the best\n"
-      "non-learned predictor (EncodedBlock::learned_bytes_saved), as a share of that cost.\n\n");
+      "\n## 6. Cross-layer linear predictors and the KLT, fast profile, same state\n\n"
+      "before: the state's token / pair means only (kTokenMeanLinear masked off, no KLT, what\n"
+      "main coded); + linear: the ridge-fitted prediction from the two planes below may be\n"
+      "chosen per plane / head; + KLT: a plane's learned heads may also be coded in the state's\n"
+      "basis. saved: the encoder's estimate of what the learned predictors saved against the\n"
+      "best non-learned predictor (EncodedBlock::learned_bytes_saved), share of that cost.\n\n");
   std::printf(
-      "| target rel RMS | before | after | change | relK / relV (after) | linear share of heads "
-      "| learned saved (after) |\n|---|---|---|---|---|---|---|\n");
+      "| target rel RMS | before | + linear | + linear + KLT | change | relK / relV | linear "
+      "share of heads | saved |\n|---|---|---|---|---|---|---|---|\n");
   for (double target : {0.1, 0.173, 0.316}) {
-    const Result a = Measure(g, test, Profile::kFast, target, state.get(), kNoLinear);
-    const Result b = Measure(g, test, Profile::kFast, target, state.get());
-    std::printf("| %.3f | %.3f | %.3f | %+.1f %% | %.3f / %.3f | %.0f %% | %.0f %% |\n", target,
-                a.bpc, b.bpc, 100 * (b.bpc / a.bpc - 1), b.rel_k, b.rel_v, 100 * b.linear_share,
-                100 * b.saved_share);
+    const Result a = Measure(g, test, Profile::kFast, target, state.get(), kNoLinear, false);
+    const Result b = Measure(g, test, Profile::kFast, target, state.get(), kAllPredictors, false);
+    const Result c = Measure(g, test, Profile::kFast, target, state.get());
+    std::printf("| %.3f | %.3f | %.3f | %.3f | %+.1f %% | %.3f / %.3f | %.0f %% | %.0f %% |\n",
+                target, a.bpc, b.bpc, c.bpc, 100 * (c.bpc / a.bpc - 1), c.rel_k, c.rel_v,
+                100 * c.linear_share, 100 * c.saved_share);
   }
   std::printf("\n| fast, 0.173, median of %d | encode MB/s | decode MB/s |\n|---|---|---|\n",
               repeats);
+  struct Config {
+    const char* name;
+    bool state;
+    uint32_t mask;
+    bool klt;
+  };
+  const Config configs[] = {{"no state", false, kAllPredictors, true},
+                            {"learned (before)", true, kNoLinear, false},
+                            {"learned + linear", true, kAllPredictors, false},
+                            {"learned + linear + KLT", true, kAllPredictors, true}};
   for (int round = 0; round < 2; ++round) {  // interleaved: the machine is shared
-    for (const PredictorState* s : {static_cast<const PredictorState*>(nullptr), state.get()}) {
-      for (uint32_t mask : {kNoLinear, kAllPredictors}) {
-        if (s == nullptr && mask == kAllPredictors) continue;
-        double e = 0, d = 0;
-        Throughput(g, test, Profile::kFast, s, repeats, &e, &d, mask);
-        std::printf("| %s (round %d) | %.1f | %.1f |\n",
-                    s == nullptr             ? "no state"
-                    : mask == kAllPredictors ? "learned + linear"
-                                             : "learned, no linear",
-                    round + 1, e, d);
-      }
+    for (const Config& c : configs) {
+      double e = 0, d = 0;
+      Throughput(g, test, Profile::kFast, c.state ? state.get() : nullptr, repeats, &e, &d, c.mask,
+                 c.klt);
+      std::printf("| %s (round %d) | %.1f | %.1f |\n", c.name, round + 1, e, d);
     }
   }
   std::printf(

@@ -307,9 +307,17 @@ absl::StatusOr<std::shared_ptr<const PredictorState>> Learner::Fit(uint32_t vers
   const size_t used = memory_bytes();
   size_t room = o_.max_bytes > used ? o_.max_bytes - used : 0;
   const size_t state_entry = 8 + 2 * V_, state_pair = 12 + 2 * V_;
+  // The linear weights (fp16 plus a float copy) and KLT bases come off the room first, if they
+  // fit in half of it; else they are not fitted (e.g. Llama-3-8B under the default 64 MiB).
+  size_t extra = 0;
+  const size_t H = g_.num_kv_heads, D = g_.head_dim;
+  for (size_t p = 1; p < planes_ && o_.fit_linear; ++p) extra += 6 * internal::LinearSize(g_, p);
+  if (o_.fit_klt) extra += 4 * planes_ * H * D * D;
+  const bool fit_extra = extra <= room / 2;
+  if (fit_extra) room -= extra;
   const size_t keep = std::min(order.size(), room >= state_entry ? room / state_entry - 1 : 0);
   order.resize(keep);
-  room -= (keep + 1) * state_entry;
+  room -= std::min(room, (keep + 1) * state_entry);
   std::sort(order.begin(), order.end(),
             [&](size_t a, size_t b) { return entry_ids_[a] < entry_ids_[b]; });
   internal::StateData d;
@@ -397,10 +405,12 @@ absl::StatusOr<std::shared_ptr<const PredictorState>> Learner::Fit(uint32_t vers
       }
     }
   }
-  if (o_.fit_linear) {
+  if (fit_extra && o_.fit_linear) {
     internal::FitLinear(samples_, g_.block_tokens, o_.linear_fit_rel_rms, &d);
   }
-  if (o_.fit_klt) internal::FitKlt(samples_, g_.block_tokens, o_.linear_fit_rel_rms, &d);
+  if (fit_extra && o_.fit_klt) {
+    internal::FitKlt(samples_, g_.block_tokens, o_.linear_fit_rel_rms, &d);
+  }
   return internal::MakeState(std::move(d));
 }
 

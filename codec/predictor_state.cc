@@ -73,12 +73,18 @@ class State final : public PredictorState {
       thetas_[i] = residual::DetExp(-2.0 * static_cast<double>(i) / static_cast<double>(D) *
                                     kRopeLogBaseOf[d_.rope_code]);
     }
+    // The weights as floats, transposed per head to [i][o] so that the product runs over the
+    // outputs in the inner loop (vectorized; each output still sums over i ascending).
     linear_.resize(d_.linear.size());
     for (size_t p = 0; p < d_.linear.size(); ++p) {
-      linear_[p].resize(d_.linear[p].size());
-      if (!d_.linear[p].empty()) {
-        ToFloat(DType::kFp16, d_.linear[p].data(), d_.linear[p].size(), linear_[p].data());
-      }
+      if (d_.linear[p].empty()) continue;
+      const size_t n = LinearInputs(p) * D, H = d_.geometry.num_kv_heads;
+      std::vector<float> w(d_.linear[p].size());
+      ToFloat(DType::kFp16, d_.linear[p].data(), w.size(), w.data());
+      linear_[p].resize(w.size());
+      for (size_t h = 0; h < H; ++h)
+        for (size_t o = 0; o < D; ++o)
+          for (size_t i = 0; i < n; ++i) linear_[p][(h * n + i) * D + o] = w[(h * D + o) * n + i];
     }
   }
 
@@ -106,14 +112,15 @@ class State final : public PredictorState {
     const size_t D = g.head_dim, H = g.num_kv_heads, P = D / 2, ni = LinearInputs(plane);
     const float* ins[2] = {in1, in2};
     const bool rope = d_.rope_code != 0;
-    std::vector<float> cs, sn;
-    if (rope) CosSinTable(first_position, T, &cs, &sn);
+    const std::vector<float>* cs_table = nullptr;
+    const std::vector<float>* sn_table = nullptr;
+    if (rope) CosSinTable(first_position, T, &cs_table, &sn_table);
     std::vector<float> x(ni * D), y(D);
     const float* w = linear_[plane].data();
     for (size_t h = 0; h < H; ++h, w += D * ni * D) {
       for (size_t t = 0; t < T; ++t) {
-        const float* c = rope ? cs.data() + t * P : nullptr;
-        const float* s = rope ? sn.data() + t * P : nullptr;
+        const float* c = rope ? cs_table->data() + t * P : nullptr;
+        const float* s = rope ? sn_table->data() + t * P : nullptr;
         for (size_t j = 0; j < ni; ++j) {
           const float* r = ins[j] + (h * T + t) * D;
           float* xj = x.data() + j * D;
@@ -128,11 +135,12 @@ class State final : public PredictorState {
           }
           if (D % 2) xj[D - 1] = r[D - 1];
         }
-        for (size_t o = 0; o < D; ++o) {
-          const float* row = w + o * ni * D;
-          float acc = 0.0f;
-          for (size_t i = 0; i < ni * D; ++i) acc += row[i] * x[i];
-          y[o] = acc;
+        // y[o] = sum over i ascending of W[o][i] x[i] (w is [i][o]).
+        std::fill(y.begin(), y.end(), 0.0f);
+        for (size_t i = 0; i < ni * D; ++i) {
+          const float xi = x[i];
+          const float* col = w + i * D;
+          for (size_t o = 0; o < D; ++o) y[o] += col[o] * xi;
         }
         float* out = inout + (h * T + t) * D;
         if (!rope || plane % 2 == 1) {
@@ -310,8 +318,8 @@ class State final : public PredictorState {
 
   // cos, sin of positions first_position .. + T - 1, [T][D / 2], cached per thread (the encoder
   // and decoder ask once per plane).
-  void CosSinTable(uint32_t first_position, size_t T, std::vector<float>* cs,
-                   std::vector<float>* sn) const {
+  void CosSinTable(uint32_t first_position, size_t T, const std::vector<float>** cs,
+                   const std::vector<float>** sn) const {
     struct Cache {
       const State* state = nullptr;
       uint32_t first = 0;
@@ -335,8 +343,8 @@ class State final : public PredictorState {
       cache.state = this;
       cache.first = first_position;
     }
-    *cs = cache.cs;
-    *sn = cache.sn;
+    *cs = &cache.cs;
+    *sn = &cache.sn;
   }
 
   const StateData d_;

@@ -140,6 +140,8 @@ struct LearnerOptions {
   // prediction where the plane has it); a plane keeps them if the held-out fifth's L1 norm of
   // the transformed residual is 1 % below the residual's.
   bool fit_klt = true;
+  // Both are fitted only when their bytes fit in half of what max_bytes leaves after the
+  // learner's accumulators (else the state has neither).
   size_t linear_sample_bytes = 8u << 20;
   double linear_fit_rel_rms = 0.173;
 };
