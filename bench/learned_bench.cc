@@ -5,7 +5,7 @@
 // (split into train / test BY TEXT, bench/texts/split.tsv). The state is learned from the
 // training dumps only; every number is measured on the test dumps.
 //
-//   learned_bench [--dumps=build/learned_dumps] [--block_tokens=16] [--repeats=5]
+//   learned_bench [--dumps=build/learned_dumps] [--block_tokens=16] [--repeats=5] [--section=6]
 //
 // Tables (bits/component = 8 * encoded bytes / components, envelope included; the state itself
 // is side data shared by the whole store and is reported separately):
@@ -276,6 +276,51 @@ int Main(int argc, char** argv) {
   std::printf("state: %s; serialized %zu bytes\n\n", state->Describe().c_str(),
               state->Serialize().size());
 
+  // Section 6 (the cross-layer linear predictors and the KLT); --section=6 runs only it.
+  auto section6 = [&] {
+    std::printf(
+        "\n## 6. Cross-layer linear predictors and the KLT, fast profile, same state\n\n"
+        "before: the state's token / pair means only (kTokenMeanLinear masked off, no KLT, what\n"
+        "main coded); + linear: the ridge-fitted prediction from the two planes below may be\n"
+        "chosen per plane / head; + KLT: a plane's learned heads may also be coded in the state's\n"
+        "basis. saved: the encoder's estimate of what the learned predictors saved against the\n"
+        "best non-learned predictor (EncodedBlock::learned_bytes_saved), share of that cost.\n\n");
+    std::printf(
+        "| target rel RMS | before | + linear | + linear + KLT | change | relK / relV | linear "
+        "share of heads | saved |\n|---|---|---|---|---|---|---|---|\n");
+    for (double target : {0.1, 0.173, 0.316}) {
+      const Result a = Measure(g, test, Profile::kFast, target, state.get(), kNoLinear, false);
+      const Result b = Measure(g, test, Profile::kFast, target, state.get(), kAllPredictors, false);
+      const Result c = Measure(g, test, Profile::kFast, target, state.get());
+      std::printf("| %.3f | %.3f | %.3f | %.3f | %+.1f %% | %.3f / %.3f | %.0f %% | %.0f %% |\n",
+                  target, a.bpc, b.bpc, c.bpc, 100 * (c.bpc / a.bpc - 1), c.rel_k, c.rel_v,
+                  100 * c.linear_share, 100 * c.saved_share);
+    }
+    std::printf("\n| fast, 0.173, median of %d | encode MB/s | decode MB/s |\n|---|---|---|\n",
+                repeats);
+    struct Config {
+      const char* name;
+      bool state;
+      uint32_t mask;
+      bool klt;
+    };
+    const Config configs[] = {{"no state", false, kAllPredictors, true},
+                              {"learned (before)", true, kNoLinear, false},
+                              {"learned + linear", true, kAllPredictors, false},
+                              {"learned + linear + KLT", true, kAllPredictors, true}};
+    for (int round = 0; round < 2; ++round) {  // interleaved: the machine is shared
+      for (const Config& c : configs) {
+        double e = 0, d = 0;
+        Throughput(g, test, Profile::kFast, c.state ? state.get() : nullptr, repeats, &e, &d,
+                   c.mask, c.klt);
+        std::printf("| %s (round %d) | %.1f | %.1f |\n", c.name, round + 1, e, d);
+      }
+    }
+  };
+  if (Flag(argc, argv, "section", "") == "6") {
+    section6();
+    return 0;
+  }
   std::printf("## 1. Held-out bits/component vs target (relK, relV: pooled errors met)\n\n");
   std::printf(
       "| profile | target rel RMS | today's predictors | with learned state | ratio | "
@@ -341,44 +386,7 @@ int Main(int argc, char** argv) {
                 a.bpc, b.bpc);
   }
 
-  std::printf(
-      "\n## 6. Cross-layer linear predictors and the KLT, fast profile, same state\n\n"
-      "before: the state's token / pair means only (kTokenMeanLinear masked off, no KLT, what\n"
-      "main coded); + linear: the ridge-fitted prediction from the two planes below may be\n"
-      "chosen per plane / head; + KLT: a plane's learned heads may also be coded in the state's\n"
-      "basis. saved: the encoder's estimate of what the learned predictors saved against the\n"
-      "best non-learned predictor (EncodedBlock::learned_bytes_saved), share of that cost.\n\n");
-  std::printf(
-      "| target rel RMS | before | + linear | + linear + KLT | change | relK / relV | linear "
-      "share of heads | saved |\n|---|---|---|---|---|---|---|---|\n");
-  for (double target : {0.1, 0.173, 0.316}) {
-    const Result a = Measure(g, test, Profile::kFast, target, state.get(), kNoLinear, false);
-    const Result b = Measure(g, test, Profile::kFast, target, state.get(), kAllPredictors, false);
-    const Result c = Measure(g, test, Profile::kFast, target, state.get());
-    std::printf("| %.3f | %.3f | %.3f | %.3f | %+.1f %% | %.3f / %.3f | %.0f %% | %.0f %% |\n",
-                target, a.bpc, b.bpc, c.bpc, 100 * (c.bpc / a.bpc - 1), c.rel_k, c.rel_v,
-                100 * c.linear_share, 100 * c.saved_share);
-  }
-  std::printf("\n| fast, 0.173, median of %d | encode MB/s | decode MB/s |\n|---|---|---|\n",
-              repeats);
-  struct Config {
-    const char* name;
-    bool state;
-    uint32_t mask;
-    bool klt;
-  };
-  const Config configs[] = {{"no state", false, kAllPredictors, true},
-                            {"learned (before)", true, kNoLinear, false},
-                            {"learned + linear", true, kAllPredictors, false},
-                            {"learned + linear + KLT", true, kAllPredictors, true}};
-  for (int round = 0; round < 2; ++round) {  // interleaved: the machine is shared
-    for (const Config& c : configs) {
-      double e = 0, d = 0;
-      Throughput(g, test, Profile::kFast, c.state ? state.get() : nullptr, repeats, &e, &d, c.mask,
-                 c.klt);
-      std::printf("| %s (round %d) | %.1f | %.1f |\n", c.name, round + 1, e, d);
-    }
-  }
+  section6();
   std::printf(
       "\n## 5. Headroom: cross-layer linear prediction of the learned residual (open loop)\n\n"
       "Share of the held-out residual energy (x - learned prediction) of V_l left after a ridge\n"

@@ -8,6 +8,7 @@
 // pass) and the continuation scored; the baseline loads the dump's own (fp16) KV the same way.
 //
 //   learned_nll_bench [--dumps=build/learned_dumps] [--model=GGUF] [--block_tokens=16]
+//                     [--only=SUBSTRING of the setting names, e.g. "learned fast"]
 //
 // ΔNLL % = 100 * (sum of continuation surprisal from decoded KV - the same from the dump's KV) /
 // the latter, pooled over every window; s.e. from the per-window ΔNLL spread.
@@ -193,7 +194,10 @@ int Main(int argc, char** argv) {
       {"learned fast, no linear", Profile::kFast, 0.173, true, KeyError::kRaw, kNoLinear},
       {"learned fast, no linear", Profile::kFast, 0.3, true, KeyError::kRaw, kNoLinear},
   };
+  // --only=SUBSTRING: only the settings whose name contains it (e.g. "learned fast").
+  const std::string only = Flag(argc, argv, "only", "");
   for (const S& s : settings) {
+    if (!only.empty() && std::string(s.name).find(only) == std::string::npos) continue;
     const Row r = Evaluate(**model, g, windows, baseline, s.name, s.p, s.target,
                            s.learned ? state.get() : nullptr, s.key_error, s.predictors);
     std::printf("| %s @%.3f | %.3f | %.1fx | %+.3f | %.3f |\n", s.name, s.target, r.bpc,

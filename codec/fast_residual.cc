@@ -140,6 +140,7 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
   pc->sse = 0;
   pc->max_abs = 0;
   pc->learned_saved_bits = 0;
+  pc->use_klt = false;
   if (energy == 0) {
     pc->step = 1.0f;
     return;

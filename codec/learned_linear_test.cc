@@ -11,6 +11,7 @@
 
 #include "codec/block_codec.h"
 #include "codec/crc32c.h"
+#include "codec/fast_residual.h"
 #include "codec/predictor_state.h"
 #include "codec/predictor_state_internal.h"
 #include "codec/testing_blocks.h"
@@ -205,6 +206,74 @@ TEST(LearnedLinearTest, LinearBlocksNeedTheWeightsAndMalformedParamsAreDataLoss)
     }
   }
   EXPECT_GT(checked, 0);
+}
+
+// The per-head layout (flags bit 3, 4-bit codes) decodes the same as the per-plane bitmap the
+// encoder wrote: every block's params are rewritten into it and must decode bit-identically.
+TEST(LearnedLinearTest, WideCodesDecodeLikeTheLinearPlaneBitmap) {
+  const auto state = TrainState(7, {});
+  const TokenBlocks gen = Load("genesis_1-3");
+  const BlockGeometry& g = gen.real.geometry;
+  const size_t planes = 2 * g.num_layers, H = g.num_kv_heads;
+  int rewritten = 0;
+  for (size_t b = 0; b < gen.real.blocks.size(); ++b) {
+    const PredictionContext ctx = Context(gen, b, state.get());
+    internal::FastOutput f;
+    ASSERT_TRUE(internal::EncodeFastResidual(g, gen.real.blocks[b], Fast(0.173), ctx, &f).ok());
+    const std::string& p = f.params;
+    const uint8_t flags = static_cast<uint8_t>(p[1]);
+    if ((flags & (4 | 16)) != (4 | 16)) continue;  // not the bitmap layout
+    std::vector<uint8_t> want(g.num_bytes()), got(g.num_bytes());
+    ASSERT_TRUE(internal::DecodeFastResidual(g, p, f.payload, absl::MakeSpan(want), ctx).ok());
+    size_t at = 6;
+    const size_t bm = (planes + 7) / 8;
+    std::vector<uint8_t> zero(planes, 0), linear(planes, 0);
+    auto bit = [&](size_t base, size_t pl) {
+      return (static_cast<uint8_t>(p[base + pl / 8]) >> (pl % 8)) & 1;
+    };
+    std::string out = p.substr(0, 6);
+    out[1] = static_cast<char>((flags & ~(4 | 16)) | 8);
+    if (flags & 2) {
+      for (size_t pl = 0; pl < planes; ++pl) zero[pl] = bit(at, pl);
+      out += p.substr(at, bm);
+      at += bm;
+    }
+    for (size_t pl = 0; pl < planes; ++pl) linear[pl] = bit(at, pl);
+    at += bm;  // the linear bitmap is dropped
+    if (flags & 32) out += p.substr(at, bm), at += bm;
+    auto varint = [&] {
+      while (static_cast<uint8_t>(p[at]) & 128) ++at;
+      ++at;
+    };
+    for (size_t pl = 0; pl < planes; ++pl) {
+      const size_t from = at;
+      if (!zero[pl]) at += 2;  // step
+      out += p.substr(from, at - from);
+      const uint8_t c = linear[pl] ? 4 : 3;
+      for (size_t h = 0; h < H; h += 2)
+        out.push_back(static_cast<char>(c | (h + 1 < H ? c << 4 : 0)));
+      const size_t rest = at;
+      if (!zero[pl]) {
+        varint();            // bucket bits
+        if (!(flags & 1)) {  // its table: u8 n, then n - 1 frequencies
+          const size_t n = static_cast<uint8_t>(p[at++]);
+          for (size_t k = 0; k + 1 < n; ++k) varint();
+        }
+      }
+      out += p.substr(rest, at - rest);
+    }
+    out += p.substr(at);
+    ASSERT_TRUE(internal::DecodeFastResidual(g, out, f.payload, absl::MakeSpan(got), ctx).ok());
+    EXPECT_EQ(got, want) << "block " << b;
+    ++rewritten;
+    // A code past 4, or a nonzero pad nibble, is DATA_LOSS.
+    std::string bad = out;
+    const size_t first_code =
+        6 + ((flags & 2) ? bm : 0) + ((flags & 32) ? bm : 0) + (zero[0] ? 0 : 2);
+    bad[first_code] = static_cast<char>(0x35);
+    EXPECT_FALSE(internal::DecodeFastResidual(g, bad, f.payload, absl::MakeSpan(got), ctx).ok());
+  }
+  EXPECT_GT(rewritten, 0);
 }
 
 TEST(LearnedLinearTest, JacobiEigenDecomposesASymmetricMatrix) {

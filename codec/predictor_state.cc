@@ -1,6 +1,7 @@
 #include "codec/predictor_state.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -321,14 +322,14 @@ class State final : public PredictorState {
   void CosSinTable(uint32_t first_position, size_t T, const std::vector<float>** cs,
                    const std::vector<float>** sn) const {
     struct Cache {
-      const State* state = nullptr;
+      uint64_t state = 0;  // State::id_ (never a pointer: a freed state's address is reused)
       uint32_t first = 0;
       std::vector<float> cs, sn;
     };
     thread_local Cache cache;
     const size_t P = d_.geometry.head_dim / 2;
-    if (cache.state != this || cache.first != first_position || cache.cs.size() != T * P) {
-      cache.state = nullptr;
+    if (cache.state != id_ || cache.first != first_position || cache.cs.size() != T * P) {
+      cache.state = 0;
       cache.cs.resize(T * P);
       cache.sn.resize(T * P);
       for (size_t t = 0; t < T; ++t) {
@@ -340,13 +341,15 @@ class State final : public PredictorState {
           cache.sn[t * P + i] = static_cast<float>(s);
         }
       }
-      cache.state = this;
+      cache.state = id_;
       cache.first = first_position;
     }
     *cs = &cache.cs;
     *sn = &cache.sn;
   }
 
+  static inline std::atomic<uint64_t> next_id_{0};
+  const uint64_t id_ = ++next_id_;  // unique per State in the process (the cos / sin cache key)
   const StateData d_;
   const size_t V_;
   std::vector<double> thetas_;              // per channel pair
