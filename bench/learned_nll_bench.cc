@@ -8,7 +8,7 @@
 // pass) and the continuation scored; the baseline loads the dump's own (fp16) KV the same way.
 //
 //   learned_nll_bench [--dumps=build/learned_dumps] [--model=GGUF] [--block_tokens=16]
-//                     [--only=SUBSTRING of the setting names, e.g. "learned fast"]
+//                     [--only="learned fast @0.173,before @0.173"]
 //
 // ΔNLL % = 100 * (sum of continuation surprisal from decoded KV - the same from the dump's KV) /
 // the latter, pooled over every window; s.e. from the per-window ΔNLL spread.
@@ -79,9 +79,10 @@ struct Row {
 Row Evaluate(const worker::LlamaModel& model, const BlockGeometry& g,
              const std::vector<Window>& windows, const std::vector<double>& baseline,
              const std::string& name, Profile profile, double target, const PredictorState* state,
-             KeyError key_error, uint32_t predictors) {
+             KeyError key_error, uint32_t predictors, bool klt) {
   EncodeOptions o;
   o.predictors = predictors;
+  o.klt = klt;
   o.key_error = key_error;
   o.encoding = Encoding::kResidual;
   o.profile = profile;
@@ -170,6 +171,7 @@ int Main(int argc, char** argv) {
     bool learned;
     KeyError key_error = KeyError::kRaw;
     uint32_t predictors = kAllPredictors;
+    bool klt = true;
   };
   constexpr uint32_t kNoLinear =
       kAllPredictors & ~(1u << static_cast<int>(Predictor::kTokenMeanLinear));
@@ -191,15 +193,27 @@ int Main(int argc, char** argv) {
       {"learned fast, keys mean-removed", Profile::kFast, 0.3, true, KeyError::kMeanRemoved},
       {"learned fast", Profile::kFast, 0.7, true},
       // The cross-layer linear predictor masked off (what main coded with the same state).
-      {"learned fast, no linear", Profile::kFast, 0.173, true, KeyError::kRaw, kNoLinear},
-      {"learned fast, no linear", Profile::kFast, 0.3, true, KeyError::kRaw, kNoLinear},
+      {"learned fast, before (no linear, no KLT)", Profile::kFast, 0.173, true, KeyError::kRaw,
+       kNoLinear, false},
+      {"learned fast, before (no linear, no KLT)", Profile::kFast, 0.3, true, KeyError::kRaw,
+       kNoLinear, false},
   };
-  // --only=SUBSTRING: only the settings whose name contains it (e.g. "learned fast").
+  // --only=A,B: only the settings whose label ("name @target", e.g. "learned fast @0.173")
+  // contains one of the comma-separated substrings.
   const std::string only = Flag(argc, argv, "only", "");
   for (const S& s : settings) {
-    if (!only.empty() && std::string(s.name).find(only) == std::string::npos) continue;
+    char label[160];
+    std::snprintf(label, sizeof(label), "%s @%.3f", s.name, s.target);
+    bool wanted = only.empty();
+    for (size_t at = 0; !wanted && at <= only.size();) {
+      size_t comma = only.find(',', at);
+      if (comma == std::string::npos) comma = only.size();
+      wanted = std::string(label).find(only.substr(at, comma - at)) != std::string::npos;
+      at = comma + 1;
+    }
+    if (!wanted) continue;
     const Row r = Evaluate(**model, g, windows, baseline, s.name, s.p, s.target,
-                           s.learned ? state.get() : nullptr, s.key_error, s.predictors);
+                           s.learned ? state.get() : nullptr, s.key_error, s.predictors, s.klt);
     std::printf("| %s @%.3f | %.3f | %.1fx | %+.3f | %.3f |\n", s.name, s.target, r.bpc,
                 16.0 / r.bpc, r.delta_pct, r.se_pct);
     std::fflush(stdout);
