@@ -75,6 +75,9 @@ struct PlaneCode {
   // The cost model's bits of the best non-learned predictor per head minus those of the chosen
   // one (at the first step; > 0 only when a learned predictor was chosen).
   double learned_saved_bits = 0;
+  // The cost model's bits the linear predictor and the KLT saved on this plane (> 0 only when
+  // used): the block is coded again without them when these do not pay for their signalling.
+  double extra_gain_bits = 0;
 };
 
 struct Scratch {
@@ -140,6 +143,7 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
   pc->sse = 0;
   pc->max_abs = 0;
   pc->learned_saved_bits = 0;
+  pc->extra_gain_bits = 0;
   pc->use_klt = false;
   if (energy == 0) {
     pc->step = 1.0f;
@@ -165,7 +169,7 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
   // Predictors from an open-loop L1 estimate of the bits at the first step. With a linear
   // candidate, a plane's heads share one code (3 or 4: one bit per plane in the params) unless
   // choosing per head saves more than the 4-bit codes cost (4 bits per head).
-  double uniform[2] = {0, 0}, mixed = 4.0 * n.H, plain = 0;
+  double uniform[2] = {0, 0}, mixed = 4.0 * n.H, plain = 0, no_linear = 0;
   std::vector<double> chosen_bits(n.H);
   for (size_t h = 0; h < n.H; ++h) {
     const float* xh = x + h * he;
@@ -203,7 +207,8 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
           he * std::log2(1.0 + 2.0 * l1[p] / (he * step)) + (p == kPredMean ? 16.0 * D : 0);
       if (bits < best) best = bits, pc->pred[h] = p;
       if (p >= kPredToken) uniform[p - kPredToken] += bits;
-      if (p == kPredTemporal) plain += best;  // the best of none, channel mean, temporal
+      if (p == kPredTemporal) plain += best;   // the best of none, channel mean, temporal
+      if (p == kPredToken) no_linear += best;  // ... and of the token mean
     }
     mixed += best;
     chosen_bits[h] = best;
@@ -218,6 +223,9 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
     }
   }
   pc->learned_saved_bits = std::max(0.0, plain - chosen);
+  bool linear_used = false;
+  for (uint8_t c : pc->pred) linear_used |= c == kPredLinear;
+  pc->extra_gain_bits = linear_used ? std::max(0.0, no_linear - chosen) : 0.0;
   // The KLT of the learned heads, if the cost model says it saves more than its bitmap bit.
   pc->use_klt = false;
   if (pc->klt != nullptr) {
@@ -237,6 +245,7 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
       with += he * std::log2(1.0 + 2.0 * l1z / (he * step));
     }
     pc->use_klt = with + 1.0 < without;
+    if (pc->use_klt) pc->extra_gain_bits += without - with;
   }
   const float guess = step;
   if (*hint > 0) step = std::max(Bf16Round(guess * *hint * 0.995f), min_step);
@@ -355,6 +364,7 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   bool any_linear = false;               // some head chose kPredLinear
   std::vector<uint8_t> klt_plane(planes, 0);
   bool any_klt = false;
+  double extra_gain_bits = 0;  // what the cost model says codes 4 and the KLT saved
   std::string means_out;
   double sse[2] = {0, 0}, energy[2] = {0, 0};
   out->max_abs_error = 0;
@@ -381,6 +391,7 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
     sse[side] += pc.sse;
     energy[side] += pc.energy;
     out->learned_saved_bits += pc.learned_saved_bits;
+    extra_gain_bits += pc.extra_gain_bits;
     out->max_abs_error = std::max(out->max_abs_error, pc.max_abs);
     // Symbols and bucket offsets (none for an all-zero plane).
     zero[pl] = std::all_of(pc.q.begin(), pc.q.end(), [](int32_t v) { return v == 0; });
@@ -546,6 +557,23 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
     std::memcpy(pay.data() + 4 * sg, &size, 4);
   }
   bits.Finish(&pay);
+  // Codes 4 and the KLT cost their signalling (bitmaps or 4-bit codes: 4-8 bytes at stories260K),
+  // which the per-plane cost model does not see. When what it says they saved does not cover
+  // 4x that, the block is also coded without them and the smaller kept (tiny blocks at high
+  // targets, where the bitmaps are several % of the block).
+  if (any_linear || any_klt) {
+    const double signal_bits =
+        8.0 * ((linear_planes ? (planes + 7) / 8 : 0) + (any_klt ? (planes + 7) / 8 : 0) +
+               (wide ? planes * ((n.H + 1) / 2) : 0));
+    if (extra_gain_bits < 4 * signal_bits) {
+      EncodeOptions plain = o;
+      plain.predictors &= ~(1u << static_cast<int>(Predictor::kTokenMeanLinear));
+      plain.klt = false;
+      FastOutput alt;
+      if (auto st = EncodeFastResidual(g, kv, plain, context, &alt); !st.ok()) return st;
+      if (alt.params.size() + alt.payload.size() <= p.size() + pay.size()) *out = std::move(alt);
+    }
+  }
   return absl::OkStatus();
 }
 
