@@ -5,7 +5,7 @@
 // (split into train / test BY TEXT, bench/texts/split.tsv). The state is learned from the
 // training dumps only; every number is measured on the test dumps.
 //
-//   learned_bench [--dumps=build/learned_dumps] [--block_tokens=16] [--repeats=5]
+//   learned_bench [--dumps=build/learned_dumps] [--block_tokens=16] [--repeats=5] [--section=6]
 //
 // Tables (bits/component = 8 * encoded bytes / components, envelope included; the state itself
 // is side data shared by the whole store and is reported separately):
@@ -41,16 +41,24 @@ using Clock = std::chrono::steady_clock;
 struct Result {
   double bpc = 0, rel_k = 0, rel_v = 0;
   double learned_share = 0;  // share of (layer, K/V, head) groups that chose a learned predictor
+  double linear_share = 0;   // ... that chose kTokenMeanLinear
+  double saved_share = 0;    // EncodedBlock::learned_bytes_saved / (bytes + saved)
 };
+
+constexpr uint32_t kNoLinear =
+    kAllPredictors & ~(1u << static_cast<int>(Predictor::kTokenMeanLinear));
 
 // Bits and errors over `texts` (errors: pooled over every block).
 Result Measure(const BlockGeometry& g, const std::vector<Text>& texts, Profile profile,
-               double target, const PredictorState* state) {
+               double target, const PredictorState* state, uint32_t predictors = kAllPredictors,
+               bool klt = true) {
   EncodeOptions o;
   o.encoding = Encoding::kResidual;
   o.profile = profile;
   o.target_rel_rms = target;
-  double bytes = 0, comps = 0, ek = 0, ev = 0, groups = 0, learned = 0;
+  o.predictors = predictors;
+  o.klt = klt;
+  double bytes = 0, comps = 0, ek = 0, ev = 0, groups = 0, learned = 0, linear = 0, saved = 0;
   for (const Text& t : texts) {
     for (const Block& b : t.blocks) {
       auto e = EncodeBlock(g, b.kv, o, ContextOf(b, state));
@@ -59,12 +67,14 @@ Result Measure(const BlockGeometry& g, const std::vector<Text>& texts, Profile p
         std::exit(1);
       }
       bytes += e->bytes.size();
+      saved += e->learned_bytes_saved;
       comps += g.num_elements();
       ek += e->rel_rms_error_k * e->rel_rms_error_k;
       ev += e->rel_rms_error_v * e->rel_rms_error_v;
       for (int kv = 0; kv < 2; ++kv) {
         for (int p = 0; p < kNumPredictors; ++p) groups += e->predictor_count[kv][p];
         learned += e->predictor_count[kv][static_cast<int>(Predictor::kTokenMean)];
+        linear += e->predictor_count[kv][static_cast<int>(Predictor::kTokenMeanLinear)];
       }
     }
   }
@@ -74,7 +84,9 @@ Result Measure(const BlockGeometry& g, const std::vector<Text>& texts, Profile p
   r.bpc = 8 * bytes / comps;
   r.rel_k = std::sqrt(ek / nb);
   r.rel_v = std::sqrt(ev / nb);
-  r.learned_share = groups > 0 ? learned / groups : 0;
+  r.learned_share = groups > 0 ? (learned + linear) / groups : 0;
+  r.linear_share = groups > 0 ? linear / groups : 0;
+  r.saved_share = saved / (bytes + saved);
   return r;
 }
 
@@ -85,11 +97,14 @@ double Median(std::vector<double> v) {
 
 // Encode and decode MB/s (fp16 input bytes), median of `repeats` passes over every test block.
 void Throughput(const BlockGeometry& g, const std::vector<Text>& texts, Profile profile,
-                const PredictorState* state, int repeats, double* enc_mbs, double* dec_mbs) {
+                const PredictorState* state, int repeats, double* enc_mbs, double* dec_mbs,
+                uint32_t predictors = kAllPredictors, bool klt = true) {
   EncodeOptions o;
   o.encoding = Encoding::kResidual;
   o.profile = profile;
   o.target_rel_rms = 0.173;
+  o.predictors = predictors;
+  o.klt = klt;
   std::vector<std::string> encoded;
   std::vector<const Block*> blocks;
   for (const Text& t : texts)
@@ -261,6 +276,51 @@ int Main(int argc, char** argv) {
   std::printf("state: %s; serialized %zu bytes\n\n", state->Describe().c_str(),
               state->Serialize().size());
 
+  // Section 6 (the cross-layer linear predictors and the KLT); --section=6 runs only it.
+  auto section6 = [&] {
+    std::printf(
+        "\n## 6. Cross-layer linear predictors and the KLT, fast profile, same state\n\n"
+        "before: the state's token / pair means only (kTokenMeanLinear masked off, no KLT, what\n"
+        "main coded); + linear: the ridge-fitted prediction from the two planes below may be\n"
+        "chosen per plane / head; + KLT: a plane's learned heads may also be coded in the state's\n"
+        "basis. saved: the encoder's estimate of what the learned predictors saved against the\n"
+        "best non-learned predictor (EncodedBlock::learned_bytes_saved), share of that cost.\n\n");
+    std::printf(
+        "| target rel RMS | before | + linear | + linear + KLT | change | relK / relV | linear "
+        "share of heads | saved |\n|---|---|---|---|---|---|---|---|\n");
+    for (double target : {0.1, 0.173, 0.316}) {
+      const Result a = Measure(g, test, Profile::kFast, target, state.get(), kNoLinear, false);
+      const Result b = Measure(g, test, Profile::kFast, target, state.get(), kAllPredictors, false);
+      const Result c = Measure(g, test, Profile::kFast, target, state.get());
+      std::printf("| %.3f | %.3f | %.3f | %.3f | %+.1f %% | %.3f / %.3f | %.0f %% | %.0f %% |\n",
+                  target, a.bpc, b.bpc, c.bpc, 100 * (c.bpc / a.bpc - 1), c.rel_k, c.rel_v,
+                  100 * c.linear_share, 100 * c.saved_share);
+    }
+    std::printf("\n| fast, 0.173, median of %d | encode MB/s | decode MB/s |\n|---|---|---|\n",
+                repeats);
+    struct Config {
+      const char* name;
+      bool state;
+      uint32_t mask;
+      bool klt;
+    };
+    const Config configs[] = {{"no state", false, kAllPredictors, true},
+                              {"learned (before)", true, kNoLinear, false},
+                              {"learned + linear", true, kAllPredictors, false},
+                              {"learned + linear + KLT", true, kAllPredictors, true}};
+    for (int round = 0; round < 2; ++round) {  // interleaved: the machine is shared
+      for (const Config& c : configs) {
+        double e = 0, d = 0;
+        Throughput(g, test, Profile::kFast, c.state ? state.get() : nullptr, repeats, &e, &d,
+                   c.mask, c.klt);
+        std::printf("| %s (round %d) | %.1f | %.1f |\n", c.name, round + 1, e, d);
+      }
+    }
+  };
+  if (Flag(argc, argv, "section", "") == "6") {
+    section6();
+    return 0;
+  }
   std::printf("## 1. Held-out bits/component vs target (relK, relV: pooled errors met)\n\n");
   std::printf(
       "| profile | target rel RMS | today's predictors | with learned state | ratio | "
@@ -326,6 +386,7 @@ int Main(int argc, char** argv) {
                 a.bpc, b.bpc);
   }
 
+  section6();
   std::printf(
       "\n## 5. Headroom: cross-layer linear prediction of the learned residual (open loop)\n\n"
       "Share of the held-out residual energy (x - learned prediction) of V_l left after a ridge\n"

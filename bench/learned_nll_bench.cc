@@ -8,6 +8,7 @@
 // pass) and the continuation scored; the baseline loads the dump's own (fp16) KV the same way.
 //
 //   learned_nll_bench [--dumps=build/learned_dumps] [--model=GGUF] [--block_tokens=16]
+//                     [--only="learned fast @0.173,before @0.173"]
 //
 // ΔNLL % = 100 * (sum of continuation surprisal from decoded KV - the same from the dump's KV) /
 // the latter, pooled over every window; s.e. from the per-window ΔNLL spread.
@@ -78,8 +79,10 @@ struct Row {
 Row Evaluate(const worker::LlamaModel& model, const BlockGeometry& g,
              const std::vector<Window>& windows, const std::vector<double>& baseline,
              const std::string& name, Profile profile, double target, const PredictorState* state,
-             KeyError key_error) {
+             KeyError key_error, uint32_t predictors, bool klt) {
   EncodeOptions o;
+  o.predictors = predictors;
+  o.klt = klt;
   o.key_error = key_error;
   o.encoding = Encoding::kResidual;
   o.profile = profile;
@@ -167,7 +170,11 @@ int Main(int argc, char** argv) {
     double target;
     bool learned;
     KeyError key_error = KeyError::kRaw;
+    uint32_t predictors = kAllPredictors;
+    bool klt = true;
   };
+  constexpr uint32_t kNoLinear =
+      kAllPredictors & ~(1u << static_cast<int>(Predictor::kTokenMeanLinear));
   const S settings[] = {
       {"today fast", Profile::kFast, 0.05, false},
       {"today fast", Profile::kFast, 0.1, false},
@@ -185,10 +192,28 @@ int Main(int argc, char** argv) {
       {"learned fast, keys mean-removed", Profile::kFast, 0.173, true, KeyError::kMeanRemoved},
       {"learned fast, keys mean-removed", Profile::kFast, 0.3, true, KeyError::kMeanRemoved},
       {"learned fast", Profile::kFast, 0.7, true},
+      // The cross-layer linear predictor masked off (what main coded with the same state).
+      {"learned fast, before (no linear, no KLT)", Profile::kFast, 0.173, true, KeyError::kRaw,
+       kNoLinear, false},
+      {"learned fast, before (no linear, no KLT)", Profile::kFast, 0.3, true, KeyError::kRaw,
+       kNoLinear, false},
   };
+  // --only=A,B: only the settings whose label ("name @target", e.g. "learned fast @0.173")
+  // contains one of the comma-separated substrings.
+  const std::string only = Flag(argc, argv, "only", "");
   for (const S& s : settings) {
+    char label[160];
+    std::snprintf(label, sizeof(label), "%s @%.3f", s.name, s.target);
+    bool wanted = only.empty();
+    for (size_t at = 0; !wanted && at <= only.size();) {
+      size_t comma = only.find(',', at);
+      if (comma == std::string::npos) comma = only.size();
+      wanted = std::string(label).find(only.substr(at, comma - at)) != std::string::npos;
+      at = comma + 1;
+    }
+    if (!wanted) continue;
     const Row r = Evaluate(**model, g, windows, baseline, s.name, s.p, s.target,
-                           s.learned ? state.get() : nullptr, s.key_error);
+                           s.learned ? state.get() : nullptr, s.key_error, s.predictors, s.klt);
     std::printf("| %s @%.3f | %.3f | %.1fx | %+.3f | %.3f |\n", s.name, s.target, r.bpc,
                 16.0 / r.bpc, r.delta_pct, r.se_pct);
     std::fflush(stdout);

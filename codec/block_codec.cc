@@ -121,6 +121,8 @@ absl::string_view PredictorName(Predictor predictor) {
       return "external";
     case Predictor::kTokenMean:
       return "token_mean";
+    case Predictor::kTokenMeanLinear:
+      return "token_mean_linear";
   }
   return "unknown";
 }
@@ -250,6 +252,7 @@ absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
     absl::Status s = internal::EncodeFastResidual(geometry, kv, options, context, &fast);
     if (s.ok()) {
       result.predictor_version = fast.uses_learned ? context.learned->version() : 0;
+      result.learned_bytes_saved = fast.uses_learned ? fast.learned_saved_bits / 8 : 0;
       result.bytes =
           internal::WriteEnvelope(Encoding::kResidual, geometry, 0, fast.params, fast.payload,
                                   Profile::kFast, result.predictor_version);

@@ -69,8 +69,12 @@ enum class Predictor : uint8_t {
   // rotated at first_position + t). Needs context.learned and context.tokens (and the same
   // previous_token at encode and decode); the block then names the state's version.
   kTokenMean = 6,
+  // Learned, cross-layer (FAST profile only): kTokenMean plus the state's ridge-fitted linear
+  // prediction of the plane's residual from the two planes before it in the block, as decoded
+  // (PredictorState::PredictLinear; needs a state with HasLinear(plane)). codec/FORMAT.md.
+  kTokenMeanLinear = 7,
 };
-inline constexpr int kNumPredictors = 7;
+inline constexpr int kNumPredictors = 8;
 absl::string_view PredictorName(Predictor predictor);
 // Bit mask of every predictor, for EncodeOptions::predictors.
 inline constexpr uint32_t kAllPredictors = (1u << kNumPredictors) - 1;
@@ -150,6 +154,9 @@ struct EncodeOptions {
   // kResidual: what target_rel_rms means for keys (KeyError). EncodedBlock::rel_rms_error_k
   // always reports the raw-energy error.
   KeyError key_error = KeyError::kRaw;
+  // kResidual FAST with a learned state that has KLT bases (PredictorState::Klt): the encoder may
+  // code a plane's learned heads in the basis (chosen per plane by its cost model; FORMAT.md).
+  bool klt = true;
 };
 
 // What the codec may need besides the encoded bytes. Spans are empty when absent. Blocks are in the
@@ -190,6 +197,11 @@ struct EncodedBlock {
   uint32_t predictor_count[2][kNumPredictors] = {};
   // The learned state the block is coded against (BlockHeader::predictor_version; 0 = none).
   uint32_t predictor_version = 0;
+  // What the learned predictors bought (FAST kResidual with a state; 0 otherwise): the bytes the
+  // block would have cost with the best non-learned predictor per head minus what it costs with
+  // the chosen ones, from the encoder's cost model at each plane's first step (an estimate: the
+  // block is not encoded twice). Bytes, >= 0.
+  double learned_bytes_saved = 0;
 };
 
 // Encodes `kv` (exactly geometry.num_bytes() bytes). Errors: INVALID_ARGUMENT naming the field if

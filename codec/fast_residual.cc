@@ -12,6 +12,7 @@
 #endif
 
 #include "absl/strings/str_cat.h"
+#include "codec/fast_residual_format.h"
 #include "codec/fast_residual_kernels.h"
 #include "codec/little_endian.h"
 #include "codec/predictor_state.h"
@@ -23,34 +24,20 @@ namespace kvtrie {
 namespace internal {
 namespace {
 
-using namespace fast;  // NOLINT: the profile's own kernels
+using namespace fast;         // NOLINT: the profile's own kernels
+using namespace fast_format;  // NOLINT: its params layout
 using residual::Bf16Round;
 using residual::Dims;
 
-constexpr uint8_t kFlagSharedTables = 1;  // params flags: one table per K/V, after the planes
-// ... and a bitmap of the planes whose quantized residual is all zero: they have no step, bucket
-// bit count, table or symbols (x' is the prediction).
-constexpr uint8_t kFlagZeroPlanes = 2;
-// ... every head of every plane uses the learned predictor (code 3): no predictor bytes.
-constexpr uint8_t kFlagAllLearned = 4;
 constexpr size_t kMinSegmentSymbols = 65536;  // planes are grouped into segments of >= this
-// ... but of at most this many planes: a decoder holds a 16 KiB table per plane of a segment.
-constexpr size_t kMaxSegmentPlanes = 64;
-constexpr size_t kMinLaneSymbols = 1024;  // a lane's 4-byte state is < 0.4 % of its bits
-constexpr float kDeadZoneOffset = 0.1f;   // as the compact profile (residual_codec.cc)
+constexpr size_t kMinLaneSymbols = 1024;      // a lane's 4-byte state is < 0.4 % of its bits
+constexpr float kDeadZoneOffset = 0.1f;       // as the compact profile (residual_codec.cc)
 constexpr double kDeadZoneFrom = 0.1;
 constexpr int kMaxSearchPasses = 12;
 
-constexpr Predictor kPredictorOf[4] = {Predictor::kNone, Predictor::kChannelMean,
-                                       Predictor::kTemporal, Predictor::kTokenMean};
-
-struct Layout {
-  size_t planes_per_segment = 1;
-  int lanes = 1;
-  size_t num_segments(size_t planes) const {
-    return (planes + planes_per_segment - 1) / planes_per_segment;
-  }
-};
+constexpr Predictor kPredictorOf[5] = {Predictor::kNone, Predictor::kChannelMean,
+                                       Predictor::kTemporal, Predictor::kTokenMean,
+                                       Predictor::kTokenMeanLinear};
 
 // `planes`: how many planes have symbols (0: no segments; lanes and planes_per_segment are 1).
 Layout ChooseLayout(const Dims& n, size_t planes) {
@@ -79,18 +66,29 @@ struct PlaneCode {
   std::vector<uint8_t> pred;       // per head
   std::vector<float> means;        // per head x D, fp16-exact (only mean heads are sent)
   const float* learned = nullptr;  // the plane's kTokenMean prediction [H][T][D], or null
+  const float* linear = nullptr;   // its kTokenMeanLinear prediction [H][T][D], or null
+  const float* klt = nullptr;      // the state's KLT bases of the plane [H][D][D], or null
+  bool use_klt = false;            // its learned heads are coded as z = U^T (x - pred)
+  std::vector<float> z;            // [H][T][D]: z of the learned heads (use_klt)
   std::vector<int32_t> q;          // plane_elems
   double sse = 0, energy = 0, max_abs = 0;
+  // The cost model's bits of the best non-learned predictor per head minus those of the chosen
+  // one (at the first step; > 0 only when a learned predictor was chosen).
+  double learned_saved_bits = 0;
+  // The cost model's bits the linear predictor and the KLT saved on this plane (> 0 only when
+  // used): the block is coded again without them when these do not pay for their signalling.
+  double extra_gain_bits = 0;
 };
 
 struct Scratch {
-  std::vector<float> x, rec, rt, zeros, l1;
+  std::vector<float> x, rec, rt, zeros, l1, zero_head, qf;
   std::vector<int32_t> q;
   std::vector<uint8_t> dt;
 };
 
 // The kernels' `mean` argument of head h: its channel means, or its [T][D] token-mean prediction.
 const float* HeadSide(const Dims& n, const PlaneCode& pc, size_t h) {
+  if (pc.pred[h] == kPredLinear) return pc.linear + h * n.head_elems();
   return pc.pred[h] == kPredToken ? pc.learned + h * n.head_elems() : pc.means.data() + h * n.D;
 }
 
@@ -98,19 +96,27 @@ const float* HeadSide(const Dims& n, const PlaneCode& pc, size_t h) {
 double QuantizePlane(const Dims& n, DType dtype, const float* x, const PlaneCode& pc, float step,
                      float dz, Scratch* s, int32_t* q, double* max_abs) {
   const size_t he = n.head_elems();
-  if (dtype == DType::kFp16 && n.D % 8 == 0 && HasAvx2F16c()) {
+  if (dtype == DType::kFp16 && n.D % 8 == 0 && HasAvx2F16c() && !pc.use_klt) {
     double sse = 0;
     float mx = 0;
     for (size_t h = 0; h < n.H; ++h) {
-      sse += QuantizeHeadFp16(x + h * he, n.T, n.D, pc.pred[h], HeadSide(n, pc, h), s->zeros.data(),
-                              step, dz, q + h * he, s->rec.data() + h * he, &mx);
+      sse += QuantizeHeadFp16(x + h * he, n.T, n.D, KernelCode(pc.pred[h]), HeadSide(n, pc, h),
+                              s->zeros.data(), step, dz, q + h * he, s->rec.data() + h * he, &mx);
     }
     *max_abs = mx;
     return sse;
   }
   for (size_t h = 0; h < n.H; ++h) {
-    QuantizeHead(x + h * he, n.T, n.D, pc.pred[h], HeadSide(n, pc, h), s->zeros.data(), step, dz,
-                 q + h * he, s->rec.data() + h * he);
+    if (pc.use_klt && pc.pred[h] >= kPredToken) {  // q of z; x' = pred + U (q * step)
+      QuantizeHead(pc.z.data() + h * he, n.T, n.D, kPredToken, s->zero_head.data(), s->zeros.data(),
+                   step, dz, q + h * he, s->rec.data() + h * he);
+      for (size_t i = 0; i < he; ++i) s->qf[i] = static_cast<float>(q[h * he + i]);
+      KltReconHead(s->qf.data(), HeadSide(n, pc, h), pc.klt + h * n.D * n.D, n.T, n.D, step,
+                   s->l1.data(), s->rec.data() + h * he);
+      continue;
+    }
+    QuantizeHead(x + h * he, n.T, n.D, KernelCode(pc.pred[h]), HeadSide(n, pc, h), s->zeros.data(),
+                 step, dz, q + h * he, s->rec.data() + h * he);
   }
   const size_t pe = n.plane_elems();
   FromFloat(dtype, s->rec.data(), pe, s->dt.data());
@@ -136,6 +142,9 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
   pc->energy = energy;
   pc->sse = 0;
   pc->max_abs = 0;
+  pc->learned_saved_bits = 0;
+  pc->extra_gain_bits = 0;
+  pc->use_klt = false;
   if (energy == 0) {
     pc->step = 1.0f;
     return;
@@ -157,7 +166,11 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
   const float min_step = std::max(2.0f * max_x / kMaxQ, 1e-30f);
   float step =
       Bf16Round(std::max(static_cast<float>(target * std::sqrt(12.0 * ref / pe)), min_step));
-  // Predictors from an open-loop L1 estimate of the bits at the first step.
+  // Predictors from an open-loop L1 estimate of the bits at the first step. With a linear
+  // candidate, a plane's heads share one code (3 or 4: one bit per plane in the params) unless
+  // choosing per head saves more than the 4-bit codes cost (4 bits per head).
+  double uniform[2] = {0, 0}, mixed = 4.0 * n.H, plain = 0, no_linear = 0;
+  std::vector<double> chosen_bits(n.H);
   for (size_t h = 0; h < n.H; ++h) {
     const float* xh = x + h * he;
     float* m = pc->means.data() + h * D;
@@ -165,8 +178,8 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
       for (size_t d = 0; d < D; ++d) m[d] += xh[t * D + d];
     for (size_t d = 0; d < D; ++d) m[d] = HalfToFloat(FloatToHalf(m[d] / n.T));
     // Per-channel partial sums (the inner loop vectorizes), then their total.
-    float* acc = s->l1.data();  // [4][D]
-    std::fill(acc, acc + 4 * D, 0.0f);
+    float* acc = s->l1.data();  // [5][D]
+    std::fill(acc, acc + 5 * D, 0.0f);
     for (size_t t = 0; t < n.T; ++t) {
       const float* row = xh + t * D;
       const float* prev = t ? row - D : s->zeros.data();
@@ -176,12 +189,16 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
         acc[2 * D + d] += std::fabs(row[d] - prev[d]);
       }
     }
-    const int num_preds = pc->learned ? 4 : 3;
+    const int num_preds = pc->linear ? 5 : pc->learned ? 4 : 3;
     if (pc->learned) {
       const float* lh = pc->learned + h * he;
       for (size_t i = 0; i < he; ++i) acc[3 * D + i % D] += std::fabs(xh[i] - lh[i]);
     }
-    double l1[4] = {0, 0, 0, 0};
+    if (pc->linear) {
+      const float* lh = pc->linear + h * he;
+      for (size_t i = 0; i < he; ++i) acc[4 * D + i % D] += std::fabs(xh[i] - lh[i]);
+    }
+    double l1[5] = {0, 0, 0, 0, 0};
     for (int p = 0; p < num_preds; ++p)
       for (size_t d = 0; d < D; ++d) l1[p] += acc[p * D + d];
     double best = INFINITY;
@@ -189,7 +206,46 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
       const double bits =
           he * std::log2(1.0 + 2.0 * l1[p] / (he * step)) + (p == kPredMean ? 16.0 * D : 0);
       if (bits < best) best = bits, pc->pred[h] = p;
+      if (p >= kPredToken) uniform[p - kPredToken] += bits;
+      if (p == kPredTemporal) plain += best;   // the best of none, channel mean, temporal
+      if (p == kPredToken) no_linear += best;  // ... and of the token mean
     }
+    mixed += best;
+    chosen_bits[h] = best;
+  }
+  double chosen = 0;
+  for (double b : chosen_bits) chosen += b;
+  if (pc->linear) {
+    const double u = std::min(uniform[0], uniform[1]) + 1.0;
+    if (u <= mixed) {
+      pc->pred.assign(n.H, uniform[1] < uniform[0] ? kPredLinear : uint8_t{kPredToken});
+      chosen = u;
+    }
+  }
+  pc->learned_saved_bits = std::max(0.0, plain - chosen);
+  bool linear_used = false;
+  for (uint8_t c : pc->pred) linear_used |= c == kPredLinear;
+  pc->extra_gain_bits = linear_used ? std::max(0.0, no_linear - chosen) : 0.0;
+  // The KLT of the learned heads, if the cost model says it saves more than its bitmap bit.
+  pc->use_klt = false;
+  if (pc->klt != nullptr) {
+    pc->z.resize(pe);
+    double with = 0, without = 0;
+    for (size_t h = 0; h < n.H; ++h) {
+      if (pc->pred[h] < kPredToken) continue;
+      const float* side = HeadSide(n, *pc, h);
+      float* z = pc->z.data() + h * he;
+      KltForward(x + h * he, side, pc->klt + h * D * D, n.T, D, z);
+      double l1e = 0, l1z = 0;
+      for (size_t i = 0; i < he; ++i) {
+        l1e += std::fabs(x[h * he + i] - side[i]);
+        l1z += std::fabs(z[i]);
+      }
+      without += he * std::log2(1.0 + 2.0 * l1e / (he * step));
+      with += he * std::log2(1.0 + 2.0 * l1z / (he * step));
+    }
+    pc->use_klt = with + 1.0 < without;
+    if (pc->use_klt) pc->extra_gain_bits += without - with;
   }
   const float guess = step;
   if (*hint > 0) step = std::max(Bf16Round(guess * *hint * 0.995f), min_step);
@@ -266,7 +322,9 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   s.rec.resize(pe);
   s.rt.resize(pe);
   s.zeros.assign(n.D, 0.0f);
-  s.l1.resize(4 * n.D);
+  s.l1.resize(5 * n.D);
+  s.zero_head.assign(n.head_elems(), 0.0f);
+  s.qf.resize(n.head_elems());
   // The learned token-mean prediction of the whole block, when eligible.
   std::vector<float> learned;
   if (context.learned != nullptr && context.tokens.size() == n.T &&
@@ -276,7 +334,17 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
     context.learned->Predict(context.tokens, context.first_position, context.previous_token,
                              learned.data());
   }
+  // The cross-layer linear candidate (closed loop: from the planes' reconstructions, as decoded).
+  const bool linear_ok =
+      !learned.empty() && (o.predictors & (1u << static_cast<int>(Predictor::kTokenMeanLinear)));
+  const bool klt_ok = !learned.empty() && o.klt;
+  std::vector<float> residual, linear;  // [planes][pe]: reconstruction - learned; [pe]
+  if (linear_ok) {
+    residual.resize(g.num_elements());
+    linear.resize(pe);
+  }
   out->uses_learned = false;
+  out->learned_saved_bits = 0;
   s.q.resize(pe);
   s.dt.resize(pe * eb);
   // Reused per thread up to 16 MiB (no zeroing or page faults per block); larger ones are local.
@@ -287,11 +355,16 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   BitWriter bits;
   std::vector<irans::Table> tables(planes);
   std::vector<uint64_t> escape_bits(planes, 0);
-  std::vector<std::string> plane_params(planes);
+  std::vector<std::string> plane_step(planes), plane_bits(planes);  // step; bucket bit count
+  std::vector<std::vector<uint8_t>> plane_pred(planes);
   std::vector<std::array<uint32_t, irans::kMaxSymbols>> plane_counts(planes);
   std::vector<uint8_t> zero(planes, 0);  // the plane's quantized residual is all zero
   std::vector<size_t> coded;             // the other planes, in order
-  bool all_learned = true;               // every head chose kPredToken
+  bool all_learned = true;               // every head chose kPredToken or kPredLinear
+  bool any_linear = false;               // some head chose kPredLinear
+  std::vector<uint8_t> klt_plane(planes, 0);
+  bool any_klt = false;
+  double extra_gain_bits = 0;  // what the cost model says codes 4 and the KLT saved
   std::string means_out;
   double sse[2] = {0, 0}, energy[2] = {0, 0};
   out->max_abs_error = 0;
@@ -304,14 +377,45 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
     if (AnyNonFinite(s.x.data(), pe))
       return absl::FailedPreconditionError("kv: NaN or infinity (FAST profile)");
     pc.learned = learned.empty() ? nullptr : learned.data() + pl * pe;
+    pc.linear = nullptr;
+    pc.klt = klt_ok ? context.learned->Klt(pl) : nullptr;
+    if (linear_ok && context.learned->HasLinear(pl)) {
+      std::memcpy(linear.data(), pc.learned, pe * sizeof(float));
+      context.learned->PredictLinear(
+          pl, context.first_position, n.T, residual.data() + (pl - 1) * pe,
+          pl >= 2 ? residual.data() + (pl - 2) * pe : nullptr, linear.data());
+      pc.linear = linear.data();
+    }
     EncodePlane(n, g.dtype, s.x.data(), o.target_rel_rms,
                 side == 0 && o.key_error == KeyError::kMeanRemoved, &pc, &s, &hint[side]);
     sse[side] += pc.sse;
     energy[side] += pc.energy;
+    out->learned_saved_bits += pc.learned_saved_bits;
+    extra_gain_bits += pc.extra_gain_bits;
     out->max_abs_error = std::max(out->max_abs_error, pc.max_abs);
     // Symbols and bucket offsets (none for an all-zero plane).
     zero[pl] = std::all_of(pc.q.begin(), pc.q.end(), [](int32_t v) { return v == 0; });
-    std::string& pp = plane_params[pl];
+    if (linear_ok) {  // the decoder's reconstruction of the plane, minus the learned mean
+      std::vector<float> qf(n.head_elems()), rec(n.head_elems());
+      for (size_t h = 0; h < n.H; ++h) {
+        const size_t he = n.head_elems();
+        for (size_t i = 0; i < he; ++i) qf[i] = static_cast<float>(pc.q[h * he + i]);
+        const uint8_t c = pc.pred[h];
+        if (pc.use_klt && c >= kPredToken) {
+          KltReconHead(qf.data(), HeadSide(n, pc, h), pc.klt + h * n.D * n.D, n.T, n.D, pc.step,
+                       s.l1.data(), rec.data());
+        } else {
+          ReconHead(qf.data(), n.T, n.D, KernelCode(c),
+                    c == kPredMean || c >= kPredToken ? HeadSide(n, pc, h) : s.zeros.data(),
+                    s.zeros.data(), pc.step, rec.data());
+        }
+        FromFloat(g.dtype, rec.data(), he, s.dt.data());
+        ToFloat(g.dtype, s.dt.data(), he, rec.data());
+        float* r = residual.data() + pl * pe + h * he;
+        const float* m = pc.learned + h * he;
+        for (size_t i = 0; i < he; ++i) r[i] = rec[i] - m[i];
+      }
+    }
     if (!zero[pl]) {
       uint8_t* const sym = symbols.data() + coded.size() * pe;
       coded.push_back(pl);
@@ -322,18 +426,17 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
       EncodeBuckets(pc.q.data(), pe, sym, counts, &bits);
       escape_bits[pl] = bits.bits() - bits_before;
       tables[pl] = irans::NormalizeCounts(counts, irans::kMaxSymbols);
-      PutLE<uint16_t>(&pp, FloatToBf16(pc.step));
+      PutLE<uint16_t>(&plane_step[pl], FloatToBf16(pc.step));
+      PutVarint(&plane_bits[pl], escape_bits[pl]);
     }
-    for (size_t h = 0; h < n.H; h += 4) {
-      uint8_t b = 0;
-      for (size_t k = 0; k < 4 && h + k < n.H; ++k) b |= pc.pred[h + k] << (2 * k);
-      pp.push_back(static_cast<char>(b));
-    }
-    if (!zero[pl]) PutVarint(&pp, escape_bits[pl]);
+    plane_pred[pl] = pc.pred;
+    klt_plane[pl] = pc.use_klt;
+    any_klt |= pc.use_klt;
     for (size_t h = 0; h < n.H; ++h) {
-      all_learned &= pc.pred[h] == kPredToken;
+      all_learned &= pc.pred[h] == kPredToken || pc.pred[h] == kPredLinear;
+      any_linear |= pc.pred[h] == kPredLinear;
       ++out->predictor_count[side][static_cast<int>(kPredictorOf[pc.pred[h]])];
-      out->uses_learned |= pc.pred[h] == kPredToken;
+      out->uses_learned |= pc.pred[h] >= kPredToken;
       if (pc.pred[h] != kPredMean) continue;
       for (size_t d = 0; d < n.D; ++d)
         PutLE<uint16_t>(&means_out, FloatToHalf(pc.means[h * n.D + d]));
@@ -343,9 +446,19 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   p.clear();
   const Layout lo = ChooseLayout(n, coded.size());
   const bool any_zero = coded.size() < planes;
+  // Predictor codes: none (all learned; with linear, a bitmap of the linear planes when every
+  // plane is uniform), 4 bits per head (some linear head otherwise), else 2 bits per head.
+  bool linear_planes = any_linear && all_learned;
+  for (size_t pl = 0; pl < planes && linear_planes; ++pl) {
+    for (uint8_t c : plane_pred[pl]) linear_planes &= c == plane_pred[pl][0];
+  }
+  const bool wide = any_linear && !linear_planes;
+  all_learned &= !wide;
   p.push_back(static_cast<char>(kFastResidualParamsVersion));
   p.push_back(static_cast<char>((any_zero ? kFlagZeroPlanes : 0) |
-                                (all_learned ? kFlagAllLearned : 0)));  // flags
+                                (all_learned ? kFlagAllLearned : 0) | (wide ? kFlagWideCodes : 0) |
+                                (linear_planes ? kFlagLinearPlanes : 0) |
+                                (any_klt ? kFlagKltPlanes : 0)));  // flags
   p.push_back(static_cast<char>(lo.lanes));
   p.push_back(0);  // reserved
   PutLE<uint16_t>(&p, static_cast<uint16_t>(lo.planes_per_segment));
@@ -353,6 +466,21 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
     for (size_t pl = 0; pl < planes; pl += 8) {
       uint8_t b = 0;
       for (size_t k = 0; k < 8 && pl + k < planes; ++k) b |= zero[pl + k] << k;
+      p.push_back(static_cast<char>(b));
+    }
+  }
+  if (linear_planes) {
+    for (size_t pl = 0; pl < planes; pl += 8) {
+      uint8_t b = 0;
+      for (size_t k = 0; k < 8 && pl + k < planes; ++k)
+        b |= (plane_pred[pl + k][0] == kPredLinear) << k;
+      p.push_back(static_cast<char>(b));
+    }
+  }
+  if (any_klt) {
+    for (size_t pl = 0; pl < planes; pl += 8) {
+      uint8_t b = 0;
+      for (size_t k = 0; k < 8 && pl + k < planes; ++k) b |= klt_plane[pl + k] << k;
       p.push_back(static_cast<char>(b));
     }
   }
@@ -388,13 +516,19 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   }
   const bool shared_tables = p[1] & kFlagSharedTables;
   for (size_t pl = 0; pl < planes; ++pl) {
-    if (all_learned) {  // the plane's params without its predictor bytes
-      const size_t at = zero[pl] ? 0 : 2;
-      p.append(plane_params[pl], 0, at);
-      p.append(plane_params[pl], at + (n.H + 3) / 4, std::string::npos);
-    } else {
-      p += plane_params[pl];
+    p += plane_step[pl];
+    const std::vector<uint8_t>& pr = plane_pred[pl];
+    if (wide) {
+      for (size_t h = 0; h < n.H; h += 2)
+        p.push_back(static_cast<char>(pr[h] | (h + 1 < n.H ? pr[h + 1] << 4 : 0)));
+    } else if (!all_learned) {
+      for (size_t h = 0; h < n.H; h += 4) {
+        uint8_t b = 0;
+        for (size_t k = 0; k < 4 && h + k < n.H; ++k) b |= pr[h + k] << (2 * k);
+        p.push_back(static_cast<char>(b));
+      }
     }
+    p += plane_bits[pl];
     if (!shared_tables && !zero[pl]) irans::WriteTable(tables[pl], &p);
   }
   if (shared_tables) {
@@ -423,242 +557,22 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
     std::memcpy(pay.data() + 4 * sg, &size, 4);
   }
   bits.Finish(&pay);
-  return absl::OkStatus();
-}
-
-// ---- decoder --------------------------------------------------------------------------------
-
-namespace {
-
-struct PlaneInfo {
-  float step = 0;
-  size_t preds = 0;        // offset into the predictor array
-  size_t means = 0;        // index of its first mean head in the means array
-  uint64_t bits = 0;       // bucket offset bits of the plane
-  uint64_t bits_at = 0;    // where they start in the bit stream
-  bool escapable = false;  // the table gives a bucket symbol a nonzero frequency
-  irans::Table table;
-};
-
-// q of a plane as floats: the direct symbols, then every bucket symbol from its offset bits.
-absl::Status PlaneValues(const uint8_t* sym, size_t n, const PlaneInfo& pi, const uint8_t* bits,
-                         float* qf) {
-  DirectValues(sym, n, qf);
-  if (!pi.escapable)
-    return pi.bits == 0 ? absl::OkStatus() : absl::DataLossError("fast residual: unused bits");
-  uint64_t pos = pi.bits_at;
-  const uint64_t end = pi.bits_at + pi.bits;
-  for (size_t i = 0; i < n; ++i) {
-#if defined(__SSE2__)
-    if ((i & 15) == 0 && i + 16 <= n) {  // skip 16 direct symbols at a time
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sym + i));
-      if (_mm_movemask_epi8(_mm_cmpgt_epi8(v, _mm_set1_epi8(kDirect - 1))) == 0) {
-        i += 15;
-        continue;
-      }
+  // Codes 4 and the KLT cost their signalling (bitmaps or 4-bit codes: 4-8 bytes at stories260K),
+  // which the per-plane cost model does not see. When what it says they saved does not cover
+  // 4x that, the block is also coded without them and the smaller kept (tiny blocks at high
+  // targets, where the bitmaps are several % of the block).
+  if (any_linear || any_klt) {
+    const double signal_bits =
+        8.0 * ((linear_planes ? (planes + 7) / 8 : 0) + (any_klt ? (planes + 7) / 8 : 0) +
+               (wide ? planes * ((n.H + 1) / 2) : 0));
+    if (extra_gain_bits < 4 * signal_bits) {
+      EncodeOptions plain = o;
+      plain.predictors &= ~(1u << static_cast<int>(Predictor::kTokenMeanLinear));
+      plain.klt = false;
+      FastOutput alt;
+      if (auto st = EncodeFastResidual(g, kv, plain, context, &alt); !st.ok()) return st;
+      if (alt.params.size() + alt.payload.size() <= p.size() + pay.size()) *out = std::move(alt);
     }
-#endif
-    if (sym[i] < kDirect) continue;
-    const int b = sym[i] - kDirect;
-    const int nb = BucketBits(b);
-    if (end - pos < static_cast<uint64_t>(nb)) {
-      return absl::DataLossError("fast residual: bucket bits past the plane's");
-    }
-    const uint32_t z = kBucket.base[b] + ReadBits(bits, pos, nb);
-    pos += nb;
-    qf[i] = static_cast<float>(UnZigZag(z));
-  }
-  if (pos != end) return absl::DataLossError("fast residual: unused bucket bits");
-  return absl::OkStatus();
-}
-
-}  // namespace
-
-absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params,
-                                absl::string_view payload, absl::Span<uint8_t> out,
-                                const PredictionContext& context) {
-  const Dims n(g);
-  const size_t pe = n.plane_elems(), he = n.head_elems(), planes = n.L * 2;
-  const size_t eb = DTypeBytes(g.dtype);
-  if (out.size() != g.num_bytes()) return absl::InvalidArgumentError("out: wrong size");
-  if (params.size() < 6 || static_cast<uint8_t>(params[0]) != kFastResidualParamsVersion ||
-      (static_cast<uint8_t>(params[1]) &
-       ~(kFlagSharedTables | kFlagZeroPlanes | kFlagAllLearned)) != 0 ||
-      params[3] != 0) {
-    return absl::DataLossError("fast residual params: bad version or flags");
-  }
-  Layout lo;
-  lo.lanes = static_cast<uint8_t>(params[2]);
-  lo.planes_per_segment =
-      static_cast<uint8_t>(params[4]) | (static_cast<size_t>(static_cast<uint8_t>(params[5])) << 8);
-  const bool shared_tables = static_cast<uint8_t>(params[1]) & kFlagSharedTables;
-  const bool all_learned = static_cast<uint8_t>(params[1]) & kFlagAllLearned;
-  absl::string_view in = params.substr(6);
-  std::vector<uint8_t> zero(planes, 0);
-  if (static_cast<uint8_t>(params[1]) & kFlagZeroPlanes) {
-    const size_t bytes = (planes + 7) / 8;
-    if (in.size() < bytes) return absl::DataLossError("fast residual params: truncated");
-    for (size_t pl = 0; pl < bytes * 8; ++pl) {
-      const bool bit = (static_cast<uint8_t>(in[pl / 8]) >> (pl % 8)) & 1;
-      if (pl >= planes && bit) return absl::DataLossError("fast residual params: bad zero planes");
-      if (pl < planes) zero[pl] = bit;
-    }
-    in.remove_prefix(bytes);
-  }
-  std::vector<size_t> coded;
-  bool side_coded[2] = {false, false};
-  for (size_t pl = 0; pl < planes; ++pl) {
-    if (zero[pl]) continue;
-    coded.push_back(pl);
-    side_coded[pl % 2] = true;
-  }
-  const size_t nc = coded.size();
-  if (lo.lanes < 1 || lo.lanes > irans::kMaxLanes || (lo.lanes & (lo.lanes - 1)) || pe % lo.lanes ||
-      lo.planes_per_segment < 1 ||
-      lo.planes_per_segment > std::min(std::max<size_t>(nc, 1), kMaxSegmentPlanes)) {
-    return absl::DataLossError("fast residual params: bad lane layout");
-  }
-  std::vector<PlaneInfo> info(planes);
-  std::vector<uint8_t> preds(planes * n.H);
-  size_t num_means = 0;
-  bool uses_learned = false;
-  uint64_t num_bits = 0;
-  for (size_t pl = 0; pl < planes; ++pl) {
-    PlaneInfo& pi = info[pl];
-    const size_t pred_bytes = all_learned ? 0 : (n.H + 3) / 4;
-    const size_t step_bytes = zero[pl] ? 0 : 2;
-    if (in.size() < step_bytes + pred_bytes) {
-      return absl::DataLossError("fast residual params: truncated");
-    }
-    if (zero[pl]) {
-      pi.step = 1.0f;  // unused: every q is 0
-    } else {
-      pi.step = Bf16ToFloat(static_cast<uint8_t>(in[0]) | (static_cast<uint8_t>(in[1]) << 8));
-    }
-    if (!(pi.step > 0) || !std::isfinite(pi.step)) {
-      return absl::DataLossError("fast residual params: bad step");
-    }
-    pi.preds = pl * n.H;
-    pi.means = num_means;
-    for (size_t h = 0; h < n.H; ++h) {
-      const uint8_t c = all_learned
-                            ? kPredToken
-                            : (static_cast<uint8_t>(in[step_bytes + h / 4]) >> (2 * (h % 4))) & 3;
-      if (c == kPredToken && (context.learned == nullptr || context.tokens.size() != n.T)) {
-        return absl::DataLossError(
-            "fast residual params: a learned predictor in a block that names no predictor state");
-      }
-      uses_learned |= c == kPredToken;
-      preds[pl * n.H + h] = c;
-      num_means += c == kPredMean;
-    }
-    in.remove_prefix(step_bytes + pred_bytes);
-    if (zero[pl]) continue;  // no bucket bits, no table
-    uint64_t nbits = 0;
-    for (int shift = 0;; shift += 7) {
-      if (in.empty() || shift > 35) return absl::DataLossError("fast residual params: bad count");
-      const uint8_t b = static_cast<uint8_t>(in[0]);
-      in.remove_prefix(1);
-      nbits |= static_cast<uint64_t>(b & 127) << shift;
-      if (!(b & 128)) break;
-    }
-    if (nbits > pe * BucketBits(kBuckets - 1)) {
-      return absl::DataLossError("fast residual params: bad bucket bit count");
-    }
-    pi.bits = nbits;
-    pi.bits_at = num_bits;
-    num_bits += nbits;
-    if (shared_tables) continue;
-    if (auto s = irans::ReadTable(&in, &pi.table); !s.ok()) return s;
-  }
-  if (shared_tables) {
-    irans::Table side[2];
-    for (int k = 0; k < 2; ++k) {
-      if (!side_coded[k]) continue;
-      if (auto s = irans::ReadTable(&in, &side[k]); !s.ok()) return s;
-    }
-    for (size_t pl : coded) info[pl].table = side[pl % 2];
-  }
-  for (size_t pl : coded) {
-    PlaneInfo& pi = info[pl];
-    for (int sym = kDirect; sym < pi.table.num_symbols; ++sym)
-      pi.escapable |= pi.table.freq[sym] > 0;
-  }
-  if (in.size() != num_means * n.D * 2) {
-    return absl::DataLossError("fast residual params: channel means do not match");
-  }
-  std::vector<float> means(num_means * n.D);
-  for (size_t i = 0; i < means.size(); ++i) {
-    means[i] =
-        HalfToFloat(static_cast<uint8_t>(in[2 * i]) | (static_cast<uint8_t>(in[2 * i + 1]) << 8));
-  }
-  std::vector<float> learned;
-  if (uses_learned) {
-    learned.resize(g.num_elements());
-    context.learned->Predict(context.tokens, context.first_position, context.previous_token,
-                             learned.data());
-  }
-  // Payload.
-  const size_t ns = nc == 0 ? 0 : lo.num_segments(nc);
-  if (payload.size() < 4 * ns) return absl::DataLossError("fast residual payload: truncated");
-  std::vector<size_t> seg_at(ns + 1);
-  seg_at[0] = 4 * ns;
-  for (size_t sg = 0; sg < ns; ++sg) {
-    uint32_t size;
-    std::memcpy(&size, payload.data() + 4 * sg, 4);
-    if (size > payload.size() - seg_at[sg]) {
-      return absl::DataLossError("fast residual payload: segment past the end");
-    }
-    seg_at[sg + 1] = seg_at[sg] + size;
-  }
-  if (payload.size() - seg_at[ns] != (num_bits + 7) / 8) {
-    return absl::DataLossError("fast residual payload: bucket bits do not match");
-  }
-  std::vector<uint8_t> bits(payload.size() - seg_at[ns] + 8, 0);  // padded for ReadBits
-  std::memcpy(bits.data(), payload.data() + seg_at[ns], payload.size() - seg_at[ns]);
-  std::vector<irans::DecodeTable> dtab(lo.planes_per_segment);
-  std::vector<const irans::DecodeTable*> dtp(lo.planes_per_segment);
-  std::vector<uint8_t> symbols(lo.planes_per_segment * pe);
-  std::vector<float> rec(he), qf(pe), zeros(n.D, 0.0f);
-  // x' = prediction + q * step of plane pl from its q (qf).
-  auto reconstruct = [&](size_t pl) {
-    const PlaneInfo& pi = info[pl];
-    size_t mean_i = pi.means;
-    for (size_t h = 0; h < n.H; ++h) {
-      const uint8_t pr = preds[pi.preds + h];
-      const float* m = pr == kPredMean    ? means.data() + (mean_i++) * n.D
-                       : pr == kPredToken ? learned.data() + pl * pe + h * he
-                                          : zeros.data();
-      ReconHead(qf.data() + h * he, n.T, n.D, pr, m, zeros.data(), pi.step, rec.data());
-      FromFloat(g.dtype, rec.data(), he, out.data() + (pl * pe + h * he) * eb);
-    }
-  };
-  for (size_t sg = 0; sg < ns; ++sg) {
-    const size_t first = sg * lo.planes_per_segment;
-    const size_t count = std::min(lo.planes_per_segment, nc - first);
-    for (size_t k = 0; k < count; ++k) {
-      irans::BuildDecodeTable(info[coded[first + k]].table, &dtab[k]);
-      dtp[k] = &dtab[k];
-    }
-    if (auto s = irans::DecodeSegment(payload.substr(seg_at[sg], seg_at[sg + 1] - seg_at[sg]),
-                                      lo.lanes, pe, absl::MakeConstSpan(dtp).subspan(0, count),
-                                      absl::MakeSpan(symbols).subspan(0, count * pe));
-        !s.ok()) {
-      return s;
-    }
-    for (size_t k = 0; k < count; ++k) {
-      const size_t pl = coded[first + k];
-      if (auto s = PlaneValues(symbols.data() + k * pe, pe, info[pl], bits.data(), qf.data());
-          !s.ok()) {
-        return s;
-      }
-      reconstruct(pl);
-    }
-  }
-  if (nc < planes) {
-    std::fill(qf.begin(), qf.end(), 0.0f);
-    for (size_t pl = 0; pl < planes; ++pl)
-      if (zero[pl]) reconstruct(pl);
   }
   return absl::OkStatus();
 }

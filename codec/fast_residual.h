@@ -15,6 +15,12 @@
 //     a plane whose quantized residual is all zero (keys under a learned state) is flagged in the
 //     params and has no step, table, bit count or symbols; a block whose every head uses the
 //     learned predictor has no predictor bytes;
+//   - with a learned state (PredictionContext::learned): the token / pair mean (code 3), the
+//     cross-layer linear prediction from the two planes decoded before (code 4,
+//     Predictor::kTokenMeanLinear; the planes of such a block reconstruct in plane order, each
+//     plane's heads independently) and the state's per-plane KLT bases for the learned heads,
+//     each chosen by the encoder's cost model (EncodeOptions::predictors, EncodeOptions::klt);
+//     blocks without codes 4 or a KLT are byte-identical to those of main 20a16da;
 //     no rotation, RoPE-aware keys, surprisal steps, step groups or bits budget (INVALID_ARGUMENT
 //     naming `profile` if asked for).
 // The step per (layer, K/V) plane is bf16 and searched (2-4 quantization passes) so that the
@@ -41,7 +47,8 @@ struct FastOutput {
   double rel_rms_error[2] = {0, 0};  // K, V over the block
   double max_abs_error = 0;
   uint32_t predictor_count[2][kNumPredictors] = {};
-  bool uses_learned = false;  // some head uses kTokenMean: the block names the state's version
+  bool uses_learned = false;      // some head uses kTokenMean: the block names the state's version
+  double learned_saved_bits = 0;  // EncodedBlock::learned_bytes_saved, in bits
 };
 
 // The first params byte of a fast-profile residual block.
@@ -59,7 +66,8 @@ absl::Status EncodeFastResidual(const BlockGeometry& geometry, absl::Span<const 
 
 // Writes the block in its dtype to `out` (geometry.num_bytes()). `context`: as for the encoder;
 // the caller (DecodeBlock) has checked that it is the block's state and its tokens. Errors:
-// DATA_LOSS if `params` or `payload` is malformed (a kTokenMean head without context.learned).
+// DATA_LOSS if `params` or `payload` is malformed (a learned head without context.learned, a
+// linear head or a KLT plane that the state has no weights or basis for).
 absl::Status DecodeFastResidual(const BlockGeometry& geometry, absl::string_view params,
                                 absl::string_view payload, absl::Span<uint8_t> out,
                                 const PredictionContext& context = {});

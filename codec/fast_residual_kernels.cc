@@ -276,6 +276,36 @@ void DirectValues(const uint8_t* sym, size_t n, float* qf) {
   DirectValuesScalar(sym, n, qf);
 }
 
+void KltForward(const float* x, const float* pred, const float* u, size_t T, size_t D, float* z) {
+  for (size_t t = 0; t < T; ++t) {
+    const float* xt = x + t * D;
+    const float* pt = pred + t * D;
+    float* zt = z + t * D;
+    for (size_t j = 0; j < D; ++j) zt[j] = 0.0f;
+    for (size_t i = 0; i < D; ++i) {
+      const float e = xt[i] - pt[i];
+      const float* row = u + i * D;
+      for (size_t j = 0; j < D; ++j) zt[j] += row[j] * e;
+    }
+  }
+}
+
+void KltReconHead(const float* qf, const float* pred, const float* u, size_t T, size_t D,
+                  float step, float* scratch, float* rec) {
+  for (size_t t = 0; t < T; ++t) {
+    // acc[i] = sum over j ascending of U[i][j] s[j], with the outputs in the inner loop; `rec`
+    // holds acc until the prediction is added.
+    for (size_t j = 0; j < D; ++j) scratch[j] = qf[t * D + j] * step;
+    float* acc = rec + t * D;
+    for (size_t i = 0; i < D; ++i) acc[i] = 0.0f;
+    for (size_t j = 0; j < D; ++j) {
+      const float sj = scratch[j];
+      for (size_t i = 0; i < D; ++i) acc[i] += u[i * D + j] * sj;
+    }
+    for (size_t i = 0; i < D; ++i) acc[i] = pred[t * D + i] + acc[i];
+  }
+}
+
 }  // namespace fast
 }  // namespace internal
 }  // namespace kvtrie

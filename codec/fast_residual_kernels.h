@@ -107,6 +107,13 @@ void DirectValues(const uint8_t* sym, size_t n, float* qf);
 // x' = prediction + q * step of one head [T][D].
 void ReconHead(const float* qf, size_t T, size_t D, uint8_t pred, const float* mean,
                const float* zeros, float step, float* rec);
+// The decorrelating transform of a learned head (PredictorState::Klt; u = its D x D basis U,
+// row-major, column j = basis vector j). KltForward: z[t] = U^T (x[t] - pred[t]).
+// KltReconHead: x'[t][i] = pred[t][i] + sum_j U[i][j] * (q[t][j] * step) (float32, j ascending,
+// never fused; the encoder and decoder both reconstruct with it). `scratch`: D floats.
+void KltForward(const float* x, const float* pred, const float* u, size_t T, size_t D, float* z);
+void KltReconHead(const float* qf, const float* pred, const float* u, size_t T, size_t D,
+                  float step, float* scratch, float* rec);
 
 }  // namespace fast
 }  // namespace internal

@@ -38,7 +38,14 @@ class Learner final : public PredictorLearner {
     // every RoPE hypothesis until decided) plus the entry of a fitted state.
     const size_t token_entry = 8 * K_ * (1 + kNumRopeCodes) + 12 + kMapNodeBytes + (8 + 2 * V_);
     const size_t pair_entry = 4 * V_ + 8 * planes_ + 12 + kMapNodeBytes + (12 + 2 * V_);
-    const size_t half = o_.max_bytes / 2;
+    // The linear fit's reservoir of blocks comes off the top (at most a quarter of the cap).
+    if (o_.fit_linear || o_.fit_klt) {
+      const size_t sample_bytes = std::min(o_.linear_sample_bytes, o_.max_bytes / 4);
+      max_samples_ = sample_bytes / (g.num_bytes() + 4 * g.block_tokens + sizeof(LinearSample));
+    }
+    const size_t half = (o_.max_bytes - max_samples_ * (g.num_bytes() + 4 * g.block_tokens +
+                                                        sizeof(LinearSample))) /
+                        2;
     const size_t fixed = sizeof(*this) + 2 * token_entry;  // the all-token entry, slack
     max_entries_ = half > fixed ? (half - fixed) / token_entry : 0;
     max_pairs_ = half / pair_entry;
@@ -112,6 +119,7 @@ class Learner final : public PredictorLearner {
       if (rope_code_ >= 0 && prev >= 0) AccumulatePair(internal::PairKey(prev, id), vec, keys);
     }
     if (rope_code_ < 0 && observed_ >= kDetectTokens) Decide();
+    Sample(kv, tokens, first_position, previous_token);
     return absl::OkStatus();
   }
 
@@ -124,10 +132,39 @@ class Learner final : public PredictorLearner {
     return sizeof(*this) + sums_.capacity() * 8 + key_bytes + counts_.capacity() * 8 +
            entry_ids_.capacity() * 4 + index_.size() * kMapNodeBytes + pair_keys_.capacity() * 8 +
            pair_n_.capacity() * 4 + pair_sums_.capacity() * 4 + pair_sq_.capacity() * 8 +
-           pair_index_.size() * kMapNodeBytes;
+           pair_index_.size() * kMapNodeBytes +
+           samples_.capacity() * (sizeof(LinearSample) + g_.num_bytes() + 4 * g_.block_tokens);
   }
 
  private:
+  using LinearSample = internal::LinearSample;
+
+  // Reservoir sampling (Algorithm R, a fixed-seed splitmix64): samples_ is a uniform sample of
+  // every block observed, of at most max_samples_ blocks.
+  void Sample(absl::Span<const uint8_t> kv, absl::Span<const int32_t> tokens,
+              uint32_t first_position, int32_t previous_token) {
+    ++blocks_seen_;
+    if (max_samples_ == 0) return;
+    size_t slot = samples_.size();
+    if (slot >= max_samples_) {
+      rng_ += 0x9e3779b97f4a7c15ull;
+      uint64_t z = rng_;
+      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+      z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+      z ^= z >> 31;
+      slot = static_cast<size_t>(z % blocks_seen_);
+      if (slot >= max_samples_) return;
+    } else {
+      if (samples_.capacity() == 0) samples_.reserve(max_samples_);
+      samples_.emplace_back();
+    }
+    LinearSample& s = samples_[slot];
+    s.kv.assign(kv.begin(), kv.end());
+    s.tokens.assign(tokens.begin(), tokens.end());
+    s.first_position = first_position;
+    s.previous_token = previous_token;
+  }
+
   // Grows `v` to `n` elements, its capacity never past `limit`.
   template <typename T>
   static void GrowTo(std::vector<T>* v, size_t n, size_t limit) {
@@ -250,6 +287,9 @@ class Learner final : public PredictorLearner {
   std::vector<uint32_t> pair_n_;
   std::vector<float> pair_sums_;  // per pair x V_
   std::vector<double> pair_sq_;   // per pair x planes: sum of squares
+  size_t max_samples_ = 0;
+  uint64_t blocks_seen_ = 0, rng_ = 0x6b767472696531ull;
+  std::vector<LinearSample> samples_;  // for the linear fit
 };
 
 absl::StatusOr<std::shared_ptr<const PredictorState>> Learner::Fit(uint32_t version) const {
@@ -267,9 +307,17 @@ absl::StatusOr<std::shared_ptr<const PredictorState>> Learner::Fit(uint32_t vers
   const size_t used = memory_bytes();
   size_t room = o_.max_bytes > used ? o_.max_bytes - used : 0;
   const size_t state_entry = 8 + 2 * V_, state_pair = 12 + 2 * V_;
+  // The linear weights (fp16 plus a float copy) and KLT bases come off the room first, if they
+  // fit in half of it; else they are not fitted (e.g. Llama-3-8B under the default 64 MiB).
+  size_t extra = 0;
+  const size_t H = g_.num_kv_heads, D = g_.head_dim;
+  for (size_t p = 1; p < planes_ && o_.fit_linear; ++p) extra += 6 * internal::LinearSize(g_, p);
+  if (o_.fit_klt) extra += 4 * planes_ * H * D * D;
+  const bool fit_extra = extra <= room / 2;
+  if (fit_extra) room -= extra;
   const size_t keep = std::min(order.size(), room >= state_entry ? room / state_entry - 1 : 0);
   order.resize(keep);
-  room -= (keep + 1) * state_entry;
+  room -= std::min(room, (keep + 1) * state_entry);
   std::sort(order.begin(), order.end(),
             [&](size_t a, size_t b) { return entry_ids_[a] < entry_ids_[b]; });
   internal::StateData d;
@@ -356,6 +404,12 @@ absl::StatusOr<std::shared_ptr<const PredictorState>> Learner::Fit(uint32_t vers
         d.pair_means.push_back(to_half(t + w * (s[pl * HD + i] / n - t)));
       }
     }
+  }
+  if (fit_extra && o_.fit_linear) {
+    internal::FitLinear(samples_, g_.block_tokens, o_.linear_fit_rel_rms, &d);
+  }
+  if (fit_extra && o_.fit_klt) {
+    internal::FitKlt(samples_, g_.block_tokens, o_.linear_fit_rel_rms, &d);
   }
   return internal::MakeState(std::move(d));
 }

@@ -1,6 +1,7 @@
 #include "codec/predictor_state.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -31,10 +32,16 @@ namespace {
 //   ..  4  num_pairs P
 //   ..     P x (i32 previous token, i32 token, u32 count): ids >= 0, (previous, token) ascending
 //   ..     P x V fp16 pair predictions
+//   (format 2 only; format 1 has none of it; M + K >= 1)
+//   ..  2  M: planes with linear weights, 0 <= M < 2 * layers
+//   ..     M x (u16 plane, ascending, in [1, 2 * layers); LinearSize(plane) fp16 finite weights)
+//   ..  2  K: planes with a KLT, 0 <= K <= 2 * layers
+//   ..     K x (u16 plane, ascending, < 2 * layers; kv_heads x head_dim^2 f32 finite, |v| <= 1)
 //   ..  4  CRC-32C of every byte before it
 // Every mean is finite; keys pre-RoPE.
 constexpr char kMagic[4] = {'K', 'V', 'P', 'S'};
-constexpr uint8_t kFormat = 1;
+constexpr uint8_t kFormat = 1;        // no linear weights (what main wrote; still written so)
+constexpr uint8_t kFormatLinear = 2;  // with linear weights
 constexpr size_t kHeader = 32;
 // log(base), as literals so that every machine predicts with the same angles.
 constexpr double kRopeLogBaseOf[kNumRopeCodes] = {0.0, 9.210340371976184, 13.122363377404328};
@@ -67,6 +74,88 @@ class State final : public PredictorState {
       thetas_[i] = residual::DetExp(-2.0 * static_cast<double>(i) / static_cast<double>(D) *
                                     kRopeLogBaseOf[d_.rope_code]);
     }
+    // The weights as floats, transposed per head to [i][o] so that the product runs over the
+    // outputs in the inner loop (vectorized; each output still sums over i ascending).
+    linear_.resize(d_.linear.size());
+    for (size_t p = 0; p < d_.linear.size(); ++p) {
+      if (d_.linear[p].empty()) continue;
+      const size_t n = LinearInputs(p) * D, H = d_.geometry.num_kv_heads;
+      std::vector<float> w(d_.linear[p].size());
+      ToFloat(DType::kFp16, d_.linear[p].data(), w.size(), w.data());
+      linear_[p].resize(w.size());
+      for (size_t h = 0; h < H; ++h)
+        for (size_t o = 0; o < D; ++o)
+          for (size_t i = 0; i < n; ++i) linear_[p][(h * n + i) * D + o] = w[(h * D + o) * n + i];
+    }
+  }
+
+  bool HasLinear(size_t plane) const override {
+    return plane < linear_.size() && !linear_[plane].empty();
+  }
+  const float* Klt(size_t plane) const override {
+    return plane < d_.klt.size() && !d_.klt[plane].empty() ? d_.klt[plane].data() : nullptr;
+  }
+  size_t klt_bytes() const override {
+    size_t b = 0;
+    for (const auto& u : d_.klt) b += 4 * u.size();
+    return b;
+  }
+  size_t linear_bytes() const override {
+    size_t b = 0;
+    for (const auto& w : d_.linear) b += 2 * w.size();
+    return b;
+  }
+
+  void PredictLinear(size_t plane, uint32_t first_position, size_t T, const float* in1,
+                     const float* in2, float* inout) const override {
+    if (!HasLinear(plane)) return;
+    const BlockGeometry& g = d_.geometry;
+    const size_t D = g.head_dim, H = g.num_kv_heads, P = D / 2, ni = LinearInputs(plane);
+    const float* ins[2] = {in1, in2};
+    const bool rope = d_.rope_code != 0;
+    const std::vector<float>* cs_table = nullptr;
+    const std::vector<float>* sn_table = nullptr;
+    if (rope) CosSinTable(first_position, T, &cs_table, &sn_table);
+    std::vector<float> x(ni * D), y(D);
+    const float* w = linear_[plane].data();
+    for (size_t h = 0; h < H; ++h, w += D * ni * D) {
+      for (size_t t = 0; t < T; ++t) {
+        const float* c = rope ? cs_table->data() + t * P : nullptr;
+        const float* s = rope ? sn_table->data() + t * P : nullptr;
+        for (size_t j = 0; j < ni; ++j) {
+          const float* r = ins[j] + (h * T + t) * D;
+          float* xj = x.data() + j * D;
+          if (!rope || (plane - 1 - j) % 2 == 1) {
+            std::memcpy(xj, r, D * sizeof(float));
+            continue;
+          }
+          for (size_t i = 0; i < P; ++i) {  // the inverse rotation: pre-RoPE
+            const float a = r[2 * i], b = r[2 * i + 1];
+            xj[2 * i] = c[i] * a + s[i] * b;
+            xj[2 * i + 1] = c[i] * b - s[i] * a;
+          }
+          if (D % 2) xj[D - 1] = r[D - 1];
+        }
+        // y[o] = sum over i ascending of W[o][i] x[i] (w is [i][o]).
+        std::fill(y.begin(), y.end(), 0.0f);
+        for (size_t i = 0; i < ni * D; ++i) {
+          const float xi = x[i];
+          const float* col = w + i * D;
+          for (size_t o = 0; o < D; ++o) y[o] += col[o] * xi;
+        }
+        float* out = inout + (h * T + t) * D;
+        if (!rope || plane % 2 == 1) {
+          for (size_t o = 0; o < D; ++o) out[o] += y[o];
+          continue;
+        }
+        for (size_t i = 0; i < P; ++i) {
+          const float a = y[2 * i], b = y[2 * i + 1];
+          out[2 * i] += c[i] * a - s[i] * b;
+          out[2 * i + 1] += s[i] * a + c[i] * b;
+        }
+        if (D % 2) out[D - 1] += y[D - 1];
+      }
+    }
   }
 
   std::string Serialize() const override {
@@ -97,6 +186,29 @@ class State final : public PredictorState {
       PutLE<uint32_t>(&out, d_.pair_counts[i]);
     }
     for (uint16_t h : d_.pair_means) PutLE<uint16_t>(&out, h);
+    if (linear_bytes() > 0 || klt_bytes() > 0) {
+      out[4] = static_cast<char>(kFormatLinear);
+      size_t m = 0;
+      for (const auto& w : d_.linear) m += !w.empty();
+      PutLE<uint16_t>(&out, static_cast<uint16_t>(m));
+      for (size_t p = 0; p < d_.linear.size(); ++p) {
+        if (d_.linear[p].empty()) continue;
+        PutLE<uint16_t>(&out, static_cast<uint16_t>(p));
+        for (uint16_t h : d_.linear[p]) PutLE<uint16_t>(&out, h);
+      }
+      size_t k = 0;
+      for (const auto& u : d_.klt) k += !u.empty();
+      PutLE<uint16_t>(&out, static_cast<uint16_t>(k));
+      for (size_t p = 0; p < d_.klt.size(); ++p) {
+        if (d_.klt[p].empty()) continue;
+        PutLE<uint16_t>(&out, static_cast<uint16_t>(p));
+        for (float f : d_.klt[p]) {
+          uint32_t bits;
+          std::memcpy(&bits, &f, 4);
+          PutLE<uint32_t>(&out, bits);
+        }
+      }
+    }
     PutLE<uint32_t>(&out, Crc32c(out));
     return out;
   }
@@ -105,16 +217,24 @@ class State final : public PredictorState {
   const BlockGeometry& geometry() const override { return d_.geometry; }
   size_t memory_bytes() const override {
     return sizeof(*this) + d_.ids.size() * 8 + d_.means.size() * 2 + d_.pairs.size() * 12 +
-           d_.pair_means.size() * 2 + thetas_.size() * 8;
+           d_.pair_means.size() * 2 + thetas_.size() * 8 + 3 * linear_bytes() + klt_bytes();
   }
   uint64_t tokens_learned() const override { return d_.tokens_learned; }
   uint32_t tokens_in_table() const override { return static_cast<uint32_t>(d_.ids.size()); }
   uint32_t pairs_in_table() const override { return static_cast<uint32_t>(d_.pairs.size()); }
   std::string Describe() const override {
-    return absl::StrFormat("v%u: %u tokens, %u pairs (learned from %u tokens), rope %s, %u KB",
-                           d_.version, d_.ids.size(), d_.pairs.size(), d_.tokens_learned,
-                           d_.rope_code == 0 ? "none" : absl::StrCat(kRopeBaseOf[d_.rope_code]),
-                           (memory_bytes() + 1023) / 1024);
+    size_t planes = 0;
+    for (const auto& w : d_.linear) planes += !w.empty();
+    return absl::StrFormat(
+        "v%u: %u tokens, %u pairs (learned from %u tokens), rope %s, %s%u KB", d_.version,
+        d_.ids.size(), d_.pairs.size(), d_.tokens_learned,
+        d_.rope_code == 0 ? "none" : absl::StrCat(kRopeBaseOf[d_.rope_code]),
+        std::string(planes ? absl::StrFormat("linear %u planes (%u KB), ", planes,
+                                             (linear_bytes() + 1023) / 1024)
+                           : "") +
+            std::string(klt_bytes() ? absl::StrFormat("klt %u KB, ", (klt_bytes() + 1023) / 1024)
+                                    : ""),
+        (memory_bytes() + 1023) / 1024);
   }
   double rope_base() const override { return kRopeBaseOf[d_.rope_code]; }
 
@@ -197,9 +317,43 @@ class State final : public PredictorState {
     }
   }
 
+  // cos, sin of positions first_position .. + T - 1, [T][D / 2], cached per thread (the encoder
+  // and decoder ask once per plane).
+  void CosSinTable(uint32_t first_position, size_t T, const std::vector<float>** cs,
+                   const std::vector<float>** sn) const {
+    struct Cache {
+      uint64_t state = 0;  // State::id_ (never a pointer: a freed state's address is reused)
+      uint32_t first = 0;
+      std::vector<float> cs, sn;
+    };
+    thread_local Cache cache;
+    const size_t P = d_.geometry.head_dim / 2;
+    if (cache.state != id_ || cache.first != first_position || cache.cs.size() != T * P) {
+      cache.state = 0;
+      cache.cs.resize(T * P);
+      cache.sn.resize(T * P);
+      for (size_t t = 0; t < T; ++t) {
+        const double pos = static_cast<double>(first_position) + static_cast<double>(t);
+        for (size_t i = 0; i < P; ++i) {
+          double c, s;
+          RopeCosSin(pos * thetas_[i], &c, &s);
+          cache.cs[t * P + i] = static_cast<float>(c);
+          cache.sn[t * P + i] = static_cast<float>(s);
+        }
+      }
+      cache.state = id_;
+      cache.first = first_position;
+    }
+    *cs = &cache.cs;
+    *sn = &cache.sn;
+  }
+
+  static inline std::atomic<uint64_t> next_id_{0};
+  const uint64_t id_ = ++next_id_;  // unique per State in the process (the cos / sin cache key)
   const StateData d_;
   const size_t V_;
-  std::vector<double> thetas_;  // per channel pair
+  std::vector<double> thetas_;              // per channel pair
+  std::vector<std::vector<float>> linear_;  // d_.linear as floats
 };
 
 absl::Status ReadMeans(const char** q, size_t n, std::vector<uint16_t>* out, const char* what) {
@@ -239,7 +393,8 @@ absl::StatusOr<std::shared_ptr<const PredictorState>> PredictorState::Parse(
                                             ")"));
   }
   const char* p = bytes.data();
-  if (static_cast<uint8_t>(p[4]) != internal::kFormat) {
+  const uint8_t format = static_cast<uint8_t>(p[4]);
+  if (format != internal::kFormat && format != internal::kFormatLinear) {
     return absl::DataLossError(
         absl::StrCat("predictor state: unsupported format ", static_cast<uint8_t>(p[4])));
   }
@@ -294,11 +449,15 @@ absl::StatusOr<std::shared_ptr<const PredictorState>> PredictorState::Parse(
   if (auto s = internal::ReadMeans(&q, (entries + 1) * V, &d.means, "token mean"); !s.ok()) {
     return s;
   }
-  // Pairs: P * 12 + P * 2V bytes, exactly what is left.
+  // Pairs: P * 12 + P * 2V bytes, exactly what is left (format 1), or at most that (format 2).
   const uint64_t pairs = GetLE<uint32_t>(q);
   q += 4;
   left = end - q;
-  if (left % (12 + 2 * V) != 0 || left / (12 + 2 * V) != pairs) {
+  if (format == internal::kFormatLinear) {
+    if (left < 2 || pairs > (left - 2) / (12 + 2 * V)) {
+      return absl::DataLossError(absl::StrCat("predictor state: ", pairs, " pairs past the end"));
+    }
+  } else if (left % (12 + 2 * V) != 0 || left / (12 + 2 * V) != pairs) {
     return absl::DataLossError(absl::StrCat("predictor state: ", pairs, " pairs do not match the ",
                                             left, " bytes present"));
   }
@@ -316,6 +475,69 @@ absl::StatusOr<std::shared_ptr<const PredictorState>> PredictorState::Parse(
     d.pair_counts[i] = GetLE<uint32_t>(q + 8);
   }
   if (auto s = internal::ReadMeans(&q, pairs * V, &d.pair_means, "pair mean"); !s.ok()) return s;
+  if (format == internal::kFormatLinear) {
+    const size_t planes = 2 * static_cast<size_t>(g.num_layers);
+    const size_t m = GetLE<uint16_t>(q);
+    q += 2;
+    if (m >= planes) {
+      return absl::DataLossError(absl::StrCat("predictor state: ", m, " linear planes"));
+    }
+    d.linear.resize(planes);
+    size_t last = 0;
+    for (size_t i = 0; i < m; ++i) {
+      if (end - q < 2) return absl::DataLossError("predictor state: linear planes past the end");
+      const size_t plane = GetLE<uint16_t>(q);
+      q += 2;
+      if (plane == 0 || plane >= planes || plane <= last) {
+        return absl::DataLossError(
+            absl::StrCat("predictor state: linear plane ", plane, " out of order"));
+      }
+      last = plane;
+      const size_t n = internal::LinearSize(g, plane);
+      if (static_cast<size_t>(end - q) / 2 < n) {
+        return absl::DataLossError(
+            absl::StrCat("predictor state: linear plane ", plane, " past the end"));
+      }
+      if (auto s = internal::ReadMeans(&q, n, &d.linear[plane], "linear weight"); !s.ok()) {
+        return s;
+      }
+    }
+    if (m == 0) d.linear.clear();
+    if (end - q < 2) return absl::DataLossError("predictor state: KLT planes past the end");
+    const size_t k = GetLE<uint16_t>(q);
+    q += 2;
+    if (k > planes || (m == 0 && k == 0)) {
+      return absl::DataLossError(absl::StrCat("predictor state: ", k, " KLT planes"));
+    }
+    if (k > 0) d.klt.resize(planes);
+    const size_t ku = static_cast<size_t>(g.num_kv_heads) * g.head_dim * g.head_dim;
+    for (size_t i = 0; i < k; ++i) {
+      if (end - q < 2) return absl::DataLossError("predictor state: KLT planes past the end");
+      const size_t plane = GetLE<uint16_t>(q);
+      q += 2;
+      if (plane >= planes || (i > 0 && plane <= last)) {
+        return absl::DataLossError(
+            absl::StrCat("predictor state: KLT plane ", plane, " out of order"));
+      }
+      last = plane;
+      if (static_cast<size_t>(end - q) / 4 < ku) {
+        return absl::DataLossError(
+            absl::StrCat("predictor state: KLT plane ", plane, " past the end"));
+      }
+      d.klt[plane].resize(ku);
+      for (size_t j = 0; j < ku; ++j, q += 4) {
+        const uint32_t bits = GetLE<uint32_t>(q);
+        float f;
+        std::memcpy(&f, &bits, 4);
+        if (!std::isfinite(f) || std::fabs(f) > 1.0f + 1e-3f) {
+          return absl::DataLossError(
+              absl::StrCat("predictor state: KLT plane ", plane, " value ", j, " out of range"));
+        }
+        d.klt[plane][j] = f;
+      }
+    }
+    if (q != end) return absl::DataLossError("predictor state: bytes after the KLT bases");
+  }
   return internal::MakeState(std::move(d));
 }
 

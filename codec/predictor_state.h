@@ -86,6 +86,39 @@ class PredictorState {
   // first_position and previous_token.
   virtual void Predict(absl::Span<const int32_t> tokens, uint32_t first_position,
                        int32_t previous_token, float* out) const = 0;
+
+  // ---- Cross-layer linear predictors (Predictor::kTokenMeanLinear; state format 2) ----
+  // Plane p = layer * 2 + (0 = K, 1 = V) is predicted from the two planes before it in block
+  // order, its inputs: V_l from K_l and V_{l-1}; K_l from V_{l-1} and K_{l-1} (plane 1 from plane
+  // 0 only; plane 0 has none). Per (plane, head) a ridge-fitted D x (n_in * D) matrix W maps the
+  // inputs' residuals (reconstruction minus Predict, same head, same token; keys de-rotated to
+  // pre-RoPE) to the plane's residual (pre-RoPE for keys, then rotated at the token's position).
+  // Size: sum over planes with weights of kv_heads * head_dim * n_in * head_dim fp16 (Llama-3-8B:
+  // 63 planes * 8 * 128 * 256 * 2 bytes = 33 MB; stories260K 20 KB).
+  // True if plane `plane` has weights (false for plane 0 and for states without them).
+  virtual bool HasLinear(size_t plane) const = 0;
+  // Adds the linear prediction to `inout` ([kv_heads][T][head_dim] floats: plane `plane`'s
+  // Predict output, T = tokens of the block, tokens[0] at `first_position`). `in1`, `in2`: the
+  // residuals of planes plane-1 and plane-2 ([kv_heads][T][head_dim], block domain: keys after
+  // RoPE), in2 null for plane 1. Encoder and decoder must pass the same floats (the decoder's
+  // reconstruction rounded to the dtype, minus Predict). Deterministic (float32, fixed order, no
+  // libm). Does nothing if !HasLinear(plane).
+  virtual void PredictLinear(size_t plane, uint32_t first_position, size_t T, const float* in1,
+                             const float* in2, float* inout) const = 0;
+  // Bytes of the linear weights (0 without them).
+  virtual size_t linear_bytes() const = 0;
+
+  // ---- Per-plane decorrelating transforms (KLT; state format 2) ----
+  // Per (plane, head) an orthonormal head_dim x head_dim basis U (eigenvectors of the learned
+  // residual's covariance): the FAST codec may quantize z = U^T e instead of the residual e of a
+  // learned head and reconstruct e' = U z'. Orthonormal, so ||e - e'|| = ||z - z'|| (to float
+  // rounding): the error target means the same in both domains. Size: planes with a basis x
+  // kv_heads x head_dim^2 float32 (stories260K: 10 x 4 x 64 x 4 = 10 KB; Llama-3-8B 64 x 8 x
+  // 128^2 x 4 = 33.5 MB).
+  // Plane `plane`'s bases, [kv_heads][head_dim][head_dim] row-major U[i][j] (column j the j-th
+  // basis vector), or null when it has none.
+  virtual const float* Klt(size_t plane) const = 0;
+  virtual size_t klt_bytes() const = 0;
 };
 
 // What the learner may keep and fit.
@@ -93,8 +126,24 @@ struct LearnerOptions {
   // Cap on the learner's accumulators plus the state it fits (bytes). Token and pair entries
   // beyond the cap are not added (the most frequent kept); the fit never exceeds it.
   size_t max_bytes = 64ull << 20;
-  // Ridge regularization of the linear predictors (relative to the feature variance).
-  double ridge = 1e-3;
+  // Cross-layer linear predictors (PredictorState::HasLinear): fitted at Fit by ridge regression
+  // on a bounded uniform sample of the observed blocks (reservoir, at most `linear_sample_bytes`
+  // of KV, inside max_bytes), since their target is the residual after the state being fitted.
+  // The ridge lambda (relative to the mean input variance) is chosen per (plane, head) from
+  // {1e-3, 1e-2, 0.1, 0.3, 1, 3} on a held-out fifth of the sampled blocks (training data only);
+  // a head whose held-out error is not 1 % below the token mean's keeps zero weights. The inputs
+  // are fitted as the decoder sees them (closed loop): quantized with the step a plane gets at
+  // `linear_fit_rel_rms` (the TQ3 error by default), so key planes that quantize to zero give 0.
+  bool fit_linear = true;
+  // Per-plane decorrelating transforms (PredictorState::Klt), from the same sample: per (plane,
+  // head) the eigenvectors of the training fifths' residual covariance (after the linear
+  // prediction where the plane has it); a plane keeps them if the held-out fifth's L1 norm of
+  // the transformed residual is 1 % below the residual's.
+  bool fit_klt = true;
+  // Both are fitted only when their bytes fit in half of what max_bytes leaves after the
+  // learner's accumulators (else the state has neither).
+  size_t linear_sample_bytes = 8u << 20;
+  double linear_fit_rel_rms = 0.173;
 };
 
 // Accumulates statistics of stored blocks and fits immutable states from them.

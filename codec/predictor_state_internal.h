@@ -41,9 +41,50 @@ struct StateData {
   std::vector<uint32_t> pair_counts;
   // pairs x VectorSize fp16: the pair's prediction (its mean shrunk toward the token mean).
   std::vector<uint16_t> pair_means;
+  // Cross-layer linear weights (format 2), per plane (layer * 2 + K/V): empty, or
+  // kv_heads x head_dim x (LinearInputs(plane) * head_dim) finite fp16, row-major
+  // [head][output channel][input j * head_dim + input channel], input j = plane - 1 - j.
+  // Either empty (no weights at all) or 2 * layers entries.
+  std::vector<std::vector<uint16_t>> linear;
+  // Per-plane decorrelating transforms (format 2), per plane: empty, or kv_heads x head_dim x
+  // head_dim finite float32 U[h][i][j], orthonormal, column j the j-th basis vector (z = U^T e).
+  // Either empty or 2 * layers entries.
+  std::vector<std::vector<float>> klt;
 };
 
+// Input planes of plane p's linear predictor: p - 1 and p - 2, those >= 0.
+inline size_t LinearInputs(size_t plane) { return plane >= 2 ? 2 : plane; }
+inline size_t LinearSize(const BlockGeometry& g, size_t plane) {
+  return static_cast<size_t>(g.num_kv_heads) * g.head_dim * LinearInputs(plane) * g.head_dim;
+}
+
 std::shared_ptr<const PredictorState> MakeState(StateData data);
+
+// One observed block kept for the linear fit (the learner's reservoir sample).
+struct LinearSample {
+  std::vector<uint8_t> kv;  // geometry.num_bytes(), block layout, K after RoPE
+  std::vector<int32_t> tokens;
+  uint32_t first_position = 0;
+  int32_t previous_token = -1;
+};
+
+// Fits data->linear (predictor_linear_fit.cc; LearnerOptions documents the method) from
+// `samples` of blocks of `block_tokens` tokens, against the state `data` describes without
+// weights. Leaves data->linear empty when no head gains or there are fewer than 5 samples.
+void FitLinear(const std::vector<LinearSample>& samples, size_t block_tokens, double fit_rel_rms,
+               StateData* data);
+
+// Fits data->klt (predictor_linear_fit.cc): per (plane, head) the eigenvectors of the covariance
+// of the residual after the learned prediction (codes 3 / 4 as the codec computes it, block
+// domain: keys after RoPE) over `samples`, by cyclic Jacobi. Leaves it empty for < 5 samples.
+void FitKlt(const std::vector<LinearSample>& samples, size_t block_tokens, double fit_rel_rms,
+            StateData* data);
+
+// Eigen-decomposition of the symmetric n x n matrix `a` (row-major, destroyed) by cyclic Jacobi
+// rotations: `vectors` n x n row-major with column j the unit eigenvector of eigenvalue
+// values[j], sorted by decreasing eigenvalue. Orthonormal to rounding.
+void SymmetricEigen(std::vector<double> a, size_t n, std::vector<double>* values,
+                    std::vector<double>* vectors);
 
 }  // namespace internal
 }  // namespace kvtrie

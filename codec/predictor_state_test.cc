@@ -176,7 +176,11 @@ TEST(PredictorStateTest, HeldOutRoundTripWithinTargetAndSmaller) {
 // Planes whose quantized residual is all zero (keys under the learned state) are flagged in the
 // params and carry no step, bit count, table or symbols; they decode to the prediction itself.
 TEST(PredictorStateTest, AllZeroPlanesAreFlaggedAndDecodeToThePrediction) {
-  const auto state = TrainState(2);
+  // Without linear weights, so that every learned head predicts the token mean itself (linear
+  // blocks: learned_linear_test.cc).
+  LearnerOptions no_linear;
+  no_linear.fit_linear = false;
+  const auto state = TrainState(2, no_linear);
   const TokenBlocks gen = Load("genesis_1-3");
   const BlockGeometry& g = gen.real.geometry;
   ASSERT_EQ(g.dtype, DType::kFp16);
@@ -343,7 +347,8 @@ TEST(PredictorStateTest, MalformedBytesAreDataLoss) {
     b.replace(at, with.size(), with);
     return PredictorState::Parse(Reseal(b)).status();
   };
-  EXPECT_TRUE(absl::IsDataLoss(edited(4, "\x02"))) << "format";
+  EXPECT_TRUE(absl::IsDataLoss(edited(4, "\x03"))) << "format";
+  EXPECT_TRUE(absl::IsDataLoss(edited(4, bytes[4] == 2 ? "\x01" : "\x02"))) << "format";
   EXPECT_TRUE(absl::IsDataLoss(edited(5, "\x09"))) << "dtype";
   EXPECT_TRUE(absl::IsDataLoss(edited(6, "\x03"))) << "rope";
   EXPECT_TRUE(absl::IsDataLoss(edited(8, std::string(4, '\0')))) << "version 0";

@@ -377,6 +377,8 @@ absl::Status DecodeResidual(const BlockGeometry& g, absl::string_view params,
     for (size_t i = 0; i < nh; ++i) {
       const int v = dec.Get(choice_models[(i / n.H) % 2]);
       if (v >= kNumPredictors) return absl::DataLossError("residual payload: unknown predictor");
+      if (v == static_cast<int>(Predictor::kTokenMeanLinear))  // FAST only
+        return absl::DataLossError("residual payload: unknown predictor");
       choices[i] = static_cast<Predictor>(v);
       uses[v] = true;
     }
@@ -386,6 +388,8 @@ absl::Status DecodeResidual(const BlockGeometry& g, absl::string_view params,
       const uint8_t b = static_cast<uint8_t>(params[pos + i / 2]);
       const uint8_t v = (i % 2) ? (b >> 4) : (b & 15);
       if (v >= kNumPredictors) return absl::DataLossError("residual params: unknown predictor");
+      if (v == static_cast<int>(Predictor::kTokenMeanLinear))  // FAST only
+        return absl::DataLossError("residual params: unknown predictor");
       choices[i] = static_cast<Predictor>(v);
       uses[v] = true;
     }

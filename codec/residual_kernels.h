@@ -126,6 +126,7 @@ inline const float* PredictRow(Predictor p, const float* side, const float* rec,
     case Predictor::kCentroid:
     case Predictor::kExternal:
     case Predictor::kTokenMean:
+    case Predictor::kTokenMeanLinear:  // never chosen by the compact profile (no side)
       return side + t * D;
   }
   if (rope == nullptr) return src;

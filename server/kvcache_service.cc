@@ -407,6 +407,7 @@ grpc::Status KvCacheService::Stats(grpc::ServerContext*, const v1::StatsRequest*
   response->set_predictor_observations(s.predictor_observations);
   response->set_predictor_observations_dropped(s.predictor_observations_dropped);
   response->set_predictor_versions_freed(s.predictor_versions_freed);
+  response->set_predictor_bytes_saved(s.predictor_bytes_saved);
   return grpc::Status::OK;
 }
 
@@ -430,6 +431,7 @@ grpc::Status KvCacheService::Inspect(grpc::ServerContext*, const v1::InspectRequ
     out->set_latest(p.latest);
     out->set_error(p.error);
     out->set_description(p.description);
+    out->set_bytes_saved(p.bytes_saved);
   }
   if (request->distance_to_node_id() != 0) {
     absl::StatusOr<double> d =

@@ -126,6 +126,9 @@ class Metrics::StoreCollector final : public prometheus::Collectable {
            [](const StoreStats& s) { return s.predictor_state_bytes; });
     per_ns("kvtrie_blocks_on_learned", "Stored blocks coded against a learned predictor state.",
            [](const StoreStats& s) { return s.blocks_on_learned; });
+    per_ns("kvtrie_predictor_bytes_saved",
+           "Estimated bytes the learned predictors saved on the blocks stored since start.",
+           [](const StoreStats& s) { return s.predictor_bytes_saved; });
     {
       auto* nodes =
           family("kvtrie_tier_nodes", "Nodes whose payload is in the tier.", MetricType::Gauge);

@@ -14,7 +14,8 @@
 // and, read from KvStore::Stats() at each scrape:
 //   kvtrie_nodes, kvtrie_bytes_logical, kvtrie_bytes_stored, kvtrie_centroids,
 //   kvtrie_residual_nodes, kvtrie_pinned_nodes, kvtrie_predictor_versions,
-//   kvtrie_predictor_state_bytes, kvtrie_blocks_on_learned{namespace}; kvtrie_tier_nodes and
+//   kvtrie_predictor_state_bytes, kvtrie_blocks_on_learned, kvtrie_predictor_bytes_saved
+//   {namespace}; kvtrie_tier_nodes and
 //   kvtrie_tier_bytes{tier=hot|cold,namespace}; kvtrie_disk_bytes; kvtrie_tier_budget_bytes{tier};
 //   kvtrie_demotions_total, kvtrie_promotions_total, kvtrie_cold_reads_total,
 //   kvtrie_evictions_total{reason=disk|data_loss|deleted}, kvtrie_pins_expired_total,

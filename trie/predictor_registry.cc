@@ -60,6 +60,15 @@ void PredictorRegistry::AddDependent(uint32_t version, int sign) {
   }
 }
 
+void PredictorRegistry::AddBytesSaved(uint32_t version, double bytes) {
+  if (version == 0 || !(bytes > 0)) return;
+  absl::MutexLock lock(&mu_);
+  auto it = versions_.find(version);
+  if (it == versions_.end()) return;
+  it->second.bytes_saved += bytes;
+  bytes_saved_ += bytes;
+}
+
 bool PredictorRegistry::HasVersion(uint32_t version) const {
   absl::MutexLock lock(&mu_);
   return versions_.contains(version);
@@ -230,6 +239,7 @@ std::vector<PredictorVersionView> PredictorRegistry::Versions() const {
     view.memory_bytes = v.state ? v.memory_bytes : 0;
     view.tokens_learned = v.tokens_learned;
     view.dependents = v.dependents;
+    view.bytes_saved = static_cast<uint64_t>(v.bytes_saved);
     view.latest = version == latest_;
     view.description = v.description;
     if (!v.error.ok()) view.error = std::string(v.error.message());
@@ -243,6 +253,7 @@ void PredictorRegistry::AddStats(StoreStats* s) const {
     absl::MutexLock lock(&mu_);
     s->predictor_versions += versions_.size();
     s->predictor_memory_bytes += learner_bytes_;
+    s->predictor_bytes_saved += static_cast<uint64_t>(bytes_saved_);
     for (const auto& [version, v] : versions_) {
       s->predictor_state_bytes += v.state_bytes;
       if (v.state) s->predictor_memory_bytes += v.memory_bytes;

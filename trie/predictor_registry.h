@@ -65,6 +65,9 @@ class PredictorRegistry {
   // --- Dependents ---
   // A stored block coded against `version` was added (+1) or removed (-1). 0 is ignored.
   void AddDependent(uint32_t version, int sign);
+  // A block coded against `version` was stored; `bytes` is its EncodedBlock::learned_bytes_saved
+  // (Stats predictor_bytes_saved, Inspect bytes_saved). 0 or an unknown version is ignored.
+  void AddBytesSaved(uint32_t version, double bytes);
   bool HasVersion(uint32_t version) const;
 
   // --- Encoding ---
@@ -114,6 +117,7 @@ class PredictorRegistry {
     uint64_t tokens_learned = 0;
     uint64_t dependents = 0;
     uint64_t pending = 0;
+    double bytes_saved = 0;  // since start
     bool freeing = false;
   };
 
@@ -140,6 +144,7 @@ class PredictorRegistry {
   absl::Status learner_error_ ABSL_GUARDED_BY(learn_mu_);
   uint64_t tokens_since_fit_ ABSL_GUARDED_BY(learn_mu_) = 0;
 
+  double bytes_saved_ ABSL_GUARDED_BY(mu_) = 0;  // since start, every version (freed ones too)
   std::atomic<uint64_t> fits_{0}, observations_{0}, observations_dropped_{0}, freed_{0};
 };
 

@@ -164,9 +164,12 @@ struct PredictorVersionView {
   uint64_t memory_bytes = 0;    // in memory (0 when unreadable or not resident)
   uint64_t tokens_learned = 0;  // tokens of KV it was fitted on
   uint64_t dependents = 0;      // stored blocks coded against it
-  bool latest = false;          // new blocks are coded against it
-  std::string error;            // set when the persisted state is unreadable (DATA_LOSS)
-  std::string description;      // PredictorState::Describe()
+  // Since start: estimated bytes the learned predictors saved on the blocks stored against it
+  // (EncodedBlock::learned_bytes_saved: vs the best non-learned predictors).
+  uint64_t bytes_saved = 0;
+  bool latest = false;      // new blocks are coded against it
+  std::string error;        // set when the persisted state is unreadable (DATA_LOSS)
+  std::string description;  // PredictorState::Describe()
 };
 
 struct InspectResult {
@@ -230,6 +233,9 @@ struct StoreStats {
   uint64_t predictor_observations = 0;          // blocks learned from
   uint64_t predictor_observations_dropped = 0;  // not learned from: the queue was full
   uint64_t predictor_versions_freed = 0;        // dropped once their last dependent was gone
+  // Estimated bytes the learned predictors saved on the blocks stored since start (the sum of
+  // EncodedBlock::learned_bytes_saved: vs the best non-learned predictor per head).
+  uint64_t predictor_bytes_saved = 0;
 };
 
 }  // namespace kvtrie
