@@ -87,8 +87,13 @@ ABSL_FLAG(kvtrie::ByteSize, max_inflight_put_bytes_per_namespace, kvtrie::ByteSi
           "most dense KV bytes one namespace's unfinished Put streams together may buffer "
           "(0 = only --max_inflight_put_bytes)" KVTRIE_BYTE_UNITS_HELP);
 ABSL_FLAG(int, max_threads, 512,
-          "most threads gRPC may run calls on; calls past it are refused with "
-          "RESOURCE_EXHAUSTED");
+          "most threads gRPC's synchronous server may run calls on (only server reflection is "
+          "served so; the KVCache calls use the callback API and --handler_threads); calls past "
+          "it are refused with RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, handler_threads, 0,
+          "threads that run the KVCache calls' work (parsing, the store, a Put's commit, a Get's "
+          "decoding on its chain); open streams waiting for their client hold none; 0 = twice "
+          "the codec threads, at least 8");
 ABSL_FLAG(int, shutdown_grace_seconds, 10,
           "on SIGTERM, how long running calls may take before they are cancelled");
 ABSL_FLAG(std::string, port_file, "",
@@ -248,7 +253,10 @@ int Run() {
     spdlog::info("metrics on http://{}/metrics (bound port {})", ops.metrics_listen, *metrics_port);
     if (!ops.metrics_port_file.empty()) WritePortFile(ops.metrics_port_file, *metrics_port);
   }
-  GuardedService guarded(&service, auth->get(), store->get(), metrics.get());
+  const int handler_threads = absl::GetFlag(FLAGS_handler_threads) > 0
+                                  ? absl::GetFlag(FLAGS_handler_threads)
+                                  : std::max(8, 2 * codec_threads);
+  GuardedService guarded(&service, auth->get(), store->get(), metrics.get(), handler_threads);
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
       MakeServerCredentials(ops.tls);
   if (!credentials.ok()) {
@@ -265,7 +273,8 @@ int Run() {
   // One server per port: without this gRPC sets SO_REUSEPORT and a second server on the same
   // port would serve (and split the calls) beside the first.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  // Bounded threads: past --max_threads gRPC answers new calls RESOURCE_EXHAUSTED.
+  // Bounded threads: past --max_threads gRPC's sync server (reflection) answers new calls
+  // RESOURCE_EXHAUSTED. The KVCache calls are callback reactors (server/guarded_service.h).
   grpc::ResourceQuota quota("kvtrie-server");
   quota.SetMaxThreads(absl::GetFlag(FLAGS_max_threads));
   builder.SetResourceQuota(quota);
@@ -345,6 +354,7 @@ int Run() {
                      std::chrono::seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds)));
   });
   server->Wait();
+  guarded.StopHandlers();  // the last steps of finished calls, before the store closes
   waiter.join();
   stopping.Notify();
   health_watch.join();
