@@ -119,6 +119,10 @@ class GuardedService::PutReactor final : public grpc::ServerReadReactor<v1::PutR
         StartRead(&request_);
         return;
       case PutCall::Next::kReserve:
+        if (cancelled_) {  // no wait for memory on behalf of a client gone
+          Act(call_->OnReserved(absl::CancelledError("put: cancelled")));
+          return;
+        }
         waiting_ = true;
         // Called back at once, when another stream makes room, or at the deadline.
         call_->stream()->ReserveWholeAsync(call_->reserve_bytes(), [this](absl::Status s) {
