@@ -82,7 +82,7 @@ ABSL_FLAG(double, put_wait_for_memory_seconds, 60,
           "RESOURCE_EXHAUSTED (0 = refuse at once)");
 ABSL_FLAG(uint32_t, max_concurrent_put_streams, 256,
           "most Put streams open at once; more are refused with RESOURCE_EXHAUSTED (0 = no "
-          "bound; --max_threads still applies)");
+          "bound); an open stream holds no thread, but its slot and buffered bytes");
 ABSL_FLAG(kvtrie::ByteSize, max_inflight_put_bytes_per_namespace, kvtrie::ByteSize{1ull << 30},
           "most dense KV bytes one namespace's unfinished Put streams together may buffer "
           "(0 = only --max_inflight_put_bytes)" KVTRIE_BYTE_UNITS_HELP);

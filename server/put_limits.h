@@ -3,8 +3,8 @@
 // PutLimits: what one tenant's Put streams may hold of the server (issue 12, item 4). Each Put
 // stream is admitted before its first message and holds:
 //   - a slot of `max_concurrent_streams` (0 = unbounded): past it a new stream is refused with
-//     RESOURCE_EXHAUSTED, so idle streams cannot grow the server's threads without bound (gRPC's
-//     sync server runs each stream on a thread; main.cc also caps the threads);
+//     RESOURCE_EXHAUSTED, so idle streams cannot grow the server's memory without bound (a
+//     stream holds no thread: server/guarded_service.h serves Put as a callback reactor);
 //   - the dense KV bytes of the Put, reserved whole from its header (ReserveWhole: the full
 //     blocks of its token ids) against `max_inflight_bytes` (all streams; the store's
 //     --max_inflight_put_bytes) and its namespace's `max_inflight_bytes_per_namespace` (0 =
