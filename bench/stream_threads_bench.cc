@@ -112,7 +112,7 @@ void RunOnce(const std::string& label, const std::vector<int>& streams, int code
     std::fprintf(stderr, "%s: %s\n", label.c_str(), std::string(server.status().message()).c_str());
     std::exit(1);
   }
-  auto client = Client::Create({.target = (*server)->target()});
+  auto client = Client::Create({.target = (*server)->target(), .ns = ""});
   PutOptions raw;
   raw.encoding = v1::ENCODING_RAW;
   const KvDump big = RawPrefix(64, 1);
@@ -129,7 +129,7 @@ void RunOnce(const std::string& label, const std::vector<int>& streams, int code
       Row& row = (*rows)[absl::StrCat(label, " | stalled Put streams | ", n)];
       row.threads.push_back(testing::ThreadCount(pid));
       const auto t0 = Clock::now();
-      auto other = Client::Create({.target = (*server)->target()});
+      auto other = Client::Create({.target = (*server)->target(), .ns = ""});
       const KvDump d = RawPrefix(4, next += 100);
       bool ok = other->Put(d, raw).ok() && other->Get(d.model_id, d.token_ids).ok();
       row.seconds.push_back(Since(t0));
@@ -146,7 +146,7 @@ void RunOnce(const std::string& label, const std::vector<int>& streams, int code
       Row& row = (*rows)[absl::StrCat(label, " | Gets not read | ", n)];
       row.threads.push_back(testing::ThreadCount(pid));
       const auto t0 = Clock::now();
-      auto other = Client::Create({.target = (*server)->target()});
+      auto other = Client::Create({.target = (*server)->target(), .ns = ""});
       absl::StatusOr<KvDump> got = other->Get(big.model_id, big.token_ids);
       row.seconds.push_back(Since(t0));
       row.failures += !got.ok() || got->k != big.k;
