@@ -5,8 +5,9 @@
 // Serves grpc.health.v1.Health (status SERVING for "" and "kvtrie.v1.KVCache") and server
 // reflection (v1alpha, what gRPC 1.51 ships), so grpcurl can list, describe and call it.
 // If the store fails (a write to disk failed; it then refuses writes), health turns NOT_SERVING.
-// SIGTERM or SIGINT: health turns NOT_SERVING, new calls are refused, running calls get
-// --shutdown_grace_seconds to finish and are then cancelled, the store is flushed and closed,
+// SIGTERM or SIGINT: health turns NOT_SERVING, calls already sent are read for 200 ms more,
+// then new calls are refused; running calls get --shutdown_grace_seconds (from the signal) to
+// finish and are then cancelled, the store is flushed and closed,
 // and the process exits 0.
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -348,10 +349,15 @@ int Run() {
     }
     spdlog::info("signal {}: draining (grace {} s)", sig,
                  absl::GetFlag(FLAGS_shutdown_grace_seconds));
+    const auto deadline = std::chrono::system_clock::now() +
+                          std::chrono::seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds));
     server->GetHealthCheckService()->Shutdown();  // NOT_SERVING for every service
     if (health_server) health_server->GetHealthCheckService()->Shutdown();
-    server->Shutdown(std::chrono::system_clock::now() +
-                     std::chrono::seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds)));
+    // Calls a client sent just before the signal may not be read off their connection yet;
+    // gRPC's Shutdown refuses what it has not matched, so give them a moment (within the grace).
+    std::this_thread::sleep_until(
+        std::min(deadline, std::chrono::system_clock::now() + std::chrono::milliseconds(200)));
+    server->Shutdown(deadline);
   });
   server->Wait();
   guarded.StopHandlers();  // the last steps of finished calls, before the store closes
