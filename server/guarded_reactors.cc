@@ -34,6 +34,32 @@ class GuardedService::Strand {
     }
     if (start) pool_->Schedule([this] { Drain(); });
   }
+  // Runs `step` on this thread at once when no step is queued or running (true); else runs
+  // nothing (false). Steps it posts run on the pool after it.
+  bool RunInlineIfIdle(const std::function<void()>& step) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (running_) return false;
+      running_ = true;
+    }
+    step();
+    bool start = false, remove = false;
+    {
+      absl::MutexLock lock(&mu_);
+      if (steps_.empty()) {
+        running_ = false;
+        remove = released_;
+      } else {
+        start = true;
+      }
+    }
+    if (start) {
+      pool_->Schedule([this] { Drain(); });
+    } else if (remove) {
+      delete this;
+    }
+    return true;
+  }
   // gRPC is done with the call (OnDone): no more steps will be posted.
   void Release() {
     bool remove = false;
@@ -240,6 +266,9 @@ class GuardedService::WriteReactor : public grpc::ServerWriteReactor<grpc::ByteB
                                      public Strand {
  public:
   void OnWriteDone(bool ok) override {
+    // The next message, when made, goes on the wire from here (no hand-off between two writes);
+    // making the one after it is posted to the pool.
+    if (ok && RunInlineIfIdle([this] { NextWrite(); })) return;
     Post([this, ok] { WriteDone(ok); });
   }
   void OnCancel() override {
@@ -301,6 +330,27 @@ class GuardedService::WriteReactor : public grpc::ServerWriteReactor<grpc::ByteB
       return;
     }
     if (end_) End(final_);
+  }
+  // A write completed and no step is running: start the next one (cheap, on gRPC's thread).
+  void NextWrite() {
+    writing_ = false;
+    in_flight_.Clear();
+    if (finished_ || cancelled_ || !has_ready_) {
+      Post([this] { Advance(); });
+      return;
+    }
+    in_flight_ = std::move(ready_);
+    ready_.Clear();
+    has_ready_ = false;
+    writing_ = true;
+    StartWrite(&in_flight_);
+    if (!end_) {
+      Post([this] {
+        if (finished_) return;
+        ProduceNext();
+        Advance();  // no-op while the write is outstanding
+      });
+    }
   }
   void WriteDone(bool ok) {
     writing_ = false;
