@@ -177,7 +177,7 @@ std::shared_ptr<const TokenTable> Authenticator::table() const {
   return table_;
 }
 
-grpc::Status Authenticator::Authorize(const grpc::ServerContext& context,
+grpc::Status Authenticator::Authorize(const grpc::ServerContextBase& context,
                                       const std::string& requested_ns, Caller* caller) const {
   if (!enabled()) {
     *caller = Caller{nullptr, nullptr, requested_ns};

@@ -88,7 +88,7 @@ class Authenticator {
   absl::Status Reload();
 
   // Decides the namespace of a request naming `requested_ns` (see the top of this file).
-  grpc::Status Authorize(const grpc::ServerContext& context, const std::string& requested_ns,
+  grpc::Status Authorize(const grpc::ServerContextBase& context, const std::string& requested_ns,
                          Caller* caller) const;
 
   std::shared_ptr<const TokenTable> table() const;  // null when auth is off

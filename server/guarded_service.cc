@@ -1,7 +1,6 @@
 #include "server/guarded_service.h"
 
 #include <chrono>
-#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -15,88 +14,22 @@ grpc::Status Exhausted(std::string message) {
 
 }  // namespace
 
-// Hands KvCacheService the Put stream with the header's namespace replaced by the caller's, and
-// admits the Put (auth, quotas) when the header arrives. A refusal ends the stream for the inner
-// service; Put() then returns the refusal instead of the inner status.
-class GuardedService::PutReader final : public grpc::ServerReaderInterface<v1::PutRequest> {
- public:
-  PutReader(GuardedService* guard, grpc::ServerContext* context,
-            grpc::ServerReaderInterface<v1::PutRequest>* inner)
-      : guard_(guard), context_(context), inner_(inner) {}
-  ~PutReader() override {
-    if (admitted_) {
-      if (counters_ != nullptr) counters_->put_streams.fetch_sub(1);
-      if (guard_->metrics_ != nullptr) guard_->metrics_->AddPutStreams(caller_.ns, -1);
-    }
-  }
-
-  void SendInitialMetadata() override { inner_->SendInitialMetadata(); }
-  bool NextMessageSize(uint32_t* sz) override { return inner_->NextMessageSize(sz); }
-  bool Read(v1::PutRequest* msg) override {
-    if (!status_.ok()) return false;
-    if (!inner_->Read(msg)) return false;
-    if (seen_header_) return true;
-    seen_header_ = true;
-    if (!msg->has_header()) return true;  // the inner service names the error
-    status_ = guard_->auth_->Authorize(*context_, msg->header().namespace_(), &caller_);
-    if (!status_.ok()) return false;
-    msg->mutable_header()->set_namespace_(caller_.ns);
-    if (caller_.tenant != nullptr) counters_ = guard_->CountersOf(caller_.ns);
-    status_ = guard_->AdmitPut(caller_, msg->header());
-    if (!status_.ok()) return false;
-    admitted_ = true;
-    if (guard_->metrics_ != nullptr) guard_->metrics_->AddPutStreams(caller_.ns, 1);
-    return true;
-  }
-
-  const grpc::Status& status() const { return status_; }
-  bool seen_header() const { return seen_header_; }
-  const Caller& caller() const { return caller_; }
-  NamespaceCounters* counters() const { return counters_; }
-
- private:
-  GuardedService* const guard_;
-  grpc::ServerContext* const context_;
-  grpc::ServerReaderInterface<v1::PutRequest>* const inner_;
-  grpc::Status status_;
-  bool seen_header_ = false;
-  bool admitted_ = false;
-  Caller caller_;
-  NamespaceCounters* counters_ = nullptr;
-};
-
-// Passes Get's messages through and remembers the header's matched token count.
-class GuardedService::GetWriter final : public GetSink {
- public:
-  explicit GetWriter(GetSink* inner) : inner_(inner) {}
-  bool WriteHeader(const v1::GetResponse& header) override {
-    matched_tokens_ = header.header().matched_tokens();
-    return inner_->WriteHeader(header);
-  }
-  bool WriteBlock(const v1::GetBlock& block, bool encoded, absl::string_view bytes,
-                  std::shared_ptr<const void> owner) override {
-    return inner_->WriteBlock(block, encoded, bytes, std::move(owner));
-  }
-  uint32_t matched_tokens() const { return matched_tokens_; }
-
- private:
-  GetSink* const inner_;
-  uint32_t matched_tokens_ = 0;
-};
-
 GuardedService::GuardedService(KvCacheService* inner, const Authenticator* auth, KvStore* store,
-                               Metrics* metrics)
-    : inner_(inner), auth_(auth), store_(store), metrics_(metrics) {
-  // Get's responses are framed by hand (server/get_sink.h) so its payloads go out uncopied: the
-  // method is served as a split stream whose responses are grpc::ByteBuffers. The wire format is
-  // the proto's; only this server's side of the serialization changes.
-  grpc::Service::MarkMethodStreamed(
-      kGetMethodIndex,
-      new grpc::internal::SplitServerStreamingHandler<v1::GetRequest, grpc::ByteBuffer>(
-          [this](grpc::ServerContext* context,
-                 grpc::ServerSplitStreamer<v1::GetRequest, grpc::ByteBuffer>* stream) {
-            return StreamedGet(context, stream);
-          }));
+                               Metrics* metrics, int handler_threads)
+    : inner_(inner),
+      auth_(auth),
+      store_(store),
+      metrics_(metrics),
+      handlers_(std::make_unique<TaskPool>(std::max(1, handler_threads))) {}
+
+GuardedService::~GuardedService() { StopHandlers(); }
+
+void GuardedService::StopHandlers() { handlers_.reset(); }  // runs what is queued, joins
+
+grpc::Status GuardedService::NotParsed() {
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                      "request: did not parse (proto3 string fields such as namespace and "
+                      "model_id must be valid UTF-8)");
 }
 
 GuardedService::NamespaceCounters* GuardedService::CountersOf(const std::string& ns) {
@@ -107,7 +40,7 @@ GuardedService::NamespaceCounters* GuardedService::CountersOf(const std::string&
 }
 
 template <typename Body>
-grpc::Status GuardedService::Guard(const char* method, grpc::ServerContext* context,
+grpc::Status GuardedService::Guard(const char* method, grpc::ServerContextBase* context,
                                    const std::string& requested_ns, Body body) {
   const auto start = std::chrono::steady_clock::now();
   Caller caller;
@@ -122,6 +55,33 @@ grpc::Status GuardedService::Guard(const char* method, grpc::ServerContext* cont
     metrics_->RecordCall(method, authorized ? &caller.ns : nullptr, s.error_code(), seconds);
   }
   return s;
+}
+
+template <typename Req, typename Resp, typename Body>
+grpc::ServerUnaryReactor* GuardedService::Unary(const char* method,
+                                                grpc::CallbackServerContext* context,
+                                                const grpc::ByteBuffer* request,
+                                                grpc::ByteBuffer* response, Body body) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  // On the handler pool: a store call may wait for a lock, and gRPC's threads must not. The
+  // request, the response and the context live until Finish.
+  handlers_->Schedule([this, method, context, request, response, reactor, body] {
+    Req req;
+    grpc::ByteBuffer bytes = *request;  // shares the slices; Deserialize consumes its buffer
+    if (!grpc::SerializationTraits<Req>::Deserialize(&bytes, &req).ok()) {
+      reactor->Finish(NotParsed());
+      return;
+    }
+    Resp resp;
+    grpc::Status s = Guard(method, context, req.namespace_(),
+                           [&](const Caller& caller) { return body(caller, &req, &resp); });
+    if (s.ok()) {
+      bool own_buffer = false;
+      s = grpc::SerializationTraits<Resp>::Serialize(resp, response, &own_buffer);
+    }
+    reactor->Finish(s);
+  });
+  return reactor;
 }
 
 grpc::Status GuardedService::AdmitPut(const Caller& caller, const v1::PutHeader& header) {
@@ -173,164 +133,93 @@ grpc::Status GuardedService::AdmitPut(const Caller& caller, const v1::PutHeader&
   return s;
 }
 
-grpc::Status GuardedService::Lookup(grpc::ServerContext* context, const v1::LookupRequest* request,
-                                    v1::LookupResponse* response) {
-  return Guard("Lookup", context, request->namespace_(), [&](const Caller& caller) {
-    grpc::Status s = inner_->LookupIn(caller.ns, *request, response);
-    if (s.ok()) {
-      if (metrics_ != nullptr) {
-        metrics_->RecordMatch(caller.ns, KvCacheService::TokenCount(*request),
-                              response->matched_tokens());
-      }
-      if (caller.tenant != nullptr) {
+grpc::ServerUnaryReactor* GuardedService::Lookup(grpc::CallbackServerContext* context,
+                                                 const grpc::ByteBuffer* request,
+                                                 grpc::ByteBuffer* response) {
+  return Unary<v1::LookupRequest, v1::LookupResponse>(
+      "Lookup", context, request, response,
+      [this](const Caller& caller, v1::LookupRequest* r, v1::LookupResponse* out) {
+        grpc::Status s = inner_->LookupIn(caller.ns, *r, out);
+        if (s.ok()) {
+          if (metrics_ != nullptr) {
+            metrics_->RecordMatch(caller.ns, KvCacheService::TokenCount(*r), out->matched_tokens());
+          }
+          if (caller.tenant != nullptr) {
+            NamespaceCounters* c = CountersOf(caller.ns);
+            c->lookups++;
+            if (out->matched_blocks() > 0) c->lookup_hits++;
+          }
+        }
+        return s;
+      });
+}
+
+grpc::ServerUnaryReactor* GuardedService::Stats(grpc::CallbackServerContext* context,
+                                                const grpc::ByteBuffer* request,
+                                                grpc::ByteBuffer* response) {
+  return Unary<v1::StatsRequest, v1::StatsResponse>(
+      "Stats", context, request, response,
+      [this](const Caller& caller, v1::StatsRequest* r, v1::StatsResponse* response) {
+        r->set_namespace_(caller.ns);
+        grpc::Status s = inner_->Stats(nullptr, r, response);
+        if (!s.ok() || caller.admin()) return s;
+        // A tenant sees its namespace's own counters, never the server-wide ones (they would tell
+        // it about other tenants' traffic).
         NamespaceCounters* c = CountersOf(caller.ns);
-        c->lookups++;
-        if (response->matched_blocks() > 0) c->lookup_hits++;
-      }
-    }
-    return s;
-  });
+        response->set_lookups(c->lookups);
+        response->set_lookup_hits(c->lookup_hits);
+        response->set_gets(c->gets);
+        response->set_puts(c->puts);
+        response->set_deletes(c->deletes);
+        response->set_blocks_stored(c->blocks_stored);
+        response->set_blocks_deduplicated(c->blocks_deduplicated);
+        for (auto clear :
+             {&v1::StatsResponse::clear_demotions, &v1::StatsResponse::clear_demoted_bytes,
+              &v1::StatsResponse::clear_promotions, &v1::StatsResponse::clear_cold_reads,
+              &v1::StatsResponse::clear_cold_read_bytes, &v1::StatsResponse::clear_evictions_disk,
+              &v1::StatsResponse::clear_evicted_bytes,
+              &v1::StatsResponse::clear_evictions_data_loss,
+              &v1::StatsResponse::clear_evictions_deleted, &v1::StatsResponse::clear_pins_expired,
+              &v1::StatsResponse::clear_puts_rejected_disk_full}) {
+          (response->*clear)();
+        }
+        return s;
+      });
 }
 
-grpc::Status GuardedService::Put(grpc::ServerContext* context,
-                                 grpc::ServerReader<v1::PutRequest>* reader,
-                                 v1::PutResponse* response) {
-  const auto start = std::chrono::steady_clock::now();
-  grpc::Status s;
-  std::optional<std::string> ns;  // none: refused before it had a namespace
-  {
-    PutReader guarded(this, context, reader);
-    s = inner_->PutStream(context, &guarded, response);
-    if (!guarded.status().ok()) s = guarded.status();
-    const bool authorized = guarded.seen_header() &&
-                            guarded.status().error_code() != grpc::StatusCode::UNAUTHENTICATED &&
-                            guarded.status().error_code() != grpc::StatusCode::PERMISSION_DENIED;
-    if (authorized) ns = guarded.caller().ns;
-    if (!authorized && metrics_ != nullptr && guarded.seen_header()) {
-      metrics_->RecordAuthFailure(s.error_code());
-    }
-    if (s.ok()) {
-      if (metrics_ != nullptr) metrics_->RecordPut(*ns, *response);
-      if (NamespaceCounters* c = guarded.counters(); c != nullptr) {
-        c->puts++;
-        c->blocks_stored += response->blocks_stored();
-        c->blocks_deduplicated += response->blocks_deduplicated();
-      }
-    }
-  }
-  if (metrics_ != nullptr) {
-    metrics_->RecordCall(
-        "Put", ns ? &*ns : nullptr, s.error_code(),
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  }
-  return s;
+grpc::ServerUnaryReactor* GuardedService::Inspect(grpc::CallbackServerContext* context,
+                                                  const grpc::ByteBuffer* request,
+                                                  grpc::ByteBuffer* response) {
+  return Unary<v1::InspectRequest, v1::InspectResponse>(
+      "Inspect", context, request, response,
+      [this](const Caller& caller, v1::InspectRequest* r, v1::InspectResponse* out) {
+        r->set_namespace_(caller.ns);
+        return inner_->Inspect(nullptr, r, out);
+      });
 }
 
-grpc::Status GuardedService::Get(grpc::ServerContext* context, const v1::GetRequest* request,
-                                 grpc::ServerWriter<v1::GetResponse>* writer) {
-  v1::GetRequest r = *request;
-  MessageGetSink sink(writer);
-  return GuardedGet(context, &r, &sink);
+grpc::ServerUnaryReactor* GuardedService::Delete(grpc::CallbackServerContext* context,
+                                                 const grpc::ByteBuffer* request,
+                                                 grpc::ByteBuffer* response) {
+  return Unary<v1::DeleteRequest, v1::DeleteResponse>(
+      "Delete", context, request, response,
+      [this](const Caller& caller, v1::DeleteRequest* r, v1::DeleteResponse* out) {
+        r->set_namespace_(caller.ns);
+        grpc::Status s = inner_->Delete(nullptr, r, out);
+        if (s.ok() && caller.tenant != nullptr) CountersOf(caller.ns)->deletes++;
+        return s;
+      });
 }
 
-grpc::Status GuardedService::StreamedGet(
-    grpc::ServerContext* context,
-    grpc::ServerSplitStreamer<v1::GetRequest, grpc::ByteBuffer>* stream) {
-  v1::GetRequest request;
-  if (!stream->Read(&request)) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        "request: did not parse (proto3 string fields such as namespace and "
-                        "model_id must be valid UTF-8)");
-  }
-  ByteBufferGetSink sink(stream);
-  return GuardedGet(context, &request, &sink);
-}
-
-grpc::Status GuardedService::GuardedGet(grpc::ServerContext* context, v1::GetRequest* request,
-                                        GetSink* sink) {
-  const std::string requested_ns = request->namespace_();
-  return Guard("Get", context, requested_ns, [&](const Caller& caller) {
-    request->set_namespace_(caller.ns);
-    GetWriter w(sink);
-    grpc::Status s = inner_->GetStream(context, request, &w);
-    if (s.ok() && request->node_id() == 0) {
-      if (metrics_ != nullptr) {
-        metrics_->RecordMatch(caller.ns, KvCacheService::TokenCount(*request), w.matched_tokens());
-      }
-    }
-    if (s.ok() && caller.tenant != nullptr) CountersOf(caller.ns)->gets++;
-    return s;
-  });
-}
-
-grpc::Status GuardedService::Stats(grpc::ServerContext* context, const v1::StatsRequest* request,
-                                   v1::StatsResponse* response) {
-  return Guard("Stats", context, request->namespace_(), [&](const Caller& caller) {
-    v1::StatsRequest r = *request;
-    r.set_namespace_(caller.ns);
-    grpc::Status s = inner_->Stats(context, &r, response);
-    if (!s.ok() || caller.admin()) return s;
-    // A tenant sees its namespace's own counters, never the server-wide ones (they would tell it
-    // about other tenants' traffic).
-    NamespaceCounters* c = CountersOf(caller.ns);
-    response->set_lookups(c->lookups);
-    response->set_lookup_hits(c->lookup_hits);
-    response->set_gets(c->gets);
-    response->set_puts(c->puts);
-    response->set_deletes(c->deletes);
-    response->set_blocks_stored(c->blocks_stored);
-    response->set_blocks_deduplicated(c->blocks_deduplicated);
-    for (auto clear :
-         {&v1::StatsResponse::clear_demotions, &v1::StatsResponse::clear_demoted_bytes,
-          &v1::StatsResponse::clear_promotions, &v1::StatsResponse::clear_cold_reads,
-          &v1::StatsResponse::clear_cold_read_bytes, &v1::StatsResponse::clear_evictions_disk,
-          &v1::StatsResponse::clear_evicted_bytes, &v1::StatsResponse::clear_evictions_data_loss,
-          &v1::StatsResponse::clear_evictions_deleted, &v1::StatsResponse::clear_pins_expired,
-          &v1::StatsResponse::clear_puts_rejected_disk_full}) {
-      (response->*clear)();
-    }
-    return s;
-  });
-}
-
-grpc::Status GuardedService::Inspect(grpc::ServerContext* context,
-                                     const v1::InspectRequest* request,
-                                     v1::InspectResponse* response) {
-  return Guard("Inspect", context, request->namespace_(), [&](const Caller& caller) {
-    v1::InspectRequest r = *request;
-    r.set_namespace_(caller.ns);
-    return inner_->Inspect(context, &r, response);
-  });
-}
-
-grpc::Status GuardedService::Delete(grpc::ServerContext* context, const v1::DeleteRequest* request,
-                                    v1::DeleteResponse* response) {
-  return Guard("Delete", context, request->namespace_(), [&](const Caller& caller) {
-    v1::DeleteRequest r = *request;
-    r.set_namespace_(caller.ns);
-    grpc::Status s = inner_->Delete(context, &r, response);
-    if (s.ok() && caller.tenant != nullptr) CountersOf(caller.ns)->deletes++;
-    return s;
-  });
-}
-
-grpc::Status GuardedService::Pin(grpc::ServerContext* context, const v1::PinRequest* request,
-                                 v1::PinResponse* response) {
-  return Guard("Pin", context, request->namespace_(), [&](const Caller& caller) {
-    v1::PinRequest r = *request;
-    r.set_namespace_(caller.ns);
-    return inner_->Pin(context, &r, response);
-  });
-}
-
-grpc::Status GuardedService::GetPredictor(grpc::ServerContext* context,
-                                          const v1::GetPredictorRequest* request,
-                                          grpc::ServerWriter<v1::PredictorChunk>* writer) {
-  return Guard("GetPredictor", context, request->namespace_(), [&](const Caller& caller) {
-    v1::GetPredictorRequest r = *request;
-    r.set_namespace_(caller.ns);
-    return inner_->GetPredictor(context, &r, writer);
-  });
+grpc::ServerUnaryReactor* GuardedService::Pin(grpc::CallbackServerContext* context,
+                                              const grpc::ByteBuffer* request,
+                                              grpc::ByteBuffer* response) {
+  return Unary<v1::PinRequest, v1::PinResponse>(
+      "Pin", context, request, response,
+      [this](const Caller& caller, v1::PinRequest* r, v1::PinResponse* out) {
+        r->set_namespace_(caller.ns);
+        return inner_->Pin(nullptr, r, out);
+      });
 }
 
 }  // namespace kvtrie

@@ -13,16 +13,33 @@
 //   Stats  of a tenant (not admin) is that of its own namespace, and the server-wide counters in
 //          it (lookups, gets, puts, deletes, blocks stored / deduplicated) are replaced by that
 //          namespace's own; the store-wide tier and eviction counters are zeroed.
-//   Get    is registered as a split stream of grpc::ByteBuffer responses, so KvCacheService's
-//          zero-copy sink (server/get_sink.h) frames them; a request that does not parse is
-//          INVALID_ARGUMENT "request: did not parse ...", as for the other calls.
+//   Get    responses are framed by hand (server/get_sink.h: FrameGetBlock) into grpc::ByteBuffers
+//          whose payload slices point at the stored (or decoded) buffers, so they go out uncopied.
 //   GetPredictor  only the caller's own namespace's learned states (the namespace is replaced
 //          like every call's), so no tenant can fetch a table learned from another's prompts.
-// Metrics (server/metrics.h) record each call's method, final code, latency and namespace.
+// A request that does not parse (e.g. invalid UTF-8 in a proto3 string field) is
+// INVALID_ARGUMENT "request: did not parse ..." (every method but Put takes its request as raw
+// bytes and parses it here; a Put message that does not parse ends its stream, which
+// KvCacheService names). Metrics (server/metrics.h) record each call's method, final code,
+// latency and namespace.
 //
-// Thread-safe. `inner`, `auth`, `store` and `metrics` (may be null) must outlive it.
+// Threads: gRPC's callback API. No call holds a thread while it waits for its client: Put is a
+// read reactor that asks for its next message only when the last one is handled, Get and
+// GetPredictor write reactors with one message on the wire while the next one is made, and a Put
+// waiting for memory (--put_wait_for_memory_seconds) is called back when it fits
+// (PutLimits::Stream::ReserveWholeAsync). The work of every call (parsing, the store, encoding
+// at a Put's commit, decoding a Get's blocks on their chain) runs on a pool of
+// `handler_threads`, never on gRPC's own threads, whose callbacks only hand steps over; each
+// call's steps run one at a time, in order. So open streams cost memory, not threads: a
+// stalled client holds its Put's slot and bytes (until the idle deadline) but no thread.
+//
+// Thread-safe. `inner`, `auth`, `store` and `metrics` (may be null) must outlive it; the server
+// must be shut down (every call done) before it is destroyed.
 #ifndef KVTRIE_SERVER_GUARDED_SERVICE_H_
 #define KVTRIE_SERVER_GUARDED_SERVICE_H_
+
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/server_callback.h>
 
 #include <atomic>
 #include <map>
@@ -31,6 +48,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "codec/task_pool.h"
 #include "kvtrie/v1/kvtrie.grpc.pb.h"
 #include "server/auth.h"
 #include "server/kvcache_service.h"
@@ -39,29 +57,48 @@
 
 namespace kvtrie {
 
-class GuardedService final : public v1::KVCache::Service {
+// kvtrie.v1.KVCache with every method on the callback API; raw (grpc::ByteBuffer) messages but
+// for Put's requests.
+using GuardedServiceBase = v1::KVCache::WithRawCallbackMethod_Lookup<
+    v1::KVCache::WithCallbackMethod_Put<v1::KVCache::WithRawCallbackMethod_Get<
+        v1::KVCache::WithRawCallbackMethod_Stats<v1::KVCache::WithRawCallbackMethod_Inspect<
+            v1::KVCache::WithRawCallbackMethod_Delete<v1::KVCache::WithRawCallbackMethod_Pin<
+                v1::KVCache::WithRawCallbackMethod_GetPredictor<v1::KVCache::Service>>>>>>>>;
+
+class GuardedService final : public GuardedServiceBase {
  public:
-  GuardedService(KvCacheService* inner, const Authenticator* auth, KvStore* store,
-                 Metrics* metrics);
+  // `handler_threads` >= 1 run the calls' work (see the top of this file).
+  GuardedService(KvCacheService* inner, const Authenticator* auth, KvStore* store, Metrics* metrics,
+                 int handler_threads);
+  ~GuardedService() override;
   GuardedService(const GuardedService&) = delete;
   GuardedService& operator=(const GuardedService&) = delete;
 
-  grpc::Status Lookup(grpc::ServerContext* context, const v1::LookupRequest* request,
-                      v1::LookupResponse* response) override;
-  grpc::Status Put(grpc::ServerContext* context, grpc::ServerReader<v1::PutRequest>* reader,
-                   v1::PutResponse* response) override;
-  grpc::Status Get(grpc::ServerContext* context, const v1::GetRequest* request,
-                   grpc::ServerWriter<v1::GetResponse>* writer) override;
-  grpc::Status Stats(grpc::ServerContext* context, const v1::StatsRequest* request,
-                     v1::StatsResponse* response) override;
-  grpc::Status Inspect(grpc::ServerContext* context, const v1::InspectRequest* request,
-                       v1::InspectResponse* response) override;
-  grpc::Status Delete(grpc::ServerContext* context, const v1::DeleteRequest* request,
-                      v1::DeleteResponse* response) override;
-  grpc::Status Pin(grpc::ServerContext* context, const v1::PinRequest* request,
-                   v1::PinResponse* response) override;
-  grpc::Status GetPredictor(grpc::ServerContext* context, const v1::GetPredictorRequest* request,
-                            grpc::ServerWriter<v1::PredictorChunk>* writer) override;
+  grpc::ServerUnaryReactor* Lookup(grpc::CallbackServerContext* context,
+                                   const grpc::ByteBuffer* request,
+                                   grpc::ByteBuffer* response) override;
+  grpc::ServerReadReactor<v1::PutRequest>* Put(grpc::CallbackServerContext* context,
+                                               v1::PutResponse* response) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Get(grpc::CallbackServerContext* context,
+                                                  const grpc::ByteBuffer* request) override;
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* context,
+                                  const grpc::ByteBuffer* request,
+                                  grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* Inspect(grpc::CallbackServerContext* context,
+                                    const grpc::ByteBuffer* request,
+                                    grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* Delete(grpc::CallbackServerContext* context,
+                                   const grpc::ByteBuffer* request,
+                                   grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* Pin(grpc::CallbackServerContext* context,
+                                const grpc::ByteBuffer* request,
+                                grpc::ByteBuffer* response) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* GetPredictor(
+      grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) override;
+
+  // Waits for the steps still queued and stops the handler threads (after the server's
+  // Shutdown and Wait; before the store closes).
+  void StopHandlers();
 
  private:
   // Per-namespace call counters, kept for the namespaces of authorized tenants.
@@ -70,19 +107,23 @@ class GuardedService final : public v1::KVCache::Service {
     std::atomic<uint64_t> blocks_stored{0}, blocks_deduplicated{0};
     std::atomic<int64_t> put_streams{0};
   };
-  class PutReader;
-  class GetWriter;
-  static constexpr int kGetMethodIndex = 2;  // of Get in kvtrie.v1.KVCache (generated order)
+  class Strand;
+  class PutReactor;
+  class WriteReactor;
+  class GetReactor;
+  class PredictorReactor;
 
-  // Get as registered: the request read from the stream, the responses framed by hand.
-  grpc::Status StreamedGet(grpc::ServerContext* context,
-                           grpc::ServerSplitStreamer<v1::GetRequest, grpc::ByteBuffer>* stream);
-  // Authorizes `request` (its namespace replaced by the caller's) and serves it into `sink`.
-  grpc::Status GuardedGet(grpc::ServerContext* context, v1::GetRequest* request, GetSink* sink);
-
+  // INVALID_ARGUMENT "request: did not parse ...".
+  static grpc::Status NotParsed();
+  // A unary call: parses `request` as Req, runs `body(caller, &req, &resp)` under Guard on the
+  // handler pool, serializes the response and finishes.
+  template <typename Req, typename Resp, typename Body>
+  grpc::ServerUnaryReactor* Unary(const char* method, grpc::CallbackServerContext* context,
+                                  const grpc::ByteBuffer* request, grpc::ByteBuffer* response,
+                                  Body body);
   // Authorizes, runs `body` with the resolved caller, records metrics. `body` returns the status.
   template <typename Body>
-  grpc::Status Guard(const char* method, grpc::ServerContext* context,
+  grpc::Status Guard(const char* method, grpc::ServerContextBase* context,
                      const std::string& requested_ns, Body body);
   NamespaceCounters* CountersOf(const std::string& ns);
   // Put admission for `header` (already rewritten to caller.ns): quotas, streams in flight.
@@ -94,6 +135,7 @@ class GuardedService final : public v1::KVCache::Service {
   Metrics* const metrics_;
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<NamespaceCounters>> counters_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<TaskPool> handlers_;  // the calls' work (StopHandlers resets it)
 };
 
 }  // namespace kvtrie

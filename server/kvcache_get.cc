@@ -31,16 +31,6 @@ grpc::Status KvCacheService::Get(grpc::ServerContext* context, const v1::GetRequ
   return GetStream(context, request, &sink);
 }
 
-// One block of a Get on its way to the wire: its stored payload, and what is sent for it.
-struct KvCacheService::GetSlot {
-  size_t index = 0;
-  std::shared_ptr<const std::string> payload;
-  // Set when the block is ready to send: a view of the payload (raw) or of a decoded buffer.
-  std::shared_ptr<const void> owner;
-  absl::Span<const uint8_t> dense;
-  bool independent = false;  // decodes without the parent or a reference (fast profile)
-};
-
 grpc::Status KvCacheService::PrepareGetSlot(const v1::GetRequest& request, const BlockRead& b,
                                             const BlockGeometry& g, GetSlot* slot) {
   slot->owner.reset();
@@ -74,142 +64,195 @@ void KvCacheService::DecodeGetSlot(const BlockGeometry& g, GetSlot* slot) {
   slot->owner = std::move(buffer);
 }
 
-grpc::Status KvCacheService::GetStream(grpc::ServerContext* context, const v1::GetRequest* request,
-                                       GetSink* sink) {
+KvCacheService::GetCall::GetCall(KvCacheService* service, grpc::ServerContextBase* context,
+                                 v1::GetRequest request)
+    : service_(service), context_(context), request_(std::move(request)) {}
+
+KvCacheService::GetCall::~GetCall() {
+  if (decoding_.valid()) decoding_.wait();  // it writes into next_
+}
+
+std::unique_ptr<KvCacheService::GetCall> KvCacheService::NewGet(grpc::ServerContextBase* context,
+                                                                v1::GetRequest request) {
+  return std::make_unique<GetCall>(this, context, std::move(request));
+}
+
+grpc::Status KvCacheService::GetCall::Start(v1::GetResponse* header) {
+  const v1::GetRequest* request = &request_;
+  const ServiceOptions& options = service_->options_;
+  KvStore* store = service_->store_;
   if (auto s = CheckName("namespace", request->namespace_(), false); !s.ok()) return s;
   if (auto s = CheckName("model_id", request->model_id(), true); !s.ok()) return s;
-  if (auto s = CheckTokens("token_ids", TokenCount(*request), options_.max_tokens); !s.ok())
+  if (auto s = CheckTokens("token_ids", TokenCount(*request), options.max_tokens); !s.ok())
     return s;
   if (!v1::GetMode_IsValid(request->mode())) {
     return Invalid(absl::StrCat("mode: unknown value ", static_cast<int>(request->mode())));
   }
-  const bool residual = request->mode() == v1::GET_MODE_RESIDUAL;
-  std::vector<uint32_t> scratch;
-  absl::Span<const uint32_t> tokens;
-  if (auto s = TokensOf(*request, &scratch, &tokens); !s.ok()) return s;
+  residual_ = request->mode() == v1::GET_MODE_RESIDUAL;
+  if (auto s = TokensOf(*request, &scratch_, &tokens_); !s.ok()) return s;
   if (request->node_id() != 0) {  // the path to a node (a centroid): its tokens, root first
     absl::StatusOr<std::vector<uint32_t>> path =
-        store_->PathTokens(request->namespace_(), request->model_id(), request->node_id());
+        store->PathTokens(request->namespace_(), request->model_id(), request->node_id());
     if (!path.ok()) return ToGrpcStatus(path.status());
-    scratch = *std::move(path);
-    tokens = scratch;
+    scratch_ = *std::move(path);
+    tokens_ = scratch_;
   }
   absl::StatusOr<GetResult> got =
-      store_->Get(request->namespace_(), request->model_id(), tokens, request->max_blocks());
+      store->Get(request->namespace_(), request->model_id(), tokens_, request->max_blocks());
   if (!got.ok()) return ToGrpcStatus(got.status());
-  v1::GetResponse header;
-  const uint32_t bt = got->model.geometry.block_tokens;
-  if (!got->model.model_id.empty())
-    ToModelSpec(got->model, header.mutable_header()->mutable_model());
-  header.mutable_header()->set_matched_blocks(static_cast<uint32_t>(got->blocks.size()));
-  header.mutable_header()->set_matched_tokens(static_cast<uint32_t>(got->blocks.size()) * bt);
-  if (!sink->WriteHeader(header)) return grpc::Status(grpc::StatusCode::CANCELLED, "client gone");
-  const grpc::Status gone(grpc::StatusCode::CANCELLED, "client gone");
-
-  const BlockGeometry& g = got->model.geometry;
-  auto meta_of = [&](size_t i) {
-    const BlockRead& b = got->blocks[i];
-    v1::GetBlock meta;
-    meta.set_block_index(static_cast<uint32_t>(i));
-    meta.set_node_id(b.node_id);
-    meta.set_encoding(static_cast<v1::Encoding>(b.encoding));
-    meta.set_reference_node_id(b.reference_node_id);
-    meta.set_predictor_version(b.predictor_version);
-    return meta;
-  };
-  if (residual) {  // the stored payloads as they are, without a copy
-    for (size_t i = 0; i < got->blocks.size(); ++i) {
-      if (context->IsCancelled()) return gone;
-      absl::StatusOr<std::shared_ptr<const std::string>> payload =
-          store_->ReadPayload(request->namespace_(), request->model_id(), got->blocks[i]);
-      if (!payload.ok()) return ToGrpcStatus(payload.status());
-      v1::GetBlock meta = meta_of(i);
-      meta.set_layer_begin(0);
-      meta.set_layer_end(g.num_layers);
-      const absl::string_view bytes = **payload;
-      if (!sink->WriteBlock(meta, /*encoded=*/true, bytes, *std::move(payload))) return gone;
-    }
-    return grpc::Status::OK;
+  got_ = *std::move(got);
+  const uint32_t bt = got_.model.geometry.block_tokens;
+  if (!got_.model.model_id.empty()) {
+    ToModelSpec(got_.model, header->mutable_header()->mutable_model());
   }
-
-  // RECONSTRUCTED. Blocks go out in windows of the codec pool's size: while this thread writes
-  // window k (decoding in order the blocks that need their parent or a centroid), the pool
-  // decodes the independent blocks of window k + 1. Raw blocks are sent from their payloads.
-  DecodeChain chain(g, nullptr);  // the store reads the centroids
+  header->mutable_header()->set_matched_blocks(static_cast<uint32_t>(got_.blocks.size()));
+  header->mutable_header()->set_matched_tokens(static_cast<uint32_t>(got_.blocks.size()) * bt);
+  const BlockGeometry& g = got_.model.geometry;
+  chain_.emplace(g, nullptr);  // the store reads the centroids
   const size_t layer_bytes = g.num_layers ? g.layer_range_bytes(0, 1) : 1;
-  const uint32_t layers_per_message =
-      static_cast<uint32_t>(std::max<uint64_t>(1, options_.max_get_message_bytes / layer_bytes));
-  const size_t window = static_cast<size_t>(codec_pool_->threads());
-  std::vector<GetSlot> current, next;
-  auto prepare = [&](size_t begin, std::vector<GetSlot>* slots) -> grpc::Status {
-    slots->clear();
-    for (size_t i = begin; i < std::min(got->blocks.size(), begin + window); ++i) {
-      GetSlot& slot = slots->emplace_back();
-      slot.index = i;
-      if (auto s = PrepareGetSlot(*request, got->blocks[i], g, &slot); !s.ok()) return s;
+  layers_per_message_ =
+      static_cast<uint32_t>(std::max<uint64_t>(1, options.max_get_message_bytes / layer_bytes));
+  window_ = static_cast<size_t>(service_->codec_pool_->threads());
+  return grpc::Status::OK;
+}
+
+v1::GetBlock KvCacheService::GetCall::MetaOf(size_t i) const {
+  const BlockRead& b = got_.blocks[i];
+  v1::GetBlock meta;
+  meta.set_block_index(static_cast<uint32_t>(i));
+  meta.set_node_id(b.node_id);
+  meta.set_encoding(static_cast<v1::Encoding>(b.encoding));
+  meta.set_reference_node_id(b.reference_node_id);
+  meta.set_predictor_version(b.predictor_version);
+  return meta;
+}
+
+grpc::Status KvCacheService::GetCall::Prepare(size_t begin, std::vector<GetSlot>* slots) {
+  slots->clear();
+  for (size_t i = begin; i < std::min(got_.blocks.size(), begin + window_); ++i) {
+    GetSlot& slot = slots->emplace_back();
+    slot.index = i;
+    if (auto s = service_->PrepareGetSlot(request_, got_.blocks[i], got_.model.geometry, &slot);
+        !s.ok()) {
+      return s;
     }
-    return grpc::Status::OK;
-  };
-  // Writes the blocks of `slots` in order; a block not ready yet is decoded here, on the chain.
-  auto write = [&](std::vector<GetSlot>* slots) -> grpc::Status {
-    for (GetSlot& slot : *slots) {
-      const size_t i = slot.index;
-      if (context->IsCancelled()) return gone;
-      if (slot.owner == nullptr) {
-        grpc::Status s = DecodeOnChain(*request, tokens, i, &*got, &chain, &slot);
-        if (!s.ok()) return s;
-      } else {
-        chain.NextDenseShared(slot.owner, slot.dense);
-      }
-      v1::GetBlock meta = meta_of(i);
-      for (uint32_t l = 0; l < g.num_layers; l += layers_per_message) {
-        const uint32_t end = std::min(g.num_layers, l + layers_per_message);
-        meta.set_layer_begin(l);
-        meta.set_layer_end(end);
-        const absl::Span<const uint8_t> part =
-            slot.dense.subspan(g.layer_range_bytes(0, l), g.layer_range_bytes(l, end));
-        if (!sink->WriteBlock(
-                meta, /*encoded=*/false,
-                absl::string_view(reinterpret_cast<const char*>(part.data()), part.size()),
-                slot.owner)) {
-          return gone;
-        }
-      }
-      slot = GetSlot();  // release the buffers
-    }
-    return grpc::Status::OK;
-  };
-  if (auto s = prepare(0, &current); !s.ok()) return s;
-  for (GetSlot& slot : current) {
-    if (slot.independent && slot.owner == nullptr) DecodeGetSlot(g, &slot);
-  }
-  for (size_t begin = 0; begin < got->blocks.size(); begin += window) {
-    grpc::Status prepared = prepare(begin + window, &next);
-    std::vector<GetSlot*> todo;
-    if (prepared.ok()) {
-      for (GetSlot& slot : next) {
-        if (slot.independent && slot.owner == nullptr) todo.push_back(&slot);
-      }
-    }
-    // The decodes of the next window run beside this thread's writes (with one codec thread,
-    // after them).
-    std::future<void> decoding;
-    if (codec_pool_->threads() > 1 && !todo.empty()) {
-      decoding = std::async(std::launch::async, [&] {
-        codec_pool_->ParallelFor(todo.size(), [&](size_t k) { DecodeGetSlot(g, todo[k]); });
-      });
-    }
-    const grpc::Status written = write(&current);
-    if (decoding.valid()) {
-      decoding.get();
-    } else if (written.ok()) {
-      for (GetSlot* slot : todo) DecodeGetSlot(g, slot);
-    }
-    if (!written.ok()) return written;
-    if (!prepared.ok()) return prepared;
-    std::swap(current, next);
   }
   return grpc::Status::OK;
+}
+
+grpc::Status KvCacheService::GetCall::Next(Message* out, bool* end) {
+  *end = false;
+  const grpc::Status gone(grpc::StatusCode::CANCELLED, "client gone");
+  const BlockGeometry& g = got_.model.geometry;
+  if (residual_) {  // the stored payloads as they are, without a copy
+    if (next_block_ >= got_.blocks.size()) {
+      *end = true;
+      return grpc::Status::OK;
+    }
+    if (context_->IsCancelled()) return gone;
+    const size_t i = next_block_++;
+    absl::StatusOr<std::shared_ptr<const std::string>> payload =
+        service_->store_->ReadPayload(request_.namespace_(), request_.model_id(), got_.blocks[i]);
+    if (!payload.ok()) return ToGrpcStatus(payload.status());
+    out->block = MetaOf(i);
+    out->block.set_layer_begin(0);
+    out->block.set_layer_end(g.num_layers);
+    out->encoded = true;
+    out->bytes = **payload;
+    out->owner = *std::move(payload);
+    return grpc::Status::OK;
+  }
+  // RECONSTRUCTED. Blocks go out in windows of the codec pool's size: while window k is
+  // written (the blocks that need their parent or a centroid decoded in order, here), the pool
+  // decodes the independent blocks of window k + 1. Raw blocks are sent from their payloads.
+  ThreadPool* pool = service_->codec_pool_.get();
+  if (!started_) {
+    started_ = true;
+    if (auto s = Prepare(0, &current_); !s.ok()) return s;
+    for (GetSlot& slot : current_) {
+      if (slot.independent && slot.owner == nullptr) DecodeGetSlot(g, &slot);
+    }
+  }
+  for (;;) {
+    if (begin_ >= got_.blocks.size()) {
+      *end = true;
+      return grpc::Status::OK;
+    }
+    if (!window_open_) {  // the next window: read, and its independent blocks decoded beside
+      window_open_ = true;
+      prepared_ = Prepare(begin_ + window_, &next_);
+      todo_.clear();
+      if (prepared_.ok()) {
+        for (GetSlot& slot : next_) {
+          if (slot.independent && slot.owner == nullptr) todo_.push_back(&slot);
+        }
+      }
+      // (With one codec thread they are decoded after this window is written.)
+      if (pool->threads() > 1 && !todo_.empty()) {
+        decoding_ = std::async(std::launch::async, [this, pool, &g] {
+          pool->ParallelFor(todo_.size(), [&](size_t k) { DecodeGetSlot(g, todo_[k]); });
+        });
+      }
+    }
+    if (pos_ < current_.size()) {
+      GetSlot& slot = current_[pos_];
+      if (layer_ == 0) {  // the block's first message: the block is made ready
+        if (context_->IsCancelled()) return gone;
+        if (slot.owner == nullptr) {
+          grpc::Status s =
+              service_->DecodeOnChain(request_, tokens_, slot.index, &got_, &*chain_, &slot);
+          if (!s.ok()) return s;
+        } else {
+          chain_->NextDenseShared(slot.owner, slot.dense);
+        }
+      }
+      const uint32_t l = layer_;
+      const uint32_t l_end = std::min(g.num_layers, l + layers_per_message_);
+      out->block = MetaOf(slot.index);
+      out->block.set_layer_begin(l);
+      out->block.set_layer_end(l_end);
+      const absl::Span<const uint8_t> part =
+          slot.dense.subspan(g.layer_range_bytes(0, l), g.layer_range_bytes(l, l_end));
+      out->encoded = false;
+      out->bytes = absl::string_view(reinterpret_cast<const char*>(part.data()), part.size());
+      out->owner = slot.owner;
+      layer_ = l_end;
+      if (layer_ >= g.num_layers) {
+        slot = GetSlot();  // release this call's hold on the buffers
+        ++pos_;
+        layer_ = 0;
+      }
+      return grpc::Status::OK;
+    }
+    // Window written: the next one is current.
+    if (decoding_.valid()) {
+      decoding_.get();
+    } else {
+      for (GetSlot* slot : todo_) DecodeGetSlot(g, slot);
+    }
+    todo_.clear();
+    if (!prepared_.ok()) return prepared_;
+    std::swap(current_, next_);
+    pos_ = 0;
+    layer_ = 0;
+    begin_ += window_;
+    window_open_ = false;
+  }
+}
+
+grpc::Status KvCacheService::GetStream(grpc::ServerContext* context, const v1::GetRequest* request,
+                                       GetSink* sink) {
+  GetCall call(this, context, *request);
+  v1::GetResponse header;
+  if (grpc::Status s = call.Start(&header); !s.ok()) return s;
+  const grpc::Status gone(grpc::StatusCode::CANCELLED, "client gone");
+  if (!sink->WriteHeader(header)) return gone;
+  for (;;) {
+    GetCall::Message m;
+    bool end = false;
+    if (grpc::Status s = call.Next(&m, &end); !s.ok() || end) return s;
+    if (!sink->WriteBlock(m.block, m.encoded, m.bytes, std::move(m.owner))) return gone;
+  }
 }
 
 grpc::Status KvCacheService::DecodeOnChain(const v1::GetRequest& request,

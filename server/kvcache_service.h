@@ -4,7 +4,10 @@
 // proto and the store (trie/kv_store.h). Every error names the offending field; see
 // proto/kvtrie/v1/kvtrie.proto for the contract of each call.
 //
-// Uses gRPC's synchronous API: each call runs on a thread of gRPC's pool. Thread-safe.
+// As a grpc::Service it uses gRPC's synchronous API (each call on a thread of gRPC's pool: the
+// fuzzer serves it so); kvtrie-server serves it through GuardedService's callback reactors
+// (server/guarded_service.h), which drive the same code one message at a time: NewPut
+// (server/put_call.h) and NewGet (GetCall below). Thread-safe.
 // A Get RECONSTRUCTED sends raw blocks from their stored payloads and decodes the others on a
 // pool of `codec_threads`, the next window of blocks while the current one is written.
 // Put streams are admitted by PutLimits (server/put_limits.h): a bounded number at once, a
@@ -14,12 +17,16 @@
 #define KVTRIE_SERVER_KVCACHE_SERVICE_H_
 
 #include <cstdint>
+#include <future>
 #include <memory>
+#include <optional>
 #include <vector>
 
+#include "codec/decode_chain.h"
 #include "codec/thread_pool.h"
 #include "kvtrie/v1/kvtrie.grpc.pb.h"
 #include "server/get_sink.h"
+#include "server/put_call.h"
 #include "server/put_limits.h"
 #include "trie/kv_store.h"
 
@@ -77,9 +84,30 @@ class KvCacheService final : public v1::KVCache::Service {
   grpc::Status GetPredictorStream(grpc::ServerContext* context,
                                   const v1::GetPredictorRequest* request,
                                   grpc::ServerWriterInterface<v1::PredictorChunk>* writer);
+  // GetPredictor's state, checked (errors name the field) and read whole, then sent in chunks:
+  // chunk k of `state` (0 <= k < PredictorChunks(state)).
+  grpc::Status ReadPredictor(const v1::GetPredictorRequest& request, std::string* state);
+  size_t PredictorChunks(const std::string& state) const;
+  void PredictorChunkAt(const v1::GetPredictorRequest& request, const std::string& state,
+                        uint32_t crc, size_t k, v1::PredictorChunk* chunk) const;
+
+  // One Put stream, driven one message at a time (server/put_call.h). `context` is cancelled
+  // by the idle deadline and must outlive the call.
+  std::unique_ptr<PutCall> NewPut(grpc::ServerContextBase* context);
+  // One Get, its response messages made one at a time (see GetCall).
+  class GetCall;
+  std::unique_ptr<GetCall> NewGet(grpc::ServerContextBase* context, v1::GetRequest request);
 
  private:
-  struct GetSlot;
+  // One block of a Get on its way to the wire: its stored payload, and what is sent for it.
+  struct GetSlot {
+    size_t index = 0;
+    std::shared_ptr<const std::string> payload;
+    // Set when the block is ready to send: a view of the payload (raw) or of a decoded buffer.
+    std::shared_ptr<const void> owner;
+    absl::Span<const uint8_t> dense;
+    bool independent = false;  // decodes without the parent or a reference (fast profile)
+  };
   // Reads block `b`'s payload into `slot`; a raw block is then ready to send, a fast-profile one
   // marked independent (decodable without its parent).
   grpc::Status PrepareGetSlot(const v1::GetRequest& request, const BlockRead& b,
@@ -95,6 +123,61 @@ class KvCacheService final : public v1::KVCache::Service {
   const ServiceOptions options_;
   PutLimits put_limits_;
   const std::unique_ptr<ThreadPool> codec_pool_;  // Get's decodes
+};
+
+// One Get: Start checks the request (errors name the field), matches its prefix and makes the
+// header message; each Next makes the following message (a block, or a layer range of one),
+// which the caller puts on the wire before asking for the next, until `end`. RECONSTRUCTED
+// Gets decode on the service's codec pool the window of blocks after the one being sent, so
+// block i + 1 is made while block i is on the wire; Next may block while it decodes a block on
+// the chain (compact profile) or waits for that window. Not thread-safe: one caller. The
+// service and `context` must outlive it; the destructor waits for a window being decoded.
+class KvCacheService::GetCall {
+ public:
+  // A GetResponse after the header: `block` (kv and encoded empty) with `bytes` as its kv, or
+  // as its encoded when `encoded`; `owner` keeps `bytes` alive (see server/get_sink.h).
+  struct Message {
+    v1::GetBlock block;
+    bool encoded = false;
+    absl::string_view bytes;
+    std::shared_ptr<const void> owner;
+  };
+
+  GetCall(KvCacheService* service, grpc::ServerContextBase* context, v1::GetRequest request);
+  ~GetCall();
+  GetCall(const GetCall&) = delete;
+  GetCall& operator=(const GetCall&) = delete;
+
+  const v1::GetRequest& request() const { return request_; }
+  grpc::Status Start(v1::GetResponse* header);
+  // The next message into `out`, or `end` (OK) after the last. CANCELLED when the client went.
+  grpc::Status Next(Message* out, bool* end);
+
+ private:
+  v1::GetBlock MetaOf(size_t i) const;
+  grpc::Status Prepare(size_t begin, std::vector<GetSlot>* slots);
+
+  KvCacheService* const service_;
+  grpc::ServerContextBase* const context_;
+  const v1::GetRequest request_;
+  std::vector<uint32_t> scratch_;
+  absl::Span<const uint32_t> tokens_;
+  GetResult got_;
+  bool residual_ = false;
+  std::optional<DecodeChain> chain_;
+  uint32_t layers_per_message_ = 1;
+  size_t window_ = 1;
+  size_t next_block_ = 0;  // RESIDUAL: the next block sent
+  // RECONSTRUCTED: the window being sent (from block begin_: slot pos_, layer layer_ next), and
+  // the next one, being decoded.
+  bool started_ = false;
+  bool window_open_ = false;
+  size_t begin_ = 0, pos_ = 0;
+  uint32_t layer_ = 0;
+  std::vector<GetSlot> current_, next_;
+  grpc::Status prepared_;
+  std::vector<GetSlot*> todo_;  // of next_, decoded by decoding_
+  std::future<void> decoding_;  // last: destroyed (and waited for) first
 };
 
 }  // namespace kvtrie

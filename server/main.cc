@@ -5,8 +5,9 @@
 // Serves grpc.health.v1.Health (status SERVING for "" and "kvtrie.v1.KVCache") and server
 // reflection (v1alpha, what gRPC 1.51 ships), so grpcurl can list, describe and call it.
 // If the store fails (a write to disk failed; it then refuses writes), health turns NOT_SERVING.
-// SIGTERM or SIGINT: health turns NOT_SERVING, new calls are refused, running calls get
-// --shutdown_grace_seconds to finish and are then cancelled, the store is flushed and closed,
+// SIGTERM or SIGINT: health turns NOT_SERVING, calls already sent are read for 200 ms more,
+// then new calls are refused; running calls get --shutdown_grace_seconds (from the signal) to
+// finish and are then cancelled, the store is flushed and closed,
 // and the process exits 0.
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -82,13 +83,18 @@ ABSL_FLAG(double, put_wait_for_memory_seconds, 60,
           "RESOURCE_EXHAUSTED (0 = refuse at once)");
 ABSL_FLAG(uint32_t, max_concurrent_put_streams, 256,
           "most Put streams open at once; more are refused with RESOURCE_EXHAUSTED (0 = no "
-          "bound; --max_threads still applies)");
+          "bound); an open stream holds no thread, but its slot and buffered bytes");
 ABSL_FLAG(kvtrie::ByteSize, max_inflight_put_bytes_per_namespace, kvtrie::ByteSize{1ull << 30},
           "most dense KV bytes one namespace's unfinished Put streams together may buffer "
           "(0 = only --max_inflight_put_bytes)" KVTRIE_BYTE_UNITS_HELP);
 ABSL_FLAG(int, max_threads, 512,
-          "most threads gRPC may run calls on; calls past it are refused with "
-          "RESOURCE_EXHAUSTED");
+          "most threads gRPC's synchronous server may run calls on (only server reflection is "
+          "served so; the KVCache calls use the callback API and --handler_threads); calls past "
+          "it are refused with RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, handler_threads, 0,
+          "threads that run the KVCache calls' work (parsing, the store, a Put's commit, a Get's "
+          "decoding on its chain); open streams waiting for their client hold none; 0 = twice "
+          "the codec threads, at least 8");
 ABSL_FLAG(int, shutdown_grace_seconds, 10,
           "on SIGTERM, how long running calls may take before they are cancelled");
 ABSL_FLAG(std::string, port_file, "",
@@ -248,7 +254,10 @@ int Run() {
     spdlog::info("metrics on http://{}/metrics (bound port {})", ops.metrics_listen, *metrics_port);
     if (!ops.metrics_port_file.empty()) WritePortFile(ops.metrics_port_file, *metrics_port);
   }
-  GuardedService guarded(&service, auth->get(), store->get(), metrics.get());
+  const int handler_threads = absl::GetFlag(FLAGS_handler_threads) > 0
+                                  ? absl::GetFlag(FLAGS_handler_threads)
+                                  : std::max(8, 2 * codec_threads);
+  GuardedService guarded(&service, auth->get(), store->get(), metrics.get(), handler_threads);
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
       MakeServerCredentials(ops.tls);
   if (!credentials.ok()) {
@@ -265,7 +274,8 @@ int Run() {
   // One server per port: without this gRPC sets SO_REUSEPORT and a second server on the same
   // port would serve (and split the calls) beside the first.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  // Bounded threads: past --max_threads gRPC answers new calls RESOURCE_EXHAUSTED.
+  // Bounded threads: past --max_threads gRPC's sync server (reflection) answers new calls
+  // RESOURCE_EXHAUSTED. The KVCache calls are callback reactors (server/guarded_service.h).
   grpc::ResourceQuota quota("kvtrie-server");
   quota.SetMaxThreads(absl::GetFlag(FLAGS_max_threads));
   builder.SetResourceQuota(quota);
@@ -339,12 +349,18 @@ int Run() {
     }
     spdlog::info("signal {}: draining (grace {} s)", sig,
                  absl::GetFlag(FLAGS_shutdown_grace_seconds));
+    const auto deadline = std::chrono::system_clock::now() +
+                          std::chrono::seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds));
     server->GetHealthCheckService()->Shutdown();  // NOT_SERVING for every service
     if (health_server) health_server->GetHealthCheckService()->Shutdown();
-    server->Shutdown(std::chrono::system_clock::now() +
-                     std::chrono::seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds)));
+    // Calls a client sent just before the signal may not be read off their connection yet;
+    // gRPC's Shutdown refuses what it has not matched, so give them a moment (within the grace).
+    std::this_thread::sleep_until(
+        std::min(deadline, std::chrono::system_clock::now() + std::chrono::milliseconds(200)));
+    server->Shutdown(deadline);
   });
   server->Wait();
+  guarded.StopHandlers();  // the last steps of finished calls, before the store closes
   waiter.join();
   stopping.Notify();
   health_watch.join();

@@ -9,8 +9,10 @@
 //   INVALID_ARGUMENT "request: did not parse (proto3 string fields such as namespace and
 //   model_id must be valid UTF-8)".
 // Calls whose request parsed are untouched; client-streaming calls (Put) are not intercepted
-// (KvCacheService reports a Put whose message does not parse itself). grpcurl's JSON path is
-// unchanged: the messages and their serialization stay protobuf's.
+// (KvCacheService reports a Put whose message does not parse itself). kvtrie-server's KVCache
+// methods take raw requests and name a parse failure themselves (server/guarded_service.h); this
+// covers services served with generated (sync) handlers, such as KvCacheService itself. grpcurl's
+// JSON path is unchanged: the messages and their serialization stay protobuf's.
 //
 // Register with ServerBuilder::experimental().SetInterceptorCreators(
 //     MakeParseFailureInterceptors()).

@@ -6,11 +6,12 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 
 namespace kvtrie {
 
 PutLimits::PutLimits(const PutLimitOptions& options) : options_(options) {
-  if (options_.idle_timeout > absl::ZeroDuration()) {
+  if (options_.idle_timeout > absl::ZeroDuration() || options_.admit_wait > absl::ZeroDuration()) {
     watchdog_ = std::thread([this] { WatchdogLoop(); });
   }
 }
@@ -53,34 +54,117 @@ uint64_t PutLimits::total_inflight_bytes() const {
 }
 
 void PutLimits::Release(Stream* stream) {
-  absl::MutexLock lock(&mu_);
-  if (streams_.erase(stream) == 0) return;
-  if (stream->bytes_ > 0) {
-    auto it = ns_bytes_.find(stream->ns_);
-    it->second -= stream->bytes_;
-    if (it->second == 0) ns_bytes_.erase(it);
-    total_bytes_ -= stream->bytes_;
+  std::vector<Done> granted;
+  {
+    absl::MutexLock lock(&mu_);
+    if (streams_.erase(stream) == 0) return;
+    if (stream->waiting_) {
+      waiters_.erase(std::find(waiters_.begin(), waiters_.end(), stream));
+      stream->waiting_ = false;
+    }
+    if (stream->bytes_ > 0) {
+      auto it = ns_bytes_.find(stream->ns_);
+      it->second -= stream->bytes_;
+      if (it->second == 0) ns_bytes_.erase(it);
+      total_bytes_ -= stream->bytes_;
+      GrantWaitersLocked(&granted);
+    }
+  }
+  for (Done& done : granted) done(absl::OkStatus());
+}
+
+namespace {
+
+// Whether `bytes` more fit under `limit` (0 = unbounded) with `held` already charged.
+bool Fits(uint64_t held, uint64_t bytes, uint64_t limit) {
+  return limit == 0 || (bytes <= limit && held <= limit - bytes);
+}
+
+}  // namespace
+
+bool PutLimits::FitsLocked(const Stream* stream, uint64_t bytes) const {
+  auto it = ns_bytes_.find(stream->ns_);
+  return Fits(total_bytes_, bytes, options_.max_inflight_bytes) &&
+         Fits(it == ns_bytes_.end() ? 0 : it->second, bytes,
+              options_.max_inflight_bytes_per_namespace);
+}
+
+void PutLimits::ChargeLocked(Stream* stream, uint64_t bytes) {
+  stream->last_activity_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
+  ns_bytes_[stream->ns_] += bytes;
+  total_bytes_ += bytes;
+  stream->bytes_ += bytes;
+  stream->unused_ += bytes;
+}
+
+absl::Status PutLimits::WaitedTooLongLocked(const Stream* stream, uint64_t bytes) const {
+  auto it = ns_bytes_.find(stream->ns_);
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "put: waited ", absl::ToDoubleSeconds(options_.admit_wait), " s for ", bytes,
+      " bytes of in-flight Put memory; unfinished Puts hold ", total_bytes_,
+      " (--max_inflight_put_bytes=", options_.max_inflight_bytes, "), namespace '", stream->ns_,
+      "' ", it == ns_bytes_.end() ? 0 : it->second, " (--max_inflight_put_bytes_per_namespace=",
+      options_.max_inflight_bytes_per_namespace, "); retry later"));
+}
+
+void PutLimits::GrantWaitersLocked(std::vector<Done>* granted) {
+  for (auto it = waiters_.begin(); it != waiters_.end();) {
+    Stream* w = *it;
+    if (!FitsLocked(w, w->wait_bytes_)) {
+      ++it;
+      continue;
+    }
+    ChargeLocked(w, w->wait_bytes_);
+    w->waiting_ = false;
+    granted->push_back(std::move(w->wait_done_));
+    w->wait_done_ = nullptr;
+    it = waiters_.erase(it);
   }
 }
 
 void PutLimits::WatchdogLoop() {
-  const absl::Duration period =
-      std::clamp(options_.idle_timeout / 4, absl::Milliseconds(10), absl::Seconds(1));
+  absl::Duration period = absl::Seconds(1);
+  if (options_.idle_timeout > absl::ZeroDuration()) {
+    period = std::min(period, options_.idle_timeout / 4);
+  }
+  if (options_.admit_wait > absl::ZeroDuration()) {
+    period = std::min(period, options_.admit_wait / 4);
+  }
+  period = std::max(period, absl::Milliseconds(10));
   const int64_t idle_ns = absl::ToInt64Nanoseconds(options_.idle_timeout);
-  absl::MutexLock lock(&mu_);
-  while (!stop_) {
-    mu_.AwaitWithTimeout(absl::Condition(&stop_), period);
-    if (stop_) break;
-    const int64_t now = absl::GetCurrentTimeNanos();
-    for (Stream* s : streams_) {
-      if (s->idle_cancelled_.load(std::memory_order_relaxed)) continue;
-      if (s->committed_.load(std::memory_order_relaxed)) continue;
-      if (now - s->last_activity_ns_.load(std::memory_order_relaxed) < idle_ns) continue;
-      s->idle_cancelled_.store(true, std::memory_order_release);
-      spdlog::warn("put: stream of namespace '{}' idle for {} s, cancelled ({} bytes released)",
-                   s->ns_, absl::ToDoubleSeconds(options_.idle_timeout), s->bytes_);
-      s->cancel_();
+  for (;;) {
+    std::vector<std::pair<Done, absl::Status>> expired;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.AwaitWithTimeout(absl::Condition(&stop_), period);
+      if (stop_) break;
+      const int64_t now = absl::GetCurrentTimeNanos();
+      for (Stream* s : streams_) {
+        if (idle_ns == 0) break;
+        if (s->idle_cancelled_.load(std::memory_order_relaxed)) continue;
+        if (s->committed_.load(std::memory_order_relaxed)) continue;
+        if (s->waiting_) continue;  // waiting for memory is not idle
+        if (now - s->last_activity_ns_.load(std::memory_order_relaxed) < idle_ns) continue;
+        s->idle_cancelled_.store(true, std::memory_order_release);
+        spdlog::warn("put: stream of namespace '{}' idle for {} s, cancelled ({} bytes released)",
+                     s->ns_, absl::ToDoubleSeconds(options_.idle_timeout), s->bytes_);
+        s->cancel_();
+      }
+      const absl::Time t = absl::Now();
+      for (auto it = waiters_.begin(); it != waiters_.end();) {
+        Stream* w = *it;
+        if (w->wait_deadline_ > t) {
+          ++it;
+          continue;
+        }
+        expired.emplace_back(std::move(w->wait_done_), WaitedTooLongLocked(w, w->wait_bytes_));
+        w->wait_done_ = nullptr;
+        w->waiting_ = false;
+        w->last_activity_ns_.store(now, std::memory_order_relaxed);
+        it = waiters_.erase(it);
+      }
     }
+    for (auto& [done, status] : expired) done(std::move(status));
   }
 }
 
@@ -98,17 +182,23 @@ void PutLimits::Stream::SetNamespace(const std::string& ns) {
   ns_ = ns;
 }
 
-namespace {
-
-// Whether `bytes` more fit under `limit` (0 = unbounded) with `held` already charged.
-bool Fits(uint64_t held, uint64_t bytes, uint64_t limit) {
-  return limit == 0 || (bytes <= limit && held <= limit - bytes);
-}
-
-}  // namespace
-
 absl::Status PutLimits::Stream::ReserveWhole(uint64_t bytes,
                                              const std::function<bool()>& cancelled) {
+  absl::Notification done;
+  absl::Status result;
+  ReserveWholeAsync(bytes, [&](absl::Status s) {
+    result = std::move(s);
+    done.Notify();
+  });
+  while (!done.WaitForNotificationWithTimeout(absl::Milliseconds(100))) {
+    if (cancelled() && CancelWait()) {
+      return absl::CancelledError("put: cancelled while waiting for memory");
+    }
+  }
+  return result;
+}
+
+void PutLimits::Stream::ReserveWholeAsync(uint64_t bytes, std::function<void(absl::Status)> done) {
   const PutLimitOptions& o = owner_->options_;
   // A stream buffers at most max_put_bytes (the store refuses more), and no reservation can be
   // larger than a limit: reserve no more (blocks past it are charged, and refused, one by one:
@@ -116,38 +206,33 @@ absl::Status PutLimits::Stream::ReserveWhole(uint64_t bytes,
   for (uint64_t cap : {o.max_put_bytes, o.max_inflight_bytes, o.max_inflight_bytes_per_namespace}) {
     if (cap != 0) bytes = std::min(bytes, cap);
   }
-  const absl::Time deadline = absl::Now() + o.admit_wait;
-  absl::MutexLock lock(&owner_->mu_);
-  auto fits = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(owner_->mu_) {
-    auto it = owner_->ns_bytes_.find(ns_);
-    return Fits(owner_->total_bytes_, bytes, o.max_inflight_bytes) &&
-           Fits(it == owner_->ns_bytes_.end() ? 0 : it->second, bytes,
-                o.max_inflight_bytes_per_namespace);
-  };
-  while (!fits()) {
-    // Not idle while it waits: the idle deadline does not cancel it.
-    last_activity_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
-    if (cancelled()) return absl::CancelledError("put: cancelled while waiting for memory");
-    const absl::Duration left = deadline - absl::Now();
-    if (left > absl::ZeroDuration()) {
-      owner_->mu_.AwaitWithTimeout(absl::Condition(&fits), std::min(left, absl::Milliseconds(100)));
+  absl::Status now;
+  {
+    absl::MutexLock lock(&owner_->mu_);
+    if (owner_->FitsLocked(this, bytes)) {
+      owner_->ChargeLocked(this, bytes);
+    } else if (o.admit_wait <= absl::ZeroDuration()) {
+      now = owner_->WaitedTooLongLocked(this, bytes);
     } else {
-      auto it = owner_->ns_bytes_.find(ns_);
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "put: waited ", absl::ToDoubleSeconds(o.admit_wait), " s for ", bytes,
-          " bytes of in-flight Put memory; unfinished Puts hold ", owner_->total_bytes_,
-          " (--max_inflight_put_bytes=", o.max_inflight_bytes, "), namespace '", ns_, "' ",
-          it == owner_->ns_bytes_.end() ? 0 : it->second,
-          " (--max_inflight_put_bytes_per_namespace=", o.max_inflight_bytes_per_namespace,
-          "); retry later"));
+      waiting_ = true;
+      wait_bytes_ = bytes;
+      wait_deadline_ = absl::Now() + o.admit_wait;
+      wait_done_ = std::move(done);
+      owner_->waiters_.push_back(this);
+      return;
     }
   }
-  last_activity_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
-  owner_->ns_bytes_[ns_] += bytes;
-  owner_->total_bytes_ += bytes;
-  bytes_ += bytes;
-  unused_ += bytes;
-  return absl::OkStatus();
+  done(std::move(now));
+}
+
+bool PutLimits::Stream::CancelWait() {
+  absl::MutexLock lock(&owner_->mu_);
+  if (!waiting_) return false;
+  auto& w = owner_->waiters_;
+  w.erase(std::find(w.begin(), w.end(), this));
+  waiting_ = false;
+  wait_done_ = nullptr;
+  return true;
 }
 
 absl::Status PutLimits::Stream::Reserve(uint64_t bytes) {

@@ -3,32 +3,39 @@
 // PutLimits: what one tenant's Put streams may hold of the server (issue 12, item 4). Each Put
 // stream is admitted before its first message and holds:
 //   - a slot of `max_concurrent_streams` (0 = unbounded): past it a new stream is refused with
-//     RESOURCE_EXHAUSTED, so idle streams cannot grow the server's threads without bound (gRPC's
-//     sync server runs each stream on a thread; main.cc also caps the threads);
+//     RESOURCE_EXHAUSTED, so idle streams cannot grow the server's memory without bound (a
+//     stream holds no thread: server/guarded_service.h serves Put as a callback reactor);
 //   - the dense KV bytes of the Put, reserved whole from its header (ReserveWhole: the full
 //     blocks of its token ids) against `max_inflight_bytes` (all streams; the store's
 //     --max_inflight_put_bytes) and its namespace's `max_inflight_bytes_per_namespace` (0 =
 //     unbounded each). A stream whose Put does not fit now waits (up to `admit_wait`, while
 //     its client stays) for others to finish, so concurrent Puts queue at their header instead
 //     of being refused mid-stream; one that waited `admit_wait` is refused with
-//     RESOURCE_EXHAUSTED naming the flags. A reservation is at most `max_put_bytes` and each
-//     limit; blocks past it are charged one by one (Reserve) and refused past a limit;
-//   - an idle deadline: a stream that receives no message for `idle_timeout` (0 = none) is
-//     cancelled through its `cancel` callback (grpc::ServerContext::TryCancel; the client sees
-//     CANCELLED), so its handler returns and its buffered bytes are released.
+//     RESOURCE_EXHAUSTED naming the flags. The wait holds no thread (ReserveWholeAsync: the
+//     stream is queued and called back when a released stream makes room, oldest first, or at
+//     its deadline); ReserveWhole is the blocking form of it. A reservation is at most
+//     `max_put_bytes` and each limit; blocks past it are charged one by one (Reserve) and refused
+//     past a limit;
+//   - an idle deadline: a stream that receives no message for `idle_timeout` (0 = none; a
+//     stream waiting for memory is not idle) is cancelled through its `cancel` callback
+//     (grpc::ServerContextBase::TryCancel; the client sees CANCELLED), so its handler (or
+//     reactor) ends and its buffered bytes are released.
 // Everything a Stream holds is released when it is destroyed.
 //
-// Thread-safe. One background thread checks idle deadlines (when idle_timeout > 0); the
-// cancel callbacks run on it, under the mutex, so they must not call back into PutLimits.
+// Thread-safe. One background thread checks idle and wait deadlines (when idle_timeout or
+// admit_wait > 0); the cancel callbacks run on it, under the mutex, so they must not call back
+// into PutLimits. The `done` callbacks of ReserveWholeAsync run without the mutex held.
 #ifndef KVTRIE_SERVER_PUT_LIMITS_H_
 #define KVTRIE_SERVER_PUT_LIMITS_H_
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -68,14 +75,23 @@ class PutLimits {
 
  private:
   friend class Stream;
+  using Done = std::function<void(absl::Status)>;
   void Release(Stream* stream);
   void WatchdogLoop();
+  // Whether `bytes` more fit for `stream` now; Charge charges them (and ends the idle time).
+  bool FitsLocked(const Stream* stream, uint64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ChargeLocked(Stream* stream, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status WaitedTooLongLocked(const Stream* stream, uint64_t bytes) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Grants the waiters that fit now (oldest first); their callbacks go to `granted`.
+  void GrantWaitersLocked(std::vector<Done>* granted) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const PutLimitOptions options_;
   mutable absl::Mutex mu_;
   absl::flat_hash_set<Stream*> streams_ ABSL_GUARDED_BY(mu_);  // every admitted, live stream
   absl::flat_hash_map<std::string, uint64_t> ns_bytes_ ABSL_GUARDED_BY(mu_);  // by namespace
   uint64_t total_bytes_ ABSL_GUARDED_BY(mu_) = 0;                             // all namespaces
+  std::deque<Stream*> waiters_ ABSL_GUARDED_BY(mu_);  // in ReserveWholeAsync, oldest first
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread watchdog_;
 };
@@ -96,6 +112,15 @@ class PutLimits::Stream {
   // do not fit yet (up to admit_wait; `cancelled` is polled and ends the wait with CANCELLED).
   // Errors: RESOURCE_EXHAUSTED naming the flags after the wait; nothing is charged then.
   absl::Status ReserveWhole(uint64_t bytes, const std::function<bool()>& cancelled);
+  // The same without blocking: `done` is called exactly once with the outcome (OK: charged) —
+  // at once on this thread when the bytes fit or admit_wait is 0, else later from the thread
+  // that released a stream (room made) or from the watchdog (RESOURCE_EXHAUSTED at the
+  // deadline), never with the mutex held — unless CancelWait() takes the wait back first. One
+  // wait at a time per stream; destroying the stream drops a pending wait without calling it.
+  void ReserveWholeAsync(uint64_t bytes, std::function<void(absl::Status)> done);
+  // Ends a pending ReserveWholeAsync: true if it was pending (`done` will not be called), false
+  // if there was none or its `done` has been (or is being) called.
+  bool CancelWait();
   // A block of `bytes` arrived: taken from the whole reservation while it lasts, else charged
   // to the namespace and the total. Errors: RESOURCE_EXHAUSTED naming the namespace and the
   // flag, with nothing charged.
@@ -114,6 +139,11 @@ class PutLimits::Stream {
   std::string ns_;
   uint64_t bytes_ = 0;   // charged to ns_ (guarded by owner_->mu_ for the map, written here only)
   uint64_t unused_ = 0;  // of bytes_, reserved by ReserveWhole and not yet taken by Reserve
+  // A pending ReserveWholeAsync (guarded by owner_->mu_): what it waits for, until when.
+  bool waiting_ = false;
+  uint64_t wait_bytes_ = 0;
+  absl::Time wait_deadline_;
+  std::function<void(absl::Status)> wait_done_;
   std::atomic<int64_t> last_activity_ns_;  // absl::GetCurrentTimeNanos() of the last message
   std::atomic<bool> idle_cancelled_{false};
   std::atomic<bool> committed_{false};

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -114,6 +115,64 @@ TEST(PutLimits, ReserveWholeGivesUpAfterItsWaitOrWhenCancelled) {
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(s.message().find("--max_inflight_put_bytes=100"), std::string::npos) << s;
   EXPECT_EQ(limits.total_inflight_bytes(), 100u);
+}
+
+TEST(PutLimits, ReserveWholeAsyncCallsBackWhenRoomIsMadeAtItsDeadlineOrNotWhenTakenBack) {
+  PutLimits limits({.max_inflight_bytes = 100, .admit_wait = absl::Milliseconds(300)});
+  auto a = *limits.Admit([] {});
+  auto b = *limits.Admit([] {});
+  auto c = *limits.Admit([] {});
+  auto d = *limits.Admit([] {});
+  for (auto* s : {a.get(), b.get(), c.get(), d.get()}) s->SetNamespace("t");
+  std::vector<absl::Status> got;   // outcomes, in the order called back
+  std::vector<std::string> names;  // whose
+  absl::Mutex mu;
+  auto record = [&](std::string name) {
+    return [&, name](absl::Status s) {
+      absl::MutexLock lock(&mu);
+      got.push_back(s);
+      names.push_back(name);
+    };
+  };
+  a->ReserveWholeAsync(80, record("a"));  // fits: called back at once, on this thread
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_TRUE(got[0].ok());
+  b->ReserveWholeAsync(50, record("b"));  // waits; no thread does
+  c->ReserveWholeAsync(60, record("c"));  // waits, then is taken back
+  EXPECT_TRUE(c->CancelWait());
+  EXPECT_FALSE(c->CancelWait());
+  EXPECT_EQ(got.size(), 1u);
+  a.reset();  // room: the waiter is charged and called back from here
+  {
+    absl::MutexLock lock(&mu);
+    ASSERT_EQ(got.size(), 2u);
+    EXPECT_TRUE(got[1].ok());
+    EXPECT_EQ(names[1], "b");
+  }
+  EXPECT_EQ(limits.total_inflight_bytes(), 50u);
+  EXPECT_FALSE(b->CancelWait());  // nothing pending
+  // One that never fits is refused by the watchdog at its deadline, charged nothing.
+  d->ReserveWholeAsync(60, record("d"));
+  const auto t0 = std::chrono::steady_clock::now();
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu);
+      if (got.size() == 3) break;
+    }
+    ASSERT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(250));
+  EXPECT_EQ(got[2].code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(limits.total_inflight_bytes(), 50u);
+  // A stream destroyed while it waits is dropped without a call.
+  auto e = *limits.Admit([] {});
+  e->SetNamespace("t");
+  e->ReserveWholeAsync(60, record("e"));
+  e.reset();
+  b.reset();
+  EXPECT_EQ(got.size(), 3u);
+  EXPECT_EQ(limits.total_inflight_bytes(), 0u);
 }
 
 TEST(PutLimits, ReserveWholeIsCappedByTheLimitsAndTheLargestPut) {

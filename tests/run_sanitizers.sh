@@ -43,12 +43,13 @@ run_asan() {
 run_tsan() {
   echo "== TSan stage (build-tsan)"
   cmake -S . -B build-tsan "${common[@]}" -DKVTRIE_SANITIZE=thread >/dev/null
-  ninja -C build-tsan trie_test service_test kvtrie-server kvtrie hostile_e2e_test stress_test
+  ninja -C build-tsan trie_test service_test kvtrie-server kvtrie hostile_e2e_test stress_test \
+    callback_e2e_test
   clang++-14 -shared -fPIC -O1 tests/tsan_absl_shim.cc -o build-tsan/libtsan_absl_shim.so -ldl
   export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tsan.supp"
   export LD_PRELOAD="$PWD/build-tsan/libtsan_absl_shim.so"
   (cd build-tsan && ctest --output-on-failure -j2 --timeout 900 \
-    -R '^(KvStoreTest|ClusterStoreTest|TierTest|PredictorStoreTest|PutLimits|PutSessionTest|Hostile|Stress)\.' \
+    -R '^(KvStoreTest|ClusterStoreTest|TierTest|PredictorStoreTest|PutLimits|PutSessionTest|Hostile|Stress|CallbackE2E)\.' \
     -E '^TierTest.HotBytesNeverExceedTheBudget')
   unset LD_PRELOAD
 }
