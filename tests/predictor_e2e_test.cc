@@ -62,9 +62,9 @@ class PredictorEndToEnd : public ::testing::Test {
     dir_ = testing::FreshDir(::testing::UnitTest::GetInstance()->current_test_info()->name());
     // A refit after every 512 tokens (one dump); GetPredictor chunks of 4 KiB, so a state spans
     // several.
-    auto s = ServerProcess::Start(
-        dir_ + "/data",
-        {"--learn_predictors", "--predictor_refit_tokens=512", "--max_get_message_bytes=4096"});
+    auto s = ServerProcess::Start(dir_ + "/data",
+                                  {"--learn_predictors", "--predictor_cross_layer",
+                                   "--predictor_refit_tokens=512", "--max_get_message_bytes=4096"});
     ASSERT_TRUE(s.ok()) << s.status();
     server_ = *std::move(s);
     gpl_ = Load("GPL-3");

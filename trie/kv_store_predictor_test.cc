@@ -5,6 +5,8 @@
 // across namespaces, and a corrupt persisted state is DATA_LOSS for its dependents only.
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -16,6 +18,7 @@
 #include "trie/blob_corruption_testing.h"
 #include "trie/kv_store.h"
 #include "trie/kv_store_testing.h"
+#include "trie/predictor_registry.h"
 #include "trie/store_testing.h"
 
 namespace kvtrie {
@@ -44,12 +47,13 @@ class PredictorStoreTest : public testing::Test {
     std::filesystem::remove_all(dir_);
   }
   // Learning on, a refit after every 512 tokens (one dump), no background tier thread.
-  void Reopen(uint64_t queue_bytes = 64ull << 20) {
+  void Reopen(uint64_t queue_bytes = 64ull << 20, bool cross_layer = true) {
     store_.reset();
     StoreOptions o;
     o.data_dir = dir_.string();
     o.background = false;
     o.predictors.learn = true;
+    o.predictors.cross_layer = cross_layer;  // on: linear weights and KLT bases are stored too
     o.predictors.refit_every_tokens = 512;
     o.predictors.queue_bytes = queue_bytes;
     o.predictors.resident_versions = 0;  // only the latest in memory: older ones are read back
@@ -208,6 +212,35 @@ TEST_F(PredictorStoreTest, LinearWeightsVersionDecodesAfterTheNextAndARestart) {
   Reopen();
   EXPECT_EQ(Read("ns", genesis_), genesis);
   EXPECT_EQ(Read("ns", story_), story);
+}
+
+// The nice value of this process's thread named `name` (/proc/self/task/*/stat field 19), or -100.
+int NiceOfThread(const std::string& name) {
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream comm(task.path() / "comm");
+    std::string got;
+    std::getline(comm, got);
+    if (got != name) continue;
+    std::ifstream stat_file(task.path() / "stat");
+    std::stringstream all;
+    all << stat_file.rdbuf();
+    const std::string stat = all.str();
+    std::istringstream fields(stat.substr(stat.rfind(')') + 2));  // from field 3 (the state)
+    std::string field;
+    for (int i = 3; i <= 19 && fields >> field; ++i) {
+      if (i == 19) return std::stoi(field);
+    }
+  }
+  return -100;
+}
+
+TEST_F(PredictorStoreTest, CrossLayerPartsOnlyWhenAskedAndTheLearnerYieldsTheCpu) {
+  Reopen(64ull << 20, /*cross_layer=*/false);
+  Put("ns", gpl_, Profile::kFast);
+  const std::vector<PredictorVersionView> v = Versions("ns");
+  ASSERT_EQ(v.size(), 1u);
+  EXPECT_EQ(v[0].description.find("linear"), std::string::npos) << v[0].description;
+  EXPECT_EQ(NiceOfThread("kvtrie-learn"), kLearnerNice);
 }
 
 TEST_F(PredictorStoreTest, AVersionIsKeptWhileBlocksDependOnItAndFreedWithTheLast) {

@@ -1,6 +1,11 @@
 // PredictorRegistry and LearnQueue (trie/predictor_registry.h).
 #include "trie/predictor_registry.h"
 
+#include <pthread.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <utility>
 
@@ -153,6 +158,8 @@ absl::StatusOr<bool> PredictorRegistry::Observe(absl::Span<const uint8_t> kv,
   if (!learner_) {
     LearnerOptions lo;
     lo.max_bytes = options_.memory_bytes;
+    lo.fit_linear = options_.cross_layer;
+    lo.fit_klt = options_.cross_layer;
     absl::StatusOr<std::unique_ptr<PredictorLearner>> l = PredictorLearner::Create(geometry_, lo);
     if (!l.ok()) {
       learner_error_ = l.status();
@@ -306,6 +313,9 @@ void LearnQueue::Stop() {
 }
 
 void LearnQueue::Run() {
+  pthread_setname_np(pthread_self(), "kvtrie-learn");
+  // Best effort: a failure (e.g. a seccomp profile that forbids it) leaves the default priority.
+  setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), kLearnerNice);
   for (;;) {
     std::pair<uint64_t, std::function<void()>> job;
     {

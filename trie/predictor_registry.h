@@ -22,7 +22,9 @@
 // and learn_mu_ -> mu_ (no shard lock is held while learning).
 //
 // LearnQueue: one background thread for the whole store running jobs in order, bounded by the
-// bytes they hold; Push refuses (and the caller counts a drop) past the bound.
+// bytes they hold; Push refuses (and the caller counts a drop) past the bound. The thread is named
+// "kvtrie-learn" and runs at nice +kLearnerNice (Linux nice is per thread), so on a busy core the
+// scheduler gives Puts and Gets the CPU first and learning takes what is left.
 #ifndef KVTRIE_TRIE_PREDICTOR_REGISTRY_H_
 #define KVTRIE_TRIE_PREDICTOR_REGISTRY_H_
 
@@ -147,6 +149,8 @@ class PredictorRegistry {
   double bytes_saved_ ABSL_GUARDED_BY(mu_) = 0;  // since start, every version (freed ones too)
   std::atomic<uint64_t> fits_{0}, observations_{0}, observations_dropped_{0}, freed_{0};
 };
+
+inline constexpr int kLearnerNice = 10;
 
 class LearnQueue {
  public:
