@@ -22,25 +22,8 @@ namespace {
 
 constexpr uint32_t kT = 16;
 
-struct TokenBlocks {
-  RealBlocks real;
-  std::vector<std::vector<int32_t>> tokens;
-};
-
-TokenBlocks Load(const std::string& dump) {
-  TokenBlocks r;
-  r.real = LoadRealBlocks(dump, kT);
-  absl::StatusOr<KvDump> m = ReadKvManifest(std::string(KVTRIE_TESTDATA_DIR) + "/" + dump);
-  EXPECT_TRUE(m.ok()) << m.status();
-  if (!m.ok()) return r;
-  for (size_t b = 0; b < r.real.blocks.size(); ++b) {
-    r.tokens.emplace_back(m->token_ids.begin() + b * kT, m->token_ids.begin() + (b + 1) * kT);
-  }
-  return r;
-}
-
 std::shared_ptr<const PredictorState> TrainState(uint32_t version, LearnerOptions options) {
-  const TokenBlocks gpl = Load("GPL-3"), story = Load("story_prompt");
+  const TokenBlocks gpl = LoadTokenBlocks("GPL-3"), story = LoadTokenBlocks("story_prompt");
   auto learner = PredictorLearner::Create(gpl.real.geometry, options);
   EXPECT_TRUE(learner.ok()) << learner.status();
   for (const TokenBlocks* d : {&gpl, &story}) {
@@ -134,7 +117,7 @@ TEST(LearnedLinearTest, HeldOutRoundTripWithinTargetAndNoLargerThanTokenMeanAlon
   const auto state = TrainState(4, {});
   auto parsed = PredictorState::Parse(state->Serialize());
   ASSERT_TRUE(parsed.ok());
-  const TokenBlocks gen = Load("genesis_1-3");
+  const TokenBlocks gen = LoadTokenBlocks("genesis_1-3");
   const BlockGeometry& g = gen.real.geometry;
   const int lin = static_cast<int>(Predictor::kTokenMeanLinear);
   for (double target : {0.1, 0.173, 0.3}) {
@@ -175,7 +158,7 @@ TEST(LearnedLinearTest, LinearBlocksNeedTheWeightsAndMalformedParamsAreDataLoss)
   no_linear.fit_linear = false;
   no_linear.fit_klt = false;
   const auto plain = TrainState(5, no_linear);  // same version, no weights
-  const TokenBlocks gen = Load("genesis_1-3");
+  const TokenBlocks gen = LoadTokenBlocks("genesis_1-3");
   const BlockGeometry& g = gen.real.geometry;
   int checked = 0;
   for (size_t b = 0; b < gen.real.blocks.size(); ++b) {
@@ -212,7 +195,7 @@ TEST(LearnedLinearTest, LinearBlocksNeedTheWeightsAndMalformedParamsAreDataLoss)
 // encoder wrote: every block's params are rewritten into it and must decode bit-identically.
 TEST(LearnedLinearTest, WideCodesDecodeLikeTheLinearPlaneBitmap) {
   const auto state = TrainState(7, {});
-  const TokenBlocks gen = Load("genesis_1-3");
+  const TokenBlocks gen = LoadTokenBlocks("genesis_1-3");
   const BlockGeometry& g = gen.real.geometry;
   const size_t planes = 2 * g.num_layers, H = g.num_kv_heads;
   int rewritten = 0;
@@ -338,7 +321,7 @@ TEST(LearnedLinearTest, KltIsOrthonormalAndRoundTripsWithinTarget) {
   LearnerOptions linear_only;
   linear_only.fit_klt = false;
   const auto no_klt = TrainState(6, linear_only);  // same version, no bases
-  const TokenBlocks gen = Load("genesis_1-3");
+  const TokenBlocks gen = LoadTokenBlocks("genesis_1-3");
   const BlockGeometry& g = gen.real.geometry;
   for (double target : {0.1, 0.173}) {
     size_t bytes_with = 0, bytes_without = 0, klt_blocks = 0;
@@ -402,7 +385,7 @@ TEST(LearnedLinearTest, BlocksWrittenBeforeLinearDecodeBitIdentically) {
   ASSERT_TRUE(state.ok()) << state.status();
   EXPECT_EQ((*state)->Serialize(), items[0]);
   EXPECT_EQ((*state)->linear_bytes(), 0u);
-  const TokenBlocks gen = Load("genesis_1-3");
+  const TokenBlocks gen = LoadTokenBlocks("genesis_1-3");
   const BlockGeometry& g = gen.real.geometry;
   const struct {
     Profile p;

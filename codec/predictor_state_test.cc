@@ -18,24 +18,6 @@ namespace {
 
 constexpr uint32_t kT = 16;
 
-// A dump cut into blocks with their token ids.
-struct TokenBlocks {
-  RealBlocks real;
-  std::vector<std::vector<int32_t>> tokens;
-};
-
-TokenBlocks Load(const std::string& dump) {
-  TokenBlocks r;
-  r.real = LoadRealBlocks(dump, kT);
-  absl::StatusOr<KvDump> m = ReadKvManifest(std::string(KVTRIE_TESTDATA_DIR) + "/" + dump);
-  EXPECT_TRUE(m.ok()) << m.status();
-  if (!m.ok()) return r;
-  for (size_t b = 0; b < r.real.blocks.size(); ++b) {
-    r.tokens.emplace_back(m->token_ids.begin() + b * kT, m->token_ids.begin() + (b + 1) * kT);
-  }
-  return r;
-}
-
 void Observe(PredictorLearner* learner, const TokenBlocks& d) {
   for (size_t b = 0; b < d.real.blocks.size(); ++b) {
     ASSERT_TRUE(learner
@@ -49,7 +31,7 @@ void Observe(PredictorLearner* learner, const TokenBlocks& d) {
 // (sessions/ and neardup/ hold the GPL-3 preamble and Genesis passages, so neither is used).
 std::shared_ptr<const PredictorState> TrainState(uint32_t version = 1,
                                                  LearnerOptions options = {}) {
-  const TokenBlocks gpl = Load("GPL-3"), story = Load("story_prompt");
+  const TokenBlocks gpl = LoadTokenBlocks("GPL-3"), story = LoadTokenBlocks("story_prompt");
   auto learner = PredictorLearner::Create(gpl.real.geometry, options);
   EXPECT_TRUE(learner.ok()) << learner.status();
   Observe(learner->get(), gpl);
@@ -88,7 +70,7 @@ TEST(PredictorStateTest, FitsDetectsRopeAndRoundTripsItsBytes) {
   EXPECT_EQ((*parsed)->Serialize(), bytes);
   EXPECT_EQ((*parsed)->version(), 7u);
   EXPECT_EQ((*parsed)->tokens_in_table(), state->tokens_in_table());
-  const TokenBlocks gen = Load("genesis_1-3");
+  const TokenBlocks gen = LoadTokenBlocks("genesis_1-3");
   std::vector<float> a(gen.real.geometry.num_elements()), b(a.size());
   state->PredictTokenMean(gen.tokens[3], 3 * kT, a.data());
   (*parsed)->PredictTokenMean(gen.tokens[3], 3 * kT, b.data());
@@ -101,9 +83,10 @@ TEST(PredictorStateTest, LayerZeroIsExplainedByTheTokenAndPosition) {
   const auto state = TrainState();
   std::set<int32_t> seen;
   for (const char* dump : {"GPL-3", "story_prompt"}) {
-    for (const auto& tokens : Load(dump).tokens) seen.insert(tokens.begin(), tokens.end());
+    for (const auto& tokens : LoadTokenBlocks(dump).tokens)
+      seen.insert(tokens.begin(), tokens.end());
   }
-  const TokenBlocks gen = Load("genesis_1-3");
+  const TokenBlocks gen = LoadTokenBlocks("genesis_1-3");
   const BlockGeometry& g = gen.real.geometry;
   double err[2] = {0, 0}, energy[2] = {0, 0};
   std::vector<float> pred(g.num_elements());
@@ -128,7 +111,7 @@ TEST(PredictorStateTest, HeldOutRoundTripWithinTargetAndSmaller) {
   // The decoder gets a state parsed from bytes, as a client would.
   auto parsed = PredictorState::Parse(state->Serialize());
   ASSERT_TRUE(parsed.ok());
-  const TokenBlocks gen = Load("genesis_1-3");
+  const TokenBlocks gen = LoadTokenBlocks("genesis_1-3");
   const BlockGeometry& g = gen.real.geometry;
   for (Profile profile : {Profile::kFast, Profile::kCompact}) {
     for (double target : {0.05, 0.173}) {
@@ -181,7 +164,7 @@ TEST(PredictorStateTest, AllZeroPlanesAreFlaggedAndDecodeToThePrediction) {
   LearnerOptions no_linear;
   no_linear.fit_linear = false;
   const auto state = TrainState(2, no_linear);
-  const TokenBlocks gen = Load("genesis_1-3");
+  const TokenBlocks gen = LoadTokenBlocks("genesis_1-3");
   const BlockGeometry& g = gen.real.geometry;
   ASSERT_EQ(g.dtype, DType::kFp16);
   const size_t planes = 2 * g.num_layers;
@@ -270,7 +253,7 @@ TEST(PredictorStateTest, AllZeroPlanesAreFlaggedAndDecodeToThePrediction) {
 TEST(PredictorStateTest, CompactRotatedBlocksUseTheStateToo) {
   // The compact profile's Hadamard rotation: the prediction is rotated into the coded domain.
   const auto state = TrainState(2);
-  const TokenBlocks gen = Load("genesis_1-3");
+  const TokenBlocks gen = LoadTokenBlocks("genesis_1-3");
   const BlockGeometry& g = gen.real.geometry;
   EncodeOptions o = Residual(Profile::kCompact, 0.1);
   o.rotate = true;
@@ -297,7 +280,7 @@ TEST(PredictorStateTest, CompactRotatedBlocksUseTheStateToo) {
 TEST(PredictorStateTest, MissingOrOtherStateIsFailedPreconditionNamingTheVersion) {
   const auto state = TrainState(5);
   const auto other = TrainState(6);
-  const TokenBlocks gen = Load("genesis_1-3");
+  const TokenBlocks gen = LoadTokenBlocks("genesis_1-3");
   const BlockGeometry& g = gen.real.geometry;
   for (Profile profile : {Profile::kFast, Profile::kCompact}) {
     PredictionContext ctx;
@@ -368,7 +351,7 @@ TEST(PredictorStateTest, MemoryCapIsHonoured) {
   const auto full = TrainState();
   LearnerOptions small;
   small.max_bytes = 200 << 10;
-  const TokenBlocks gpl = Load("GPL-3"), story = Load("story_prompt");
+  const TokenBlocks gpl = LoadTokenBlocks("GPL-3"), story = LoadTokenBlocks("story_prompt");
   auto learner = PredictorLearner::Create(gpl.real.geometry, small);
   ASSERT_TRUE(learner.ok());
   Observe(learner->get(), gpl);
@@ -384,7 +367,7 @@ TEST(PredictorStateTest, MemoryCapIsHonoured) {
 
 TEST(PredictorStateTest, UnrotatedKeysAreDetected) {
   // Values (never rotated) given as keys too: the learner must not de-rotate them.
-  const TokenBlocks gpl = Load("GPL-3");
+  const TokenBlocks gpl = LoadTokenBlocks("GPL-3");
   const BlockGeometry& g = gpl.real.geometry;
   auto learner = PredictorLearner::Create(g, {});
   ASSERT_TRUE(learner.ok());
@@ -402,7 +385,7 @@ TEST(PredictorStateTest, UnrotatedKeysAreDetected) {
 }
 
 TEST(PredictorStateTest, BadObserveAndFitArguments) {
-  const TokenBlocks gpl = Load("GPL-3");
+  const TokenBlocks gpl = LoadTokenBlocks("GPL-3");
   auto learner = PredictorLearner::Create(gpl.real.geometry, {});
   ASSERT_TRUE(learner.ok());
   EXPECT_TRUE(absl::IsFailedPrecondition((*learner)->Fit(1).status()));
@@ -420,7 +403,7 @@ TEST(PredictorStateTest, BadObserveAndFitArguments) {
 
 TEST(PredictorStateTest, DecodeChainFetchesTheStateOnceAndTracksPositions) {
   const auto state = TrainState(4);
-  const TokenBlocks gen = Load("genesis_1-3");
+  const TokenBlocks gen = LoadTokenBlocks("genesis_1-3");
   const BlockGeometry& g = gen.real.geometry;
   std::vector<std::string> encoded;
   for (size_t b = 0; b < gen.real.blocks.size(); ++b) {

@@ -37,6 +37,26 @@ inline RealBlocks LoadRealBlocks(const std::string& dump, uint32_t block_tokens 
   return r;
 }
 
+// A dump's full blocks (LoadRealBlocks) with each block's token ids, for the learned
+// predictors' tests.
+struct TokenBlocks {
+  RealBlocks real;
+  std::vector<std::vector<int32_t>> tokens;
+};
+
+inline TokenBlocks LoadTokenBlocks(const std::string& dump, uint32_t block_tokens = 16) {
+  TokenBlocks r;
+  r.real = LoadRealBlocks(dump, block_tokens);
+  absl::StatusOr<KvDump> m = ReadKvManifest(std::string(KVTRIE_TESTDATA_DIR) + "/" + dump);
+  EXPECT_TRUE(m.ok()) << m.status();
+  if (!m.ok()) return r;
+  for (size_t b = 0; b < r.real.blocks.size(); ++b) {
+    r.tokens.emplace_back(m->token_ids.begin() + b * block_tokens,
+                          m->token_ids.begin() + (b + 1) * block_tokens);
+  }
+  return r;
+}
+
 inline std::vector<float> AsFloat(const BlockGeometry& g, const std::vector<uint8_t>& block) {
   std::vector<float> f(g.num_elements());
   ToFloat(g.dtype, block.data(), f.size(), f.data());

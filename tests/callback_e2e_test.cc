@@ -32,35 +32,7 @@ double SecondsSince(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// A Put stream that sent a header and `blocks` of `d`, then stalls until finished or destroyed.
-struct OpenPut {
-  OpenPut(v1::KVCache::Stub* stub, const KvDump& d, const std::string& ns, int blocks) {
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-    writer = stub->Put(&ctx, &resp);
-    ok = writer->Write(Msg(HeaderOf(d, ns)));
-    for (int b = 0; ok && b < blocks; ++b) ok = writer->Write(Msg(testing::BlockOf(d, b)));
-  }
-  grpc::Status Finish() {
-    finished = true;
-    writer->WritesDone();
-    return writer->Finish();
-  }
-  grpc::Status Cancel() {
-    finished = true;
-    ctx.TryCancel();
-    return writer->Finish();
-  }
-  ~OpenPut() {
-    if (finished) return;
-    ctx.TryCancel();
-    writer->Finish();
-  }
-  bool finished = false;
-  grpc::ClientContext ctx;
-  v1::PutResponse resp;
-  std::unique_ptr<grpc::ClientWriter<v1::PutRequest>> writer;
-  bool ok = false;
-};
+using testing::StalledPut;
 
 class CallbackE2E : public ::testing::Test {
  protected:
@@ -102,9 +74,9 @@ TEST_F(CallbackE2E, SixtyFourStalledPutStreamsHoldNoThreadsAndAnotherPutAndGetGo
   auto client = NewClient();
   ASSERT_TRUE(client->Stats().ok());
   const int threads_before = testing::ThreadCount(server_->pid());
-  std::vector<std::unique_ptr<OpenPut>> streams;
+  std::vector<std::unique_ptr<StalledPut>> streams;
   for (int i = 0; i < 64; ++i) {
-    streams.push_back(std::make_unique<OpenPut>(client->stub(), Shifted(s0_, i + 1), "", 1));
+    streams.push_back(std::make_unique<StalledPut>(client->stub(), Shifted(s0_, i + 1), "", 1));
     ASSERT_TRUE(streams.back()->ok) << "stream " << i;
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(500));  // every header and block read
@@ -138,11 +110,11 @@ TEST_F(CallbackE2E, APutCancelledMidStreamOrWhileWaitingForMemoryReleasesWhatItH
   Start({"--put_idle_timeout_seconds=0", "--put_wait_for_memory_seconds=30",
          "--max_inflight_put_bytes=" + std::to_string(40 * kBlockBytes)});
   auto client = NewClient();
-  auto holder = std::make_unique<OpenPut>(client->stub(), s0_, "", 5);  // mid-stream
+  auto holder = std::make_unique<StalledPut>(client->stub(), s0_, "", 5);  // mid-stream
   ASSERT_TRUE(holder->ok);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   // s1 waits at its header for memory (no thread waits); its client gives up.
-  OpenPut waiter(client->stub(), Shifted(s1_, 1), "", 0);
+  StalledPut waiter(client->stub(), Shifted(s1_, 1), "", 0);
   ASSERT_TRUE(waiter.ok);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   auto t0 = std::chrono::steady_clock::now();
@@ -164,7 +136,7 @@ TEST_F(CallbackE2E, APutCancelledMidStreamOrWhileWaitingForMemoryReleasesWhatItH
         "data2");
   auto c2 = NewClient();
   {
-    OpenPut cancelled(c2->stub(), s0_, "", 3);
+    StalledPut cancelled(c2->stub(), s0_, "", 3);
     ASSERT_TRUE(cancelled.ok);
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
     EXPECT_EQ(cancelled.Cancel().error_code(), grpc::StatusCode::CANCELLED);

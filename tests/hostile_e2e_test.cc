@@ -231,29 +231,7 @@ TEST_F(Hostile, PackedTokenIdsStoreTheSamePrefixAndBadOnesAreRefusedNamingTheFie
   EXPECT_EQ(client->Stats("")->nodes(), 2u);  // the refused streams stored nothing
 }
 
-// Opens a Put stream that sends a header and `blocks` of s0, then stalls until destroyed.
-struct StalledPut {
-  StalledPut(v1::KVCache::Stub* stub, const KvDump& d, const std::string& ns, int blocks) {
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-    writer = stub->Put(&ctx, &resp);
-    ok = writer->Write(Msg(HeaderOf(d, ns)));
-    for (int b = 0; ok && b < blocks; ++b) ok = writer->Write(Msg(testing::BlockOf(d, b)));
-  }
-  grpc::Status Finish() {
-    finished = true;
-    writer->WritesDone();
-    return writer->Finish();
-  }
-  ~StalledPut() {
-    ctx.TryCancel();
-    if (!finished) writer->Finish();
-  }
-  bool finished = false;
-  grpc::ClientContext ctx;
-  v1::PutResponse resp;
-  std::unique_ptr<grpc::ClientWriter<v1::PutRequest>> writer;
-  bool ok = false;
-};
+using testing::StalledPut;
 
 TEST_F(Hostile, StalledPutIsCancelledAfterItsIdleDeadlineAndReleasesItsBudget) {
   // --put_wait_for_memory_seconds=0: a Put that does not fit is refused at once (the default

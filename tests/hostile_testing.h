@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -135,6 +136,38 @@ inline int ThreadCount(int pid) {
   }
   return -1;
 }
+
+// A Put stream that sent a header and `blocks` of `d`, then stalls until finished, cancelled
+// or destroyed (destroying it cancels it).
+struct StalledPut {
+  StalledPut(v1::KVCache::Stub* stub, const KvDump& d, const std::string& ns, int blocks) {
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    writer = stub->Put(&ctx, &resp);
+    ok = writer->Write(Msg(HeaderOf(d, ns)));
+    for (int b = 0; ok && b < blocks; ++b) ok = writer->Write(Msg(BlockOf(d, b)));
+  }
+  StalledPut(const StalledPut&) = delete;
+  StalledPut& operator=(const StalledPut&) = delete;
+  grpc::Status Finish() {
+    finished = true;
+    writer->WritesDone();
+    return writer->Finish();
+  }
+  grpc::Status Cancel() {
+    finished = true;
+    ctx.TryCancel();
+    return writer->Finish();
+  }
+  ~StalledPut() {
+    ctx.TryCancel();
+    if (!finished) writer->Finish();
+  }
+  bool finished = false;
+  grpc::ClientContext ctx;
+  v1::PutResponse resp;
+  std::unique_ptr<grpc::ClientWriter<v1::PutRequest>> writer;
+  bool ok = false;
+};
 
 }  // namespace kvtrie::testing
 
