@@ -8,6 +8,7 @@ namespace kvtrie {
 
 void PackTokens(absl::Span<const uint32_t> token_ids, std::string* out) {
   out->resize(token_ids.size() * 4);
+  if (token_ids.empty()) return;  // an empty span's data() may be null: no memcpy from it
   if (ABSL_IS_LITTLE_ENDIAN) {
     std::memcpy(out->data(), token_ids.data(), out->size());
     return;
