@@ -59,33 +59,18 @@ std::vector<TrieNode*> BlockTrie::Match(absl::Span<const uint32_t> token_ids,
 
 size_t BlockTrie::MatchIds(absl::Span<const uint32_t> token_ids, size_t max_blocks,
                            std::vector<uint64_t>* ids) const {
-  size_t blocks = token_ids.size() / block_tokens_;
-  if (max_blocks != 0 && max_blocks < blocks) blocks = max_blocks;
-  const size_t start = ids->size();
-  const TrieNode* node = &root_;
-  size_t b = 0;
-  while (b < blocks) {
-    const uint32_t* tokens = token_ids.data() + b * block_tokens_;
-    const TrieNode* head = FindChild(node, absl::MakeConstSpan(tokens, block_tokens_));
-    if (head == nullptr) break;
-    const TrieChain& chain = *head->chain;
-    size_t k = MatchChain(chain, tokens, blocks - b);
-    bool stop = k < chain.size();
+  return WalkChains(token_ids, max_blocks, [ids](const TrieChain& chain, size_t k) {
     if (chain.removing > 0) {  // rare: a delete or eviction is being written
       for (size_t i = 0; i < k; ++i) {
         if (chain.nodes[i]->removing) {
           k = i;
-          stop = true;
           break;
         }
       }
     }
     ids->insert(ids->end(), chain.ids.begin(), chain.ids.begin() + k);
-    b += k;
-    if (stop) break;
-    node = chain.nodes.back();
-  }
-  return ids->size() - start;
+    return k;
+  });
 }
 
 TrieChain* BlockTrie::NewChain() {

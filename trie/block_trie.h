@@ -164,6 +164,12 @@ class BlockTrie {
   // How many slots of `chain`, from its head, equal the next blocks of `tokens` (at most
   // blocks_left); the head's block is taken as equal (FindChild compared it).
   size_t MatchChain(const TrieChain& chain, const uint32_t* tokens, size_t blocks_left) const;
+  // The one walk of MatchVisit and MatchIds: per chain met, on_chain(chain, k) with the k of its
+  // blocks that match returns how many of them it takes (<= k); a chain not taken whole ends the
+  // walk. Returns the blocks taken.
+  template <typename OnChain>
+  size_t WalkChains(absl::Span<const uint32_t> token_ids, size_t max_blocks,
+                    OnChain on_chain) const;
 
   TrieChain* NewChain();
   void DeleteChain(TrieChain* chain);
@@ -211,9 +217,9 @@ inline size_t BlockTrie::MatchChain(const TrieChain& chain, const uint32_t* toke
   return 1 + CommonBlocks(chain.tokens.data() + block_tokens_, tokens + block_tokens_, avail - 1);
 }
 
-template <typename Visit>
-size_t BlockTrie::MatchVisit(absl::Span<const uint32_t> token_ids, size_t max_blocks,
-                             Visit visit) const {
+template <typename OnChain>
+size_t BlockTrie::WalkChains(absl::Span<const uint32_t> token_ids, size_t max_blocks,
+                             OnChain on_chain) const {
   size_t blocks = token_ids.size() / block_tokens_;
   if (max_blocks != 0 && max_blocks < blocks) blocks = max_blocks;
   const TrieNode* node = &root_;
@@ -223,14 +229,23 @@ size_t BlockTrie::MatchVisit(absl::Span<const uint32_t> token_ids, size_t max_bl
     const TrieNode* head = FindChild(node, absl::MakeConstSpan(tokens, block_tokens_));
     if (head == nullptr) break;
     const TrieChain& chain = *head->chain;  // head is its first slot
-    const size_t k = MatchChain(chain, tokens, blocks - b);
-    for (size_t i = 0; i < k; ++i, ++b) {
-      if (!visit(chain.nodes[i])) return b;
-    }
-    if (k < chain.size()) break;  // a mismatch inside the chain (or the blocks ran out)
+    const size_t taken = on_chain(chain, MatchChain(chain, tokens, blocks - b));
+    b += taken;
+    if (taken < chain.size()) break;  // a mismatch inside the chain, or the walk stopped there
     node = chain.nodes.back();
   }
   return b;
+}
+
+template <typename Visit>
+size_t BlockTrie::MatchVisit(absl::Span<const uint32_t> token_ids, size_t max_blocks,
+                             Visit visit) const {
+  return WalkChains(token_ids, max_blocks, [&](const TrieChain& chain, size_t k) {
+    for (size_t i = 0; i < k; ++i) {
+      if (!visit(chain.nodes[i])) return i;
+    }
+    return k;
+  });
 }
 
 }  // namespace kvtrie
