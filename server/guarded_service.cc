@@ -101,7 +101,7 @@ grpc::Status GuardedService::AdmitPut(const Caller& caller, const v1::PutHeader&
   }
   grpc::Status s = grpc::Status::OK;
   if (q.stored_bytes > 0 || q.nodes > 0) {
-    const StoreStats st = store_->Stats(caller.ns);
+    const StoreStats st = store_->NamespaceStats(caller.ns);
     const uint32_t bt = header.model().block_tokens() ? header.model().block_tokens() : 16;
     // The header's token ids: the repeated field, or packed 4 bytes each little-endian (a
     // malformed packed field is refused by the service after this).
@@ -159,9 +159,10 @@ grpc::ServerUnaryReactor* GuardedService::Stats(grpc::CallbackServerContext* con
                                                 grpc::ByteBuffer* response) {
   return Unary<v1::StatsRequest, v1::StatsResponse>(
       "Stats", context, request, response,
-      [this](const Caller& caller, v1::StatsRequest* r, v1::StatsResponse* response) {
-        r->set_namespace_(caller.ns);
-        grpc::Status s = inner_->Stats(nullptr, r, response);
+      [this](const Caller& caller, v1::StatsRequest*, v1::StatsResponse* response) {
+        // Only an admin (or anyone, with auth off) may ask for the whole server ("" to the store);
+        // a tenant's "" is its own namespace like any other.
+        grpc::Status s = inner_->StatsIn(caller.ns, caller.admin(), response);
         if (!s.ok() || caller.admin()) return s;
         // A tenant sees its namespace's own counters, never the server-wide ones (they would tell
         // it about other tenants' traffic).

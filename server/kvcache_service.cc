@@ -125,8 +125,13 @@ std::unique_ptr<PutCall> KvCacheService::NewPut(grpc::ServerContextBase* context
 
 grpc::Status KvCacheService::Stats(grpc::ServerContext*, const v1::StatsRequest* request,
                                    v1::StatsResponse* response) {
-  if (auto s = CheckName("namespace", request->namespace_(), false); !s.ok()) return s;
-  const StoreStats s = store_->Stats(request->namespace_());
+  return StatsIn(request->namespace_(), /*whole_server_if_empty=*/true, response);
+}
+
+grpc::Status KvCacheService::StatsIn(const std::string& ns, bool whole_server_if_empty,
+                                     v1::StatsResponse* response) {
+  if (auto s = CheckName("namespace", ns, false); !s.ok()) return s;
+  const StoreStats s = whole_server_if_empty ? store_->Stats(ns) : store_->NamespaceStats(ns);
   response->set_namespaces(s.namespaces);
   response->set_models(s.models);
   response->set_nodes(s.nodes);

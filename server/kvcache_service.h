@@ -65,6 +65,10 @@ class KvCacheService final : public v1::KVCache::Service {
   grpc::Status GetPredictor(grpc::ServerContext* context, const v1::GetPredictorRequest* request,
                             grpc::ServerWriter<v1::PredictorChunk>* writer) override;
 
+  // Stats of namespace `ns`; "" is the whole server when `whole_server_if_empty` (an admin's
+  // Stats{}), else the default namespace alone (a tenant's whose namespace is "").
+  grpc::Status StatsIn(const std::string& ns, bool whole_server_if_empty,
+                       v1::StatsResponse* response);
   // Lookup of `request` in namespace `ns` (the request's own namespace field is not read).
   grpc::Status LookupIn(const std::string& ns, const v1::LookupRequest& request,
                         v1::LookupResponse* response);

@@ -27,6 +27,7 @@ constexpr char kTokenAdmin[] = "token-of-the-admin";
 constexpr char kTokenQuota[] = "token-of-tenant-q";
 constexpr char kTokenBytes[] = "token-of-tenant-s";
 constexpr char kTokenStreams[] = "token-of-tenant-p";
+constexpr char kTokenEmptyNs[] = "token-of-tenant-e";
 
 constexpr char kTokensJson[] = R"({"tenants": [
   {"name": "a", "tokens": ["token-of-tenant-a"], "namespaces": ["a"]},
@@ -35,7 +36,8 @@ constexpr char kTokensJson[] = R"({"tenants": [
   {"name": "q", "tokens": ["token-of-tenant-q"], "namespaces": ["q"], "quota": {"nodes": 36}},
   {"name": "s", "tokens": ["token-of-tenant-s"], "namespaces": ["s"],
    "quota": {"stored_bytes": "1KiB"}},
-  {"name": "p", "tokens": ["token-of-tenant-p"], "namespaces": ["p"], "quota": {"put_streams": 1}}
+  {"name": "p", "tokens": ["token-of-tenant-p"], "namespaces": ["p"], "quota": {"put_streams": 1}},
+  {"name": "e", "tokens": ["token-of-tenant-e"], "namespaces": [""]}
 ]})";
 
 KvDump Session(int i) {
@@ -275,6 +277,32 @@ TEST_F(Tenants, PutStreamQuotaCountsStreamsInFlight) {
   }
   EXPECT_TRUE(later.ok()) << later;
   EXPECT_EQ(Metric(in_flight), 0);
+}
+
+TEST_F(Tenants, TenantWhoseNamespaceIsEmptySeesOnlyItsOwnStats) {
+  // Issue 18 #7: "" is a namespace like any other for a tenant; only an admin's Stats{} is the
+  // whole server.
+  absl::StatusOr<v1::PutResponse> put_a = As(kTokenA)->Put(Session(0));
+  ASSERT_TRUE(put_a.ok()) << put_a.status();
+  ASSERT_GT(put_a->blocks_stored(), 0u);
+  std::unique_ptr<Client> e = As(kTokenEmptyNs);
+  absl::StatusOr<v1::StatsResponse> mine = e->Stats();
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  EXPECT_EQ(mine->nodes(), 0u) << "tenant e sees tenant a's nodes";
+  EXPECT_EQ(mine->bytes_stored(), 0u);
+  EXPECT_EQ(mine->namespaces(), 0u);
+  EXPECT_EQ(mine->models(), 0u);
+  absl::StatusOr<v1::PutResponse> put_e = e->Put(Session(1));
+  ASSERT_TRUE(put_e.ok()) << put_e.status();
+  mine = e->Stats();
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  EXPECT_EQ(mine->nodes(), put_e->blocks_stored());
+  EXPECT_EQ(mine->namespaces(), 1u);
+  // The admin's Stats{} is still the whole server.
+  absl::StatusOr<v1::StatsResponse> all = As(kTokenAdmin)->Stats();
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_EQ(all->nodes(), put_a->blocks_stored() + put_e->blocks_stored());
+  EXPECT_EQ(all->namespaces(), 2u);
 }
 
 TEST_F(Tenants, SighupReloadsTheTokensFileAndKeepsTheOldOneIfBad) {

@@ -34,7 +34,9 @@ class KvStore::Impl {
   ModelShard* Find(const std::string& ns, const std::string& model_id);
   // The shard of (ns, model.model_id), created (uncommitted) if missing.
   ModelShard* FindOrCreate(const std::string& ns, const ModelInfo& model);
-  std::vector<ModelShard*> ShardsOf(const std::string& ns);  // all when ns is empty
+  // The shards of `ns`; all of them when `ns` is empty and `all_if_empty`.
+  std::vector<ModelShard*> ShardsOf(const std::string& ns, bool all_if_empty = true);
+  StoreStats StatsOf(const std::string& ns, bool all_if_empty);
   // Evicts leaves of any shard until `incoming` more bytes fit. Holds no lock across shards.
   absl::Status MakeDiskRoom(uint64_t incoming);
   // Collects blob garbage when the folder holds much more than the payloads (the files of
@@ -186,11 +188,12 @@ ModelShard* KvStore::Impl::FindOrCreate(const std::string& ns, const ModelInfo& 
   return shard.get();
 }
 
-std::vector<ModelShard*> KvStore::Impl::ShardsOf(const std::string& ns) {
+std::vector<ModelShard*> KvStore::Impl::ShardsOf(const std::string& ns, bool all_if_empty) {
   absl::MutexLock lock(&shards_mu_);
   std::vector<ModelShard*> out;
-  for (auto it = ns.empty() ? shards_.begin() : shards_.lower_bound(ShardKey(ns, ""));
-       it != shards_.end() && (ns.empty() || it->first.first == ns); ++it) {
+  const bool all = ns.empty() && all_if_empty;
+  for (auto it = all ? shards_.begin() : shards_.lower_bound(ShardKey(ns, ""));
+       it != shards_.end() && (all || it->first.first == ns); ++it) {
     out.push_back(it->second.get());
   }
   return out;
@@ -362,10 +365,14 @@ absl::StatusOr<std::vector<PredictorVersionView>> KvStore::PredictorVersions(
   return shard->PredictorVersions();
 }
 
-StoreStats KvStore::Stats(const std::string& ns) {
+StoreStats KvStore::Stats(const std::string& ns) { return impl_->StatsOf(ns, true); }
+
+StoreStats KvStore::NamespaceStats(const std::string& ns) { return impl_->StatsOf(ns, false); }
+
+StoreStats KvStore::Impl::StatsOf(const std::string& ns, bool all_if_empty) {
   StoreStats s;
   std::string last_ns;
-  for (ModelShard* shard : impl_->ShardsOf(ns)) {
+  for (ModelShard* shard : ShardsOf(ns, all_if_empty)) {
     const uint64_t models = s.models;
     shard->AddStats(&s);
     if (s.models != models && (s.namespaces == 0 || shard->ns() != last_ns)) {
@@ -373,12 +380,12 @@ StoreStats KvStore::Stats(const std::string& ns) {
       last_ns = shard->ns();
     }
   }
-  if (ns.empty()) {  // calls that found no model count for the server only
-    s.lookups += impl_->lookups_unrouted_.load(std::memory_order_relaxed);
-    s.gets += impl_->gets_unrouted_.load(std::memory_order_relaxed);
+  if (ns.empty() && all_if_empty) {  // calls that found no model count for the server only
+    s.lookups += lookups_unrouted_.load(std::memory_order_relaxed);
+    s.gets += gets_unrouted_.load(std::memory_order_relaxed);
   }
-  s.memory_budget_bytes = impl_->options_.memory_bytes;
-  s.disk_budget_bytes = impl_->options_.disk_bytes;
+  s.memory_budget_bytes = options_.memory_bytes;
+  s.disk_budget_bytes = options_.disk_bytes;
   return s;
 }
 

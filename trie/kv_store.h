@@ -135,6 +135,9 @@ class KvStore {
 
   // Totals over one namespace (strictly its own), or the whole server when `ns` is empty.
   StoreStats Stats(const std::string& ns);
+  // Totals over namespace `ns` alone; "" is the default namespace, not the whole server (what a
+  // tenant whose namespace is "" sees).
+  StoreStats NamespaceStats(const std::string& ns);
 
  private:
   friend class KvStoreTestPeer;  // trie/kv_store_testing.h
