@@ -2,7 +2,12 @@
 // one message at a time, Get and GetPredictor write one at a time while the next is made. Every
 // step runs on the handler pool, one at a time per call (Strand); gRPC's callbacks (OnReadDone,
 // OnWriteDone, OnCancel) only post steps. A reactor is deleted after gRPC's OnDone and its last
-// step, whichever comes later.
+// step, whichever comes later. Get and GetPredictor reactors are listed in
+// GuardedService::writers_ from their first step to their OnDone, for the watchdog (WatchLoop).
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <deque>
 #include <functional>
@@ -10,6 +15,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "codec/crc32c.h"
 #include "server/guarded_service.h"
 
@@ -126,6 +132,9 @@ class GuardedService::PutReactor final : public grpc::ServerReadReactor<v1::PutR
   }
 
   void OnReadDone(bool ok) override {
+    // The message is here: from now until the next read is asked for, the time is the server's
+    // (its step may wait for a handler thread), never the client's idle time.
+    reading_->Touch();
     Post([this, ok] { ReadDone(ok); });
   }
   void OnCancel() override {
@@ -136,12 +145,13 @@ class GuardedService::PutReactor final : public grpc::ServerReadReactor<v1::PutR
  private:
   void Begin() {
     call_ = guard_->inner_->NewPut(context_);
-    Act(call_->Start());
+    Act(call_->Start(guard_->PeerOf(*context_)));
   }
 
   void Act(PutCall::Next next) {
     switch (next) {
       case PutCall::Next::kRead:
+        reading_ = call_->stream();  // lives while the read is outstanding (steps end it)
         StartRead(&request_);
         return;
       case PutCall::Next::kReserve:
@@ -243,8 +253,9 @@ class GuardedService::PutReactor final : public grpc::ServerReadReactor<v1::PutR
   v1::PutResponse* const response_;
   const std::chrono::steady_clock::time_point start_;
   std::unique_ptr<PutCall> call_;
-  v1::PutRequest request_;  // the read in flight lands here
-  bool waiting_ = false;    // for memory (ReserveWholeAsync)
+  PutLimits::Stream* reading_ = nullptr;  // call_'s stream, set before each StartRead
+  v1::PutRequest request_;                // the read in flight lands here
+  bool waiting_ = false;                  // for memory (ReserveWholeAsync)
   bool cancelled_ = false;
   bool finished_ = false;
   bool seen_header_ = false;  // the first message arrived
@@ -266,6 +277,7 @@ class GuardedService::WriteReactor : public grpc::ServerWriteReactor<grpc::ByteB
                                      public Strand {
  public:
   void OnWriteDone(bool ok) override {
+    write_since_ns_.store(0, std::memory_order_relaxed);
     // The next message, when made, goes on the wire from here (no hand-off between two writes);
     // making the one after it is posted to the pool.
     if (ok && RunInlineIfIdle([this] { NextWrite(); })) return;
@@ -274,20 +286,74 @@ class GuardedService::WriteReactor : public grpc::ServerWriteReactor<grpc::ByteB
   void OnCancel() override {
     Post([this] { Cancelled(); });
   }
-  void OnDone() override { Release(); }
+  void OnDone() override {
+    guard_->RemoveWriter(this);
+    Release();
+  }
+
+  // The watchdog's check at `now_ns` (GuardedService::WatchLoop, under writers_mu_; the reactor is
+  // not released): a write outstanding for `idle_ns` cancels the call; a snapshot older than
+  // `age_ns` ends it ABORTED after the write outstanding. Each at most once; 0 = no check.
+  void Watch(int64_t now_ns, int64_t idle_ns, int64_t age_ns) {
+    const int64_t since = write_since_ns_.load(std::memory_order_relaxed);
+    if (idle_ns > 0 && since != 0 && now_ns - since >= idle_ns && !idle_expired_.exchange(true)) {
+      const double seconds = static_cast<double>(idle_ns) / 1e9;
+      spdlog::warn(
+          "{} stream of {}: its client read nothing for {} s, cancelled "
+          "(--get_idle_timeout_seconds)",
+          method(), context_->peer(), seconds);
+      context_->TryCancel();  // the client sees CANCELLED; the write outstanding fails
+      Post([this, seconds] {
+        Abandon(grpc::Status(grpc::StatusCode::CANCELLED,
+                             absl::StrCat("get: the client read nothing for "
+                                          "--get_idle_timeout_seconds=",
+                                          seconds)));
+      });
+      return;
+    }
+    if (age_ns > 0 && holds_snapshot() && now_ns - opened_ns_ >= age_ns && !aged_.exchange(true)) {
+      const double seconds = static_cast<double>(age_ns) / 1e9;
+      spdlog::warn("{} stream of {}: open for {} s, ended ABORTED (--get_max_snapshot_seconds)",
+                   method(), context_->peer(), seconds);
+      Post([this, seconds] {
+        Abandon(grpc::Status(
+            grpc::StatusCode::ABORTED,
+            absl::StrCat("get: open for more than --get_max_snapshot_seconds=", seconds,
+                         " (a Get reads a store snapshot, which keeps every payload deleted or "
+                         "evicted since it began on disk); the blocks received are valid: Get the "
+                         "rest again")));
+      });
+    }
+  }
 
  protected:
   WriteReactor(GuardedService* guard, grpc::CallbackServerContext* context,
                const grpc::ByteBuffer* request)
-      : Strand(guard->handlers_.get()), guard_(guard), context_(context), request_(*request) {
-    // The subclass posts Begin once it is constructed.
+      : Strand(guard->handlers_.get()),
+        guard_(guard),
+        context_(context),
+        request_(*request),
+        opened_ns_(absl::GetCurrentTimeNanos()) {
+    // The subclass posts Begin once it is constructed (Begin lists it for the watchdog, which
+    // calls its virtual methods).
   }
+
+  virtual const char* method() const = 0;
+  // Whether the call reads a store snapshot (the watchdog caps its age).
+  virtual bool holds_snapshot() const { return false; }
+  // Lets go of what the call holds for the messages not yet made (a step; no Produce after).
+  virtual void Drop() {}
 
   virtual grpc::Status Open(grpc::ByteBuffer* first) = 0;
   virtual grpc::Status Produce(grpc::ByteBuffer* next, bool* end) = 0;
   virtual void Close(const grpc::Status& status) = 0;
 
   void Begin() {
+    guard_->AddWriter(this);
+    if (grpc::Status s = guard_->CheckSize(request_); !s.ok()) {
+      End(s);
+      return;
+    }
     grpc::Status s = Open(&ready_);
     if (!s.ok()) {
       End(s);
@@ -303,6 +369,7 @@ class GuardedService::WriteReactor : public grpc::ServerWriteReactor<grpc::ByteB
 
  private:
   void ProduceNext() {
+    if (end_) return;
     bool end = false;
     grpc::Status s = Produce(&ready_, &end);
     if (!s.ok() || end) {
@@ -325,6 +392,7 @@ class GuardedService::WriteReactor : public grpc::ServerWriteReactor<grpc::ByteB
       ready_.Clear();
       has_ready_ = false;
       writing_ = true;
+      write_since_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
       StartWrite(&in_flight_);
       if (!end_) ProduceNext();
       return;
@@ -343,10 +411,11 @@ class GuardedService::WriteReactor : public grpc::ServerWriteReactor<grpc::ByteB
     ready_.Clear();
     has_ready_ = false;
     writing_ = true;
+    write_since_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
     StartWrite(&in_flight_);
     if (!end_) {
       Post([this] {
-        if (finished_) return;
+        if (finished_ || end_) return;
         ProduceNext();
         Advance();  // no-op while the write is outstanding
       });
@@ -366,6 +435,17 @@ class GuardedService::WriteReactor : public grpc::ServerWriteReactor<grpc::ByteB
     cancelled_ = true;
     Advance();  // a write outstanding fails: WriteDone ends the call
   }
+  // The watchdog's verdict: no message after the one on the wire; the call ends with `s` once
+  // that write completes (or fails), and lets go of the rest now.
+  void Abandon(const grpc::Status& s) {
+    if (finished_) return;
+    ready_.Clear();
+    has_ready_ = false;
+    end_ = true;
+    final_ = s;
+    Drop();
+    Advance();
+  }
   void End(const grpc::Status& s) {
     if (finished_) return;
     finished_ = true;
@@ -381,6 +461,10 @@ class GuardedService::WriteReactor : public grpc::ServerWriteReactor<grpc::ByteB
   grpc::Status final_;
   bool cancelled_ = false;
   bool finished_ = false;
+  // Read by the watchdog: when the write outstanding started (0: none), when the call began.
+  std::atomic<int64_t> write_since_ns_{0};
+  const int64_t opened_ns_;
+  std::atomic<bool> idle_expired_{false}, aged_{false};  // the watchdog acted (once each)
 };
 
 // Get: KvCacheService::GetCall makes the messages; blocks are framed around their stored (or
@@ -414,6 +498,10 @@ class GuardedService::GetReactor final : public WriteReactor {
     bool own_buffer = false;
     return grpc::SerializationTraits<v1::GetResponse>::Serialize(header, first, &own_buffer);
   }
+
+  const char* method() const override { return "Get"; }
+  bool holds_snapshot() const override { return true; }
+  void Drop() override { call_.reset(); }  // its snapshot and the payloads not yet sent
 
   grpc::Status Produce(grpc::ByteBuffer* next, bool* end) override {
     KvCacheService::GetCall::Message m;
@@ -480,6 +568,9 @@ class GuardedService::PredictorReactor final : public WriteReactor {
     return Produce(first, &end);  // there is always a first chunk
   }
 
+  const char* method() const override { return "GetPredictor"; }
+  void Drop() override { state_.clear(); }
+
   grpc::Status Produce(grpc::ByteBuffer* next, bool* end) override {
     if (k_ >= chunks_) {
       *end = true;
@@ -514,6 +605,39 @@ class GuardedService::PredictorReactor final : public WriteReactor {
 grpc::ServerWriteReactor<grpc::ByteBuffer>* GuardedService::GetPredictor(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
   return new PredictorReactor(this, context, request);
+}
+
+}  // namespace kvtrie
+
+namespace kvtrie {
+
+void GuardedService::AddWriter(WriteReactor* writer) {
+  absl::MutexLock lock(&writers_mu_);
+  writers_.insert(writer);
+}
+
+void GuardedService::RemoveWriter(WriteReactor* writer) {
+  absl::MutexLock lock(&writers_mu_);
+  writers_.erase(writer);
+}
+
+void GuardedService::WatchLoop() {
+  absl::Duration period = absl::Seconds(1);
+  for (absl::Duration d : {options_.get_idle_timeout, options_.get_max_snapshot_age}) {
+    if (d > absl::ZeroDuration()) period = std::min(period, d / 4);
+  }
+  period = std::max(period, absl::Milliseconds(10));
+  const int64_t idle_ns = absl::ToInt64Nanoseconds(options_.get_idle_timeout);
+  const int64_t age_ns = absl::ToInt64Nanoseconds(options_.get_max_snapshot_age);
+  absl::MutexLock lock(&writers_mu_);
+  for (;;) {
+    writers_mu_.AwaitWithTimeout(absl::Condition(&stop_watch_), period);
+    if (stop_watch_) return;
+    const int64_t now = absl::GetCurrentTimeNanos();
+    // Watch posts steps and may TryCancel, which only marks the call and schedules its callbacks
+    // (PutLimits' watchdog relies on the same): no reactor code runs here to want writers_mu_.
+    for (WriteReactor* w : writers_) w->Watch(now, idle_ns, age_ns);
+  }
 }
 
 }  // namespace kvtrie

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace kvtrie {
@@ -15,16 +16,54 @@ grpc::Status Exhausted(std::string message) {
 }  // namespace
 
 GuardedService::GuardedService(KvCacheService* inner, const Authenticator* auth, KvStore* store,
-                               Metrics* metrics, int handler_threads)
+                               Metrics* metrics, const GuardedServiceOptions& options)
     : inner_(inner),
       auth_(auth),
       store_(store),
       metrics_(metrics),
-      handlers_(std::make_unique<TaskPool>(std::max(1, handler_threads))) {}
+      options_(options),
+      handlers_(std::make_unique<TaskPool>(std::max(1, options.handler_threads))) {
+  if (options_.get_idle_timeout > absl::ZeroDuration() ||
+      options_.get_max_snapshot_age > absl::ZeroDuration()) {
+    watchdog_ = std::thread([this] { WatchLoop(); });
+  }
+}
 
 GuardedService::~GuardedService() { StopHandlers(); }
 
-void GuardedService::StopHandlers() { handlers_.reset(); }  // runs what is queued, joins
+void GuardedService::StopHandlers() {
+  {
+    absl::MutexLock lock(&writers_mu_);
+    stop_watch_ = true;
+  }
+  if (watchdog_.joinable()) watchdog_.join();
+  handlers_.reset();  // runs what is queued, joins
+}
+
+grpc::Status GuardedService::CheckSize(const grpc::ByteBuffer& request) const {
+  if (options_.max_message_bytes == 0 || request.Length() <= options_.max_message_bytes) {
+    return grpc::Status::OK;
+  }
+  return Exhausted(absl::StrCat(
+      "request: ", request.Length(), " bytes exceeds the server's message limit of ",
+      options_.max_message_bytes, " bytes; send token_ids_packed (4 bytes an id) or fewer ids"));
+}
+
+std::string GuardedService::PeerOf(const grpc::CallbackServerContext& context) const {
+  if (auth_->enabled()) {  // a tenant's streams count together, from any host
+    Caller caller;
+    if (auth_->Authorize(context, "", &caller).ok() && caller.tenant != nullptr) {
+      return absl::StrCat("tenant '", caller.tenant->name, "'");
+    }
+  }
+  // "ipv4:10.1.2.3:5678" or "ipv6:[::1]:5678": the host without the port (each connection has
+  // its own). Other transports (unix sockets: every client has the server's path) name no peer.
+  std::string peer = context.peer();
+  if (!absl::StartsWith(peer, "ipv4:") && !absl::StartsWith(peer, "ipv6:")) return "";
+  const size_t colon = peer.rfind(':');
+  if (colon != std::string::npos && colon > 5) peer.resize(colon);
+  return peer;
+}
 
 grpc::Status GuardedService::NotParsed() {
   return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -66,6 +105,10 @@ grpc::ServerUnaryReactor* GuardedService::Unary(const char* method,
   // On the handler pool: a store call may wait for a lock, and gRPC's threads must not. The
   // request, the response and the context live until Finish.
   handlers_->Schedule([this, method, context, request, response, reactor, body] {
+    if (grpc::Status s = CheckSize(*request); !s.ok()) {
+      reactor->Finish(s);
+      return;
+    }
     Req req;
     grpc::ByteBuffer bytes = *request;  // shares the slices; Deserialize consumes its buffer
     if (!grpc::SerializationTraits<Req>::Deserialize(&bytes, &req).ok()) {

@@ -33,6 +33,20 @@
 // call's steps run one at a time, in order. So open streams cost memory, not threads: a
 // stalled client holds its Put's slot and bytes (until the idle deadline) but no thread.
 //
+// Limits of the streams (issue 18):
+//   Put    one peer holds at most its share of the Put-stream slots (PutLimits): the peer is the
+//          tenant when the call's token names one, else the client's host (gRPC's peer address
+//          without its port, e.g. "ipv4:10.1.2.3").
+//   Get, GetPredictor  a stream whose client reads nothing (a write outstanding) for
+//          `get_idle_timeout` is cancelled (CANCELLED) and what it holds released: its store
+//          snapshot, the payloads of the blocks not yet sent. A Get open longer than
+//          `get_max_snapshot_age` ends ABORTED naming --get_max_snapshot_seconds after the
+//          message on the wire: its RocksDB snapshot keeps every payload deleted or evicted since
+//          it began on disk, so a slow reader cannot hold the --disk_bytes bound hostage (the
+//          reader is cut, never the budget). One watchdog thread checks both (when either is set).
+//   Messages  a request larger than `max_message_bytes` is RESOURCE_EXHAUSTED naming its size
+//          and the limit (a Put's names what to send instead: server/put_call.h).
+//
 // Thread-safe. `inner`, `auth`, `store` and `metrics` (may be null) must outlive it; the server
 // must be shut down (every call done) before it is destroyed.
 #ifndef KVTRIE_SERVER_GUARDED_SERVICE_H_
@@ -45,9 +59,12 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "codec/task_pool.h"
 #include "kvtrie/v1/kvtrie.grpc.pb.h"
 #include "server/auth.h"
@@ -65,11 +82,17 @@ using GuardedServiceBase = v1::KVCache::WithRawCallbackMethod_Lookup<
             v1::KVCache::WithRawCallbackMethod_Delete<v1::KVCache::WithRawCallbackMethod_Pin<
                 v1::KVCache::WithRawCallbackMethod_GetPredictor<v1::KVCache::Service>>>>>>>>;
 
+struct GuardedServiceOptions {
+  int handler_threads = 8;  // run the calls' work (see the top of this file); at least 1
+  absl::Duration get_idle_timeout = absl::ZeroDuration();      // 0 = none
+  absl::Duration get_max_snapshot_age = absl::ZeroDuration();  // 0 = none
+  uint64_t max_message_bytes = 0;                              // 0 = none
+};
+
 class GuardedService final : public GuardedServiceBase {
  public:
-  // `handler_threads` >= 1 run the calls' work (see the top of this file).
   GuardedService(KvCacheService* inner, const Authenticator* auth, KvStore* store, Metrics* metrics,
-                 int handler_threads);
+                 const GuardedServiceOptions& options);
   ~GuardedService() override;
   GuardedService(const GuardedService&) = delete;
   GuardedService& operator=(const GuardedService&) = delete;
@@ -115,6 +138,15 @@ class GuardedService final : public GuardedServiceBase {
 
   // INVALID_ARGUMENT "request: did not parse ...".
   static grpc::Status NotParsed();
+  // RESOURCE_EXHAUSTED when `request` is larger than max_message_bytes.
+  grpc::Status CheckSize(const grpc::ByteBuffer& request) const;
+  // The open write streams, for the watchdog: one is added at its first step and removed at its
+  // OnDone, before it may be deleted.
+  void AddWriter(WriteReactor* writer);
+  void RemoveWriter(WriteReactor* writer);
+  void WatchLoop();
+  // The peer a Put stream is counted against (see the top of this file).
+  std::string PeerOf(const grpc::CallbackServerContext& context) const;
   // A unary call: parses `request` as Req, runs `body(caller, &req, &resp)` under Guard on the
   // handler pool, serializes the response and finishes.
   template <typename Req, typename Resp, typename Body>
@@ -133,8 +165,14 @@ class GuardedService final : public GuardedServiceBase {
   const Authenticator* const auth_;
   KvStore* const store_;
   Metrics* const metrics_;
+  const GuardedServiceOptions options_;
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<NamespaceCounters>> counters_ ABSL_GUARDED_BY(mu_);
+  absl::Mutex writers_mu_;
+  // Every Get and GetPredictor reactor gRPC has not released (OnDone).
+  absl::flat_hash_set<WriteReactor*> writers_ ABSL_GUARDED_BY(writers_mu_);
+  bool stop_watch_ ABSL_GUARDED_BY(writers_mu_) = false;
+  std::thread watchdog_;                // WatchLoop, when a Get limit is set
   std::unique_ptr<TaskPool> handlers_;  // the calls' work (StopHandlers resets it)
 };
 

@@ -38,6 +38,10 @@ struct ServiceOptions {
   EncodeOptions default_encoding;             // for ENCODING_UNSPECIFIED
   PutLimitOptions put_limits;                 // streams, per-namespace bytes, idle deadline
   int codec_threads = 1;  // threads that decode a Get's blocks (the handler's own included)
+  // Most bytes of one request message (0 = none): a larger Put message is refused naming what to
+  // send instead (PutTokens, layer ranges). kvtrie-server lets gRPC read messages up to a larger
+  // transport cap so that this names the error (server/main.cc).
+  uint64_t max_message_bytes = 0;
 };
 
 class KvCacheService final : public v1::KVCache::Service {

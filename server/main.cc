@@ -6,9 +6,9 @@
 // reflection (v1alpha, what gRPC 1.51 ships), so grpcurl can list, describe and call it.
 // If the store fails (a write to disk failed; it then refuses writes), health turns NOT_SERVING.
 // SIGTERM or SIGINT: health turns NOT_SERVING, calls already sent are read for 200 ms more,
-// then new calls are refused; running calls get --shutdown_grace_seconds (from the signal) to
-// finish and are then cancelled, the store is flushed and closed,
-// and the process exits 0.
+// then new calls are refused; running calls get --shutdown_grace_seconds (from the signal), less
+// a reserve for the teardown, to finish and are then cancelled (streams whose clients stalled
+// too), the store is flushed and closed, and the process exits 0 within the grace.
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/resource_quota.h>
@@ -75,8 +75,9 @@ ABSL_FLAG(
     "chunks of this size)" KVTRIE_BYTE_UNITS_HELP);
 // Put streams (issue 12): server/put_limits.h.
 ABSL_FLAG(double, put_idle_timeout_seconds, 60,
-          "a Put stream that sends no message for this long is cancelled and its buffered bytes "
-          "released (0 = never)");
+          "a Put stream whose server waits this long for its next message is cancelled and its "
+          "buffered bytes released; time the server spends on a message (or waiting for a "
+          "handler thread or memory) does not count (0 = never)");
 ABSL_FLAG(double, put_wait_for_memory_seconds, 60,
           "a Put whose dense KV does not fit --max_inflight_put_bytes (or its namespace's share) "
           "now waits this long at its header for other Puts to finish, then is refused with "
@@ -84,6 +85,18 @@ ABSL_FLAG(double, put_wait_for_memory_seconds, 60,
 ABSL_FLAG(uint32_t, max_concurrent_put_streams, 256,
           "most Put streams open at once; more are refused with RESOURCE_EXHAUSTED (0 = no "
           "bound); an open stream holds no thread, but its slot and buffered bytes");
+ABSL_FLAG(double, max_put_stream_share_per_peer, 0.5,
+          "most share of --max_concurrent_put_streams one peer may hold (a tenant with "
+          "--tokens_file, else a client host), so one client cannot starve the rest; past it "
+          "RESOURCE_EXHAUSTED (1 = no per-peer bound)");
+// Get streams (issue 18): server/guarded_service.h.
+ABSL_FLAG(double, get_idle_timeout_seconds, 60,
+          "a Get (or GetPredictor) stream whose client reads nothing for this long is cancelled "
+          "and its store snapshot released (0 = never)");
+ABSL_FLAG(double, get_max_snapshot_seconds, 300,
+          "a Get stream open longer than this ends ABORTED naming this flag: its store snapshot "
+          "keeps every payload deleted or evicted since it began on disk, past --disk_bytes "
+          "(0 = never)");
 ABSL_FLAG(kvtrie::ByteSize, max_inflight_put_bytes_per_namespace, kvtrie::ByteSize{1ull << 30},
           "most dense KV bytes one namespace's unfinished Put streams together may buffer "
           "(0 = only --max_inflight_put_bytes)" KVTRIE_BYTE_UNITS_HELP);
@@ -96,7 +109,8 @@ ABSL_FLAG(int, handler_threads, 0,
           "decoding on its chain); open streams waiting for their client hold none; 0 = twice "
           "the codec threads, at least 8");
 ABSL_FLAG(int, shutdown_grace_seconds, 10,
-          "on SIGTERM, how long running calls may take before they are cancelled");
+          "on SIGTERM, how long until the process exits: running calls may take this long, less "
+          "a reserve for the teardown (a third of it, at most 1 s), before they are cancelled");
 ABSL_FLAG(std::string, port_file, "",
           "if set, write the bound port to this file once serving (for tests and scripts)");
 ABSL_FLAG(kvtrie::ByteSize, memory_bytes, kvtrie::ByteSize{1ull << 30},
@@ -239,6 +253,24 @@ int Run() {
   service_options.put_limits.max_put_bytes = store_options.max_put_bytes;
   service_options.put_limits.admit_wait =
       absl::Seconds(std::max(0.0, absl::GetFlag(FLAGS_put_wait_for_memory_seconds)));
+  if (const double share = absl::GetFlag(FLAGS_max_put_stream_share_per_peer);
+      !(share > 0 && share <= 1)) {
+    spdlog::critical("--max_put_stream_share_per_peer: {} is not in (0, 1]", share);
+    return 2;
+  } else if (share < 1 && service_options.put_limits.max_concurrent_streams > 0) {
+    service_options.put_limits.max_streams_per_peer = std::max<uint32_t>(
+        1, static_cast<uint32_t>(share * service_options.put_limits.max_concurrent_streams));
+  }
+  // kvtrie's message limit: a request of --max_tokens packed token ids (4 bytes each) fits in one
+  // message. gRPC itself reads messages up to a larger cap, so that one between the two is
+  // refused by kvtrie naming what it is and what to send instead (a Put header: its ids in
+  // PutTokens) rather than by gRPC's "Received message larger than max". gRPC checks its cap only
+  // once a message is whole in memory, so the larger cap costs no memory the limit saved.
+  const uint64_t message_limit = std::min<uint64_t>(
+      INT32_MAX, std::max<uint64_t>(4u << 20, 4ull * service_options.max_tokens + (64u << 10)));
+  const int grpc_receive_cap = static_cast<int>(
+      std::min<uint64_t>(INT32_MAX, std::max<uint64_t>(64u << 20, 4 * message_limit)));
+  service_options.max_message_bytes = message_limit;
   KvCacheService service(store->get(), service_options);
 
   // Operating: tenants and quotas, metrics, TLS (server/guarded_service.h is what is served).
@@ -262,7 +294,14 @@ int Run() {
   const int handler_threads = absl::GetFlag(FLAGS_handler_threads) > 0
                                   ? absl::GetFlag(FLAGS_handler_threads)
                                   : std::max(8, 2 * codec_threads);
-  GuardedService guarded(&service, auth->get(), store->get(), metrics.get(), handler_threads);
+  GuardedServiceOptions guarded_options;
+  guarded_options.handler_threads = handler_threads;
+  guarded_options.get_idle_timeout =
+      absl::Seconds(std::max(0.0, absl::GetFlag(FLAGS_get_idle_timeout_seconds)));
+  guarded_options.get_max_snapshot_age =
+      absl::Seconds(std::max(0.0, absl::GetFlag(FLAGS_get_max_snapshot_seconds)));
+  guarded_options.max_message_bytes = message_limit;
+  GuardedService guarded(&service, auth->get(), store->get(), metrics.get(), guarded_options);
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
       MakeServerCredentials(ops.tls);
   if (!credentials.ok()) {
@@ -284,9 +323,7 @@ int Run() {
   grpc::ResourceQuota quota("kvtrie-server");
   quota.SetMaxThreads(absl::GetFlag(FLAGS_max_threads));
   builder.SetResourceQuota(quota);
-  // A request of --max_tokens packed token ids (4 bytes each) must fit in one message.
-  builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<uint64_t>(
-      INT32_MAX, std::max<uint64_t>(4u << 20, 4ull * service_options.max_tokens + (64u << 10)))));
+  builder.SetMaxReceiveMessageSize(grpc_receive_cap);  // kvtrie checks message_limit (above)
   int port = 0;
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), *credentials, &port);
   builder.RegisterService(&guarded);
@@ -354,15 +391,22 @@ int Run() {
     }
     spdlog::info("signal {}: draining (grace {} s)", sig,
                  absl::GetFlag(FLAGS_shutdown_grace_seconds));
-    const auto deadline = std::chrono::system_clock::now() +
-                          std::chrono::seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds));
+    const auto signalled = std::chrono::system_clock::now();
+    const auto deadline =
+        signalled + std::chrono::seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds));
     server->GetHealthCheckService()->Shutdown();  // NOT_SERVING for every service
     if (health_server) health_server->GetHealthCheckService()->Shutdown();
     // Calls a client sent just before the signal may not be read off their connection yet;
     // gRPC's Shutdown refuses what it has not matched, so give them a moment (within the grace).
     std::this_thread::sleep_until(
         std::min(deadline, std::chrono::system_clock::now() + std::chrono::milliseconds(200)));
-    server->Shutdown(deadline);
+    // Streams whose clients stalled never finish by themselves: gRPC's Shutdown waits for them
+    // (and for their connections) until its deadline, then cancels every call and closes the
+    // connections, and only then can the teardown start. So its deadline is the grace less a
+    // reserve for the teardown (a third of it, at most 1 s): the process exits within the grace.
+    const auto reserve = std::min<std::chrono::system_clock::duration>(std::chrono::seconds(1),
+                                                                       (deadline - signalled) / 3);
+    server->Shutdown(deadline - reserve);
   });
   server->Wait();
   guarded.StopHandlers();  // the last steps of finished calls, before the store closes

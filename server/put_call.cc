@@ -153,19 +153,48 @@ grpc::Status PutCall::CutShort() const {
       "commit: the stream ended without a PutCommit (cut short or cancelled); nothing stored");
 }
 
-PutCall::Next PutCall::Start() {
+PutCall::Next PutCall::Read() {
+  stream_->AwaitClient();  // the idle deadline runs only while the server waits for the client
+  return Next::kRead;
+}
+
+PutCall::Next PutCall::Start(const std::string& peer) {
   // Admitted before the first message: a slot, the idle deadline, then the namespace's bytes.
   grpc::ServerContextBase* context = context_;
   absl::StatusOr<std::unique_ptr<PutLimits::Stream>> stream =
-      limits_->Admit([context] { context->TryCancel(); });
+      limits_->Admit([context] { context->TryCancel(); }, peer);
   if (!stream.ok()) return Fail(ToGrpcStatus(stream.status()));
   stream_ = *std::move(stream);
   phase_ = Phase::kHeader;
-  return Next::kRead;
+  return Read();
+}
+
+grpc::Status PutCall::CheckSize(const v1::PutRequest& request) const {
+  const uint64_t limit = options_.max_message_bytes;
+  if (limit == 0) return grpc::Status::OK;
+  const size_t bytes = request.ByteSizeLong();
+  if (bytes <= limit) return grpc::Status::OK;
+  const std::string over =
+      absl::StrCat(bytes, " bytes exceeds the server's message limit of ", limit, " bytes");
+  std::string message;
+  if (request.has_header()) {
+    message = absl::StrCat("header: ", over,
+                           "; send token_ids (and surprisal_bits) in PutTokens messages after a "
+                           "smaller header (the C++ client does)");
+  } else if (request.has_tokens()) {
+    message = absl::StrCat("tokens: ", over, "; send fewer token ids per PutTokens message");
+  } else if (request.has_block()) {
+    message =
+        absl::StrCat("block: ", over, "; send the block in layer ranges (layer_begin, layer_end)");
+  } else {
+    message = absl::StrCat("request: ", over);
+  }
+  return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, message);
 }
 
 PutCall::Next PutCall::OnMessage(v1::PutRequest* request) {
   stream_->Touch();
+  if (grpc::Status s = CheckSize(*request); !s.ok()) return Fail(s);
   switch (phase_) {
     case Phase::kHeader:
       return Header(request);
@@ -214,7 +243,7 @@ PutCall::Next PutCall::Header(v1::PutRequest* request) {
   }
   surprisal_.assign(h.surprisal_bits().begin(), h.surprisal_bits().end());
   phase_ = Phase::kTokens;
-  return Next::kRead;
+  return Read();
 }
 
 PutCall::Next PutCall::Tokens(v1::PutRequest* request) {
@@ -239,7 +268,7 @@ PutCall::Next PutCall::Tokens(v1::PutRequest* request) {
                                           options_.max_tokens, " values in one Put")));
   }
   surprisal_.insert(surprisal_.end(), t.surprisal_bits().begin(), t.surprisal_bits().end());
-  return Next::kRead;
+  return Read();
 }
 
 PutCall::Next PutCall::OnReserved(const absl::Status& reserved) {
@@ -261,7 +290,7 @@ PutCall::Next PutCall::Block(v1::PutRequest* request) {
   if (request->has_commit()) {
     committed_ = true;
     stream_->Committed();
-    return Next::kRead;
+    return Read();
   }
   if (request->has_header()) return Fail(Invalid("header: sent twice in one Put stream"));
   if (request->has_tokens()) {
@@ -288,7 +317,7 @@ PutCall::Next PutCall::Block(v1::PutRequest* request) {
                                        "exactly); nothing stored")));
     }
   }
-  return Next::kRead;
+  return Read();
 }
 
 PutCall::Next PutCall::EndOfBlocks() {

@@ -7,7 +7,9 @@
 //
 // The caller drives it as a state machine: each call returns what to do next:
 //   kRead     read the next PutRequest and pass it to OnMessage (or call OnEnd when the stream
-//             ended: the client half-closed or cancelled, or a message did not parse);
+//             ended: the client half-closed or cancelled, or a message did not parse); the idle
+//             deadline runs from here until the message arrives (stream()->Touch(), which
+//             OnMessage calls; a reactor calls it as soon as the read completes);
 //   kReserve  reserve reserve_bytes() on stream() (PutLimits::Stream::ReserveWhole, or
 //             ReserveWholeAsync so no thread waits) and pass the outcome to OnReserved;
 //   kDone     the call is over: status() and, when it is OK, response().
@@ -49,8 +51,9 @@ class PutCall {
   PutCall(const PutCall&) = delete;
   PutCall& operator=(const PutCall&) = delete;
 
-  // Admits the stream (RESOURCE_EXHAUSTED past --max_concurrent_put_streams): kRead or kDone.
-  Next Start();
+  // Admits the stream of `peer` (PutLimits::Admit: RESOURCE_EXHAUSTED past
+  // --max_concurrent_put_streams or the peer's share of them): kRead or kDone.
+  Next Start(const std::string& peer = "");
   // The next message of the stream (its block's bytes may be moved out).
   Next OnMessage(v1::PutRequest* request);
   // The stream ended without another message.
@@ -68,6 +71,10 @@ class PutCall {
   enum class Phase { kStart, kHeader, kTokens, kBlocks, kDone };
 
   Next Fail(grpc::Status status);
+  Next Read();  // kRead, the idle deadline armed (PutLimits::Stream::AwaitClient)
+  // RESOURCE_EXHAUSTED naming the message and what to send instead when `request` is larger
+  // than ServiceOptions::max_message_bytes.
+  grpc::Status CheckSize(const v1::PutRequest& request) const;
   Next Header(v1::PutRequest* request);
   Next Tokens(v1::PutRequest* request);
   Next Block(v1::PutRequest* request);

@@ -24,7 +24,8 @@ PutLimits::~PutLimits() {
   if (watchdog_.joinable()) watchdog_.join();
 }
 
-absl::StatusOr<std::unique_ptr<PutLimits::Stream>> PutLimits::Admit(std::function<void()> cancel) {
+absl::StatusOr<std::unique_ptr<PutLimits::Stream>> PutLimits::Admit(std::function<void()> cancel,
+                                                                    const std::string& peer) {
   absl::MutexLock lock(&mu_);
   if (options_.max_concurrent_streams != 0 && streams_.size() >= options_.max_concurrent_streams) {
     return absl::ResourceExhaustedError(
@@ -32,7 +33,21 @@ absl::StatusOr<std::unique_ptr<PutLimits::Stream>> PutLimits::Admit(std::functio
                      " Put streams are open, the server's --max_concurrent_put_streams=",
                      options_.max_concurrent_streams, "; retry later"));
   }
+  const bool per_peer = options_.max_streams_per_peer != 0 && !peer.empty();
+  if (per_peer) {
+    auto it = peer_streams_.find(peer);
+    if (it != peer_streams_.end() && it->second >= options_.max_streams_per_peer) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "put: peer ", peer, " holds ", it->second, " Put streams, the most one peer may hold (",
+          "the server's --max_put_stream_share_per_peer of --max_concurrent_put_streams=",
+          options_.max_concurrent_streams, "); finish or cancel one, or retry later"));
+    }
+  }
   std::unique_ptr<Stream> stream(new Stream(this, std::move(cancel)));
+  if (per_peer) {
+    stream->peer_ = peer;
+    ++peer_streams_[peer];
+  }
   streams_.insert(stream.get());
   return stream;
 }
@@ -58,6 +73,10 @@ void PutLimits::Release(Stream* stream) {
   {
     absl::MutexLock lock(&mu_);
     if (streams_.erase(stream) == 0) return;
+    if (!stream->peer_.empty()) {
+      auto it = peer_streams_.find(stream->peer_);
+      if (--it->second == 0) peer_streams_.erase(it);
+    }
     if (stream->waiting_) {
       waiters_.erase(std::find(waiters_.begin(), waiters_.end(), stream));
       stream->waiting_ = false;
@@ -144,6 +163,8 @@ void PutLimits::WatchdogLoop() {
         if (s->idle_cancelled_.load(std::memory_order_relaxed)) continue;
         if (s->committed_.load(std::memory_order_relaxed)) continue;
         if (s->waiting_) continue;  // waiting for memory is not idle
+        // Handling a message (or queued for a handler thread) is the server's time, not idle.
+        if (!s->awaiting_client_.load(std::memory_order_acquire)) continue;
         if (now - s->last_activity_ns_.load(std::memory_order_relaxed) < idle_ns) continue;
         s->idle_cancelled_.store(true, std::memory_order_release);
         spdlog::warn("put: stream of namespace '{}' idle for {} s, cancelled ({} bytes released)",
@@ -173,7 +194,13 @@ PutLimits::Stream::Stream(PutLimits* owner, std::function<void()> cancel)
 
 PutLimits::Stream::~Stream() { owner_->Release(this); }
 
+void PutLimits::Stream::AwaitClient() {
+  last_activity_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
+  awaiting_client_.store(true, std::memory_order_release);
+}
+
 void PutLimits::Stream::Touch() {
+  awaiting_client_.store(false, std::memory_order_release);
   last_activity_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
 }
 

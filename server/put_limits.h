@@ -16,10 +16,17 @@
 //     its deadline); ReserveWhole is the blocking form of it. A reservation is at most
 //     `max_put_bytes` and each limit; blocks past it are charged one by one (Reserve) and refused
 //     past a limit;
-//   - an idle deadline: a stream that receives no message for `idle_timeout` (0 = none; a
-//     stream waiting for memory is not idle) is cancelled through its `cancel` callback
+//   - a share of the slots per peer: one peer (a client host, or a tenant; the caller names it)
+//     holds at most `max_streams_per_peer` (0 = no per-peer bound), so one client cannot take
+//     every slot and starve the rest; past it RESOURCE_EXHAUSTED naming
+//     --max_put_stream_share_per_peer;
+//   - an idle deadline: a stream whose server waits for its client's next message for
+//     `idle_timeout` (0 = none) is cancelled through its `cancel` callback
 //     (grpc::ServerContextBase::TryCancel; the client sees CANCELLED), so its handler (or
-//     reactor) ends and its buffered bytes are released.
+//     reactor) ends and its buffered bytes are released. Only time spent waiting for the client
+//     counts (from AwaitClient to Touch): not a message being handled or queued behind other
+//     calls' work, not a wait for memory, not the commit — a busy server slows a client down
+//     (it reads the next message only when the last is handled), it never cancels it.
 // Everything a Stream holds is released when it is destroyed.
 //
 // Thread-safe. One background thread checks idle and wait deadlines (when idle_timeout or
@@ -54,6 +61,7 @@ struct PutLimitOptions {
   absl::Duration admit_wait = absl::Seconds(60);  // ReserveWhole's longest wait
   uint64_t max_put_bytes = 0;                     // ReserveWhole reserves at most this (0 = no cap)
   absl::Duration idle_timeout = absl::ZeroDuration();  // 0 = none
+  uint32_t max_streams_per_peer = 0;                   // 0 = no per-peer bound
 };
 
 class PutLimits {
@@ -65,9 +73,11 @@ class PutLimits {
   PutLimits(const PutLimits&) = delete;
   PutLimits& operator=(const PutLimits&) = delete;
 
-  // Admits a new stream. `cancel` cancels it (called at most once, from the watchdog thread).
-  // Errors: RESOURCE_EXHAUSTED when max_concurrent_streams are open.
-  absl::StatusOr<std::unique_ptr<Stream>> Admit(std::function<void()> cancel);
+  // Admits a new stream of `peer` (counted against max_streams_per_peer; "" = not counted).
+  // `cancel` cancels it (called at most once, from the watchdog thread). Errors:
+  // RESOURCE_EXHAUSTED when max_concurrent_streams are open, or `peer` holds its share.
+  absl::StatusOr<std::unique_ptr<Stream>> Admit(std::function<void()> cancel,
+                                                const std::string& peer = "");
 
   int open_streams() const;
   uint64_t inflight_bytes(const std::string& ns) const;
@@ -92,6 +102,7 @@ class PutLimits {
   absl::flat_hash_map<std::string, uint64_t> ns_bytes_ ABSL_GUARDED_BY(mu_);  // by namespace
   uint64_t total_bytes_ ABSL_GUARDED_BY(mu_) = 0;                             // all namespaces
   std::deque<Stream*> waiters_ ABSL_GUARDED_BY(mu_);  // in ReserveWholeAsync, oldest first
+  absl::flat_hash_map<std::string, uint32_t> peer_streams_ ABSL_GUARDED_BY(mu_);  // by peer
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread watchdog_;
 };
@@ -104,7 +115,10 @@ class PutLimits::Stream {
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;
 
-  // A message arrived: restarts the idle deadline.
+  // The server asks the client for its next message: the idle deadline runs from now.
+  void AwaitClient();
+  // A message arrived: no idle deadline until the next AwaitClient (handling it, or waiting for
+  // a handler thread, is the server's time). Any thread (a reactor calls it from OnReadDone).
   void Touch();
   // The namespace bytes are charged to (set once, from the header).
   void SetNamespace(const std::string& ns);
@@ -136,6 +150,7 @@ class PutLimits::Stream {
 
   PutLimits* const owner_;
   const std::function<void()> cancel_;
+  std::string peer_;  // counted in owner_->peer_streams_ ("" = not counted); set at Admit
   std::string ns_;
   uint64_t bytes_ = 0;   // charged to ns_ (guarded by owner_->mu_ for the map, written here only)
   uint64_t unused_ = 0;  // of bytes_, reserved by ReserveWhole and not yet taken by Reserve
@@ -144,7 +159,9 @@ class PutLimits::Stream {
   uint64_t wait_bytes_ = 0;
   absl::Time wait_deadline_;
   std::function<void(absl::Status)> wait_done_;
-  std::atomic<int64_t> last_activity_ns_;  // absl::GetCurrentTimeNanos() of the last message
+  // absl::GetCurrentTimeNanos() when the server last asked for a message (or charged bytes).
+  std::atomic<int64_t> last_activity_ns_;
+  std::atomic<bool> awaiting_client_{true};  // a read is asked for and has not arrived
   std::atomic<bool> idle_cancelled_{false};
   std::atomic<bool> committed_{false};
 };

@@ -66,6 +66,44 @@ TEST(PutLimits, CancelsAnIdleStreamButNotABusyOrCommittedOne) {
   EXPECT_EQ(committed_cancels.load(), 0);
 }
 
+TEST(PutLimits, TimeTheServerSpendsOnAMessageIsNeverIdle) {
+  // Issue 18: a reactor reads the next message only when the last is handled, so while the
+  // server is busy (or the message waits for a handler thread) the client cannot send: only the
+  // time from AwaitClient (a read asked for) to Touch (it arrived) counts.
+  PutLimits limits({.idle_timeout = absl::Milliseconds(200)});
+  std::atomic<int> cancels{0};
+  auto stream = *limits.Admit([&] { ++cancels; });
+  stream->Touch();  // a message arrived; the server takes 600 ms (three deadlines) on it
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  EXPECT_EQ(cancels.load(), 0);
+  EXPECT_FALSE(stream->idle_cancelled());
+  stream->AwaitClient();  // now the server waits for the client, which sends nothing
+  for (int i = 0; i < 40 && cancels.load() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  EXPECT_EQ(cancels.load(), 1);
+  EXPECT_TRUE(stream->idle_cancelled());
+}
+
+TEST(PutLimits, OnePeerHoldsAtMostItsShareOfTheSlots) {
+  PutLimits limits({.max_concurrent_streams = 4, .max_streams_per_peer = 2});
+  auto a1 = limits.Admit([] {}, "ipv4:10.0.0.1");
+  auto a2 = limits.Admit([] {}, "ipv4:10.0.0.1");
+  ASSERT_TRUE(a1.ok() && a2.ok());
+  absl::StatusOr<std::unique_ptr<PutLimits::Stream>> a3 = limits.Admit([] {}, "ipv4:10.0.0.1");
+  EXPECT_EQ(a3.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(a3.status().message().find("--max_put_stream_share_per_peer"), std::string::npos)
+      << a3.status();
+  EXPECT_NE(a3.status().message().find("ipv4:10.0.0.1"), std::string::npos) << a3.status();
+  // Another peer still gets a slot, and so does a stream of no named peer.
+  EXPECT_TRUE(limits.Admit([] {}, "ipv4:10.0.0.2").ok());
+  auto unnamed = limits.Admit([] {});
+  EXPECT_TRUE(unnamed.ok());
+  // A slot the first peer gives back is its own again.
+  a1->reset();
+  EXPECT_TRUE(limits.Admit([] {}, "ipv4:10.0.0.1").ok());
+}
+
 TEST(PutLimits, ReserveWholeWaitsForOtherStreamsInsteadOfFailing) {
   PutLimits limits({.max_inflight_bytes = 100, .max_inflight_bytes_per_namespace = 80});
   auto a = *limits.Admit([] {});
