@@ -88,7 +88,7 @@ ABSL_FLAG(uint32_t, max_concurrent_put_streams, 256,
 ABSL_FLAG(double, max_put_stream_share_per_peer, 0.5,
           "most share of --max_concurrent_put_streams one peer may hold (a tenant with "
           "--tokens_file, else a client host), so one client cannot starve the rest; past it "
-          "RESOURCE_EXHAUSTED (1 = no per-peer bound)");
+          "RESOURCE_EXHAUSTED (1 = no per-peer bound: behind a proxy every client is one host)");
 // Get streams (issue 18): server/guarded_service.h.
 ABSL_FLAG(double, get_idle_timeout_seconds, 60,
           "a Get (or GetPredictor) stream whose client reads nothing for this long is cancelled "
