@@ -34,7 +34,7 @@ namespace {
 constexpr uint32_t kT = 16;
 constexpr double kTargets[] = {0.05, 0.1, 0.173, 0.316, 0.5};
 // Every block in the normal build (2.5 s in RelWithDebInfo, 6 s on a loaded machine); every 4th
-// under the sanitizers (-O1 and instrumented: several times slower per block).
+// under the sanitizers (-O1 and instrumented: 17 s for both tests under ASan + UBSan).
 #ifdef KVTRIE_PLANE_TEST_SANITIZED
 constexpr size_t kBlockStride = 4;
 #else
@@ -168,7 +168,8 @@ void ExpectEveryPlaneWithinTarget(const Case& c) {
         }
         blocks_over += over;
         // The block-level errors the encoder reports are over all of a block's K (or V) planes
-        // together: an energy-weighted mean of the planes' errors, so within target too.
+        // together: the root of the energy-weighted mean of the planes' squared errors,
+        // so within target too.
         EXPECT_LE(std::max(e->rel_rms_error_k, e->rel_rms_error_v), target * (1 + kTolerance));
       }
     }
