@@ -190,9 +190,12 @@ struct PredictionContext {
 struct EncodedBlock {
   std::string bytes;              // the self-describing encoded block
   double bits_per_component = 0;  // 8 * bytes.size() / geometry.num_elements()
-  double rel_rms_error_k = 0;     // ||K - K'|| / ||K|| over the block; 0 when lossless
-  double rel_rms_error_v = 0;     // same for V
-  double max_abs_error = 0;       // max |x - x'| over the block
+  // ||K - K'|| / ||K|| over the whole block (every layer's K plane together; raw energy, whatever
+  // key_error says); 0 when lossless. The root of the energy-weighted mean of the planes' squared
+  // errors, so <= the largest plane's: kResidual meets target_rel_rms on every (layer, K/V) plane.
+  double rel_rms_error_k = 0;
+  double rel_rms_error_v = 0;  // same for V
+  double max_abs_error = 0;    // max |x - x'| over the block
   // kResidual: how many (layer, head) groups chose each Predictor, [0 = K, 1 = V][Predictor].
   uint32_t predictor_count[2][kNumPredictors] = {};
   // The learned state the block is coded against (BlockHeader::predictor_version; 0 = none).

@@ -26,6 +26,7 @@ namespace {
 
 using namespace fast;         // NOLINT: the profile's own kernels
 using namespace fast_format;  // NOLINT: its params layout
+using residual::Bf16Ceil;
 using residual::Bf16Round;
 using residual::Dims;
 
@@ -34,6 +35,7 @@ constexpr size_t kMinLaneSymbols = 1024;      // a lane's 4-byte state is < 0.4 
 constexpr float kDeadZoneOffset = 0.1f;       // as the compact profile (residual_codec.cc)
 constexpr double kDeadZoneFrom = 0.1;
 constexpr int kMaxSearchPasses = 12;
+constexpr int kBisectPasses = 3;  // after a fallback search met the target (EncodePlane)
 
 constexpr Predictor kPredictorOf[5] = {Predictor::kNone, Predictor::kChannelMean,
                                        Predictor::kTemporal, Predictor::kTokenMean,
@@ -163,7 +165,7 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
     if (ref == 0) ref = energy;  // a constant plane: fall back to its energy
   }
   const float dz = target >= kDeadZoneFrom ? kDeadZoneOffset : 0.0f;
-  const float min_step = std::max(2.0f * max_x / kMaxQ, 1e-30f);
+  const float min_step = Bf16Ceil(std::max(2.0f * max_x / kMaxQ, 1e-30f));  // a step as sent
   float step =
       Bf16Round(std::max(static_cast<float>(target * std::sqrt(12.0 * ref / pe)), min_step));
   // Predictors from an open-loop L1 estimate of the bits at the first step. With a linear
@@ -280,11 +282,43 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
     }
     step = next;
   }
+  // The next plane starts from this one's step only if the model found it (as before).
   *hint = met ? pc->step / guess : 0;
+  if (!met) {
+    // The model's steps did not reach the target: a flat error curve (a plane the learned state
+    // predicts well quantizes to all zeros, its error the prediction's at any of these steps,
+    // from a start far above its step: the hint of a plane predicted better still). Halve the
+    // step until it meets, then bisect between the finest failing and the coarsest meeting step.
+    // (A plane that met before, here or at the model's last step, is coded as before.)
+    auto meets = [&](float at) {
+      double mx = 0;
+      const double sse = QuantizePlane(n, dtype, x, *pc, at, dz, s, s->q.data(), &mx);
+      if (sse > target_sse) return false;
+      pc->step = at, pc->sse = sse, pc->max_abs = mx;
+      pc->q.swap(s->q);
+      return true;
+    };
+    float fail = tried_lo > 0 ? tried_lo : step;
+    if (step < fail) {  // the model's last step, not tried yet: kept, as before, if it meets
+      met = meets(step);
+      if (!met) fail = step;
+    }
+    const bool halved = !met;
+    while (!met && fail > min_step) {
+      const float next = std::max(Bf16Round(fail * 0.5f), min_step);
+      met = meets(next);
+      if (!met) fail = next;
+    }
+    for (int pass = 0; halved && met && pass < kBisectPasses; ++pass) {
+      const float mid = Bf16Round(static_cast<float>(std::sqrt(double{pc->step} * fail)));
+      if (mid <= pc->step || mid >= fail) break;
+      if (!meets(mid)) fail = mid;
+    }
+  }
   if (!met) {  // the finest step: best effort (the target is below the dtype's resolution)
     double mx = 0;
-    pc->sse = QuantizePlane(n, dtype, x, *pc, step, dz, s, pc->q.data(), &mx);
-    pc->step = step;
+    pc->sse = QuantizePlane(n, dtype, x, *pc, min_step, dz, s, pc->q.data(), &mx);
+    pc->step = min_step;
     pc->max_abs = mx;
   }
 }

@@ -360,7 +360,8 @@ TEST(LearnedLinearTest, KltIsOrthonormalAndRoundTripsWithinTarget) {
 // Blocks and the state written by main 20a16da (before linear predictors; its encoder wrote
 // tests/data/golden/learned_v1_golden.bin: u32 n, n x (u32 len, bytes): the format-1 state, then
 // per block its encoded bytes and the CRC-32C of its decode; Genesis blocks 0-3, fast 0.173, fast
-// 0.1, compact 0.173) decode bit-identically, and encoding them again gives the same bytes.
+// 0.1, compact 0.173) decode bit-identically, and encoding them again gives the same bytes (but
+// for the one that missed the per-plane target).
 TEST(LearnedLinearTest, BlocksWrittenBeforeLinearDecodeBitIdentically) {
   std::ifstream f(std::string(KVTRIE_TESTDATA_DIR) + "/golden/learned_v1_golden.bin",
                   std::ios::binary);
@@ -404,6 +405,17 @@ TEST(LearnedLinearTest, BlocksWrittenBeforeLinearDecodeBitIdentically) {
       o.profile = c.p;
       auto e = EncodeBlock(g, gen.real.blocks[b], o, ctx);
       ASSERT_TRUE(e.ok());
+      // Fast 0.173 block 0 was written with a plane 1 % over the target (issue 18: the fast step
+      // search kept an unmet step); it decodes as written, and is encoded anew within target.
+      if (c.p == Profile::kFast && c.t == 0.173 && b == 0) {
+        EXPECT_NE(e->bytes, items[k]);
+        ASSERT_TRUE(DecodeBlock(e->bytes, absl::MakeSpan(out), ctx).ok());
+        for (int layer = 0; layer < static_cast<int>(g.num_layers); ++layer) {
+          EXPECT_LE(RelRms(g, gen.real.blocks[b], out, 0, layer), c.t * (1 + 1e-6)) << layer;
+          EXPECT_LE(RelRms(g, gen.real.blocks[b], out, 1, layer), c.t * (1 + 1e-6)) << layer;
+        }
+        continue;
+      }
       EXPECT_EQ(e->bytes, items[k]) << "block " << b;
     }
   }

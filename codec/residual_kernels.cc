@@ -1,6 +1,7 @@
 #include "codec/residual_kernels.h"
 
 #include <cmath>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "codec/fast_residual.h"
@@ -42,6 +43,17 @@ void DetCosSin(double a, double* c, double* s) {  // |a| <= 1: Taylor series
 }
 
 float Bf16Round(float f) { return Bf16ToFloat(FloatToBf16(f)); }
+
+float Bf16Ceil(float f) {
+  float r = Bf16Round(f);
+  if (r < f) {  // the next bf16 up (f > 0)
+    uint32_t b;
+    std::memcpy(&b, &r, 4);
+    b += 0x10000;
+    std::memcpy(&r, &b, 4);
+  }
+  return r;
+}
 float TokenScale(int code) { return std::exp2(-static_cast<float>(code) / 4.0f); }
 float GroupScale(int code) {
   const int e = code >= 0 ? code / 2 : -((1 - code) / 2);  // floor(code / 2)

@@ -45,6 +45,8 @@ struct Dims {
 // bf16 rounding of a step; the step scale 2^(-code / 4) of a token; whether a predictor reads a
 // context block or channel means.
 float Bf16Round(float f);
+// The smallest bf16 value >= f (f > 0 and finite).
+float Bf16Ceil(float f);
 float TokenScale(int code);
 // The step scale 2^(code / 2) of a step group (StepGroups::kChannelKeysTokenValues), code in
 // [kMinGroupCode, kMaxGroupCode]: exact powers of two (ldexp) and sqrt(2) times them, so encoder
