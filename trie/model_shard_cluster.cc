@@ -116,7 +116,7 @@ void ModelShard::ClusterViewLocked(const TrieNode& node, NodeView* view) {
   }
 }
 
-absl::Status ModelShard::ReleaseDependentsLocked(uint64_t node_id) {
+absl::Status ModelShard::ReleaseDependentsLocked(uint64_t node_id, DeleteSummary* summary) {
   // Dependents outside node_id's subtree of any node inside it, parents first.
   std::vector<uint64_t> outside;
   BlockGeometry g;
@@ -139,7 +139,9 @@ absl::Status ModelShard::ReleaseDependentsLocked(uint64_t node_id) {
   for (uint64_t d : outside) {
     // Store the dependent's exact current reconstruction bit-exact and standalone: every value a
     // reader gets (and every descendant's prediction context) stays the same, so the error
-    // target it met still holds and nothing below it needs re-encoding.
+    // target it met still holds and nothing below it needs re-encoding. The learned state it was
+    // coded against loses a dependent only once the new encoding is published, and stays while
+    // a reader that listed the old encoding holds it (PredictorRegistry::Hold).
     std::vector<uint8_t> recon(g.num_bytes());
     std::vector<Corrupt> corrupt;
     absl::Status s = ReconstructInternal(d, absl::MakeSpan(recon), &corrupt);
@@ -148,13 +150,21 @@ absl::Status ModelShard::ReleaseDependentsLocked(uint64_t node_id) {
     if (!s.ok()) return s;
     absl::StatusOr<EncodedBlock> e = EncodeBlock(g, recon, {.encoding = Encoding::kLossless});
     if (!e.ok()) return e.status();
-    if (auto st = ReplaceEncodingLocked(d, *e, Encoding::kLossless); !st.ok()) return st;
+    uint64_t replaced = 0;
+    if (auto st = ReplaceEncodingLocked(d, *e, Encoding::kLossless, &replaced); !st.ok()) {
+      return st;
+    }
+    if (replaced == 0) continue;  // deleted meanwhile
+    summary->bytes_freed += replaced;
+    summary->bytes_rewritten += e->bytes.size();
+    ++summary->nodes_rewritten;
   }
   return absl::OkStatus();
 }
 
 absl::Status ModelShard::ReplaceEncodingLocked(uint64_t node_id, const EncodedBlock& encoded,
-                                               Encoding encoding) {
+                                               Encoding encoding, uint64_t* replaced_bytes) {
+  *replaced_bytes = 0;
   RecordBatch batch(context_->records);
   {
     absl::MutexLock lock(&mu_);
@@ -175,6 +185,7 @@ absl::Status ModelShard::ReplaceEncodingLocked(uint64_t node_id, const EncodedBl
   absl::MutexLock lock(&mu_);
   TrieNode* n = trie_->Find(node_id);  // write_mu_: still there
   const uint64_t old_centroid = n->reference_node_id;
+  *replaced_bytes = n->bytes_stored;
   clusters_.Remove(*n);
   CountNodeLocked(*n, -1);
   n->bytes_stored = encoded.bytes.size();

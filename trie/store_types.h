@@ -113,11 +113,25 @@ struct BlockRead {
   // Set when the payload was cold at Get time: the RocksDB view in which it is read, so a
   // concurrent eviction cannot take it away mid-stream.
   std::shared_ptr<const ReadSnapshot> snapshot;
+  // Keeps predictor_version readable (not freed) while this read, or a copy of it, exists — also
+  // when a Delete re-encodes the block meanwhile (PredictorRegistry::Hold). Null when none.
+  std::shared_ptr<const void> predictor_hold;
 };
 
 struct GetResult {
   ModelInfo model;
   std::vector<BlockRead> blocks;
+};
+
+// What a Delete did. The store's payload bytes changed by bytes_freed - bytes_rewritten (negative
+// when re-encoding the near-duplicates that were coded against the deleted blocks made it grow).
+struct DeleteSummary {
+  uint64_t nodes_deleted = 0;
+  // Payload bytes removed: the deleted blocks' and the replaced encodings of the near-duplicates
+  // outside the prefix that were re-encoded because they were coded against a deleted block.
+  uint64_t bytes_freed = 0;
+  uint64_t bytes_rewritten = 0;  // payload bytes written for those re-encoded near-duplicates
+  uint64_t nodes_rewritten = 0;  // how many were re-encoded
 };
 
 enum class BlockOutcome { kStored, kDeduplicated, kResidualOfCentroid };
