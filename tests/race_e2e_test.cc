@@ -110,7 +110,7 @@ class RaceEndToEnd : public ::testing::Test {
 };
 
 TEST_F(RaceEndToEnd, GetsRacingTheDeleteOfTheCentroidsNeverLoseTheMembers) {
-  for (int cycle = 0; cycle < 4; ++cycle) {
+  for (int cycle = 0; cycle < 8; ++cycle) {
     SCOPED_TRACE("cycle " + std::to_string(cycle));
     const std::string ns = "c" + std::to_string(cycle);
     auto client = NewClient(ns);
