@@ -267,6 +267,11 @@ TEST_F(CentroidRaceTest, DeleteReportsFreedAndRewrittenBytesThatMatchTheStats) {
       static_cast<int64_t>(deleted->bytes_freed) - static_cast<int64_t>(deleted->bytes_rewritten))
       << "stored " << before.bytes_stored << " -> " << after.bytes_stored << ", freed "
       << deleted->bytes_freed << ", rewritten " << deleted->bytes_rewritten;
+  RecordProperty("bytes_stored_before", std::to_string(before.bytes_stored));
+  RecordProperty("bytes_stored_after", std::to_string(after.bytes_stored));
+  RecordProperty("bytes_freed", std::to_string(deleted->bytes_freed));
+  RecordProperty("bytes_rewritten", std::to_string(deleted->bytes_rewritten));
+  RecordProperty("nodes_rewritten", std::to_string(deleted->nodes_rewritten));
   EXPECT_EQ(
       static_cast<int64_t>(before.disk_bytes) - static_cast<int64_t>(after.disk_bytes),
       static_cast<int64_t>(deleted->bytes_freed) - static_cast<int64_t>(deleted->bytes_rewritten));
