@@ -382,8 +382,8 @@ absl::Status ModelShard::ReadAndDecodeInternal(const BlockRead& block, DecodeCha
     absl::Status s = ReconstructInternal(ref_id, absl::MakeSpan(reference), corrupt);
     if (!s.ok()) {
       // The centroid (or what it is decoded from) failed its own check: it is dropped, and this
-      // block, which can not be decoded without it, is DATA_LOSS but kept (ADR: only bytes that
-      // fail their own check are dropped). A centroid dropped so earlier counts the same.
+      // block, which can not be decoded without it, is DATA_LOSS but kept (only bytes that fail
+      // their own check are dropped). A centroid dropped so earlier counts the same.
       bool lost = corrupt->size() > corrupt_before || absl::IsDataLoss(s);
       {
         absl::MutexLock lock(&mu_);
