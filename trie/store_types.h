@@ -243,9 +243,9 @@ struct StoreStats {
   uint64_t puts_rejected_disk_full = 0;  // RESOURCE_EXHAUSTED: pins hold the disk budget
   ClusterStats cluster;  // near-duplicate clusters and the surprisal / distance histograms
   // Learned predictor states (trie/predictor_registry.h), over the models counted.
-  uint64_t predictor_versions = 0;        // versions kept (each has dependents, or is the latest)
-  uint64_t predictor_state_bytes = 0;     // their serialized bytes (on disk)
-  uint64_t predictor_memory_bytes = 0;    // their in-memory bytes plus the learners'
+  uint64_t predictor_versions = 0;      // versions kept (with dependents or readers, or the latest)
+  uint64_t predictor_state_bytes = 0;   // their serialized bytes (on disk)
+  uint64_t predictor_memory_bytes = 0;  // their in-memory bytes plus the learners'
   uint64_t predictor_tokens_learned = 0;  // tokens the latest versions were fitted on
   uint64_t blocks_on_learned = 0;         // stored blocks coded against a learned state
   // Since start.
