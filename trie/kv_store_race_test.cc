@@ -284,8 +284,9 @@ TEST_F(CentroidRaceTest, DeleteReportsFreedAndRewrittenBytesThatMatchTheStats) {
 }
 
 // Row 8: a Get whose own blocks are deleted while it streams reads its snapshot to the end and
-// ends OK — also when the Delete frees the learned state those blocks were coded against, and
-// with every payload cold (read in the Get's RocksDB snapshot).
+// ends OK — also when the Delete leaves the learned state those blocks were coded against without
+// dependents (it stays, fetchable with GetPredictor, until the Get ends), and with every payload
+// cold (read in the Get's RocksDB snapshot).
 TEST_F(RaceTest, AGetWhoseOwnBlocksAreDeletedServesItsSnapshot) {
   const KvDump &genesis = dumps_[2], &gpl = dumps_[3];
   ASSERT_NO_FATAL_FAILURE(Put(gpl, Encoding::kResidual));      // no state yet; version 1 after
@@ -313,10 +314,14 @@ TEST_F(RaceTest, AGetWhoseOwnBlocksAreDeletedServesItsSnapshot) {
     EXPECT_TRUE(have[i] == want[i]) << "block " << i;
   }
   EXPECT_EQ(store_->Stats("ns").evictions_data_loss, 0u);
+  // A RESIDUAL Get's client fetches the state its blocks name while the stream is open.
+  auto state = store_->GetPredictor("ns", genesis.model_id, 1);
+  EXPECT_TRUE(state.ok()) << state.status();
   listed = GetResult{};  // the Get ends: version 1 is freed (by the next read)
   List(gpl);
   KvStoreTestPeer::DrainLearning(store_.get());
   EXPECT_EQ(VersionsKept(), (std::vector<uint32_t>{2}));
+  EXPECT_TRUE(absl::IsNotFound(store_->GetPredictor("ns", genesis.model_id, 1).status()));
 }
 
 // The rule: a read that finds an inconsistency (here a block that names a learned state the store
