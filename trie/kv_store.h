@@ -32,8 +32,9 @@
 //
 // Snapshot reads. A Get reads what it matched when it started, like a RocksDB snapshot iterator:
 // its blocks are read from their hot copies or from a RocksDB snapshot taken then, and it holds
-// the learned states they name, so a Delete, an eviction or a re-encode after it started does
-// not change what it returns.
+// the learned states they name and (RetiredReferences, trie/model_shard.h) the reconstructions of
+// the centroids a Delete removes meanwhile, so a Delete, an eviction or a re-encode after it
+// started does not change what it returns.
 //
 // Tiers. Payloads are written through: every acknowledged block is in RocksDB, and the hot tier
 // is a bounded in-memory copy (memory_bytes, never exceeded). Past disk_bytes the lowest-GDSF

@@ -380,6 +380,12 @@ absl::Status ModelShard::ReadAndDecodeInternal(const BlockRead& block, DecodeCha
     std::vector<uint8_t> reference(out.size());
     const size_t corrupt_before = corrupt->size();
     absl::Status s = ReconstructInternal(ref_id, absl::MakeSpan(reference), corrupt);
+    if (absl::IsAborted(s) && block.retired != nullptr) {  // deleted after the block was listed
+      if (const std::vector<uint8_t>* kept = block.retired->Find(ref_id)) {
+        chain->AddReference(ref_id, *kept);
+        continue;
+      }
+    }
     if (!s.ok()) {
       // The centroid (or what it is decoded from) failed its own check: it is dropped, and this
       // block, which can not be decoded without it, is DATA_LOSS but kept (only bytes that fail

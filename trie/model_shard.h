@@ -49,6 +49,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/container/node_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -67,6 +68,32 @@ namespace kvtrie {
 // INVALID_ARGUMENT naming the first field of `request` that differs from the `stored` model.
 absl::Status CheckSameModel(const std::string& ns, const ModelInfo& stored,
                             const ModelInfo& request);
+
+// The reconstructions of the centroids (and their parents) that a Delete removed while reads that
+// listed blocks coded against them were alive: one object per shard epoch. A read listed now holds
+// the current one (BlockRead::retired); a Delete that removes centroids while it is held puts
+// their reconstructions in it before the removal and then starts a new one, so they are freed
+// with the last read that may need them (as RocksDB keeps a Version while an iterator holds it).
+struct RetiredReferences {
+  void Add(uint64_t node_id, std::vector<uint8_t> block) {
+    absl::MutexLock lock(&mu);
+    blocks.emplace(node_id, std::move(block));
+  }
+  // The reconstruction of `node_id`, or null.
+  const std::vector<uint8_t>* Find(uint64_t node_id) {
+    absl::MutexLock lock(&mu);
+    auto it = blocks.find(node_id);
+    return it == blocks.end() ? nullptr : &it->second;  // never erased while the object lives
+  }
+  bool empty() {
+    absl::MutexLock lock(&mu);
+    return blocks.empty();
+  }
+
+  absl::Mutex mu;
+  // node id -> its reconstruction; node_hash_map: a found block stays where it is.
+  absl::node_hash_map<uint64_t, std::vector<uint8_t>> blocks ABSL_GUARDED_BY(mu);
+};
 
 // What every shard of a store shares.
 struct ShardContext {
@@ -240,6 +267,10 @@ class ModelShard {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
   // Near-duplicates (model_shard_cluster.cc): re-encodes, bit-exact and standalone, every block
   // outside node_id's subtree coded against a node inside it, so the subtree can go.
+  // Before a Delete removes node_id's subtree: when reads hold the current RetiredReferences,
+  // puts in it the reconstructions of the subtree's centroids (and of their parents inside it).
+  // Returns whether it added any (the Delete then starts a new epoch once the subtree is gone).
+  bool RetireReferencesLocked(uint64_t node_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
   // Counts the bytes replaced and written in *summary.
   absl::Status ReleaseDependentsLocked(uint64_t node_id, DeleteSummary* summary)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
@@ -281,6 +312,9 @@ class ModelShard {
   // Learned predictor states (its own lock); replaced only when the first commit changes the
   // geometry of a model that had none on disk.
   std::shared_ptr<PredictorRegistry> predictors_ ABSL_GUARDED_BY(mu_);
+  // The current epoch of centroids retired for the reads listed in it (RetiredReferences).
+  std::shared_ptr<RetiredReferences> retired_ ABSL_GUARDED_BY(mu_) =
+      std::make_shared<RetiredReferences>();
   // Centroids dropped because their payload failed its checksum: their members are DATA_LOSS.
   absl::flat_hash_set<uint64_t> corrupt_centroids_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;

@@ -116,6 +116,38 @@ void ModelShard::ClusterViewLocked(const TrieNode& node, NodeView* view) {
   }
 }
 
+bool ModelShard::RetireReferencesLocked(uint64_t node_id) {
+  std::vector<uint64_t> ids;
+  std::shared_ptr<RetiredReferences> epoch;
+  BlockGeometry g;
+  {
+    absl::MutexLock lock(&mu_);
+    TrieNode* root = FindLive(node_id);
+    // Only reads listed in this epoch can need them; none holds it (but this shard): nothing to do.
+    if (root == nullptr || retired_.use_count() <= 1) return false;
+    epoch = retired_;
+    g = model_.geometry;
+    for (TrieNode* n : SubtreeLocked(root)) {
+      if (!clusters_.HasDependents(n->id)) continue;
+      ids.push_back(n->id);
+      // A member coded against it at a position offset also needs its parent (reference_shift.h);
+      // the root's parent stays.
+      if (n != root && n->parent != nullptr) ids.push_back(n->parent->id);
+    }
+  }
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  bool added = false;
+  for (uint64_t id : ids) {
+    std::vector<uint8_t> block(g.num_bytes());
+    std::vector<Corrupt> corrupt;  // the subtree goes anyway: nothing to drop
+    if (!ReconstructInternal(id, absl::MakeSpan(block), &corrupt).ok()) continue;
+    epoch->Add(id, std::move(block));
+    added = true;
+  }
+  return added;
+}
+
 absl::Status ModelShard::ReleaseDependentsLocked(uint64_t node_id, DeleteSummary* summary) {
   // Dependents outside node_id's subtree of any node inside it, parents first.
   std::vector<uint64_t> outside;

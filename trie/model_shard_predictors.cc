@@ -46,6 +46,7 @@ BlockRead ModelShard::ListLocked(const TrieNode& n, const BlockRead* previous,
   r.encoded = context_->tiers->HotCopy(Ref(n.id));
   r.encoding = n.encoding;
   r.reference_node_id = n.reference_node_id;
+  if (n.reference_node_id != 0) r.retired = retired_;
   if (!r.encoded) {
     if (!*snapshot) *snapshot = context_->records->Snapshot();
     r.snapshot = *snapshot;

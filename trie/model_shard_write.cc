@@ -235,6 +235,12 @@ absl::StatusOr<DeleteSummary> ModelShard::Delete(absl::Span<const uint32_t> toke
     }
     id = path.back()->id;
   }
+  // Reads listed before keep what they may need of the centroids that go (RetiredReferences).
+  auto new_epoch = absl::MakeCleanup([this, retired = RetireReferencesLocked(id)] {
+    if (!retired) return;  // else the retired blocks go with the last read listed before
+    absl::MutexLock lock(&mu_);
+    retired_ = std::make_shared<RetiredReferences>();
+  });
   // Near-duplicates coded against a node of the subtree are re-encoded first. Only writers add
   // dependents, and write_mu_ keeps them out until the subtree is gone.
   DeleteSummary summary;

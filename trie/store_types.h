@@ -96,6 +96,8 @@ struct MatchResult {
 
 // A RocksDB snapshot (trie/record_store.h); opaque outside the record store.
 struct ReadSnapshot;
+// Centroids deleted after a read was listed, kept for it (trie/model_shard.h).
+struct RetiredReferences;
 
 // A block of a Get, in order from the root.
 struct BlockRead {
@@ -116,6 +118,9 @@ struct BlockRead {
   // Keeps predictor_version readable (not freed) while this read, or a copy of it, exists — also
   // when a Delete re-encodes the block meanwhile (PredictorRegistry::Hold). Null when none.
   std::shared_ptr<const void> predictor_hold;
+  // For a block coded against a centroid: the reconstructions of the centroids a Delete removed
+  // after this read was listed, so the block still decodes as listed. Null otherwise.
+  std::shared_ptr<RetiredReferences> retired;
 };
 
 struct GetResult {
