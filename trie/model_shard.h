@@ -95,6 +95,10 @@ struct RetiredReferences {
   absl::node_hash_map<uint64_t, std::vector<uint8_t>> blocks ABSL_GUARDED_BY(mu);
 };
 
+// The reconstructions one Delete keeps at most (dense bytes): past it, the blocks coded against the
+// other centroids are listed again (ABORTED, the service retries) and end ABORTED if they went too.
+inline constexpr uint64_t kMaxRetiredBytes = 64ull << 20;
+
 // What every shard of a store shares.
 struct ShardContext {
   const StoreOptions* options = nullptr;

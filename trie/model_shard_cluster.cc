@@ -137,6 +137,8 @@ bool ModelShard::RetireReferencesLocked(uint64_t node_id) {
   }
   std::sort(ids.begin(), ids.end());
   ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  // Bounded: dense blocks held by slow readers must not take the memory a budget promises.
+  ids.resize(std::min<size_t>(ids.size(), kMaxRetiredBytes / std::max<size_t>(g.num_bytes(), 1)));
   bool added = false;
   for (uint64_t id : ids) {
     std::vector<uint8_t> block(g.num_bytes());
