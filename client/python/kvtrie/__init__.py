@@ -523,7 +523,9 @@ class Client:
     def delete(self, tokens: TokenIds) -> dict:
         """Deletes the stored prefix ``tokens``' last block and its subtree.
 
-        Returns ``{"nodes_deleted": n, "bytes_freed": b}``. Raises NotFoundError if not stored.
+        Returns ``{"nodes_deleted": n, "bytes_freed": b, "bytes_rewritten": r}``: near-duplicates
+        coded against the prefix are re-encoded first, so the store changes by ``b - r`` bytes.
+        Raises NotFoundError if not stored.
         """
         return self._c.delete(_tokens(tokens))
 
