@@ -42,6 +42,7 @@ PutStream::PutStream(Client* client, std::vector<v1::PutRequest> header, const B
 PutStream::~PutStream() { Cancel(); }
 
 bool PutStream::Open() {
+  writer_.reset();  // a finished call, before its context
   ctx_ = client_->NewContext();
   resp_.Clear();
   writer_ = client_->stub()->Put(ctx_.get(), &resp_);

@@ -273,10 +273,16 @@ class PyClient {
     o.tls_key_pem = key_pem;
     o.tls_server_name = server_name;
     o.timeout = absl::Milliseconds(timeout_s * 1000);
-    o.retry.max_attempts = retry_attempts;
-    if (!(retry_initial_backoff_s >= 0) || !(retry_max_backoff_s >= 0)) {
-      InvalidArgument("retry_initial_backoff: backoffs must be >= 0 seconds");
+    if (retry_attempts < 1) {
+      InvalidArgument(
+          absl::StrCat("retry_attempts: ", retry_attempts, " (must be >= 1; 1 = never retry)"));
     }
+    if (!(retry_initial_backoff_s >= 0) || !(retry_max_backoff_s >= retry_initial_backoff_s)) {
+      InvalidArgument(absl::StrCat("retry_max_backoff: ", retry_max_backoff_s,
+                                   " s must be >= retry_initial_backoff ", retry_initial_backoff_s,
+                                   " s >= 0"));
+    }
+    o.retry.max_attempts = retry_attempts;
     o.retry.initial_backoff = absl::Milliseconds(retry_initial_backoff_s * 1000);
     o.retry.max_backoff = absl::Milliseconds(retry_max_backoff_s * 1000);
     Check(ValidateRetryPolicy(o.retry));
