@@ -176,30 +176,13 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
   for (size_t h = 0; h < n.H; ++h) {
     const float* xh = x + h * he;
     float* m = pc->means.data() + h * D;
-    for (size_t t = 0; t < n.T; ++t)
-      for (size_t d = 0; d < D; ++d) m[d] += xh[t * D + d];
+    ChannelSums(xh, n.T, D, m);
     for (size_t d = 0; d < D; ++d) m[d] = HalfToFloat(FloatToHalf(m[d] / n.T));
-    // Per-channel partial sums (the inner loop vectorizes), then their total.
+    // Per-channel partial sums (vectorized, the same floats as the scalar order), then totals.
     float* acc = s->l1.data();  // [5][D]
-    std::fill(acc, acc + 5 * D, 0.0f);
-    for (size_t t = 0; t < n.T; ++t) {
-      const float* row = xh + t * D;
-      const float* prev = t ? row - D : s->zeros.data();
-      for (size_t d = 0; d < D; ++d) {
-        acc[d] += std::fabs(row[d]);
-        acc[D + d] += std::fabs(row[d] - m[d]);
-        acc[2 * D + d] += std::fabs(row[d] - prev[d]);
-      }
-    }
+    HeadL1(xh, m, pc->learned ? pc->learned + h * he : nullptr,
+           pc->linear ? pc->linear + h * he : nullptr, n.T, D, acc);
     const int num_preds = pc->linear ? 5 : pc->learned ? 4 : 3;
-    if (pc->learned) {
-      const float* lh = pc->learned + h * he;
-      for (size_t i = 0; i < he; ++i) acc[3 * D + i % D] += std::fabs(xh[i] - lh[i]);
-    }
-    if (pc->linear) {
-      const float* lh = pc->linear + h * he;
-      for (size_t i = 0; i < he; ++i) acc[4 * D + i % D] += std::fabs(xh[i] - lh[i]);
-    }
     double l1[5] = {0, 0, 0, 0, 0};
     for (int p = 0; p < num_preds; ++p)
       for (size_t d = 0; d < D; ++d) l1[p] += acc[p * D + d];
@@ -360,21 +343,25 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   s.zero_head.assign(n.head_elems(), 0.0f);
   s.qf.resize(n.head_elems());
   // The learned token-mean prediction of the whole block, when eligible.
-  std::vector<float> learned;
+  // (Per-thread buffers: the recursive call below for the block without codes 4 and the KLT
+  // rewrites them with the same prediction, after the last use here.)
+  std::vector<float> learned_local, residual_local;
+  float* learned = nullptr;
   if (context.learned != nullptr && context.tokens.size() == n.T &&
       (o.predictors & (1u << static_cast<int>(Predictor::kTokenMean)))) {
     if (auto st = CheckLearnedGeometry(*context.learned, g); !st.ok()) return st;
-    learned.resize(g.num_elements());
+    learned = Reused(kSlotEncLearned, g.num_elements(), &learned_local);
     context.learned->Predict(context.tokens, context.first_position, context.previous_token,
-                             learned.data());
+                             learned);
   }
   // The cross-layer linear candidate (closed loop: from the planes' reconstructions, as decoded).
   const bool linear_ok =
-      !learned.empty() && (o.predictors & (1u << static_cast<int>(Predictor::kTokenMeanLinear)));
-  const bool klt_ok = !learned.empty() && o.klt;
-  std::vector<float> residual, linear;  // [planes][pe]: reconstruction - learned; [pe]
+      learned != nullptr && (o.predictors & (1u << static_cast<int>(Predictor::kTokenMeanLinear)));
+  const bool klt_ok = learned != nullptr && o.klt;
+  float* residual = nullptr;  // [planes][pe]: reconstruction - learned
+  std::vector<float> linear;  // [pe]
   if (linear_ok) {
-    residual.resize(g.num_elements());
+    residual = Reused(kSlotEncResidual, g.num_elements(), &residual_local);
     linear.resize(pe);
   }
   out->uses_learned = false;
@@ -410,14 +397,13 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
     ToFloat(g.dtype, kv.data() + pl * pe * eb, pe, s.x.data());
     if (AnyNonFinite(s.x.data(), pe))
       return absl::FailedPreconditionError("kv: NaN or infinity (FAST profile)");
-    pc.learned = learned.empty() ? nullptr : learned.data() + pl * pe;
+    pc.learned = learned == nullptr ? nullptr : learned + pl * pe;
     pc.linear = nullptr;
     pc.klt = klt_ok ? context.learned->Klt(pl) : nullptr;
     if (linear_ok && context.learned->HasLinear(pl)) {
       std::memcpy(linear.data(), pc.learned, pe * sizeof(float));
-      context.learned->PredictLinear(
-          pl, context.first_position, n.T, residual.data() + (pl - 1) * pe,
-          pl >= 2 ? residual.data() + (pl - 2) * pe : nullptr, linear.data());
+      context.learned->PredictLinear(pl, context.first_position, n.T, residual + (pl - 1) * pe,
+                                     pl >= 2 ? residual + (pl - 2) * pe : nullptr, linear.data());
       pc.linear = linear.data();
     }
     EncodePlane(n, g.dtype, s.x.data(), o.target_rel_rms,
@@ -445,7 +431,7 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
         }
         FromFloat(g.dtype, rec.data(), he, s.dt.data());
         ToFloat(g.dtype, s.dt.data(), he, rec.data());
-        float* r = residual.data() + pl * pe + h * he;
+        float* r = residual + pl * pe + h * he;
         const float* m = pc.learned + h * he;
         for (size_t i = 0; i < he; ++i) r[i] = rec[i] - m[i];
       }

@@ -238,11 +238,12 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
     means[i] =
         HalfToFloat(static_cast<uint8_t>(in[2 * i]) | (static_cast<uint8_t>(in[2 * i + 1]) << 8));
   }
-  std::vector<float> learned;
+  std::vector<float> learned_local;  // per-thread buffer (fast_residual_kernels.h Reused)
+  float* learned = nullptr;
   if (uses_learned) {
-    learned.resize(g.num_elements());
+    learned = Reused(kSlotDecLearned, g.num_elements(), &learned_local);
     context.learned->Predict(context.tokens, context.first_position, context.previous_token,
-                             learned.data());
+                             learned);
   }
   // Payload.
   const size_t ns = nc == 0 ? 0 : lo.num_segments(nc);
@@ -281,7 +282,7 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
     bool lin = false;
     for (size_t h = 0; h < n.H; ++h) lin |= preds[pi.preds + h] == kPredLinear;
     if (lin) {
-      std::memcpy(linear.data(), learned.data() + pl * pe, pe * sizeof(float));
+      std::memcpy(linear.data(), learned + pl * pe, pe * sizeof(float));
       context.learned->PredictLinear(
           pl, context.first_position, n.T, residual.data() + (pl - 1) * pe,
           pl >= 2 ? residual.data() + (pl - 2) * pe : nullptr, linear.data());
@@ -289,7 +290,7 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
     for (size_t h = 0; h < n.H; ++h) {
       const uint8_t pr = preds[pi.preds + h];
       const float* m = pr == kPredMean     ? means.data() + (mean_i++) * n.D
-                       : pr == kPredToken  ? learned.data() + pl * pe + h * he
+                       : pr == kPredToken  ? learned + pl * pe + h * he
                        : pr == kPredLinear ? linear.data() + h * he
                                            : zeros.data();
       if (klt_plane[pl] && pr >= kPredToken) {
@@ -303,7 +304,7 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
       if (!uses_linear) continue;
       ToFloat(g.dtype, o, he, rec.data());
       float* r = residual.data() + pl * pe + h * he;
-      const float* lm = learned.data() + pl * pe + h * he;
+      const float* lm = learned + pl * pe + h * he;
       for (size_t i = 0; i < he; ++i) r[i] = rec[i] - lm[i];
     }
   };

@@ -124,6 +124,84 @@ double SumSquares(const float* a, const float* b, size_t n, float* max_abs) {
   return SumSquaresScalar(a, b, n, max_abs);
 }
 
+namespace {
+// Scalar: the reference order (per channel, tokens ascending).
+void ChannelSumsScalar(const float* x, size_t T, size_t D, float* sum) {
+  for (size_t t = 0; t < T; ++t)
+    for (size_t d = 0; d < D; ++d) sum[d] += x[t * D + d];
+}
+void HeadL1Scalar(const float* x, const float* mean, const float* learned, const float* linear,
+                  size_t T, size_t D, float* acc) {
+  std::fill(acc, acc + 5 * D, 0.0f);
+  for (size_t t = 0; t < T; ++t) {
+    const float* row = x + t * D;
+    for (size_t d = 0; d < D; ++d) {
+      acc[d] += std::fabs(row[d]);
+      acc[D + d] += std::fabs(row[d] - mean[d]);
+      acc[2 * D + d] += std::fabs(t ? row[d] - row[d - D] : row[d] - 0.0f);
+      if (learned) acc[3 * D + d] += std::fabs(row[d] - learned[t * D + d]);
+      if (linear) acc[4 * D + d] += std::fabs(row[d] - linear[t * D + d]);
+    }
+  }
+}
+
+#ifdef KVTRIE_FAST_AVX2
+__attribute__((target("avx2"))) void ChannelSumsAvx2(const float* x, size_t T, size_t D,
+                                                     float* sum) {
+  for (size_t d = 0; d < D; d += 8) {
+    __m256 a = _mm256_loadu_ps(sum + d);
+    for (size_t t = 0; t < T; ++t) a = _mm256_add_ps(a, _mm256_loadu_ps(x + t * D + d));
+    _mm256_storeu_ps(sum + d, a);
+  }
+}
+// REQUIRES: D % 8 == 0. Registers hold 8 channels of the five sums over every token.
+__attribute__((target("avx2"))) void HeadL1Avx2(const float* x, const float* mean,
+                                                const float* learned, const float* linear, size_t T,
+                                                size_t D, float* acc) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (size_t d = 0; d < D; d += 8) {
+    const __m256 m = _mm256_loadu_ps(mean + d);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, prev = a0;
+    for (size_t t = 0; t < T; ++t) {
+      const __m256 v = _mm256_loadu_ps(x + t * D + d);
+      a0 = _mm256_add_ps(a0, _mm256_andnot_ps(sign, v));
+      a1 = _mm256_add_ps(a1, _mm256_andnot_ps(sign, _mm256_sub_ps(v, m)));
+      a2 = _mm256_add_ps(a2, _mm256_andnot_ps(sign, _mm256_sub_ps(v, prev)));
+      prev = v;
+      if (learned) {
+        const __m256 e = _mm256_sub_ps(v, _mm256_loadu_ps(learned + t * D + d));
+        a3 = _mm256_add_ps(a3, _mm256_andnot_ps(sign, e));
+      }
+      if (linear) {
+        const __m256 e = _mm256_sub_ps(v, _mm256_loadu_ps(linear + t * D + d));
+        a4 = _mm256_add_ps(a4, _mm256_andnot_ps(sign, e));
+      }
+    }
+    _mm256_storeu_ps(acc + d, a0);
+    _mm256_storeu_ps(acc + D + d, a1);
+    _mm256_storeu_ps(acc + 2 * D + d, a2);
+    _mm256_storeu_ps(acc + 3 * D + d, a3);
+    _mm256_storeu_ps(acc + 4 * D + d, a4);
+  }
+}
+#endif
+}  // namespace
+
+void ChannelSums(const float* x, size_t T, size_t D, float* sum) {
+#ifdef KVTRIE_FAST_AVX2
+  if (D % 8 == 0 && irans::HasAvx2()) return ChannelSumsAvx2(x, T, D, sum);
+#endif
+  ChannelSumsScalar(x, T, D, sum);
+}
+
+void HeadL1(const float* x, const float* mean, const float* learned, const float* linear, size_t T,
+            size_t D, float* acc) {
+#ifdef KVTRIE_FAST_AVX2
+  if (D % 8 == 0 && irans::HasAvx2()) return HeadL1Avx2(x, mean, learned, linear, T, D, acc);
+#endif
+  HeadL1Scalar(x, mean, learned, linear, T, D, acc);
+}
+
 // Closed-loop quantization of one head [T][D] with predictor `pred`.
 void QuantizeHead(const float* x, size_t T, size_t D, uint8_t pred, const float* mean,
                   const float* zeros, float step, float dz, int32_t* q, float* rec) {

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "codec/rans_interleaved.h"
 
@@ -22,6 +23,31 @@ namespace fast {
 // buckets, two per octave (bucket b holds 2^(b / 2 + 1) values from kBucketBase[b]), coded as the
 // bucket's symbol kDirect + b and b / 2 + 1 raw bits (the offset in the bucket) in the plane's
 // bit stream, as DEFLATE's length codes.
+// Per-thread scratch of `n` floats (or bytes) that outlives the call: no allocation, zeroing
+// or page faults per block. `slot` names the buffer (each caller its own, see kSlot*); contents
+// are unspecified on entry. Buffers of more than kMaxReused bytes are not kept (returned as a
+// fresh vector in `local`, which must outlive the use). Not reentrant per slot.
+enum ReusedSlot {
+  kSlotEncLearned,
+  kSlotEncResidual,
+  kSlotDecLearned,
+  kSlotDecQ,
+  kSlotDecResidual,
+  kNumSlots
+};
+inline constexpr size_t kMaxReused = 64u << 20;
+template <typename T>
+T* Reused(ReusedSlot slot, size_t n, std::vector<T>* local) {
+  if (n * sizeof(T) > kMaxReused) {
+    local->resize(n);
+    return local->data();
+  }
+  thread_local std::vector<T> kept[kNumSlots];
+  std::vector<T>& v = kept[slot];
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
 constexpr int kDirect = 12;
 constexpr int kBuckets = irans::kMaxSymbols - kDirect;  // 20
 constexpr int BucketBits(int b) { return b / 2 + 1; }
@@ -92,6 +118,16 @@ void EncodeBuckets(const int32_t* q, size_t n, uint8_t* sym, uint32_t* counts, B
 bool AnyNonFinite(const float* x, size_t n);
 // Sum of squares in double and the largest magnitude: of a[i] (b == nullptr) or a[i] - b[i].
 double SumSquares(const float* a, const float* b, size_t n, float* max_abs);
+// The encoder's per-channel L1 sums of head x [T][D] for the predictor choice: sum[d] += x[t][d]
+// (the channel sums, for the means), acc[0][d] = sum |x|, acc[1][d] = sum |x - mean|,
+// acc[2][d] = sum |x - x of the previous token| (token 0 against 0), acc[3][d] = sum
+// |x - learned| and acc[4][d] = sum |x - linear| (learned, linear [T][D] or null: the row is
+// left alone). `acc` is [5][D], overwritten; every channel sums its tokens in order, so the
+// AVX2 and scalar versions give the same floats. ChannelSums adds the column sums into sum.
+void ChannelSums(const float* x, size_t T, size_t D, float* sum);
+void HeadL1(const float* x, const float* mean, const float* learned, const float* linear, size_t T,
+            size_t D, float* acc);
+
 // Closed-loop quantization of one head [T][D] with predictor `pred` (kPred*): q and x'.
 void QuantizeHead(const float* x, size_t T, size_t D, uint8_t pred, const float* mean,
                   const float* zeros, float step, float dz, int32_t* q, float* rec);
