@@ -414,10 +414,10 @@ void PrintLearnedSpeed(const std::string& dir, size_t nblocks, int repeats, doub
   }
   std::printf(
       "\n## Throughput with a learned state: %zu Llama-3-8B-shaped blocks tiled from "
-      "genesis_1-3 (state learned on the other dumps, %llu tokens, fit %.1f s); target %.2f; "
-      "%d repeats, median [min-max]\n\n",
-      nblocks, static_cast<unsigned long long>((*learner)->tokens_observed()), fit_s, target,
-      repeats);
+      "genesis_1-3 (state learned on the other dumps, %llu tokens, fit %.1f s, linear %zu KB, "
+      "KLT %zu KB); target %.2f; %d repeats, median [min-max]\n\n",
+      nblocks, static_cast<unsigned long long>((*learner)->tokens_observed()), fit_s,
+      (*state)->linear_bytes() / 1024, (*state)->klt_bytes() / 1024, target, repeats);
   std::printf(
       "| path | encode GB/s | decode GB/s | encode GB/CPU-s | decode GB/CPU-s | bpc | "
       "worst plane rel err |\n|---|---|---|---|---|---|---|\n");
