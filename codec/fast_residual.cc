@@ -83,7 +83,7 @@ struct PlaneCode {
 };
 
 struct Scratch {
-  std::vector<float> x, rec, rt, zeros, l1, zero_head, qf;
+  std::vector<float> x, rec, rt, zeros, l1, zero_head, qf, lin_rec;
   std::vector<int32_t> q;
   std::vector<uint8_t> dt;
 };
@@ -342,6 +342,7 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   s.l1.resize(5 * n.D);
   s.zero_head.assign(n.head_elems(), 0.0f);
   s.qf.resize(n.head_elems());
+  s.lin_rec.resize(n.head_elems());
   // The learned token-mean prediction of the whole block, when eligible.
   // (Per-thread buffers: the recursive call below for the block without codes 4 and the KLT
   // rewrites them with the same prediction, after the last use here.)
@@ -355,8 +356,9 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
                              learned);
   }
   // The cross-layer linear candidate (closed loop: from the planes' reconstructions, as decoded).
-  const bool linear_ok =
-      learned != nullptr && (o.predictors & (1u << static_cast<int>(Predictor::kTokenMeanLinear)));
+  // (Only a state with linear weights needs the planes' reconstructions.)
+  const bool linear_ok = learned != nullptr && context.learned->linear_bytes() > 0 &&
+                         (o.predictors & (1u << static_cast<int>(Predictor::kTokenMeanLinear)));
   const bool klt_ok = learned != nullptr && o.klt;
   float* residual = nullptr;  // [planes][pe]: reconstruction - learned
   std::vector<float> linear;  // [pe]
@@ -416,7 +418,8 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
     // Symbols and bucket offsets (none for an all-zero plane).
     zero[pl] = std::all_of(pc.q.begin(), pc.q.end(), [](int32_t v) { return v == 0; });
     if (linear_ok) {  // the decoder's reconstruction of the plane, minus the learned mean
-      std::vector<float> qf(n.head_elems()), rec(n.head_elems());
+      std::vector<float>& qf = s.qf;
+      std::vector<float>& rec = s.lin_rec;
       for (size_t h = 0; h < n.H; ++h) {
         const size_t he = n.head_elems();
         for (size_t i = 0; i < he; ++i) qf[i] = static_cast<float>(pc.q[h * he + i]);
