@@ -16,8 +16,33 @@ namespace kvtrie {
 namespace internal {
 namespace fast {
 // sym[i] = ZigZag(q[i]) when < kDirect, else kNoSymbol (vectorizes).
+#ifdef KVTRIE_FAST_AVX2
+// ZigZag of 8, or all ones (-1, which packs to 255 = kNoSymbol) where z >= kDirect.
+__attribute__((target("avx2"))) inline __m256i Symbols8(const int32_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i z = _mm256_xor_si256(_mm256_slli_epi32(v, 1), _mm256_srai_epi32(v, 31));
+  return _mm256_or_si256(z, _mm256_cmpgt_epi32(z, _mm256_set1_epi32(kDirect - 1)));
+}
+// 32 at a time (values in [0, kDirect) or -1 survive both signed packs); returns how many.
+__attribute__((target("avx2"))) size_t MapSymbolsAvx2(const int32_t* q, size_t n, uint8_t* sym) {
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  size_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m256i a = _mm256_packs_epi32(Symbols8(q + i), Symbols8(q + i + 8));
+    const __m256i b = _mm256_packs_epi32(Symbols8(q + i + 16), Symbols8(q + i + 24));
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sym + i), bytes);
+  }
+  return i;
+}
+#endif
+
 void MapSymbols(const int32_t* __restrict q, size_t n, uint8_t* __restrict sym) {
-  for (size_t i = 0; i < n; ++i) {
+  size_t i = 0;
+#ifdef KVTRIE_FAST_AVX2
+  if (irans::HasAvx2()) i = MapSymbolsAvx2(q, n, sym);
+#endif
+  for (; i < n; ++i) {
     const uint32_t z = ZigZag(q[i]);
     sym[i] = z < static_cast<uint32_t>(kDirect) ? static_cast<uint8_t>(z) : kNoSymbol;
   }
@@ -42,8 +67,10 @@ void Histogram(const uint8_t* __restrict sym, size_t n, uint32_t* __restrict cou
 // element order.
 void EncodeBucket(const int32_t* q, size_t i, uint8_t* sym, uint32_t* counts, BitWriter* bits) {
   const uint32_t z = ZigZag(q[i]);
-  int b = 0;
-  while (z >= kBucket.base[b + 1]) ++b;
+  // base[2k] = 8 + 2^(k+2), base[2k+1] = 8 + 3 * 2^(k+1): from z - 8's top two bits.
+  const uint32_t y = z - 8;
+  const int top = 31 - __builtin_clz(y);
+  const int b = 2 * (top - 2) + static_cast<int>((y >> (top - 1)) & 1);
   sym[i] = static_cast<uint8_t>(kDirect + b);
   ++counts[sym[i]];
   bits->Put(z - kBucket.base[b], BucketBits(b));
