@@ -567,6 +567,15 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   pay.clear();
   const size_t nc = coded.size();
   const size_t ns = nc == 0 ? 0 : lo.num_segments(nc);
+  {  // One allocation: the tables' cost of the symbols, the lane states and the bucket bits.
+    double est = 0;
+    for (size_t pl : coded) {
+      est += irans::CostBits(tables[pl], plane_counts[pl].data(), irans::kMaxSymbols) / 8.0 +
+             escape_bits[pl] / 8.0;
+    }
+    if (std::isfinite(est))
+      pay.reserve(static_cast<size_t>(est * 1.01) + ns * (4 + 4 * lo.lanes + 64) + 64);
+  }
   pay.resize(4 * ns);
   std::vector<const irans::Table*> tp(nc);
   for (size_t c = 0; c < nc; ++c) tp[c] = &tables[coded[c]];
