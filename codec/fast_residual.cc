@@ -445,7 +445,7 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
       const uint64_t bits_before = bits.bits();
       MapSymbols(pc.q.data(), pe, sym);
       uint32_t* const counts = plane_counts[pl].data();
-      Histogram(sym, pe, counts);
+      HistogramDirect(sym, pe, counts);
       EncodeBuckets(pc.q.data(), pe, sym, counts, &bits);
       escape_bits[pl] = bits.bits() - bits_before;
       tables[pl] = irans::NormalizeCounts(counts, irans::kMaxSymbols);

@@ -48,6 +48,41 @@ void MapSymbols(const int32_t* __restrict q, size_t n, uint8_t* __restrict sym) 
   }
 }
 
+#ifdef KVTRIE_FAST_AVX2
+// counts[s] for s < kDirect of 32 bytes at a time: one byte counter per value and position,
+// folded every 255 steps (before they wrap). Returns how many bytes it counted.
+__attribute__((target("avx2"))) size_t HistogramDirectAvx2(const uint8_t* sym, size_t n,
+                                                           uint32_t* counts) {
+  size_t i = 0;
+  while (i + 32 <= n) {
+    __m256i c[kDirect];
+    for (int v = 0; v < kDirect; ++v) c[v] = _mm256_setzero_si256();
+    for (int k = 0; k < 255 && i + 32 <= n; ++k, i += 32) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sym + i));
+      for (int v = 0; v < kDirect; ++v)
+        c[v] = _mm256_sub_epi8(c[v], _mm256_cmpeq_epi8(b, _mm256_set1_epi8(static_cast<char>(v))));
+    }
+    for (int v = 0; v < kDirect; ++v) {
+      alignas(32) uint64_t sums[4];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(sums),
+                         _mm256_sad_epu8(c[v], _mm256_setzero_si256()));
+      counts[v] += static_cast<uint32_t>(sums[0] + sums[1] + sums[2] + sums[3]);
+    }
+  }
+  return i;
+}
+#endif
+
+void HistogramDirect(const uint8_t* __restrict sym, size_t n, uint32_t* __restrict counts) {
+  std::fill(counts, counts + irans::kMaxSymbols, 0u);
+  size_t i = 0;
+#ifdef KVTRIE_FAST_AVX2
+  if (irans::HasAvx2()) i = HistogramDirectAvx2(sym, n, counts);
+#endif
+  for (; i < n; ++i)
+    if (sym[i] < kDirect) ++counts[sym[i]];
+}
+
 // counts[s] = occurrences of s < kMaxSymbols (kNoSymbol is not counted). Four copies: no
 // store-to-load chain on runs of one symbol.
 void Histogram(const uint8_t* __restrict sym, size_t n, uint32_t* __restrict counts) {

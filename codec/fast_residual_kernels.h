@@ -111,6 +111,9 @@ inline uint32_t ReadBits(const uint8_t* s, uint64_t pos, int n) {
 void MapSymbols(const int32_t* __restrict q, size_t n, uint8_t* __restrict sym);
 // counts[s] = occurrences of s < irans::kMaxSymbols in sym (kNoSymbol is not counted).
 void Histogram(const uint8_t* __restrict sym, size_t n, uint32_t* __restrict counts);
+// Histogram of MapSymbols' output (every sym < kDirect or kNoSymbol; counts[kDirect..] = 0),
+// AVX2 where available; the same counts.
+void HistogramDirect(const uint8_t* __restrict sym, size_t n, uint32_t* __restrict counts);
 // Replaces every kNoSymbol by its bucket's symbol, counts it and writes its offset bits, in
 // element order.
 void EncodeBuckets(const int32_t* q, size_t n, uint8_t* sym, uint32_t* counts, BitWriter* bits);
