@@ -170,6 +170,13 @@ double CpuSeconds() {
   return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
+// FNV-1a of every encoded byte: equal hashes = the same bytes (before/after a speedup).
+uint64_t Fnv1a(uint64_t h, absl::string_view bytes) {
+  for (unsigned char c : bytes) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+constexpr uint64_t kFnvBasis = 14695981039346656037ull;
+
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -187,6 +194,7 @@ void PrintSpeed(const Dump& src, size_t nblocks, int repeats, double target) {
     std::string name;
     std::vector<double> enc, dec, enc_cpu, dec_cpu;  // GB/s wall; GB per CPU-second
     double bpc = 0, err = 0;
+    uint64_t hash = 0;
   };
   std::vector<Row> rows;
   struct Config {
@@ -244,7 +252,9 @@ void PrintSpeed(const Dump& src, size_t nblocks, int repeats, double target) {
       }
       std::vector<absl::string_view> enc;
       double stored = 0, err = 0;
+      uint64_t hash = kFnvBasis;
       for (const EncodedBlock& b : *e) {
+        hash = Fnv1a(hash, b.bytes);
         enc.push_back(b.bytes);
         stored += b.bytes.size();
         err = std::max({err, b.rel_rms_error_k, b.rel_rms_error_v});
@@ -264,6 +274,7 @@ void PrintSpeed(const Dump& src, size_t nblocks, int repeats, double target) {
       rows[k].dec_cpu.push_back(b / (c3 - c2) / 1e9);
       rows[k].bpc = 8.0 * stored / (static_cast<double>(c.blocks) * g.num_elements());
       rows[k].err = err;
+      rows[k].hash = hash;
     }
   }
   std::printf(
@@ -272,15 +283,18 @@ void PrintSpeed(const Dump& src, size_t nblocks, int repeats, double target) {
       nblocks, g.DebugString().c_str(), src.name.c_str(), target, repeats);
   std::printf(
       "| path | encode GB/s | decode GB/s | decode / memcpy | encode GB/CPU-s | "
-      "decode GB/CPU-s | bpc | worst plane rel err |\n|---|---|---|---|---|---|---|---|\n");
+      "decode GB/CPU-s | bpc | worst plane rel err | bytes FNV-1a |\n"
+      "|---|---|---|---|---|---|---|---|---|\n");
   const double memcpy_gbs = Median(rows.back().dec);
   for (const Row& r : rows) {
     auto lo = [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); };
     auto hi = [](const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); };
-    std::printf("| %s | %.3f [%.3f-%.3f] | %.3f [%.3f-%.3f] | %.3f | %.3f | %.3f | %.3f | %.4f |\n",
-                r.name.c_str(), Median(r.enc), lo(r.enc), hi(r.enc), Median(r.dec), lo(r.dec),
-                hi(r.dec), Median(r.dec) / memcpy_gbs, Median(r.enc_cpu), Median(r.dec_cpu), r.bpc,
-                r.err);
+    std::printf(
+        "| %s | %.3f [%.3f-%.3f] | %.3f [%.3f-%.3f] | %.3f | %.3f | %.3f | %.3f | %.4f | %016llx "
+        "|\n",
+        r.name.c_str(), Median(r.enc), lo(r.enc), hi(r.enc), Median(r.dec), lo(r.dec), hi(r.dec),
+        Median(r.dec) / memcpy_gbs, Median(r.enc_cpu), Median(r.dec_cpu), r.bpc, r.err,
+        static_cast<unsigned long long>(r.hash));
   }
 }
 
@@ -364,6 +378,7 @@ void PrintLearnedSpeed(const std::string& dir, size_t nblocks, int repeats, doub
     std::string name;
     std::vector<double> enc, dec, enc_cpu, dec_cpu;
     double bpc = 0, err = 0;
+    uint64_t hash = 0;
   } rows[2];
   rows[0].name = "residual fast + learned, 1 thread";
   rows[1].name = "residual fast + learned, 2 threads";
@@ -400,7 +415,9 @@ void PrintLearnedSpeed(const std::string& dir, size_t nblocks, int repeats, doub
         std::exit(1);
       }
       double stored = 0, err = 0;
+      uint64_t hash = kFnvBasis;
       for (const EncodedBlock& b : enc) {
+        hash = Fnv1a(hash, b.bytes);
         stored += b.bytes.size();
         err = std::max({err, b.rel_rms_error_k, b.rel_rms_error_v});
       }
@@ -410,6 +427,7 @@ void PrintLearnedSpeed(const std::string& dir, size_t nblocks, int repeats, doub
       rows[k].dec_cpu.push_back(bytes / (c2 - c1) / 1e9);
       rows[k].bpc = 8.0 * stored / (static_cast<double>(nblocks) * g.num_elements());
       rows[k].err = err;
+      rows[k].hash = hash;
     }
   }
   std::printf(
@@ -420,14 +438,16 @@ void PrintLearnedSpeed(const std::string& dir, size_t nblocks, int repeats, doub
       (*state)->linear_bytes() / 1024, (*state)->klt_bytes() / 1024, target, repeats);
   std::printf(
       "| path | encode GB/s | decode GB/s | encode GB/CPU-s | decode GB/CPU-s | bpc | "
-      "worst plane rel err |\n|---|---|---|---|---|---|---|\n");
+      "worst plane rel err | bytes FNV-1a |\n|---|---|---|---|---|---|---|---|\n");
   for (const Row& r : rows) {
     if (r.enc.empty()) continue;
     auto lo = [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); };
     auto hi = [](const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); };
-    std::printf("| %s | %.3f [%.3f-%.3f] | %.3f [%.3f-%.3f] | %.3f | %.3f | %.3f | %.4f |\n",
-                r.name.c_str(), Median(r.enc), lo(r.enc), hi(r.enc), Median(r.dec), lo(r.dec),
-                hi(r.dec), Median(r.enc_cpu), Median(r.dec_cpu), r.bpc, r.err);
+    std::printf(
+        "| %s | %.3f [%.3f-%.3f] | %.3f [%.3f-%.3f] | %.3f | %.3f | %.3f | %.4f | %016llx |\n",
+        r.name.c_str(), Median(r.enc), lo(r.enc), hi(r.enc), Median(r.dec), lo(r.dec), hi(r.dec),
+        Median(r.enc_cpu), Median(r.dec_cpu), r.bpc, r.err,
+        static_cast<unsigned long long>(r.hash));
   }
 }
 

@@ -177,7 +177,10 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
     const float* xh = x + h * he;
     float* m = pc->means.data() + h * D;
     ChannelSums(xh, n.T, D, m);
-    for (size_t d = 0; d < D; ++d) m[d] = HalfToFloat(FloatToHalf(m[d] / n.T));
+    for (size_t d = 0; d < D; ++d) m[d] /= n.T;  // then rounded to fp16 (F16C where present)
+    uint16_t* mh = reinterpret_cast<uint16_t*>(s->dt.data());
+    FromFloat(DType::kFp16, m, D, mh);
+    ToFloat(DType::kFp16, mh, D, m);
     // Per-channel partial sums (vectorized, the same floats as the scalar order), then totals.
     float* acc = s->l1.data();  // [5][D]
     HeadL1(xh, m, pc->learned ? pc->learned + h * he : nullptr,
