@@ -73,15 +73,18 @@ class BitWriter {
     acc_ |= static_cast<uint64_t>(v) << fill_;
     fill_ += n;
     total_ += n;
-    while (fill_ >= 8) {
-      bytes_.push_back(static_cast<char>(acc_));
-      acc_ >>= 8;
-      fill_ -= 8;
+    if (fill_ >= 32) {  // four bytes at once (n <= 32, so fill_ < 64)
+      const char b[4] = {static_cast<char>(acc_), static_cast<char>(acc_ >> 8),
+                         static_cast<char>(acc_ >> 16), static_cast<char>(acc_ >> 24)};
+      bytes_.append(b, 4);
+      acc_ >>= 32;
+      fill_ -= 32;
     }
   }
   uint64_t bits() const { return total_; }
   void Finish(std::string* out) {
-    if (fill_ > 0) bytes_.push_back(static_cast<char>(acc_));
+    for (; fill_ > 0; fill_ -= 8, acc_ >>= 8) bytes_.push_back(static_cast<char>(acc_));
+    fill_ = 0;
     out->append(bytes_);
   }
 
