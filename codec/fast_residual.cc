@@ -138,7 +138,7 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
   const size_t pe = n.plane_elems(), he = n.head_elems(), D = n.D;
   pc->pred.assign(n.H, kPredNone);
   pc->means.assign(n.H * D, 0.0f);
-  pc->q.assign(pe, 0);
+  pc->q.resize(pe);  // every element is written below (zeros only for an all-zero plane)
   float max_x = 0;
   const double energy = SumSquares(x, nullptr, pe, &max_x);
   pc->energy = energy;
@@ -149,6 +149,7 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
   pc->use_klt = false;
   if (energy == 0) {
     pc->step = 1.0f;
+    std::fill(pc->q.begin(), pc->q.end(), 0);
     return;
   }
   double ref = energy;  // what the target is relative to
