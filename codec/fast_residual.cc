@@ -187,9 +187,16 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
     HeadL1(xh, m, pc->learned ? pc->learned + h * he : nullptr,
            pc->linear ? pc->linear + h * he : nullptr, n.T, D, acc);
     const int num_preds = pc->linear ? 5 : pc->learned ? 4 : 3;
+    // Channels outer: the predictors' five double chains overlap (each still sums d ascending,
+    // so the same doubles as one chain at a time).
     double l1[5] = {0, 0, 0, 0, 0};
-    for (int p = 0; p < num_preds; ++p)
-      for (size_t d = 0; d < D; ++d) l1[p] += acc[p * D + d];
+    for (size_t d = 0; d < D; ++d) {
+      l1[0] += acc[d];
+      l1[1] += acc[D + d];
+      l1[2] += acc[2 * D + d];
+      l1[3] += acc[3 * D + d];
+      l1[4] += acc[4 * D + d];
+    }
     double best = INFINITY;
     for (uint8_t p = 0; p < num_preds; ++p) {
       const double bits =
