@@ -134,13 +134,12 @@ double QuantizePlane(const Dims& n, DType dtype, const float* x, const PlaneCode
 // updated, so that the first pass usually meets the target. `mean_removed`: the target is
 // relative to the plane's energy around its per-(head, channel) means (KeyError::kMeanRemoved).
 void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool mean_removed,
-                 PlaneCode* pc, Scratch* s, float* hint) {
+                 double energy, float max_x, PlaneCode* pc, Scratch* s, float* hint) {
   const size_t pe = n.plane_elems(), he = n.head_elems(), D = n.D;
   pc->pred.assign(n.H, kPredNone);
   pc->means.assign(n.H * D, 0.0f);
   pc->q.resize(pe);  // every element is written below (zeros only for an all-zero plane)
-  float max_x = 0;
-  const double energy = SumSquares(x, nullptr, pe, &max_x);
+  // (energy and max_x: the caller's SumSquares of x, which also told it that x is finite.)
   pc->energy = energy;
   pc->sse = 0;
   pc->max_abs = 0;
@@ -408,7 +407,11 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   for (size_t pl = 0; pl < planes; ++pl) {
     const size_t side = pl % 2;  // K or V
     ToFloat(g.dtype, kv.data() + pl * pe * eb, pe, s.x.data());
-    if (AnyNonFinite(s.x.data(), pe))
+    // Finite iff the sum of squares is (fp16/bf16/fp32 squares cannot overflow a double): one
+    // pass for the check and the plane's energy.
+    float max_x = 0;
+    const double plane_energy = SumSquares(s.x.data(), nullptr, pe, &max_x);
+    if (!std::isfinite(plane_energy))
       return absl::FailedPreconditionError("kv: NaN or infinity (FAST profile)");
     pc.learned = learned == nullptr ? nullptr : learned + pl * pe;
     pc.linear = nullptr;
@@ -420,7 +423,8 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
       pc.linear = linear.data();
     }
     EncodePlane(n, g.dtype, s.x.data(), o.target_rel_rms,
-                side == 0 && o.key_error == KeyError::kMeanRemoved, &pc, &s, &hint[side]);
+                side == 0 && o.key_error == KeyError::kMeanRemoved, plane_energy, max_x, &pc, &s,
+                &hint[side]);
     sse[side] += pc.sse;
     energy[side] += pc.energy;
     out->learned_saved_bits += pc.learned_saved_bits;
