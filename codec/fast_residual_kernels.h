@@ -19,23 +19,12 @@ namespace kvtrie {
 namespace internal {
 namespace fast {
 
-// Symbols: ZigZag values z < kDirect are a symbol each; larger ones fall in one of kBuckets
-// buckets, two per octave (bucket b holds 2^(b / 2 + 1) values from kBucketBase[b]), coded as the
-// bucket's symbol kDirect + b and b / 2 + 1 raw bits (the offset in the bucket) in the plane's
-// bit stream, as DEFLATE's length codes.
 // Per-thread scratch of `n` floats (or bytes) that outlives the call: no allocation, zeroing
 // or page faults per block. `slot` names the buffer (each caller its own, see kSlot*); contents
 // are unspecified on entry. Buffers of more than kMaxReused bytes are not kept (returned as a
 // fresh vector in `local`, which must outlive the use). Not reentrant per slot.
-enum ReusedSlot {
-  kSlotEncLearned,
-  kSlotEncResidual,
-  kSlotDecLearned,
-  kSlotDecQ,
-  kSlotDecResidual,
-  kNumSlots
-};
-inline constexpr size_t kMaxReused = 64u << 20;
+enum ReusedSlot { kSlotEncLearned, kSlotEncResidual, kSlotDecLearned, kNumSlots };
+inline constexpr size_t kMaxReused = 16u << 20;  // a Llama-3-70B block of floats fits
 template <typename T>
 T* Reused(ReusedSlot slot, size_t n, std::vector<T>* local) {
   if (n * sizeof(T) > kMaxReused) {
@@ -48,6 +37,10 @@ T* Reused(ReusedSlot slot, size_t n, std::vector<T>* local) {
   return v.data();
 }
 
+// Symbols: ZigZag values z < kDirect are a symbol each; larger ones fall in one of kBuckets
+// buckets, two per octave (bucket b holds 2^(b / 2 + 1) values from kBucketBase[b]), coded as the
+// bucket's symbol kDirect + b and b / 2 + 1 raw bits (the offset in the bucket) in the plane's
+// bit stream, as DEFLATE's length codes.
 constexpr int kDirect = 12;
 constexpr int kBuckets = irans::kMaxSymbols - kDirect;  // 20
 constexpr int BucketBits(int b) { return b / 2 + 1; }
