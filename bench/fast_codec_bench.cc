@@ -12,8 +12,14 @@
 //      same bytes. Every measurement is repeated (--repeats, default 3) with the systems
 //      interleaved; the median is printed, with min-max.
 //
+//   3. (--learned, on by default) the same Llama-3-8B-shaped throughput with a learned state
+//      (PredictorLearner on every other dump, tiled the same way; each tiled block takes all its
+//      channels from one source block, so its token ids are that block's): fast residual encode
+//      and decode GB/s at 1 and 2 threads (one block per task), the state's fit time excluded.
+//
 //   fast_codec_bench [--data_dir=tests/data] [--blocks=16] [--repeats=3] [--target=0.1]
-//                    [--skip_bits] [--skip_speed] [--only=SUBSTRING of the throughput rows]
+//                    [--skip_bits] [--skip_speed] [--skip_learned]
+//                    [--only=SUBSTRING of the throughput rows]
 // GB/s is logical (fp16 bytes of the block) per wall-clock second.
 #include <algorithm>
 #include <chrono>
@@ -28,6 +34,7 @@
 #include "codec/block_codec.h"
 #include "codec/kv_dump.h"
 #include "codec/kv_layout.h"
+#include "codec/predictor_state.h"
 #include "codec/thread_pool.h"
 
 namespace kvtrie {
@@ -163,6 +170,13 @@ double CpuSeconds() {
   return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
+// FNV-1a of every encoded byte: equal hashes = the same bytes (before/after a speedup).
+uint64_t Fnv1a(uint64_t h, absl::string_view bytes) {
+  for (unsigned char c : bytes) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+constexpr uint64_t kFnvBasis = 14695981039346656037ull;
+
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -180,6 +194,7 @@ void PrintSpeed(const Dump& src, size_t nblocks, int repeats, double target) {
     std::string name;
     std::vector<double> enc, dec, enc_cpu, dec_cpu;  // GB/s wall; GB per CPU-second
     double bpc = 0, err = 0;
+    uint64_t hash = 0;
   };
   std::vector<Row> rows;
   struct Config {
@@ -237,7 +252,9 @@ void PrintSpeed(const Dump& src, size_t nblocks, int repeats, double target) {
       }
       std::vector<absl::string_view> enc;
       double stored = 0, err = 0;
+      uint64_t hash = kFnvBasis;
       for (const EncodedBlock& b : *e) {
+        hash = Fnv1a(hash, b.bytes);
         enc.push_back(b.bytes);
         stored += b.bytes.size();
         err = std::max({err, b.rel_rms_error_k, b.rel_rms_error_v});
@@ -257,6 +274,7 @@ void PrintSpeed(const Dump& src, size_t nblocks, int repeats, double target) {
       rows[k].dec_cpu.push_back(b / (c3 - c2) / 1e9);
       rows[k].bpc = 8.0 * stored / (static_cast<double>(c.blocks) * g.num_elements());
       rows[k].err = err;
+      rows[k].hash = hash;
     }
   }
   std::printf(
@@ -265,15 +283,171 @@ void PrintSpeed(const Dump& src, size_t nblocks, int repeats, double target) {
       nblocks, g.DebugString().c_str(), src.name.c_str(), target, repeats);
   std::printf(
       "| path | encode GB/s | decode GB/s | decode / memcpy | encode GB/CPU-s | "
-      "decode GB/CPU-s | bpc | worst plane rel err |\n|---|---|---|---|---|---|---|---|\n");
+      "decode GB/CPU-s | bpc | worst plane rel err | bytes FNV-1a |\n"
+      "|---|---|---|---|---|---|---|---|---|\n");
   const double memcpy_gbs = Median(rows.back().dec);
   for (const Row& r : rows) {
     auto lo = [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); };
     auto hi = [](const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); };
-    std::printf("| %s | %.3f [%.3f-%.3f] | %.3f [%.3f-%.3f] | %.3f | %.3f | %.3f | %.3f | %.4f |\n",
-                r.name.c_str(), Median(r.enc), lo(r.enc), hi(r.enc), Median(r.dec), lo(r.dec),
-                hi(r.dec), Median(r.dec) / memcpy_gbs, Median(r.enc_cpu), Median(r.dec_cpu), r.bpc,
-                r.err);
+    std::printf(
+        "| %s | %.3f [%.3f-%.3f] | %.3f [%.3f-%.3f] | %.3f | %.3f | %.3f | %.3f | %.4f | %016llx "
+        "|\n",
+        r.name.c_str(), Median(r.enc), lo(r.enc), hi(r.enc), Median(r.dec), lo(r.dec), hi(r.dec),
+        Median(r.dec) / memcpy_gbs, Median(r.enc_cpu), Median(r.dec_cpu), r.bpc, r.err,
+        static_cast<unsigned long long>(r.hash));
+  }
+}
+
+// A Llama-3-8B-shaped block from source block `b` of dump `d` alone (channel run c of 8 from
+// layer (l + c) % L, head (h + 3c) % H), with the source block's token ids and position.
+struct TiledLearned {
+  std::vector<uint8_t> kv;
+  std::vector<int32_t> tokens;
+  uint32_t first_position = 0;
+  int32_t previous_token = -1;
+};
+
+std::vector<TiledLearned> TiledWithTokens(const std::string& path) {
+  const BlockGeometry g{32, 8, 16, 128, DType::kFp16};
+  std::vector<TiledLearned> out;
+  absl::StatusOr<KvDump> d = ReadKvDump(path);
+  if (!d.ok() || d->dtype != DType::kFp16) return out;
+  const BlockGeometry sg{d->num_layers, d->num_kv_heads, 16, d->head_dim, d->dtype};
+  std::vector<uint8_t> src(sg.num_bytes());
+  for (size_t b = 0; b < d->num_tokens() / 16; ++b) {
+    GatherBlock(sg, d->num_tokens(), d->k.data(), d->v.data(), b, absl::MakeSpan(src));
+    const auto* s = reinterpret_cast<const uint16_t*>(src.data());
+    TiledLearned t;
+    t.kv.resize(g.num_bytes());
+    auto* o = reinterpret_cast<uint16_t*>(t.kv.data());
+    for (size_t l = 0; l < g.num_layers; ++l)
+      for (size_t kv = 0; kv < 2; ++kv)
+        for (size_t h = 0; h < g.num_kv_heads; ++h)
+          for (size_t tk = 0; tk < g.block_tokens; ++tk)
+            for (size_t dd = 0; dd < g.head_dim; ++dd) {
+              const size_t c = dd / sg.head_dim;
+              const size_t sl = (l + c) % sg.num_layers, sh = (h + 3 * c) % sg.num_kv_heads;
+              *o++ =
+                  s[(((sl * 2 + kv) * sg.num_kv_heads + sh) * sg.block_tokens + tk) * sg.head_dim +
+                    dd % sg.head_dim];
+            }
+    for (size_t k = 0; k < 16; ++k)
+      t.tokens.push_back(static_cast<int32_t>(d->token_ids[b * 16 + k]));
+    t.first_position = static_cast<uint32_t>(b * 16);
+    t.previous_token = b ? static_cast<int32_t>(d->token_ids[b * 16 - 1]) : -1;
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+void PrintLearnedSpeed(const std::string& dir, size_t nblocks, int repeats, double target) {
+  const BlockGeometry g{32, 8, 16, 128, DType::kFp16};
+  std::vector<TiledLearned> eval;
+  auto learner = PredictorLearner::Create(g, LearnerOptions{});
+  if (!learner.ok()) std::exit(1);
+  const auto f0 = Clock::now();
+  for (const char* name :
+       {"GPL-3", "genesis_1-3", "story_prompt", "sessions/s0", "sessions/s1", "sessions/s2",
+        "sessions/s3", "neardup/n0", "neardup/n1", "neardup/n2", "neardup/n3"}) {
+    std::vector<TiledLearned> t = TiledWithTokens(dir + "/" + name);
+    if (std::string(name) == "genesis_1-3") {
+      eval = std::move(t);
+      continue;
+    }
+    for (const TiledLearned& b : t)
+      if (!(*learner)->Observe(b.kv, b.tokens, b.first_position, b.previous_token).ok())
+        std::exit(1);
+  }
+  absl::StatusOr<std::shared_ptr<const PredictorState>> state = (*learner)->Fit(1);
+  if (!state.ok() || eval.empty()) {
+    std::fprintf(stderr, "learned: %s\n", state.status().ToString().c_str());
+    std::exit(1);
+  }
+  const double fit_s = std::chrono::duration<double>(Clock::now() - f0).count();
+  while (eval.size() < nblocks) eval.push_back(eval[eval.size() % eval.size()]);
+  eval.resize(nblocks);
+  std::vector<PredictionContext> ctx(nblocks);
+  for (size_t i = 0; i < nblocks; ++i) {
+    ctx[i].learned = state->get();
+    ctx[i].tokens = eval[i].tokens;
+    ctx[i].first_position = eval[i].first_position;
+    ctx[i].previous_token = eval[i].previous_token;
+  }
+  ThreadPool pool1(1), pool2(2);
+  struct Row {
+    std::string name;
+    std::vector<double> enc, dec, enc_cpu, dec_cpu;
+    double bpc = 0, err = 0;
+    uint64_t hash = 0;
+  } rows[2];
+  rows[0].name = "residual fast + learned, 1 thread";
+  rows[1].name = "residual fast + learned, 2 threads";
+  const double bytes = static_cast<double>(nblocks) * g.num_bytes();
+  EncodeOptions o;
+  o.encoding = Encoding::kResidual;
+  o.profile = Profile::kFast;
+  o.target_rel_rms = target;
+  std::vector<EncodedBlock> enc(nblocks);
+  std::vector<std::vector<uint8_t>> out(nblocks, std::vector<uint8_t>(g.num_bytes()));
+  for (int rep = 0; rep < repeats; ++rep) {
+    for (int k = 0; k < 2; ++k) {
+      if (!g_only.empty() && rows[k].name.find(g_only) == std::string::npos) continue;
+      ThreadPool* pool = k == 0 ? &pool1 : &pool2;
+      bool ok = true;
+      const double c0 = CpuSeconds();
+      const auto t0 = Clock::now();
+      pool->ParallelFor(nblocks, [&](size_t i) {
+        absl::StatusOr<EncodedBlock> e = EncodeBlock(g, eval[i].kv, o, ctx[i]);
+        if (!e.ok())
+          ok = false;
+        else
+          enc[i] = *std::move(e);
+      });
+      const auto t1 = Clock::now();
+      const double c1 = CpuSeconds();
+      pool->ParallelFor(nblocks, [&](size_t i) {
+        if (!DecodeBlock(enc[i].bytes, absl::MakeSpan(out[i]), ctx[i]).ok()) ok = false;
+      });
+      const auto t2 = Clock::now();
+      const double c2 = CpuSeconds();
+      if (!ok) {
+        std::fprintf(stderr, "learned: encode/decode failed\n");
+        std::exit(1);
+      }
+      double stored = 0, err = 0;
+      uint64_t hash = kFnvBasis;
+      for (const EncodedBlock& b : enc) {
+        hash = Fnv1a(hash, b.bytes);
+        stored += b.bytes.size();
+        err = std::max({err, b.rel_rms_error_k, b.rel_rms_error_v});
+      }
+      rows[k].enc.push_back(bytes / std::chrono::duration<double>(t1 - t0).count() / 1e9);
+      rows[k].dec.push_back(bytes / std::chrono::duration<double>(t2 - t1).count() / 1e9);
+      rows[k].enc_cpu.push_back(bytes / (c1 - c0) / 1e9);
+      rows[k].dec_cpu.push_back(bytes / (c2 - c1) / 1e9);
+      rows[k].bpc = 8.0 * stored / (static_cast<double>(nblocks) * g.num_elements());
+      rows[k].err = err;
+      rows[k].hash = hash;
+    }
+  }
+  std::printf(
+      "\n## Throughput with a learned state: %zu Llama-3-8B-shaped blocks tiled from "
+      "genesis_1-3 (state learned on the other dumps, %llu tokens, fit %.1f s, linear %zu KB, "
+      "KLT %zu KB); target %.2f; %d repeats, median [min-max]\n\n",
+      nblocks, static_cast<unsigned long long>((*learner)->tokens_observed()), fit_s,
+      (*state)->linear_bytes() / 1024, (*state)->klt_bytes() / 1024, target, repeats);
+  std::printf(
+      "| path | encode GB/s | decode GB/s | encode GB/CPU-s | decode GB/CPU-s | bpc | "
+      "worst plane rel err | bytes FNV-1a |\n|---|---|---|---|---|---|---|---|\n");
+  for (const Row& r : rows) {
+    if (r.enc.empty()) continue;
+    auto lo = [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); };
+    auto hi = [](const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); };
+    std::printf(
+        "| %s | %.3f [%.3f-%.3f] | %.3f [%.3f-%.3f] | %.3f | %.3f | %.3f | %.4f | %016llx |\n",
+        r.name.c_str(), Median(r.enc), lo(r.enc), hi(r.enc), Median(r.dec), lo(r.dec), hi(r.dec),
+        Median(r.enc_cpu), Median(r.dec_cpu), r.bpc, r.err,
+        static_cast<unsigned long long>(r.hash));
   }
 }
 
@@ -285,7 +459,7 @@ int main(int argc, char** argv) {
   size_t blocks = 16;
   int repeats = 3;
   double target = 0.1;
-  bool bits = true, speed = true;
+  bool bits = true, speed = true, learned = true;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a.rfind("--data_dir=", 0) == 0)
@@ -302,6 +476,8 @@ int main(int argc, char** argv) {
       bits = false;
     else if (a == "--skip_speed")
       speed = false;
+    else if (a == "--skip_learned")
+      learned = false;
     else {
       std::fprintf(stderr, "unknown flag %s\n", a.c_str());
       return 2;
@@ -311,5 +487,6 @@ int main(int argc, char** argv) {
   if (dumps.empty()) return 1;
   if (bits) kvtrie::PrintBits(dumps);
   if (speed) kvtrie::PrintSpeed(dumps[1], blocks, repeats, target);
+  if (learned) kvtrie::PrintLearnedSpeed(data_dir, blocks, repeats, target);
   return 0;
 }

@@ -83,7 +83,7 @@ struct PlaneCode {
 };
 
 struct Scratch {
-  std::vector<float> x, rec, rt, zeros, l1, zero_head, qf;
+  std::vector<float> x, rec, rt, zeros, l1, zero_head, qf, lin_rec;
   std::vector<int32_t> q;
   std::vector<uint8_t> dt;
 };
@@ -134,13 +134,12 @@ double QuantizePlane(const Dims& n, DType dtype, const float* x, const PlaneCode
 // updated, so that the first pass usually meets the target. `mean_removed`: the target is
 // relative to the plane's energy around its per-(head, channel) means (KeyError::kMeanRemoved).
 void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool mean_removed,
-                 PlaneCode* pc, Scratch* s, float* hint) {
+                 double energy, float max_x, PlaneCode* pc, Scratch* s, float* hint) {
   const size_t pe = n.plane_elems(), he = n.head_elems(), D = n.D;
   pc->pred.assign(n.H, kPredNone);
   pc->means.assign(n.H * D, 0.0f);
-  pc->q.assign(pe, 0);
-  float max_x = 0;
-  const double energy = SumSquares(x, nullptr, pe, &max_x);
+  pc->q.resize(pe);  // every element is written below (zeros only for an all-zero plane)
+  // (energy and max_x: the caller's SumSquares of x, which also told it that x is finite.)
   pc->energy = energy;
   pc->sse = 0;
   pc->max_abs = 0;
@@ -149,6 +148,7 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
   pc->use_klt = false;
   if (energy == 0) {
     pc->step = 1.0f;
+    std::fill(pc->q.begin(), pc->q.end(), 0);
     return;
   }
   double ref = energy;  // what the target is relative to
@@ -176,33 +176,26 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
   for (size_t h = 0; h < n.H; ++h) {
     const float* xh = x + h * he;
     float* m = pc->means.data() + h * D;
-    for (size_t t = 0; t < n.T; ++t)
-      for (size_t d = 0; d < D; ++d) m[d] += xh[t * D + d];
-    for (size_t d = 0; d < D; ++d) m[d] = HalfToFloat(FloatToHalf(m[d] / n.T));
-    // Per-channel partial sums (the inner loop vectorizes), then their total.
+    ChannelSums(xh, n.T, D, m);
+    for (size_t d = 0; d < D; ++d) m[d] /= n.T;  // then rounded to fp16 (F16C where present)
+    uint16_t* mh = reinterpret_cast<uint16_t*>(s->dt.data());
+    FromFloat(DType::kFp16, m, D, mh);
+    ToFloat(DType::kFp16, mh, D, m);
+    // Per-channel partial sums (vectorized, the same floats as the scalar order), then totals.
     float* acc = s->l1.data();  // [5][D]
-    std::fill(acc, acc + 5 * D, 0.0f);
-    for (size_t t = 0; t < n.T; ++t) {
-      const float* row = xh + t * D;
-      const float* prev = t ? row - D : s->zeros.data();
-      for (size_t d = 0; d < D; ++d) {
-        acc[d] += std::fabs(row[d]);
-        acc[D + d] += std::fabs(row[d] - m[d]);
-        acc[2 * D + d] += std::fabs(row[d] - prev[d]);
-      }
-    }
+    HeadL1(xh, m, pc->learned ? pc->learned + h * he : nullptr,
+           pc->linear ? pc->linear + h * he : nullptr, n.T, D, acc);
     const int num_preds = pc->linear ? 5 : pc->learned ? 4 : 3;
-    if (pc->learned) {
-      const float* lh = pc->learned + h * he;
-      for (size_t i = 0; i < he; ++i) acc[3 * D + i % D] += std::fabs(xh[i] - lh[i]);
-    }
-    if (pc->linear) {
-      const float* lh = pc->linear + h * he;
-      for (size_t i = 0; i < he; ++i) acc[4 * D + i % D] += std::fabs(xh[i] - lh[i]);
-    }
+    // Channels outer: the predictors' five double chains overlap (each still sums d ascending,
+    // so the same doubles as one chain at a time).
     double l1[5] = {0, 0, 0, 0, 0};
-    for (int p = 0; p < num_preds; ++p)
-      for (size_t d = 0; d < D; ++d) l1[p] += acc[p * D + d];
+    for (size_t d = 0; d < D; ++d) {
+      l1[0] += acc[d];
+      l1[1] += acc[D + d];
+      l1[2] += acc[2 * D + d];
+      l1[3] += acc[3 * D + d];
+      l1[4] += acc[4 * D + d];
+    }
     double best = INFINITY;
     for (uint8_t p = 0; p < num_preds; ++p) {
       const double bits =
@@ -359,22 +352,28 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   s.l1.resize(5 * n.D);
   s.zero_head.assign(n.head_elems(), 0.0f);
   s.qf.resize(n.head_elems());
+  s.lin_rec.resize(n.head_elems());
   // The learned token-mean prediction of the whole block, when eligible.
-  std::vector<float> learned;
+  // (Per-thread buffers: the recursive call below for the block without codes 4 and the KLT
+  // rewrites them with the same prediction, after the last use here.)
+  std::vector<float> learned_local, residual_local;
+  float* learned = nullptr;
   if (context.learned != nullptr && context.tokens.size() == n.T &&
       (o.predictors & (1u << static_cast<int>(Predictor::kTokenMean)))) {
     if (auto st = CheckLearnedGeometry(*context.learned, g); !st.ok()) return st;
-    learned.resize(g.num_elements());
+    learned = Reused(kSlotEncLearned, g.num_elements(), &learned_local);
     context.learned->Predict(context.tokens, context.first_position, context.previous_token,
-                             learned.data());
+                             learned);
   }
   // The cross-layer linear candidate (closed loop: from the planes' reconstructions, as decoded).
-  const bool linear_ok =
-      !learned.empty() && (o.predictors & (1u << static_cast<int>(Predictor::kTokenMeanLinear)));
-  const bool klt_ok = !learned.empty() && o.klt;
-  std::vector<float> residual, linear;  // [planes][pe]: reconstruction - learned; [pe]
+  // (Only a state with linear weights needs the planes' reconstructions.)
+  const bool linear_ok = learned != nullptr && context.learned->linear_bytes() > 0 &&
+                         (o.predictors & (1u << static_cast<int>(Predictor::kTokenMeanLinear)));
+  const bool klt_ok = learned != nullptr && o.klt;
+  float* residual = nullptr;  // [planes][pe]: reconstruction - learned
+  std::vector<float> linear;  // [pe]
   if (linear_ok) {
-    residual.resize(g.num_elements());
+    residual = Reused(kSlotEncResidual, g.num_elements(), &residual_local);
     linear.resize(pe);
   }
   out->uses_learned = false;
@@ -408,20 +407,24 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   for (size_t pl = 0; pl < planes; ++pl) {
     const size_t side = pl % 2;  // K or V
     ToFloat(g.dtype, kv.data() + pl * pe * eb, pe, s.x.data());
-    if (AnyNonFinite(s.x.data(), pe))
+    // Finite iff the sum of squares is (fp16/bf16/fp32 squares cannot overflow a double): one
+    // pass for the check and the plane's energy.
+    float max_x = 0;
+    const double plane_energy = SumSquares(s.x.data(), nullptr, pe, &max_x);
+    if (!std::isfinite(plane_energy))
       return absl::FailedPreconditionError("kv: NaN or infinity (FAST profile)");
-    pc.learned = learned.empty() ? nullptr : learned.data() + pl * pe;
+    pc.learned = learned == nullptr ? nullptr : learned + pl * pe;
     pc.linear = nullptr;
     pc.klt = klt_ok ? context.learned->Klt(pl) : nullptr;
     if (linear_ok && context.learned->HasLinear(pl)) {
       std::memcpy(linear.data(), pc.learned, pe * sizeof(float));
-      context.learned->PredictLinear(
-          pl, context.first_position, n.T, residual.data() + (pl - 1) * pe,
-          pl >= 2 ? residual.data() + (pl - 2) * pe : nullptr, linear.data());
+      context.learned->PredictLinear(pl, context.first_position, n.T, residual + (pl - 1) * pe,
+                                     pl >= 2 ? residual + (pl - 2) * pe : nullptr, linear.data());
       pc.linear = linear.data();
     }
     EncodePlane(n, g.dtype, s.x.data(), o.target_rel_rms,
-                side == 0 && o.key_error == KeyError::kMeanRemoved, &pc, &s, &hint[side]);
+                side == 0 && o.key_error == KeyError::kMeanRemoved, plane_energy, max_x, &pc, &s,
+                &hint[side]);
     sse[side] += pc.sse;
     energy[side] += pc.energy;
     out->learned_saved_bits += pc.learned_saved_bits;
@@ -430,7 +433,8 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
     // Symbols and bucket offsets (none for an all-zero plane).
     zero[pl] = std::all_of(pc.q.begin(), pc.q.end(), [](int32_t v) { return v == 0; });
     if (linear_ok) {  // the decoder's reconstruction of the plane, minus the learned mean
-      std::vector<float> qf(n.head_elems()), rec(n.head_elems());
+      std::vector<float>& qf = s.qf;
+      std::vector<float>& rec = s.lin_rec;
       for (size_t h = 0; h < n.H; ++h) {
         const size_t he = n.head_elems();
         for (size_t i = 0; i < he; ++i) qf[i] = static_cast<float>(pc.q[h * he + i]);
@@ -445,7 +449,7 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
         }
         FromFloat(g.dtype, rec.data(), he, s.dt.data());
         ToFloat(g.dtype, s.dt.data(), he, rec.data());
-        float* r = residual.data() + pl * pe + h * he;
+        float* r = residual + pl * pe + h * he;
         const float* m = pc.learned + h * he;
         for (size_t i = 0; i < he; ++i) r[i] = rec[i] - m[i];
       }
@@ -456,7 +460,7 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
       const uint64_t bits_before = bits.bits();
       MapSymbols(pc.q.data(), pe, sym);
       uint32_t* const counts = plane_counts[pl].data();
-      Histogram(sym, pe, counts);
+      HistogramDirect(sym, pe, counts);
       EncodeBuckets(pc.q.data(), pe, sym, counts, &bits);
       escape_bits[pl] = bits.bits() - bits_before;
       tables[pl] = irans::NormalizeCounts(counts, irans::kMaxSymbols);
@@ -578,6 +582,15 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   pay.clear();
   const size_t nc = coded.size();
   const size_t ns = nc == 0 ? 0 : lo.num_segments(nc);
+  {  // One allocation: the tables' cost of the symbols, the lane states and the bucket bits.
+    double est = 0;
+    for (size_t pl : coded) {
+      est += irans::CostBits(tables[pl], plane_counts[pl].data(), irans::kMaxSymbols) / 8.0 +
+             escape_bits[pl] / 8.0;
+    }
+    if (std::isfinite(est))
+      pay.reserve(static_cast<size_t>(est * 1.01) + ns * (4 + 4 * lo.lanes + 64) + 64);
+  }
   pay.resize(4 * ns);
   std::vector<const irans::Table*> tp(nc);
   for (size_t c = 0; c < nc; ++c) tp[c] = &tables[coded[c]];

@@ -31,7 +31,12 @@
 // zeros over a wide range of steps), the step is halved until the plane meets it and bisected
 // back (a few more passes on such planes). Only a plane that misses at the finest step
 // (2 max|x| / 2051: a target below the dtype's resolution) is kept at that step, best effort.
-// Thread-safe: pure functions.
+// The encoder and decoder allocate nothing per plane and little per block: the prediction, the
+// symbols and the rANS words live in per-thread buffers kept between calls (up to 16 MiB each,
+// fast_residual_kernels.h Reused), the SIMD kernels are AVX2 / F16C with runtime dispatch and
+// scalar versions that give the same bytes; on Llama-3-8B-shaped blocks with a learned state the
+// step search takes 1.3 quantization passes per plane on average (bench/fast_codec_bench.md).
+// Thread-safe: pure functions (the per-thread buffers are not shared).
 #ifndef KVTRIE_CODEC_FAST_RESIDUAL_H_
 #define KVTRIE_CODEC_FAST_RESIDUAL_H_
 

@@ -48,25 +48,33 @@ absl::Status PlaneValues(const uint8_t* sym, size_t n, const PlaneInfo& pi, cons
     return pi.bits == 0 ? absl::OkStatus() : absl::DataLossError("fast residual: unused bits");
   uint64_t pos = pi.bits_at;
   const uint64_t end = pi.bits_at + pi.bits;
-  for (size_t i = 0; i < n; ++i) {
-#if defined(__SSE2__)
-    if ((i & 15) == 0 && i + 16 <= n) {  // skip 16 direct symbols at a time
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sym + i));
-      if (_mm_movemask_epi8(_mm_cmpgt_epi8(v, _mm_set1_epi8(kDirect - 1))) == 0) {
-        i += 15;
-        continue;
-      }
-    }
-#endif
-    if (sym[i] < kDirect) continue;
+  // The bucket symbols in element order: 16 at a time from a bit mask (their bits are in order).
+  auto bucket = [&](size_t i) -> bool {
     const int b = sym[i] - kDirect;
     const int nb = BucketBits(b);
-    if (end - pos < static_cast<uint64_t>(nb)) {
-      return absl::DataLossError("fast residual: bucket bits past the plane's");
-    }
+    if (end - pos < static_cast<uint64_t>(nb)) return false;
     const uint32_t z = kBucket.base[b] + ReadBits(bits, pos, nb);
     pos += nb;
     qf[i] = static_cast<float>(UnZigZag(z));
+    return true;
+  };
+  size_t i = 0;
+#if defined(__SSE2__)
+  for (; i + 16 <= n; i += 16) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sym + i));
+    for (uint32_t m = static_cast<uint32_t>(
+             _mm_movemask_epi8(_mm_cmpgt_epi8(v, _mm_set1_epi8(kDirect - 1))));
+         m != 0; m &= m - 1) {
+      if (!bucket(i + __builtin_ctz(m))) {
+        return absl::DataLossError("fast residual: bucket bits past the plane's");
+      }
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    if (sym[i] >= kDirect && !bucket(i)) {
+      return absl::DataLossError("fast residual: bucket bits past the plane's");
+    }
   }
   if (pos != end) return absl::DataLossError("fast residual: unused bucket bits");
   return absl::OkStatus();
@@ -238,11 +246,12 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
     means[i] =
         HalfToFloat(static_cast<uint8_t>(in[2 * i]) | (static_cast<uint8_t>(in[2 * i + 1]) << 8));
   }
-  std::vector<float> learned;
+  std::vector<float> learned_local;  // per-thread buffer (fast_residual_kernels.h Reused)
+  float* learned = nullptr;
   if (uses_learned) {
-    learned.resize(g.num_elements());
+    learned = Reused(kSlotDecLearned, g.num_elements(), &learned_local);
     context.learned->Predict(context.tokens, context.first_position, context.previous_token,
-                             learned.data());
+                             learned);
   }
   // Payload.
   const size_t ns = nc == 0 ? 0 : lo.num_segments(nc);
@@ -262,10 +271,17 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
   }
   std::vector<uint8_t> bits(payload.size() - seg_at[ns] + 8, 0);  // padded for ReadBits
   std::memcpy(bits.data(), payload.data() + seg_at[ns], payload.size() - seg_at[ns]);
-  std::vector<irans::DecodeTable> dtab(lo.planes_per_segment);
+  // Per-thread scratch (every element is written before it is read): no allocation or zeroing
+  // per block.
+  thread_local std::vector<irans::DecodeTable> dtab;
+  thread_local std::vector<uint8_t> symbols;
+  thread_local std::vector<float> rec, qf;
+  if (dtab.size() < lo.planes_per_segment) dtab.resize(lo.planes_per_segment);
+  if (symbols.size() < lo.planes_per_segment * pe) symbols.resize(lo.planes_per_segment * pe);
+  if (rec.size() < he) rec.resize(he);
+  if (qf.size() < pe) qf.resize(pe);
   std::vector<const irans::DecodeTable*> dtp(lo.planes_per_segment);
-  std::vector<uint8_t> symbols(lo.planes_per_segment * pe);
-  std::vector<float> rec(he), qf(pe), zeros(n.D, 0.0f), klt_scratch(n.D);
+  std::vector<float> zeros(n.D, 0.0f), klt_scratch(n.D);
   // With a linear head, planes are reconstructed in plane order after every symbol is decoded
   // (plane p's prediction needs planes p-1 and p-2): q of every plane, the residuals.
   std::vector<float> all_q, residual, linear;
@@ -281,7 +297,7 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
     bool lin = false;
     for (size_t h = 0; h < n.H; ++h) lin |= preds[pi.preds + h] == kPredLinear;
     if (lin) {
-      std::memcpy(linear.data(), learned.data() + pl * pe, pe * sizeof(float));
+      std::memcpy(linear.data(), learned + pl * pe, pe * sizeof(float));
       context.learned->PredictLinear(
           pl, context.first_position, n.T, residual.data() + (pl - 1) * pe,
           pl >= 2 ? residual.data() + (pl - 2) * pe : nullptr, linear.data());
@@ -289,7 +305,7 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
     for (size_t h = 0; h < n.H; ++h) {
       const uint8_t pr = preds[pi.preds + h];
       const float* m = pr == kPredMean     ? means.data() + (mean_i++) * n.D
-                       : pr == kPredToken  ? learned.data() + pl * pe + h * he
+                       : pr == kPredToken  ? learned + pl * pe + h * he
                        : pr == kPredLinear ? linear.data() + h * he
                                            : zeros.data();
       if (klt_plane[pl] && pr >= kPredToken) {
@@ -303,7 +319,7 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
       if (!uses_linear) continue;
       ToFloat(g.dtype, o, he, rec.data());
       float* r = residual.data() + pl * pe + h * he;
-      const float* lm = learned.data() + pl * pe + h * he;
+      const float* lm = learned + pl * pe + h * he;
       for (size_t i = 0; i < he; ++i) r[i] = rec[i] - lm[i];
     }
   };
@@ -332,7 +348,7 @@ absl::Status DecodeFastResidual(const BlockGeometry& g, absl::string_view params
   if (uses_linear) {
     for (size_t pl = 0; pl < planes; ++pl) reconstruct(pl, all_q.data() + pl * pe);
   } else if (nc < planes) {
-    std::fill(qf.begin(), qf.end(), 0.0f);
+    std::fill(qf.begin(), qf.begin() + pe, 0.0f);
     for (size_t pl = 0; pl < planes; ++pl)
       if (zero[pl]) reconstruct(pl, qf.data());
   }

@@ -16,11 +16,71 @@ namespace kvtrie {
 namespace internal {
 namespace fast {
 // sym[i] = ZigZag(q[i]) when < kDirect, else kNoSymbol (vectorizes).
+#ifdef KVTRIE_FAST_AVX2
+// ZigZag of 8, or all ones (-1, which packs to 255 = kNoSymbol) where z >= kDirect.
+__attribute__((target("avx2"))) inline __m256i Symbols8(const int32_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i z = _mm256_xor_si256(_mm256_slli_epi32(v, 1), _mm256_srai_epi32(v, 31));
+  return _mm256_or_si256(z, _mm256_cmpgt_epi32(z, _mm256_set1_epi32(kDirect - 1)));
+}
+// 32 at a time (values in [0, kDirect) or -1 survive both signed packs); returns how many.
+__attribute__((target("avx2"))) size_t MapSymbolsAvx2(const int32_t* q, size_t n, uint8_t* sym) {
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  size_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m256i a = _mm256_packs_epi32(Symbols8(q + i), Symbols8(q + i + 8));
+    const __m256i b = _mm256_packs_epi32(Symbols8(q + i + 16), Symbols8(q + i + 24));
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sym + i), bytes);
+  }
+  return i;
+}
+#endif
+
 void MapSymbols(const int32_t* __restrict q, size_t n, uint8_t* __restrict sym) {
-  for (size_t i = 0; i < n; ++i) {
+  size_t i = 0;
+#ifdef KVTRIE_FAST_AVX2
+  if (irans::HasAvx2()) i = MapSymbolsAvx2(q, n, sym);
+#endif
+  for (; i < n; ++i) {
     const uint32_t z = ZigZag(q[i]);
     sym[i] = z < static_cast<uint32_t>(kDirect) ? static_cast<uint8_t>(z) : kNoSymbol;
   }
+}
+
+#ifdef KVTRIE_FAST_AVX2
+// counts[s] for s < kDirect of 32 bytes at a time: one byte counter per value and position,
+// folded every 255 steps (before they wrap). Returns how many bytes it counted.
+__attribute__((target("avx2"))) size_t HistogramDirectAvx2(const uint8_t* sym, size_t n,
+                                                           uint32_t* counts) {
+  size_t i = 0;
+  while (i + 32 <= n) {
+    __m256i c[kDirect];
+    for (int v = 0; v < kDirect; ++v) c[v] = _mm256_setzero_si256();
+    for (int k = 0; k < 255 && i + 32 <= n; ++k, i += 32) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sym + i));
+      for (int v = 0; v < kDirect; ++v)
+        c[v] = _mm256_sub_epi8(c[v], _mm256_cmpeq_epi8(b, _mm256_set1_epi8(static_cast<char>(v))));
+    }
+    for (int v = 0; v < kDirect; ++v) {
+      alignas(32) uint64_t sums[4];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(sums),
+                         _mm256_sad_epu8(c[v], _mm256_setzero_si256()));
+      counts[v] += static_cast<uint32_t>(sums[0] + sums[1] + sums[2] + sums[3]);
+    }
+  }
+  return i;
+}
+#endif
+
+void HistogramDirect(const uint8_t* __restrict sym, size_t n, uint32_t* __restrict counts) {
+  std::fill(counts, counts + irans::kMaxSymbols, 0u);
+  size_t i = 0;
+#ifdef KVTRIE_FAST_AVX2
+  if (irans::HasAvx2()) i = HistogramDirectAvx2(sym, n, counts);
+#endif
+  for (; i < n; ++i)
+    if (sym[i] < kDirect) ++counts[sym[i]];
 }
 
 // counts[s] = occurrences of s < kMaxSymbols (kNoSymbol is not counted). Four copies: no
@@ -42,8 +102,10 @@ void Histogram(const uint8_t* __restrict sym, size_t n, uint32_t* __restrict cou
 // element order.
 void EncodeBucket(const int32_t* q, size_t i, uint8_t* sym, uint32_t* counts, BitWriter* bits) {
   const uint32_t z = ZigZag(q[i]);
-  int b = 0;
-  while (z >= kBucket.base[b + 1]) ++b;
+  // base[2k] = 8 + 2^(k+2), base[2k+1] = 8 + 3 * 2^(k+1): from z - 8's top two bits.
+  const uint32_t y = z - 8;
+  const int top = 31 - __builtin_clz(y);
+  const int b = 2 * (top - 2) + static_cast<int>((y >> (top - 1)) & 1);
   sym[i] = static_cast<uint8_t>(kDirect + b);
   ++counts[sym[i]];
   bits->Put(z - kBucket.base[b], BucketBits(b));
@@ -122,6 +184,84 @@ double SumSquares(const float* a, const float* b, size_t n, float* max_abs) {
   if (irans::HasAvx2()) return SumSquaresAvx2(a, b, n, max_abs);
 #endif
   return SumSquaresScalar(a, b, n, max_abs);
+}
+
+namespace {
+// Scalar: the reference order (per channel, tokens ascending).
+void ChannelSumsScalar(const float* x, size_t T, size_t D, float* sum) {
+  for (size_t t = 0; t < T; ++t)
+    for (size_t d = 0; d < D; ++d) sum[d] += x[t * D + d];
+}
+void HeadL1Scalar(const float* x, const float* mean, const float* learned, const float* linear,
+                  size_t T, size_t D, float* acc) {
+  std::fill(acc, acc + 5 * D, 0.0f);
+  for (size_t t = 0; t < T; ++t) {
+    const float* row = x + t * D;
+    for (size_t d = 0; d < D; ++d) {
+      acc[d] += std::fabs(row[d]);
+      acc[D + d] += std::fabs(row[d] - mean[d]);
+      acc[2 * D + d] += std::fabs(t ? row[d] - row[d - D] : row[d] - 0.0f);
+      if (learned) acc[3 * D + d] += std::fabs(row[d] - learned[t * D + d]);
+      if (linear) acc[4 * D + d] += std::fabs(row[d] - linear[t * D + d]);
+    }
+  }
+}
+
+#ifdef KVTRIE_FAST_AVX2
+__attribute__((target("avx2"))) void ChannelSumsAvx2(const float* x, size_t T, size_t D,
+                                                     float* sum) {
+  for (size_t d = 0; d < D; d += 8) {
+    __m256 a = _mm256_loadu_ps(sum + d);
+    for (size_t t = 0; t < T; ++t) a = _mm256_add_ps(a, _mm256_loadu_ps(x + t * D + d));
+    _mm256_storeu_ps(sum + d, a);
+  }
+}
+// REQUIRES: D % 8 == 0. Registers hold 8 channels of the five sums over every token.
+__attribute__((target("avx2"))) void HeadL1Avx2(const float* x, const float* mean,
+                                                const float* learned, const float* linear, size_t T,
+                                                size_t D, float* acc) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (size_t d = 0; d < D; d += 8) {
+    const __m256 m = _mm256_loadu_ps(mean + d);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, prev = a0;
+    for (size_t t = 0; t < T; ++t) {
+      const __m256 v = _mm256_loadu_ps(x + t * D + d);
+      a0 = _mm256_add_ps(a0, _mm256_andnot_ps(sign, v));
+      a1 = _mm256_add_ps(a1, _mm256_andnot_ps(sign, _mm256_sub_ps(v, m)));
+      a2 = _mm256_add_ps(a2, _mm256_andnot_ps(sign, _mm256_sub_ps(v, prev)));
+      prev = v;
+      if (learned) {
+        const __m256 e = _mm256_sub_ps(v, _mm256_loadu_ps(learned + t * D + d));
+        a3 = _mm256_add_ps(a3, _mm256_andnot_ps(sign, e));
+      }
+      if (linear) {
+        const __m256 e = _mm256_sub_ps(v, _mm256_loadu_ps(linear + t * D + d));
+        a4 = _mm256_add_ps(a4, _mm256_andnot_ps(sign, e));
+      }
+    }
+    _mm256_storeu_ps(acc + d, a0);
+    _mm256_storeu_ps(acc + D + d, a1);
+    _mm256_storeu_ps(acc + 2 * D + d, a2);
+    _mm256_storeu_ps(acc + 3 * D + d, a3);
+    _mm256_storeu_ps(acc + 4 * D + d, a4);
+  }
+}
+#endif
+}  // namespace
+
+void ChannelSums(const float* x, size_t T, size_t D, float* sum) {
+#ifdef KVTRIE_FAST_AVX2
+  if (D % 8 == 0 && irans::HasAvx2()) return ChannelSumsAvx2(x, T, D, sum);
+#endif
+  ChannelSumsScalar(x, T, D, sum);
+}
+
+void HeadL1(const float* x, const float* mean, const float* learned, const float* linear, size_t T,
+            size_t D, float* acc) {
+#ifdef KVTRIE_FAST_AVX2
+  if (D % 8 == 0 && irans::HasAvx2()) return HeadL1Avx2(x, mean, learned, linear, T, D, acc);
+#endif
+  HeadL1Scalar(x, mean, learned, linear, T, D, acc);
 }
 
 // Closed-loop quantization of one head [T][D] with predictor `pred`.

@@ -11,12 +11,31 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "codec/rans_interleaved.h"
 
 namespace kvtrie {
 namespace internal {
 namespace fast {
+
+// Per-thread scratch of `n` floats (or bytes) that outlives the call: no allocation, zeroing
+// or page faults per block. `slot` names the buffer (each caller its own, see kSlot*); contents
+// are unspecified on entry. Buffers of more than kMaxReused bytes are not kept (returned as a
+// fresh vector in `local`, which must outlive the use). Not reentrant per slot.
+enum ReusedSlot { kSlotEncLearned, kSlotEncResidual, kSlotDecLearned, kNumSlots };
+inline constexpr size_t kMaxReused = 16u << 20;  // a Llama-3-70B block of floats fits
+template <typename T>
+T* Reused(ReusedSlot slot, size_t n, std::vector<T>* local) {
+  if (n * sizeof(T) > kMaxReused) {
+    local->resize(n);
+    return local->data();
+  }
+  thread_local std::vector<T> kept[kNumSlots];
+  std::vector<T>& v = kept[slot];
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
 
 // Symbols: ZigZag values z < kDirect are a symbol each; larger ones fall in one of kBuckets
 // buckets, two per octave (bucket b holds 2^(b / 2 + 1) values from kBucketBase[b]), coded as the
@@ -47,15 +66,18 @@ class BitWriter {
     acc_ |= static_cast<uint64_t>(v) << fill_;
     fill_ += n;
     total_ += n;
-    while (fill_ >= 8) {
-      bytes_.push_back(static_cast<char>(acc_));
-      acc_ >>= 8;
-      fill_ -= 8;
+    if (fill_ >= 32) {  // four bytes at once (n <= 32, so fill_ < 64)
+      const char b[4] = {static_cast<char>(acc_), static_cast<char>(acc_ >> 8),
+                         static_cast<char>(acc_ >> 16), static_cast<char>(acc_ >> 24)};
+      bytes_.append(b, 4);
+      acc_ >>= 32;
+      fill_ -= 32;
     }
   }
   uint64_t bits() const { return total_; }
   void Finish(std::string* out) {
-    if (fill_ > 0) bytes_.push_back(static_cast<char>(acc_));
+    for (; fill_ > 0; fill_ -= 8, acc_ >>= 8) bytes_.push_back(static_cast<char>(acc_));
+    fill_ = 0;
     out->append(bytes_);
   }
 
@@ -85,6 +107,9 @@ inline uint32_t ReadBits(const uint8_t* s, uint64_t pos, int n) {
 void MapSymbols(const int32_t* __restrict q, size_t n, uint8_t* __restrict sym);
 // counts[s] = occurrences of s < irans::kMaxSymbols in sym (kNoSymbol is not counted).
 void Histogram(const uint8_t* __restrict sym, size_t n, uint32_t* __restrict counts);
+// Histogram of MapSymbols' output (every sym < kDirect or kNoSymbol; counts[kDirect..] = 0),
+// AVX2 where available; the same counts.
+void HistogramDirect(const uint8_t* __restrict sym, size_t n, uint32_t* __restrict counts);
 // Replaces every kNoSymbol by its bucket's symbol, counts it and writes its offset bits, in
 // element order.
 void EncodeBuckets(const int32_t* q, size_t n, uint8_t* sym, uint32_t* counts, BitWriter* bits);
@@ -92,6 +117,16 @@ void EncodeBuckets(const int32_t* q, size_t n, uint8_t* sym, uint32_t* counts, B
 bool AnyNonFinite(const float* x, size_t n);
 // Sum of squares in double and the largest magnitude: of a[i] (b == nullptr) or a[i] - b[i].
 double SumSquares(const float* a, const float* b, size_t n, float* max_abs);
+// The encoder's per-channel L1 sums of head x [T][D] for the predictor choice: sum[d] += x[t][d]
+// (the channel sums, for the means), acc[0][d] = sum |x|, acc[1][d] = sum |x - mean|,
+// acc[2][d] = sum |x - x of the previous token| (token 0 against 0), acc[3][d] = sum
+// |x - learned| and acc[4][d] = sum |x - linear| (learned, linear [T][D] or null: the row is
+// left alone). `acc` is [5][D], overwritten; every channel sums its tokens in order, so the
+// AVX2 and scalar versions give the same floats. ChannelSums adds the column sums into sum.
+void ChannelSums(const float* x, size_t T, size_t D, float* sum);
+void HeadL1(const float* x, const float* mean, const float* learned, const float* linear, size_t T,
+            size_t D, float* acc);
+
 // Closed-loop quantization of one head [T][D] with predictor `pred` (kPred*): q and x'.
 void QuantizeHead(const float* x, size_t T, size_t D, uint8_t pred, const float* mean,
                   const float* zeros, float step, float dz, int32_t* q, float* rec);

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "codec/block_codec.h"
+#include "codec/fast_residual_kernels.h"
 #include "codec/rans_interleaved.h"
 #include "codec/testing_blocks.h"
 #include "gtest/gtest.h"
@@ -230,6 +231,57 @@ TEST(FastResidual, MalformedParamsAndPayloadAreDataLoss) {
             .code(),
         absl::StatusCode::kDataLoss);
   }
+}
+
+// The encoder's SIMD kernels (AVX2 where D % 8 == 0 and n >= 32, scalar otherwise) give exactly
+// the reference loops' results, so the predictor choices and bytes do not depend on the path.
+TEST(FastResidual, EncoderKernelsMatchTheReferenceLoopsBitForBit) {
+  using namespace internal::fast;  // NOLINT
+  for (size_t D : {8, 12, 128}) {
+    const size_t T = 16, he = T * D;
+    std::vector<float> x(he), mean(D), learned(he), linear(he);
+    uint32_t seed = 7;
+    auto next = [&] {
+      seed = seed * 1664525u + 1013904223u;
+      return static_cast<float>(static_cast<int32_t>(seed >> 8) - (1 << 23)) / (1 << 20);
+    };
+    for (float& v : x) v = next();
+    for (float& v : mean) v = next();
+    for (float& v : learned) v = next();
+    for (float& v : linear) v = next();
+    std::vector<float> acc(5 * D), sums(D, 0.5f), ref_sums(D, 0.5f), ref(5 * D, 0.0f);
+    ChannelSums(x.data(), T, D, sums.data());
+    HeadL1(x.data(), mean.data(), learned.data(), linear.data(), T, D, acc.data());
+    for (size_t t = 0; t < T; ++t) {
+      for (size_t d = 0; d < D; ++d) {
+        const float v = x[t * D + d];
+        ref_sums[d] += v;
+        ref[d] += std::fabs(v);
+        ref[D + d] += std::fabs(v - mean[d]);
+        ref[2 * D + d] += std::fabs(v - (t ? x[(t - 1) * D + d] : 0.0f));
+        ref[3 * D + d] += std::fabs(v - learned[t * D + d]);
+        ref[4 * D + d] += std::fabs(v - linear[t * D + d]);
+      }
+    }
+    EXPECT_EQ(sums, ref_sums) << "D " << D;
+    EXPECT_EQ(acc, ref) << "D " << D;
+  }
+  // Symbols and their histogram, with every value class (direct, bucket, negative) and a tail.
+  const size_t n = 32 * 300 + 13;  // > 255 steps of 32: the byte counters fold
+  std::vector<int32_t> q(n);
+  for (size_t i = 0; i < n; ++i) q[i] = static_cast<int32_t>((i * 2654435761u) % 41) - 20;
+  std::vector<uint8_t> sym(n);
+  MapSymbols(q.data(), n, sym.data());
+  uint32_t counts[irans::kMaxSymbols], ref_counts[irans::kMaxSymbols] = {};
+  HistogramDirect(sym.data(), n, counts);
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t z = (static_cast<uint32_t>(q[i]) << 1) ^ static_cast<uint32_t>(q[i] >> 31);
+    const uint8_t want = z < static_cast<uint32_t>(kDirect) ? static_cast<uint8_t>(z) : kNoSymbol;
+    ASSERT_EQ(sym[i], want) << "element " << i;
+    if (want != kNoSymbol) ++ref_counts[want];
+  }
+  for (int k = 0; k < irans::kMaxSymbols; ++k)
+    EXPECT_EQ(counts[k], ref_counts[k]) << "symbol " << k;
 }
 
 }  // namespace

@@ -274,10 +274,6 @@ class State final : public PredictorState {
   void Emit(const std::vector<const uint16_t*>& rows, uint32_t first_position, float* out) const {
     const BlockGeometry& g = d_.geometry;
     const size_t T = rows.size(), D = g.head_dim, H = g.num_kv_heads, P = D / 2;
-    // The tokens' fp16 vectors as floats, [T][V] (exact), then laid out per (layer, K/V, head).
-    thread_local std::vector<float> gathered;
-    gathered.resize(T * V_);
-    for (size_t t = 0; t < T; ++t) ToFloat(DType::kFp16, rows[t], V_, gathered.data() + t * V_);
     std::vector<float> cs, sn;
     if (d_.rope_code != 0) {
       cs.resize(T * P);
@@ -298,19 +294,16 @@ class State final : public PredictorState {
           const size_t off = ((l * 2 + kv) * H + h) * D;
           float* o = out + off * T;
           for (size_t t = 0; t < T; ++t, o += D) {
-            const float* m = gathered.data() + t * V_ + off;
-            if (kv == 1 || d_.rope_code == 0) {
-              std::memcpy(o, m, D * sizeof(float));
-              continue;
-            }
+            // The token's fp16 vector as floats (exact), straight into place (one pass).
+            ToFloat(DType::kFp16, rows[t] + off, D, o);
+            if (kv == 1 || d_.rope_code == 0) continue;
             const float* c = cs.data() + t * P;
             const float* s = sn.data() + t * P;
             for (size_t i = 0; i < P; ++i) {
-              const float a = m[2 * i], b = m[2 * i + 1];
+              const float a = o[2 * i], b = o[2 * i + 1];
               o[2 * i] = c[i] * a - s[i] * b;
               o[2 * i + 1] = s[i] * a + c[i] * b;
             }
-            if (D % 2) o[D - 1] = m[D - 1];
           }
         }
       }

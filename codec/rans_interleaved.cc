@@ -162,11 +162,10 @@ namespace {
 #ifdef KVTRIE_IRANS_AVX2
 // The encoder's per-symbol values, one array per field for AVX2 gathers.
 struct EncTable {
-  alignas(32) uint32_t x_max[kMaxSymbols];
-  alignas(32) uint32_t freq[kMaxSymbols];
-  alignas(32) uint32_t start[kMaxSymbols];
-  alignas(32) float inv[kMaxSymbols];  // 1 / freq, rounded: q within 1 of floor(x / freq)
+  alignas(32) uint32_t freq_start[kMaxSymbols];  // freq | start << 16 (x_max = freq << 20)
+  alignas(32) float inv[kMaxSymbols];            // 1 / freq, rounded: q within 1 of floor(x / freq)
 };
+static_assert(kMaxSymbols == 32, "EncodeAvx2 looks symbols up in four 8-entry registers");
 
 // compress[m][j]: the lanes of mask m in increasing order, in the top popcount(m) positions.
 struct CompressTable {
@@ -188,6 +187,17 @@ const CompressTable& Compress() {
 
 // The scalar encoder's loop, 8 lanes per AVX2 register (lanes % 8 == 0): the same states and the
 // same words in the same order. Writes may reach 8 words below *wp (the buffer has that slack).
+// v[idx] for idx < 32 from four 8-entry registers (bit3, bit4: idx's bits 3, 4 in the sign).
+__attribute__((target("avx2"))) inline __m256 Lookup32(const uint32_t* v, __m256i idx, __m256 bit3,
+                                                       __m256 bit4) {
+  const __m256i* r = reinterpret_cast<const __m256i*>(v);
+  const __m256 a = _mm256_castsi256_ps(_mm256_permutevar8x32_epi32(_mm256_load_si256(r), idx));
+  const __m256 b = _mm256_castsi256_ps(_mm256_permutevar8x32_epi32(_mm256_load_si256(r + 1), idx));
+  const __m256 c = _mm256_castsi256_ps(_mm256_permutevar8x32_epi32(_mm256_load_si256(r + 2), idx));
+  const __m256 d = _mm256_castsi256_ps(_mm256_permutevar8x32_epi32(_mm256_load_si256(r + 3), idx));
+  return _mm256_blendv_ps(_mm256_blendv_ps(a, b, bit3), _mm256_blendv_ps(c, d, bit3), bit4);
+}
+
 __attribute__((target("avx2,popcnt"))) void EncodeAvx2(const uint8_t* symbols, size_t n, int lanes,
                                                        size_t run, const EncTable* tables,
                                                        uint32_t* x, uint16_t** wpp) {
@@ -207,23 +217,27 @@ __attribute__((target("avx2,popcnt"))) void EncodeAvx2(const uint8_t* symbols, s
     for (int g = groups; g-- > 0;) {
       const __m256i idx = _mm256_cvtepu8_epi32(
           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(symbols + i0 + 8 * g)));
-      const __m256i x_max = _mm256_i32gather_epi32(reinterpret_cast<const int*>(t.x_max), idx, 4);
-      const __m256i freq = _mm256_i32gather_epi32(reinterpret_cast<const int*>(t.freq), idx, 4);
-      const __m256i start = _mm256_i32gather_epi32(reinterpret_cast<const int*>(t.start), idx, 4);
-      const __m256 inv = _mm256_i32gather_ps(t.inv, idx, 4);
+      // 32-entry lookups from four registers each (symbols < 32): no gathers.
+      const __m256 bit3 = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));
+      const __m256 bit4 = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 27));
+      const __m256i fs = _mm256_castps_si256(Lookup32(t.freq_start, idx, bit3, bit4));
+      const __m256i freq = _mm256_and_si256(fs, _mm256_set1_epi32(0xffff));
+      const __m256i start = _mm256_srli_epi32(fs, 16);
+      const __m256i x_max = _mm256_slli_epi32(freq, 32 - kScaleBits);
+      const __m256 inv = Lookup32(reinterpret_cast<const uint32_t*>(t.inv), idx, bit3, bit4);
       __m256i s = xs[g];
       const __m256i emit = _mm256_cmpeq_epi32(_mm256_max_epu32(s, x_max), s);  // s >= x_max
+      // Branch-free (some lane of 8 emits about 4 times in 5: a branch mispredicts often): the
+      // 8 words are stored below wp either way and wp moves by the number of emitting lanes.
       const int m = _mm256_movemask_ps(_mm256_castsi256_ps(emit));
-      if (m != 0) {
-        const __m256i moved = _mm256_permutevar8x32_epi32(
-            s, _mm256_load_si256(reinterpret_cast<const __m256i*>(ct.v[m])));
-        const __m256i w = _mm256_shuffle_epi8(moved, low16);
-        _mm_storeu_si128(
-            reinterpret_cast<__m128i*>(wp - 8),
-            _mm_unpacklo_epi64(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
-        wp -= __builtin_popcount(m);
-        s = _mm256_blendv_epi8(s, _mm256_srli_epi32(s, 16), emit);
-      }
+      const __m256i moved = _mm256_permutevar8x32_epi32(
+          s, _mm256_load_si256(reinterpret_cast<const __m256i*>(ct.v[m])));
+      const __m256i w = _mm256_shuffle_epi8(moved, low16);
+      _mm_storeu_si128(
+          reinterpret_cast<__m128i*>(wp - 8),
+          _mm_unpacklo_epi64(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+      wp -= __builtin_popcount(m);
+      s = _mm256_blendv_epi8(s, _mm256_srli_epi32(s, 16), emit);
       // q = floor(s / freq): s < freq << 20 here, so the float estimate is within 1.
       const __m256 sf = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(s, 1)), two);
       __m256i q = _mm256_cvttps_epi32(_mm256_mul_ps(sf, inv));
@@ -270,9 +284,7 @@ void EncodeSegment(absl::Span<const uint8_t> symbols, int lanes, size_t run,
     for (size_t t = 0; t < tables.size(); ++t) {
       const EncSymbol* e = enc.data() + t * kMaxSymbols;
       for (int k = 0; k < kMaxSymbols; ++k) {
-        soa[t].x_max[k] = e[k].x_max;
-        soa[t].freq[k] = e[k].freq;
-        soa[t].start[k] = e[k].start;
+        soa[t].freq_start[k] = e[k].freq | e[k].start << 16;
         soa[t].inv[k] = e[k].freq ? 1.0f / static_cast<float>(e[k].freq) : 0.0f;
       }
     }
