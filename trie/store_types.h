@@ -43,6 +43,13 @@ struct PredictorOptions {
   uint64_t queue_bytes = 64ull << 20;
 };
 
+// How much of a client-encoded Put block (PutSession::AddEncodedBlock) the store checks.
+enum class VerifyEncoded : uint8_t {
+  kStructure = 0,  // codec/block_verify.h: CRC, geometry, encoding, every length and lane bound
+  kSample = 1,     // ... and decodes one block in 8 (block_index % 8 == 0)
+  kAll = 2,        // ... and decodes every block
+};
+
 struct StoreOptions {
   std::string data_dir;  // created if missing
   bool sync = false;     // fsync the WAL before acknowledging a write
@@ -52,6 +59,7 @@ struct StoreOptions {
   uint64_t max_put_bytes = 256ull << 20;
   uint64_t max_inflight_put_bytes = 1ull << 30;
   EncodeOptions default_encoding;  // used when a Put does not name one
+  VerifyEncoded verify_encoded_puts = VerifyEncoded::kStructure;
   // Threads that encode Put blocks as they arrive (trie/put_session.h); 0 = on each stream's
   // own thread.
   int codec_threads = 0;
