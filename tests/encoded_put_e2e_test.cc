@@ -163,10 +163,12 @@ TEST_F(EncodedPutEndToEnd, AnEncodedPutStoresWhatADensePutStoresAndReadsBackTheS
         FastHeader(genesis_, c.ns, kBlocks * 16, static_cast<v1::Encoding>(c.encoding));
     std::vector<v1::PutRequest> msgs = {Msg(header)};
     std::vector<std::string> sent;
+    std::vector<double> errors_k;
     for (uint32_t i = 0; i < kBlocks; ++i) {
       const EncodedBlock e = EncodeOf(genesis_, i, Fast(c.encoding), c.state);
       if (c.state != nullptr && i > 0) EXPECT_EQ(e.predictor_version, 1u) << i;
       sent.push_back(e.bytes);
+      errors_k.push_back(e.rel_rms_error_k);
       msgs.push_back(EncodedMsg(i, e));
     }
     msgs.push_back(Commit());
@@ -181,9 +183,17 @@ TEST_F(EncodedPutEndToEnd, AnEncodedPutStoresWhatADensePutStoresAndReadsBackTheS
     absl::StatusOr<KvDump> encoded_res =
         c.client->Get(genesis_.model_id, tokens, {.mode = v1::GET_MODE_RESIDUAL});
     ASSERT_TRUE(encoded_rec.ok() && encoded_res.ok());
-    // Inspect shows the client's error, marked as reported by it.
+    // Inspect and Stats show the client's error, marked as reported by it.
     absl::StatusOr<v1::LookupResponse> look = c.client->Lookup(genesis_.model_id, tokens);
     ASSERT_TRUE(look.ok() && look->node_ids_size() == static_cast<int>(kBlocks));
+    absl::StatusOr<v1::InspectResponse> node =
+        c.client->Inspect(genesis_.model_id, look->node_ids(5));
+    ASSERT_TRUE(node.ok()) << node.status();
+    EXPECT_TRUE(node->node().error_client_reported());
+    EXPECT_FLOAT_EQ(node->node().rel_rms_error_k(), errors_k[5]);
+    absl::StatusOr<v1::StatsResponse> stats = c.client->Stats();
+    ASSERT_TRUE(stats.ok());
+    EXPECT_EQ(stats->client_reported_error_nodes(), kBlocks);
     ASSERT_TRUE(c.client->Delete(genesis_.model_id, first).ok());
 
     // The same blocks dense, encoded by the server against the same state.
@@ -200,6 +210,12 @@ TEST_F(EncodedPutEndToEnd, AnEncodedPutStoresWhatADensePutStoresAndReadsBackTheS
     EXPECT_TRUE(dense_rec->k == encoded_rec->k && dense_rec->v == encoded_rec->v);
     EXPECT_TRUE(dense_res->k == encoded_res->k && dense_res->v == encoded_res->v);
     EXPECT_TRUE(dense_res->k == dense_rec->k && dense_res->v == dense_rec->v);
+    look = c.client->Lookup(genesis_.model_id, tokens);
+    ASSERT_TRUE(look.ok() && look->node_ids_size() == static_cast<int>(kBlocks));
+    node = c.client->Inspect(genesis_.model_id, look->node_ids(5));
+    ASSERT_TRUE(node.ok()) << node.status();
+    EXPECT_FALSE(node->node().error_client_reported());  // measured by the server
+    EXPECT_FLOAT_EQ(node->node().rel_rms_error_k(), errors_k[5]);
     ASSERT_TRUE(c.client->Delete(genesis_.model_id, first).ok());
   }
 }

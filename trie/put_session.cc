@@ -354,7 +354,7 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
       if (p.encoded != nullptr) {
         if (!p.encoded->ok()) return p.encoded->status();
         blocks.push_back({b, **p.encoded, p.client_encoded ? p.client_encoding : encode_.encoding,
-                          0, (**p.encoded)->predictor_version});
+                          0, (**p.encoded)->predictor_version, p.client_encoded});
         continue;
       }
       const auto kv =

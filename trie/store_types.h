@@ -167,6 +167,7 @@ struct NodeView {
   uint64_t hits = 0;
   uint64_t reference_node_id = 0;         // the centroid this block is a residual of (0 = none)
   uint32_t predictor_version = 0;         // the learned state it was coded against (0 = none)
+  bool error_client_reported = false;     // rel_rms_error_* came from the client that encoded it
   uint32_t dependents = 0;                // blocks stored as residuals of this one
   double distance_to_reference_bits = 0;  // trie distance to the centroid (bits)
 };
@@ -206,6 +207,7 @@ struct StoreStats {
   double sum_rel_rms_error_k = 0;  // over lossy nodes
   double sum_rel_rms_error_v = 0;
   double max_rel_rms_error = 0;
+  uint64_t client_reported_error_nodes = 0;  // of the nodes: error reported by the client
   // Counters since this process started.
   uint64_t blocks_stored = 0;
   uint64_t blocks_deduplicated = 0;
