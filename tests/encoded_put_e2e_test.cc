@@ -166,7 +166,9 @@ TEST_F(EncodedPutEndToEnd, AnEncodedPutStoresWhatADensePutStoresAndReadsBackTheS
     std::vector<double> errors_k;
     for (uint32_t i = 0; i < kBlocks; ++i) {
       const EncodedBlock e = EncodeOf(genesis_, i, Fast(c.encoding), c.state);
-      if (c.state != nullptr && i > 0) EXPECT_EQ(e.predictor_version, 1u) << i;
+      if (c.state != nullptr && i > 0) {
+        EXPECT_EQ(e.predictor_version, 1u) << i;
+      }
       sent.push_back(e.bytes);
       errors_k.push_back(e.rel_rms_error_k);
       msgs.push_back(EncodedMsg(i, e));
@@ -218,6 +220,39 @@ TEST_F(EncodedPutEndToEnd, AnEncodedPutStoresWhatADensePutStoresAndReadsBackTheS
     EXPECT_FLOAT_EQ(node->node().rel_rms_error_k(), errors_k[5]);
     ASSERT_TRUE(c.client->Delete(genesis_.model_id, first).ok());
   }
+}
+
+TEST_F(EncodedPutEndToEnd, AClientThatEncodesStoresWhatTheServerWouldEncode) {
+  auto a = NewClient("a");
+  ASSERT_NO_FATAL_FAILURE(PutAndWaitForFits(a.get(), gpl_, 1));
+  PutOptions o{.encoding = v1::ENCODING_RESIDUAL,
+               .target_rel_rms = kTarget,
+               .profile = v1::EncodingSpec::PROFILE_FAST,
+               .encode_on_client = true};
+  absl::StatusOr<v1::PutResponse> put = a->Put(genesis_, o);
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->blocks_stored(), 32u);
+  const std::vector<std::string> encoded = StoredBytes(a.get(), "a", genesis_, 32);
+  absl::StatusOr<v1::StatsResponse> stats = a->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->client_reported_error_nodes(), 32u);
+  EXPECT_GT(stats->blocks_on_learned(), 0u);  // coded against version 1
+  absl::StatusOr<KvDump> got = a->Get(genesis_.model_id, genesis_.token_ids);
+  ASSERT_TRUE(got.ok()) << got.status();
+  const std::vector<uint32_t> first(genesis_.token_ids.begin(), genesis_.token_ids.begin() + 16);
+  ASSERT_TRUE(a->Delete(genesis_.model_id, first).ok());
+  o.encode_on_client = false;
+  ASSERT_TRUE(a->Put(genesis_, o).ok());
+  EXPECT_EQ(StoredBytes(a.get(), "a", genesis_, 32), encoded);
+  absl::StatusOr<KvDump> dense = a->Get(genesis_.model_id, genesis_.token_ids);
+  ASSERT_TRUE(dense.ok()) << dense.status();
+  EXPECT_TRUE(dense->k == got->k && dense->v == got->v);
+  // What the client cannot encode is named.
+  o.encode_on_client = true;
+  o.profile = v1::EncodingSpec::PROFILE_COMPACT;
+  absl::StatusOr<v1::PutResponse> compact = a->Put(genesis_, o);
+  EXPECT_TRUE(absl::IsInvalidArgument(compact.status())) << compact.status();
+  EXPECT_NE(compact.status().message().find("encode_on_client"), absl::string_view::npos);
 }
 
 TEST_F(EncodedPutEndToEnd, EveryWrongFieldGetsItsStatusStoresNothingAndChangesNothing) {
