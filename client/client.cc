@@ -12,6 +12,7 @@
 
 #include "absl/base/config.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "client/get_wire.h"
 #include "client/packed_tokens.h"
 #include "client/put_encode.h"
@@ -202,6 +203,15 @@ std::unique_ptr<grpc::ClientContext> Client::NewContext() const {
   return ctx;
 }
 
+template <typename Call>
+absl::Status Client::RetryRead(Call&& call) {
+  for (int attempt = 1;; ++attempt) {
+    absl::Status s = call();
+    if (s.ok() || !RetryableReadCode(s.code()) || attempt >= options_.retry.max_attempts) return s;
+    absl::SleepFor(RetryBackoff(options_.retry, attempt));
+  }
+}
+
 absl::StatusOr<v1::LookupResponse> Client::Lookup(const std::string& model_id,
                                                   absl::Span<const uint32_t> token_ids) {
   if (auto s = CheckNames(options_.ns, model_id); !s.ok()) return s;
@@ -209,7 +219,6 @@ absl::StatusOr<v1::LookupResponse> Client::Lookup(const std::string& model_id,
   req.set_namespace_(options_.ns);
   req.set_model_id(model_id);
   v1::LookupResponse resp;
-  auto ctx = NewContext();
   if (options_.packed_token_ids && ABSL_IS_LITTLE_ENDIAN) {
     // The ids go to the wire from the caller's memory (a 1M-token Lookup is 4 MB): no copy into
     // the message nor into a serialized buffer.
@@ -218,11 +227,16 @@ absl::StatusOr<v1::LookupResponse> Client::Lookup(const std::string& model_id,
         WithPackedTokens(req, v1::LookupRequest::kTokenIdsPackedFieldNumber, token_ids, &head);
     const grpc::internal::RpcMethod method("/kvtrie.v1.KVCache/Lookup",
                                            grpc::internal::RpcMethod::NORMAL_RPC);
-    grpc::Status st =
-        grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, v1::LookupResponse, grpc::ByteBuffer,
-                                          grpc::protobuf::MessageLite>(channel_.get(), method,
-                                                                       ctx.get(), wire, &resp);
-    if (auto s = FromGrpc(st); !s.ok()) return s;
+    if (auto s = RetryRead([&] {
+          auto ctx = NewContext();
+          return FromGrpc(
+              grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, v1::LookupResponse,
+                                                grpc::ByteBuffer, grpc::protobuf::MessageLite>(
+                  channel_.get(), method, ctx.get(), wire, &resp));
+        });
+        !s.ok()) {
+      return s;
+    }
     return resp;
   }
   if (options_.packed_token_ids) {
@@ -230,7 +244,13 @@ absl::StatusOr<v1::LookupResponse> Client::Lookup(const std::string& model_id,
   } else {
     req.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
   }
-  if (auto s = FromGrpc(stub_->Lookup(ctx.get(), req, &resp)); !s.ok()) return s;
+  if (auto s = RetryRead([&] {
+        auto ctx = NewContext();
+        return FromGrpc(stub_->Lookup(ctx.get(), req, &resp));
+      });
+      !s.ok()) {
+    return s;
+  }
   return resp;
 }
 
@@ -248,6 +268,19 @@ absl::StatusOr<v1::PutResponse> Client::Put(const KvDump& kv, const PutOptions& 
   }
   if (options.encode_on_client) {
     if (auto s = CheckClientEncoding(options); !s.ok()) return s;
+  }
+  for (int attempt = 1;; ++attempt) {
+    absl::StatusOr<v1::PutResponse> r = PutOnce(kv, g, options);
+    if (r.ok() || !RetryablePutCode(r.status().code()) || attempt >= options_.retry.max_attempts) {
+      return r;
+    }
+    absl::SleepFor(RetryBackoff(options_.retry, attempt));
+  }
+}
+
+absl::StatusOr<v1::PutResponse> Client::PutOnce(const KvDump& kv, const BlockGeometry& g,
+                                                const PutOptions& options) {
+  if (options.encode_on_client) {
     absl::StatusOr<v1::PutResponse> r = PutEncoded(kv, g, options);
     if (!absl::IsFailedPrecondition(r.status()) ||
         r.status().message().find("predictor_version") == absl::string_view::npos) {
@@ -350,8 +383,8 @@ absl::StatusOr<std::unique_ptr<PutStream>> Client::OpenPut(const KvDump& header,
                                                    " tokens (give one per token or none)"));
   }
   return std::unique_ptr<PutStream>(
-      new PutStream(stub_.get(), NewContext(), PutHeaderRequests(options_.ns, header, g, options),
-                    g, options.first_block, options.layers_per_message));
+      new PutStream(this, PutHeaderRequests(options_.ns, header, g, options), g,
+                    options.first_block, options.layers_per_message));
 }
 
 absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
@@ -536,31 +569,38 @@ absl::StatusOr<std::shared_ptr<const PredictorState>> Client::GetPredictor(
   req.set_namespace_(options_.ns);
   req.set_model_id(model_id);
   req.set_version(version);
-  auto ctx = NewContext();
-  std::unique_ptr<grpc::ClientReader<v1::PredictorChunk>> reader(
-      stub_->GetPredictor(ctx.get(), req));
-  v1::PredictorChunk chunk;
   std::string bytes;
   uint64_t total = 0;
   uint32_t crc = 0;
   bool first = true;
-  while (reader->Read(&chunk)) {
-    if (first) {
-      total = chunk.total_bytes();
-      crc = chunk.crc32c();
-      first = false;
-    }
-    if (chunk.version() != version || chunk.total_bytes() != total || chunk.crc32c() != crc ||
-        chunk.offset() != bytes.size() || bytes.size() + chunk.data().size() > total) {
-      ctx->TryCancel();
-      reader->Finish();
-      return absl::DataLossError(absl::StrCat("get_predictor: chunk at offset ", chunk.offset(),
-                                              " does not continue the ", bytes.size(),
-                                              " bytes received of version ", version));
-    }
-    bytes += chunk.data();
+  if (absl::Status s = RetryRead([&]() -> absl::Status {
+        bytes.clear();
+        first = true;
+        auto ctx = NewContext();
+        std::unique_ptr<grpc::ClientReader<v1::PredictorChunk>> reader(
+            stub_->GetPredictor(ctx.get(), req));
+        v1::PredictorChunk chunk;
+        while (reader->Read(&chunk)) {
+          if (first) {
+            total = chunk.total_bytes();
+            crc = chunk.crc32c();
+            first = false;
+          }
+          if (chunk.version() != version || chunk.total_bytes() != total || chunk.crc32c() != crc ||
+              chunk.offset() != bytes.size() || bytes.size() + chunk.data().size() > total) {
+            ctx->TryCancel();
+            reader->Finish();
+            return absl::DataLossError(absl::StrCat(
+                "get_predictor: chunk at offset ", chunk.offset(), " does not continue the ",
+                bytes.size(), " bytes received of version ", version));
+          }
+          bytes += chunk.data();
+        }
+        return FromGrpc(reader->Finish());
+      });
+      !s.ok()) {
+    return s;
   }
-  if (auto s = FromGrpc(reader->Finish()); !s.ok()) return s;
   if (first || bytes.size() != total || Crc32c(bytes) != crc) {
     return absl::DataLossError(absl::StrCat("get_predictor: received ", bytes.size(), " of ", total,
                                             " bytes of version ", version,
@@ -590,8 +630,13 @@ absl::StatusOr<v1::StatsResponse> Client::Stats(const std::string& ns_override) 
   v1::StatsRequest req;
   req.set_namespace_(ns_override.empty() ? options_.ns : ns_override);
   v1::StatsResponse resp;
-  auto ctx = NewContext();
-  if (auto s = FromGrpc(stub_->Stats(ctx.get(), req, &resp)); !s.ok()) return s;
+  if (auto s = RetryRead([&] {
+        auto ctx = NewContext();
+        return FromGrpc(stub_->Stats(ctx.get(), req, &resp));
+      });
+      !s.ok()) {
+    return s;
+  }
   return resp;
 }
 
@@ -602,8 +647,13 @@ absl::StatusOr<v1::InspectResponse> Client::Inspect(const std::string& model_id,
   req.set_model_id(model_id);
   req.set_node_id(node_id);
   v1::InspectResponse resp;
-  auto ctx = NewContext();
-  if (auto s = FromGrpc(stub_->Inspect(ctx.get(), req, &resp)); !s.ok()) return s;
+  if (auto s = RetryRead([&] {
+        auto ctx = NewContext();
+        return FromGrpc(stub_->Inspect(ctx.get(), req, &resp));
+      });
+      !s.ok()) {
+    return s;
+  }
   return resp;
 }
 

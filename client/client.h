@@ -8,7 +8,9 @@
 // block layout. Only full blocks are stored; a tail of num_tokens % block_tokens is not.
 //
 // Errors: the server's gRPC status converted to absl::Status with the same code and message
-// (INVALID_ARGUMENT naming the field, NOT_FOUND, DATA_LOSS, UNAVAILABLE when the server is down).
+// (INVALID_ARGUMENT naming the field, NOT_FOUND, DATA_LOSS, UNAVAILABLE when the server is down),
+// after the retries of ClientOptions::retry (an ABORTED Put is sent again, so a caller sees
+// ABORTED only when every attempt was).
 // Thread-safe: one Client may be used from many threads.
 #ifndef KVTRIE_CLIENT_CLIENT_H_
 #define KVTRIE_CLIENT_CLIENT_H_
@@ -26,6 +28,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "client/put_stream.h"
+#include "client/retry.h"
 #include "codec/kv_dump.h"
 #include "codec/predictor_state.h"
 #include "codec/thread_pool.h"
@@ -52,6 +55,11 @@ struct ClientOptions {
   // Lookup and Get send token ids as LookupRequest/GetRequest.token_ids_packed (4 bytes each,
   // parsed without varint decoding); false: as varint token_ids, for servers older than the field.
   bool packed_token_ids = true;
+  // Put and PutStream send a Put again (whole) when it ends ABORTED (the server stored nothing:
+  // its prefix kept changing under concurrent Puts) or UNAVAILABLE; Lookup, Stats, Inspect and
+  // GetPredictor are sent again after UNAVAILABLE. Each attempt has its own `timeout`. The
+  // caller sees the last attempt's status. Get, Delete and Pin are never retried.
+  RetryPolicy retry = {};
 };
 
 // Reads PEM files into `options` and turns TLS on when any is given (`ca` alone: TLS with that
@@ -102,6 +110,7 @@ class Client {
 
   // Streams every full block of `kv` (from options.first_block on) with its header.
   // kv.model_id, geometry, token_ids and surprisal_bits (empty or one per token) are sent as is.
+  // An ABORTED or UNAVAILABLE Put is sent again, whole, after a backoff (ClientOptions::retry).
   absl::StatusOr<v1::PutResponse> Put(const KvDump& kv, const PutOptions& options = {});
 
   // Opens a Put whose KV is sent piece by piece (layer by layer as a worker computes it): see
@@ -147,7 +156,16 @@ class Client {
   v1::KVCache::Stub* stub() { return stub_.get(); }
   std::unique_ptr<grpc::ClientContext> NewContext() const;
 
+  const ClientOptions& options() const { return options_; }
+
  private:
+  // One attempt of Put.
+  absl::StatusOr<v1::PutResponse> PutOnce(const KvDump& kv, const BlockGeometry& g,
+                                          const PutOptions& options);
+  // Calls `call` (a unary read: returns a grpc::Status) until it is not UNAVAILABLE or the
+  // attempts run out.
+  template <typename Call>
+  absl::Status RetryRead(Call&& call);
   explicit Client(const ClientOptions& options);
   // The reconstructed block of node `node_id` (a near-duplicate's centroid), fetched with
   // GetRequest.node_id in RECONSTRUCTED mode; `g` is the model's block geometry.

@@ -4,6 +4,8 @@
 #include <string>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 
 ABSL_FLAG(std::string, tls_ca, "",
           "CA bundle (PEM) that the server's certificate must chain to; turns TLS on");
@@ -13,6 +15,13 @@ ABSL_FLAG(std::string, tls_server_name, "",
           "name expected in the server's certificate (default: the target's host)");
 ABSL_FLAG(std::string, token, "",
           "bearer token for a server with --tokens_file (default: $KVTRIE_TOKEN)");
+ABSL_FLAG(int, retry_attempts, 5,
+          "attempts of a call, the first included (1 = never retry): a Put that ends ABORTED "
+          "(its prefix kept changing under concurrent Puts; nothing stored) or UNAVAILABLE is "
+          "sent again, whole; Lookup and Stats again after UNAVAILABLE");
+ABSL_FLAG(int, retry_initial_backoff_ms, 100,
+          "wait before the first retry (jittered: drawn from [d/2, d]); doubles each retry");
+ABSL_FLAG(int, retry_max_backoff_ms, 2000, "longest wait between two attempts");
 
 namespace kvtrie {
 
@@ -21,6 +30,19 @@ absl::Status ApplyClientFlags(ClientOptions* options) {
                                     absl::GetFlag(FLAGS_tls_key), options);
       !s.ok()) {
     return s;
+  }
+  options->retry.max_attempts = absl::GetFlag(FLAGS_retry_attempts);
+  options->retry.initial_backoff =
+      absl::Milliseconds(absl::GetFlag(FLAGS_retry_initial_backoff_ms));
+  options->retry.max_backoff = absl::Milliseconds(absl::GetFlag(FLAGS_retry_max_backoff_ms));
+  if (options->retry.max_attempts < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--retry_attempts: ", options->retry.max_attempts, " (must be >= 1; 1 = never retry)"));
+  }
+  if (absl::Status s = ValidateRetryPolicy(options->retry); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--retry_initial_backoff_ms, --retry_max_backoff_ms: need 0 <= initial <= max (",
+        s.message(), ")"));
   }
   options->tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
   options->token = absl::GetFlag(FLAGS_token);

@@ -6,6 +6,9 @@
 //   --tls_key=FILE     its private key (PEM)
 //   --tls_server_name  the name expected in the server's certificate (default: the target host)
 //   --token=TOKEN      bearer token (default: $KVTRIE_TOKEN), for servers with --tokens_file
+//   --retry_attempts=N attempts of a call, the first included (5; 1 = never retry): an ABORTED or
+//                      UNAVAILABLE Put is sent again, as ClientOptions::retry says
+//   --retry_initial_backoff_ms, --retry_max_backoff_ms   the jittered backoff (100, 2000)
 #ifndef KVTRIE_CLIENT_CLIENT_FLAGS_H_
 #define KVTRIE_CLIENT_CLIENT_FLAGS_H_
 
@@ -14,7 +17,8 @@
 
 namespace kvtrie {
 
-// Fills options' TLS and token fields from the flags. Errors: as LoadTlsFiles.
+// Fills options' TLS, token and retry fields from the flags. Errors: as LoadTlsFiles, and
+// INVALID_ARGUMENT naming a retry flag out of range.
 absl::Status ApplyClientFlags(ClientOptions* options);
 
 }  // namespace kvtrie

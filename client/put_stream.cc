@@ -5,6 +5,9 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/client.h"
+#include "client/retry.h"
 #include "codec/kv_layout.h"
 
 namespace kvtrie {
@@ -23,30 +26,66 @@ size_t NumTokens(const std::vector<v1::PutRequest>& header) {
 
 }  // namespace
 
-PutStream::PutStream(v1::KVCache::Stub* stub, std::unique_ptr<grpc::ClientContext> ctx,
-                     const std::vector<v1::PutRequest>& header, const BlockGeometry& g,
+PutStream::PutStream(Client* client, std::vector<v1::PutRequest> header, const BlockGeometry& g,
                      uint32_t first_block, uint32_t layers_per_message)
-    : ctx_(std::move(ctx)),
+    : client_(client),
+      header_(std::move(header)),
       g_(g),
-      num_tokens_(NumTokens(header)),
+      num_tokens_(NumTokens(header_)),
       first_block_(first_block),
       layers_per_message_(layers_per_message) {
-  writer_ = stub->Put(ctx_.get(), &resp_);
-  for (const v1::PutRequest& m : header) {
-    if (!writer_->Write(m)) {
-      status_ = Broken();
-      break;
-    }
-  }
+  replayable_ = client_->options().retry.max_attempts > 1 &&
+                client_->options().retry.max_put_stream_replay_bytes > 0;
+  if (!Open()) status_ = Broken();
 }
 
 PutStream::~PutStream() { Cancel(); }
 
+bool PutStream::Open() {
+  writer_.reset();  // a finished call, before its context
+  ctx_ = client_->NewContext();
+  resp_.Clear();
+  writer_ = client_->stub()->Put(ctx_.get(), &resp_);
+  for (const v1::PutRequest& m : header_) {
+    if (!writer_->Write(m)) return false;
+  }
+  for (const v1::PutRequest& m : sent_) {
+    if (!writer_->Write(m)) return false;
+  }
+  return true;
+}
+
+bool PutStream::Send(const v1::PutRequest& req) {
+  if (replayable_) {
+    sent_bytes_ += req.block().kv().size();
+    if (sent_bytes_ > client_->options().retry.max_put_stream_replay_bytes) {
+      replayable_ = false;  // too big to keep: a failed Put goes to the caller
+      sent_.clear();
+      sent_.shrink_to_fit();
+    } else {
+      sent_.push_back(req);
+    }
+  }
+  return writer_->Write(req);
+}
+
+bool PutStream::ShouldRetry(const absl::Status& s) const {
+  return replayable_ && RetryablePutCode(s.code()) &&
+         attempt_ < client_->options().retry.max_attempts;
+}
+
 absl::Status PutStream::Broken() {
-  const grpc::Status s = writer_->Finish();
-  finished_ = true;
-  if (s.ok()) return absl::UnknownError("put: the server closed the stream before the commit");
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+  for (;;) {
+    const grpc::Status gs = writer_->Finish();
+    finished_ = true;
+    if (gs.ok()) return absl::UnknownError("put: the server closed the stream before the commit");
+    absl::Status s(static_cast<absl::StatusCode>(gs.error_code()), gs.error_message());
+    if (!ShouldRetry(s)) return s;
+    absl::SleepFor(RetryBackoff(client_->options().retry, attempt_));
+    ++attempt_;
+    finished_ = false;
+    if (Open()) return absl::OkStatus();
+  }
 }
 
 absl::Status PutStream::WriteLayers(uint32_t layer_begin, uint32_t layer_end, size_t token_offset,
@@ -103,7 +142,7 @@ absl::Status PutStream::WriteLayers(uint32_t layer_begin, uint32_t layer_end, si
         kv_bytes->assign(reinterpret_cast<const char*>(block_.data()) + sub.layer_range_bytes(0, l),
                          sub.layer_range_bytes(l, e));
       }
-      if (!writer_->Write(req_)) return status_ = Broken();
+      if (!Send(req_) && !(status_ = Broken()).ok()) return status_;
     }
   }
   return absl::OkStatus();
@@ -114,14 +153,22 @@ absl::StatusOr<v1::PutResponse> PutStream::Commit() {
   if (finished_) return absl::FailedPreconditionError("put: the stream was committed or cancelled");
   req_.Clear();
   req_.mutable_commit();
-  writer_->Write(req_);  // a failed write shows in Finish
-  writer_->WritesDone();
-  const grpc::Status s = writer_->Finish();
-  finished_ = true;
-  if (!s.ok()) {
-    return status_ = absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+  for (;;) {
+    writer_->Write(req_);  // a failed write shows in Finish
+    writer_->WritesDone();
+    const grpc::Status gs = writer_->Finish();
+    finished_ = true;
+    if (gs.ok()) break;
+    const absl::Status s(static_cast<absl::StatusCode>(gs.error_code()), gs.error_message());
+    if (!ShouldRetry(s)) return status_ = s;
+    absl::SleepFor(RetryBackoff(client_->options().retry, attempt_));
+    ++attempt_;
+    finished_ = false;
+    // A write that fails while sending everything again shows in the next Finish.
+    Open();
   }
   status_ = absl::FailedPreconditionError("put: the stream was committed");
+  sent_.clear();
   return resp_;
 }
 

@@ -18,6 +18,13 @@
 // the server has ended the stream (it rejected a message) every later call returns the server's
 // status (INVALID_ARGUMENT naming the field, RESOURCE_EXHAUSTED, ...). Commit returns the
 // server's PutResponse or error.
+//
+// Retries (ClientOptions::retry): the stream keeps a copy of every message it sent (up to
+// RetryPolicy::max_put_stream_replay_bytes), and when the server ends the Put ABORTED (it stored
+// nothing: the prefix kept changing under concurrent Puts) or UNAVAILABLE, it opens a new Put,
+// sends the header and every block again and, at Commit, commits again — after a jittered
+// backoff, up to max_attempts Puts in all. The caller sees ABORTED only when every attempt was,
+// or when the copy outgrew its bound (then the caller, who holds the KV, may Put again).
 // Not thread-safe: one thread at a time (a worker's save thread).
 #ifndef KVTRIE_CLIENT_PUT_STREAM_H_
 #define KVTRIE_CLIENT_PUT_STREAM_H_
@@ -25,6 +32,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -34,6 +42,8 @@
 #include "kvtrie/v1/kvtrie.grpc.pb.h"
 
 namespace kvtrie {
+
+class Client;
 
 class PutStream {
  public:
@@ -60,12 +70,22 @@ class PutStream {
 
  private:
   friend class Client;
-  PutStream(v1::KVCache::Stub* stub, std::unique_ptr<grpc::ClientContext> ctx,
-            const std::vector<v1::PutRequest>& header, const BlockGeometry& g, uint32_t first_block,
-            uint32_t layers_per_message);
-  // Finishes the stream after a failed Write and keeps the server's status (sticky).
+  // REQUIRES: `client` outlives the stream.
+  PutStream(Client* client, std::vector<v1::PutRequest> header, const BlockGeometry& g,
+            uint32_t first_block, uint32_t layers_per_message);
+  // Opens a Put and sends the header and the kept messages. Returns false if a write failed.
+  bool Open();
+  // Sends `req` and keeps a copy of it while the copies stay within the bound.
+  bool Send(const v1::PutRequest& req);
+  // Finishes the stream after a failed Write (or Commit) and returns the server's status; then,
+  // while that is ABORTED or UNAVAILABLE, the copy is whole and attempts remain, waits and opens
+  // the Put again. OK once a new Put has been sent everything again; else the status is sticky.
   absl::Status Broken();
+  // Whether a failed Put with status `s` is sent again.
+  bool ShouldRetry(const absl::Status& s) const;
 
+  Client* const client_;
+  const std::vector<v1::PutRequest> header_;
   std::unique_ptr<grpc::ClientContext> ctx_;
   v1::PutResponse resp_;
   std::unique_ptr<grpc::ClientWriter<v1::PutRequest>> writer_;
@@ -73,9 +93,13 @@ class PutStream {
   const size_t num_tokens_;
   const uint32_t first_block_;
   const uint32_t layers_per_message_;
-  v1::PutRequest req_;          // reused message
-  std::vector<uint8_t> block_;  // one gathered block (layer range)
-  absl::Status status_;         // sticky: the server's status once the stream broke
+  v1::PutRequest req_;                // reused message
+  std::vector<uint8_t> block_;        // one gathered block (layer range)
+  std::vector<v1::PutRequest> sent_;  // the PutBlock messages sent, while replayable_
+  size_t sent_bytes_ = 0;
+  bool replayable_ = true;  // sent_ holds every block message sent
+  int attempt_ = 1;         // Puts opened so far
+  absl::Status status_;     // sticky: the server's status once the stream broke
   bool finished_ = false;
 };
 

@@ -265,9 +265,12 @@ grpc::Status KvCacheService::DecodeOnChain(const v1::GetRequest& request,
   chain->SetOutputOwner(buffer);
   absl::Status s =
       store_->ReadAndDecodeBlock(request.namespace_(), request.model_id(), b, chain, out);
-  // ABORTED: the centroid this block is a residual of was deleted while the Get ran. Delete
+  // ABORTED: the block changed since the Get listed it and its listed encoding can not be
+  // decoded any more (the centroid it is a residual of was deleted while the Get ran, and could
+  // not be kept for it: it listed while the Delete was under way). Delete
   // first re-encodes its dependents as bit-exact standalone copies under the same node ids,
-  // so read the rest of the prefix again and decode the same node (bounded).
+  // so read the rest of the prefix again and decode the same node (bounded). Everything else a
+  // Get listed is read as listed (the store's snapshot reads, trie/kv_store.h).
   for (int retry = 0; absl::IsAborted(s) && retry < kGetRetries; ++retry) {
     absl::StatusOr<GetResult> again =
         store_->Get(request.namespace_(), request.model_id(), tokens, request.max_blocks());

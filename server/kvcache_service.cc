@@ -237,8 +237,9 @@ grpc::Status KvCacheService::Delete(grpc::ServerContext*, const v1::DeleteReques
     return s;
   auto r = store_->Delete(request->namespace_(), request->model_id(), request->token_ids());
   if (!r.ok()) return ToGrpcStatus(r.status());
-  response->set_nodes_deleted(r->first);
-  response->set_bytes_freed(r->second);
+  response->set_nodes_deleted(r->nodes_deleted);
+  response->set_bytes_freed(r->bytes_freed);
+  response->set_bytes_rewritten(r->bytes_rewritten);
   return grpc::Status::OK;
 }
 

@@ -314,8 +314,8 @@ absl::Status NoModel(const std::string& ns, const std::string& model_id) {
 }
 }  // namespace
 
-absl::StatusOr<std::pair<uint64_t, uint64_t>> KvStore::Delete(
-    const std::string& ns, const std::string& model_id, absl::Span<const uint32_t> token_ids) {
+absl::StatusOr<DeleteSummary> KvStore::Delete(const std::string& ns, const std::string& model_id,
+                                              absl::Span<const uint32_t> token_ids) {
   ModelShard* shard = impl_->Find(ns, model_id);
   if (shard == nullptr) return NoModel(ns, model_id);
   return shard->Delete(token_ids);
@@ -411,6 +411,15 @@ uint64_t KvStoreTestPeer::DiskUsage(KvStore* store) { return store->impl_->recor
 
 void KvStoreTestPeer::DrainLearning(KvStore* store) {
   if (store->impl_->learn_queue_) store->impl_->learn_queue_->Drain();
+}
+
+void KvStoreTestPeer::SetDeleteHook(KvStore* store, std::function<void()> hook) {
+  store->impl_->context_.delete_hook_for_test = std::move(hook);
+}
+
+void KvStoreTestPeer::FreeUnusedPredictors(KvStore* store, const std::string& ns,
+                                           const std::string& model_id) {
+  if (ModelShard* shard = store->impl_->Find(ns, model_id)) shard->FreeUnusedPredictors();
 }
 
 }  // namespace kvtrie

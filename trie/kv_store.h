@@ -26,7 +26,15 @@
 // tries are rebuilt from node records; a node whose parent is missing is dropped with its
 // subtree (RecoveryStats); payloads are CRC-checked when read, and a bad one is DATA_LOSS and
 // dropped with its subtree; a read error of RocksDB's own files refuses the request and drops
-// nothing.
+// nothing. A read never deletes anything else: an inconsistency (a missing centroid or learned
+// state, a payload that passes its checksum but does not decode) is ABORTED or INTERNAL and
+// leaves the data (trie/model_shard.h).
+//
+// Snapshot reads. A Get reads what it matched when it started, like a RocksDB snapshot iterator:
+// its blocks are read from their hot copies or from a RocksDB snapshot taken then, and it holds
+// the learned states they name and (RetiredReferences, trie/model_shard.h) the reconstructions of
+// the centroids a Delete removes meanwhile, so a Delete, an eviction or a re-encode after it
+// started does not change what it returns.
 //
 // Tiers. Payloads are written through: every acknowledged block is in RocksDB, and the hot tier
 // is a bounded in-memory copy (memory_bytes, never exceeded). Past disk_bytes the lowest-GDSF
@@ -83,27 +91,33 @@ class KvStore {
                                 absl::Span<const uint32_t> token_ids, size_t max_blocks);
 
   // Reads the payload of a block of a Get (the hot copy, or from RocksDB in the Get's snapshot,
-  // CRC-checked, promoted to memory when read often). Errors: DATA_LOSS if it is bad (the node
-  // and its subtree are then dropped) or if RocksDB's own files fail (nothing dropped); NOT_FOUND
-  // if deleted meanwhile; UNAVAILABLE on an I/O error.
+  // CRC-checked, promoted to memory when read often). Errors: DATA_LOSS if its bytes fail their
+  // checksum or are missing (the node and its subtree are then dropped: the one case in which a
+  // read deletes) or if RocksDB's own files fail (nothing dropped); NOT_FOUND if deleted
+  // meanwhile and not in the Get's snapshot; UNAVAILABLE on an I/O error.
   absl::StatusOr<std::shared_ptr<const std::string>> ReadPayload(const std::string& ns,
                                                                  const std::string& model_id,
                                                                  const BlockRead& block);
   // Reads a block of a Get and decodes it into `out` (model geometry bytes) as the next block of
   // `chain` (one chain per Get, blocks in order; its fetcher is not used: the store reads the
-  // centroids). Errors: ReadPayload's; DATA_LOSS if it fails to decode or its centroid is lost
-  // (the node and its subtree are dropped, so a corrupt block is never served twice).
+  // centroids). Errors: ReadPayload's; DATA_LOSS, nothing dropped but the centroid, when its
+  // centroid failed its own checksum (the block can never be decoded; recovery drops it) or when
+  // the learned state it names is unreadable; ABORTED when the block was re-encoded or deleted
+  // since the Get listed it and its old encoding can not be decoded any more (its centroid went
+  // with the Delete): Get again and read the block anew; INTERNAL naming what is missing for an
+  // inconsistency. Only bytes that fail their own checksum are ever dropped.
   absl::Status ReadAndDecodeBlock(const std::string& ns, const std::string& model_id,
                                   const BlockRead& block, DecodeChain* chain,
                                   absl::Span<uint8_t> out);
 
   // Deletes the node at the end of `token_ids` (block-aligned, stored) and its subtree, after
-  // re-encoding near-duplicates outside it that are coded against it. Returns (nodes, bytes)
-  // removed. Errors: NOT_FOUND naming `token_ids` or `model_id`; INVALID_ARGUMENT if not
-  // block-aligned; the write's (then nothing is deleted).
-  absl::StatusOr<std::pair<uint64_t, uint64_t>> Delete(const std::string& ns,
-                                                       const std::string& model_id,
-                                                       absl::Span<const uint32_t> token_ids);
+  // re-encoding (bit-exact, standalone) the near-duplicates outside it that are coded against
+  // it. Returns the nodes deleted and the payload bytes freed and rewritten (DeleteSummary: the
+  // store changed by freed - rewritten). Gets that started before still read what they listed.
+  // Errors: NOT_FOUND naming `token_ids` or `model_id`; INVALID_ARGUMENT if not block-aligned;
+  // the write's (then nothing is deleted).
+  absl::StatusOr<DeleteSummary> Delete(const std::string& ns, const std::string& model_id,
+                                       absl::Span<const uint32_t> token_ids);
 
   // Pins the node of the last full block of `token_ids` for `ttl_seconds` (0 = until unpinned),
   // or unpins it: a pinned node and so its ancestors are never evicted for the disk budget.

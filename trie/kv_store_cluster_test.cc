@@ -173,7 +173,7 @@ TEST_F(ClusterStoreTest, LossyNearDuplicatesMeetTheTargetAndDeletingTheCentroidK
                                   n0.token_ids.begin() + (own + 1) * kBlockTokens);
   auto del = store_->Delete("ns", n0.model_id, n0_branch);
   ASSERT_TRUE(del.ok()) << del.status();
-  EXPECT_GT(del->first, 20u);
+  EXPECT_GT(del->nodes_deleted, 20u);
   ExpectReadable("ns", n1, 0.1);
   ExpectReadable("ns", n2, 0.1);
   EXPECT_FALSE(KvStoreTestPeer::HasDependents(store_.get(), "ns", n1.model_id,
@@ -285,9 +285,11 @@ TEST_F(ClusterStoreTest, DiskEvictionNeverTakesACentroidThatMembersNeed) {
 namespace kvtrie {
 namespace {
 
-// A centroid whose payload rots on disk takes its members with it: they are DATA_LOSS and
-// dropped at once (never ABORTED, never served against a missing reference).
-TEST_F(ClusterStoreTest, MembersOfACorruptCentroidAreDataLossAndDropped) {
+// A centroid whose payload rots on disk is dropped (its own bytes failed their check); its
+// members can not be decoded any more: they are DATA_LOSS on every read (never ABORTED, never
+// served against a missing reference) but kept, since only bytes that fail their own check are
+// dropped by a read (issue 18). Recovery drops them (their centroid is gone).
+TEST_F(ClusterStoreTest, MembersOfACorruptCentroidAreDataLossAndKept) {
   const KvDump n0 = Load("neardup/n0"), n1 = Load("neardup/n1");
   const EncodeOptions enc{.encoding = Encoding::kLossless};
   ASSERT_TRUE(Put("ns", n0, enc).ok());
@@ -327,10 +329,22 @@ TEST_F(ClusterStoreTest, MembersOfACorruptCentroidAreDataLossAndDropped) {
   }
   EXPECT_EQ(b, 26u);
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
-  // The member and its subtree are gone; what is left of n1 (and of n0) reads back bit-exact.
-  EXPECT_EQ(store_->Lookup("ns", m.model_id, n1.token_ids).node_ids.size(), 26u);
-  ExpectReadable("ns", n1, 0, /*whole=*/false);
+  // The centroid and its subtree are gone; the member and its subtree are still stored, and
+  // DATA_LOSS again on the next read; what is before it (and what is left of n0) reads back.
+  EXPECT_EQ(store_->Lookup("ns", m.model_id, n0.token_ids).node_ids.size(), 26u);
+  EXPECT_EQ(store_->Lookup("ns", m.model_id, n1.token_ids).node_ids.size(), 32u);
   ExpectReadable("ns", n0, 0, /*whole=*/false);
+  auto again = store_->Get("ns", m.model_id, n1.token_ids, 0);
+  ASSERT_TRUE(again.ok());
+  DecodeChain chain2(m.geometry, nullptr);
+  for (b = 0; b < again->blocks.size(); ++b) {
+    s = store_->ReadAndDecodeBlock("ns", m.model_id, again->blocks[b], &chain2,
+                                   absl::MakeSpan(out));
+    if (!s.ok()) break;
+  }
+  EXPECT_EQ(b, 26u);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_EQ(store_->Lookup("ns", m.model_id, n1.token_ids).node_ids.size(), 32u);
 }
 
 }  // namespace

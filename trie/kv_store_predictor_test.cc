@@ -316,6 +316,10 @@ TEST_F(PredictorStoreTest, ACorruptStateIsDataLossForItsDependentsOnly) {
   const size_t readable = Read("ns", genesis_, &error).size();
   EXPECT_TRUE(absl::IsDataLoss(error)) << error;
   EXPECT_LT(readable, 32u);
+  // Its dependents fail but are kept (only bytes that fail their own check are dropped).
+  EXPECT_EQ(store_->Lookup("ns", genesis_.model_id, genesis_.token_ids).node_ids.size(), 32u);
+  EXPECT_EQ(Read("ns", genesis_, &error).size(), readable);
+  EXPECT_TRUE(absl::IsDataLoss(error)) << error;
   EXPECT_EQ(Read("ns", story_), story);
 }
 

@@ -202,7 +202,7 @@ TEST_F(KvStoreTest, DeleteRemovesASubtreeAndKeepsSiblings) {
   ASSERT_TRUE(Put(s1).ok());
   auto del = store_->Delete("ns", s0.model_id, absl::MakeSpan(s0.token_ids).subspan(0, 30 * 16));
   ASSERT_TRUE(del.ok()) << del.status();
-  EXPECT_EQ(del->first, 3u);  // blocks 29, 30, 31 of s0 (block 29 is past the shared 23)
+  EXPECT_EQ(del->nodes_deleted, 3u);  // blocks 29, 30, 31 of s0 (block 29 is past the shared 23)
   ExpectBitExact(s1, 32);
   ExpectBitExact(s0, 29);
   EXPECT_EQ(store_->Delete("ns", s0.model_id, absl::MakeSpan(s0.token_ids).subspan(0, 32 * 16))

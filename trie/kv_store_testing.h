@@ -3,6 +3,7 @@
 #define KVTRIE_TRIE_KV_STORE_TESTING_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "trie/kv_store.h"
@@ -20,6 +21,13 @@ class KvStoreTestPeer {
   static uint64_t DiskUsage(KvStore* store);
   // Waits until every block queued for learning was learned from (and any refit published).
   static void DrainLearning(KvStore* store);
+  // Runs `hook` in every Delete between re-encoding the near-duplicates coded against the prefix
+  // and removing the prefix, with the shard's writer lock held (it may read, not write or
+  // Delete). Set it before the store is used concurrently.
+  static void SetDeleteHook(KvStore* store, std::function<void()> hook);
+  // Frees the learned states nothing needs any more, as the learner does after each refit.
+  static void FreeUnusedPredictors(KvStore* store, const std::string& ns,
+                                   const std::string& model_id);
 };
 
 }  // namespace kvtrie

@@ -272,25 +272,21 @@ MatchResult ModelShard::Lookup(absl::Span<const uint32_t> token_ids) {
 GetResult ModelShard::Get(absl::Span<const uint32_t> token_ids, size_t max_blocks) {
   gets_.fetch_add(1, std::memory_order_relaxed);
   GetResult result;
-  absl::MutexLock lock(&mu_);
-  if (!committed_) return result;  // a miss, not an error
-  result.model = model_;
-  std::shared_ptr<const ReadSnapshot> snapshot;  // one for every cold block of this Get
-  for (TrieNode* n : MatchLive(token_ids, max_blocks)) {
-    ++n->hits;
-    context_->tiers->Touch(Ref(n->id));
-    BlockRead r;
-    r.node_id = n->id;
-    r.encoded = context_->tiers->HotCopy(Ref(n->id));
-    r.encoding = n->encoding;
-    r.reference_node_id = n->reference_node_id;
-    BlockContextLocked(*n, &r);
-    if (!r.encoded) {
-      if (!snapshot) snapshot = context_->records->Snapshot();
-      r.snapshot = snapshot;
+  std::shared_ptr<PredictorRegistry> registry;
+  {
+    absl::MutexLock lock(&mu_);
+    registry = predictors_;
+    if (!committed_) return result;  // a miss, not an error
+    result.model = model_;
+    std::shared_ptr<const ReadSnapshot> snapshot;  // one for every cold block of this Get
+    for (TrieNode* n : MatchLive(token_ids, max_blocks)) {
+      ++n->hits;
+      context_->tiers->Touch(Ref(n->id));
+      result.blocks.push_back(
+          ListLocked(*n, result.blocks.empty() ? nullptr : &result.blocks.back(), &snapshot));
     }
-    result.blocks.push_back(std::move(r));
   }
+  if (registry->TakeFreeHint()) ScheduleFreeUnusedPredictors();  // left by an earlier reader
   return result;
 }
 
@@ -320,6 +316,8 @@ absl::Status ModelShard::ReadPayloadInternal(const BlockRead& block,
   } else if (absl::StatusOr<BlockHeader> h = ParseBlock(*value); !h.ok()) {
     bad = h.status();
   }
+  // The payload's own bytes are bad (or gone from RocksDB while the node is live): the only case
+  // in which a read drops data.
   if (!bad.ok()) {
     corrupt->push_back({block.node_id, std::string(bad.message())});
     return absl::DataLossError(absl::StrCat("node ", block.node_id, ": ", bad.message(),
@@ -340,6 +338,25 @@ absl::StatusOr<std::shared_ptr<const std::string>> ModelShard::ReadPayload(const
   return payload;
 }
 
+absl::Status ModelShard::NotDecodable(const BlockRead& block, absl::string_view why) {
+  bool changed = false;
+  {
+    absl::MutexLock lock(&mu_);
+    const TrieNode* n = FindLive(block.node_id);
+    changed = n == nullptr || n->encoding != block.encoding ||
+              n->reference_node_id != block.reference_node_id ||
+              n->predictor_version != block.predictor_version;
+  }
+  if (changed) {
+    return absl::AbortedError(absl::StrCat("node ", block.node_id, " changed while it was read (",
+                                           why, "); read it again"));
+  }
+  spdlog::error("node {} of '{}'/'{}' can not be decoded, nothing was dropped: {}", block.node_id,
+                ns_, model_.model_id, std::string(why));
+  return absl::InternalError(
+      absl::StrCat("node ", block.node_id, ": ", why, " (nothing was dropped)"));
+}
+
 absl::Status ModelShard::ReadAndDecodeInternal(const BlockRead& block, DecodeChain* chain,
                                                absl::Span<uint8_t> out,
                                                std::vector<Corrupt>* corrupt) {
@@ -350,49 +367,57 @@ absl::Status ModelShard::ReadAndDecodeInternal(const BlockRead& block, DecodeCha
                               DecodeChain::ReferenceParentOf(*payload, block.reference_node_id,
                                                              /*verified=*/true)};
   if (needed[1] != 0) {  // it must be the centroid's parent in the trie
-    absl::MutexLock lock(&mu_);
-    const TrieNode* c = FindLive(needed[0]);
-    if (c != nullptr && (c->parent == nullptr || c->parent->id != needed[1])) {
-      const std::string why =
-          absl::StrCat("names node ", needed[1], " as the parent of its centroid ", needed[0],
-                       ", whose parent is ", c->parent ? c->parent->id : 0);
-      corrupt->push_back({block.node_id, why});
-      return absl::DataLossError(absl::StrCat("node ", block.node_id, ": ", why,
-                                              "; the node and its subtree were dropped"));
+    std::string why;
+    {
+      absl::MutexLock lock(&mu_);
+      const TrieNode* c = FindLive(needed[0]);
+      if (c != nullptr && (c->parent == nullptr || c->parent->id != needed[1])) {
+        why = absl::StrCat("it names node ", needed[1], " as the parent of its centroid ",
+                           needed[0], ", whose parent is ", c->parent ? c->parent->id : 0);
+      }
     }
+    if (!why.empty()) return NotDecodable(block, why);
   }
   if (needed[0] != 0) chain->ReserveReferences(2);
   for (const uint64_t ref_id : needed) {
     if (ref_id == 0 || chain->HasReference(ref_id)) continue;
     std::vector<uint8_t> reference(out.size());
+    const size_t corrupt_before = corrupt->size();
     absl::Status s = ReconstructInternal(ref_id, absl::MakeSpan(reference), corrupt);
-    if (!s.ok()) {
-      // The centroid failed its check (and is dropped) or is gone. If this member is still coded
-      // against it (not re-encoded meanwhile by a Delete), it can never be decoded again.
-      absl::MutexLock lock(&mu_);
-      TrieNode* n = FindLive(block.node_id);
-      bool gone = FindLive(block.reference_node_id) == nullptr;
-      for (const TrieNode* a = trie_->Find(block.reference_node_id); !gone && a != nullptr;
-           a = a->parent) {  // dropped with a corrupt ancestor?
-        gone = std::any_of(corrupt->begin(), corrupt->end(),
-                           [&](const Corrupt& c) { return c.node_id == a->id; });
+    if (absl::IsAborted(s) && block.retired != nullptr) {  // deleted after the block was listed
+      if (const std::vector<uint8_t>* kept = block.retired->Find(ref_id)) {
+        chain->AddReference(ref_id, *kept);
+        continue;
       }
-      const bool lost = n != nullptr && n->reference_node_id == block.reference_node_id && gone;
-      if (!lost) return s;
-      corrupt->push_back({block.node_id, "its centroid is lost"});
-      return absl::DataLossError(absl::StrCat("node ", block.node_id, ": its centroid ",
-                                              block.reference_node_id, " is lost (", s.message(),
-                                              "); the node and its subtree were dropped"));
+    }
+    if (!s.ok()) {
+      // The centroid (or what it is decoded from) failed its own check: it is dropped, and this
+      // block, which can not be decoded without it, is DATA_LOSS but kept (only bytes that fail
+      // their own check are dropped). A centroid dropped so earlier counts the same.
+      bool lost = corrupt->size() > corrupt_before || absl::IsDataLoss(s);
+      {
+        absl::MutexLock lock(&mu_);
+        if (corrupt->size() > corrupt_before) corrupt_centroids_.insert(ref_id);
+        lost = lost || corrupt_centroids_.contains(ref_id);
+      }
+      if (lost) {
+        return absl::DataLossError(absl::StrCat("node ", block.node_id, ": its centroid ", ref_id,
+                                                " can not be read (", s.message(),
+                                                "); the node is kept"));
+      }
+      // Gone (deleted after this Get listed the block, which a Delete re-encoded first), or a
+      // bug: list again, or fail naming it.
+      return NotDecodable(block,
+                          absl::StrCat("its centroid ", ref_id, " is missing (", s.message(), ")"));
     }
     chain->AddReference(ref_id, reference);
   }
   absl::Status s = DecodeNext(block, *payload, chain, out);
-  if (!absl::IsDataLoss(s)) return s;
-  spdlog::error("node {} of '{}'/'{}' failed to decode, dropping it and its subtree: {}",
-                block.node_id, ns_, model_.model_id, std::string(s.message()));
-  corrupt->push_back({block.node_id, std::string(s.message())});
-  return absl::DataLossError(absl::StrCat("node ", block.node_id, ": ", s.message(),
-                                          "; the node and its subtree were dropped"));
+  // The state it names is not kept, or the bytes passed their checksum but do not decode here: an
+  // inconsistency or a race, never a reason to delete it. (DATA_LOSS: its state failed its own
+  // check; the block is kept.)
+  if (absl::IsNotFound(s) || absl::IsInternal(s)) return NotDecodable(block, s.message());
+  return s;
 }
 
 absl::Status ModelShard::ReadAndDecodeBlock(const BlockRead& block, DecodeChain* chain,
@@ -411,21 +436,13 @@ absl::Status ModelShard::ReconstructInternal(uint64_t node_id, absl::Span<uint8_
   {
     absl::MutexLock lock(&mu_);
     TrieNode* n = FindLive(node_id);
-    if (n == nullptr) return absl::AbortedError("prefix changed concurrently");
+    if (n == nullptr) {
+      return absl::AbortedError(absl::StrCat("node ", node_id, " is gone (prefix changed)"));
+    }
     g = model_.geometry;
     std::shared_ptr<const ReadSnapshot> snapshot;
     for (; n != nullptr && n->depth > 0; n = n->parent) {
-      BlockRead r;
-      r.node_id = n->id;
-      r.encoded = context_->tiers->HotCopy(Ref(n->id));
-      r.encoding = n->encoding;
-      r.reference_node_id = n->reference_node_id;
-      BlockContextLocked(*n, &r);
-      if (!r.encoded) {
-        if (!snapshot) snapshot = context_->records->Snapshot();
-        r.snapshot = snapshot;
-      }
-      path.push_back(std::move(r));
+      path.push_back(ListLocked(*n, path.empty() ? nullptr : &path.back(), &snapshot));
       if (n->encoding == Encoding::kRaw || n->encoding == Encoding::kLossless) break;
     }
   }

@@ -22,7 +22,16 @@
 //
 // A node being deleted or evicted is marked `removing` under mu_ before its deletes are written,
 // so no reader starts on it; a reader that started before holds the hot copy or a RocksDB
-// snapshot taken before the write.
+// snapshot taken before the write, and a hold on the learned state its blocks name.
+//
+// Reads never delete data because of an inconsistency inside the store (issue 18). Only a payload
+// that fails its own checksum (a blob checksum, a CRC or parse failure of the bytes, a payload
+// missing from RocksDB) is dropped, with its subtree (which no prefix reaches any more). A missing
+// centroid or learned state, a centroid whose parent differs, a payload that passes its checksum
+// but does not decode in its context: ABORTED when the block changed since it was listed (the
+// caller lists again: a Delete re-encoded it), else INTERNAL naming what is missing; the data is
+// left as it is. A block coded against a state or a centroid that failed its own checksum is
+// DATA_LOSS and kept (recovery drops a block whose centroid is gone).
 //
 // Node ids are 1, 2, ... per shard (so they tell nothing of another namespace), never reused in
 // a process; recovery continues after the largest.
@@ -39,6 +48,8 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/container/node_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -58,6 +69,36 @@ namespace kvtrie {
 absl::Status CheckSameModel(const std::string& ns, const ModelInfo& stored,
                             const ModelInfo& request);
 
+// The reconstructions of the centroids (and their parents) that a Delete removed while reads that
+// listed blocks coded against them were alive: one object per shard epoch. A read listed now holds
+// the current one (BlockRead::retired); a Delete that removes centroids while it is held puts
+// their reconstructions in it before the removal and then starts a new one, so they are freed
+// with the last read that may need them (as RocksDB keeps a Version while an iterator holds it).
+struct RetiredReferences {
+  void Add(uint64_t node_id, std::vector<uint8_t> block) {
+    absl::MutexLock lock(&mu);
+    blocks.emplace(node_id, std::move(block));
+  }
+  // The reconstruction of `node_id`, or null.
+  const std::vector<uint8_t>* Find(uint64_t node_id) {
+    absl::MutexLock lock(&mu);
+    auto it = blocks.find(node_id);
+    return it == blocks.end() ? nullptr : &it->second;  // never erased while the object lives
+  }
+  bool empty() {
+    absl::MutexLock lock(&mu);
+    return blocks.empty();
+  }
+
+  absl::Mutex mu;
+  // node id -> its reconstruction; node_hash_map: a found block stays where it is.
+  absl::node_hash_map<uint64_t, std::vector<uint8_t>> blocks ABSL_GUARDED_BY(mu);
+};
+
+// The reconstructions one Delete keeps at most (dense bytes): past it, the blocks coded against the
+// other centroids are listed again (ABORTED, the service retries) and end ABORTED if they went too.
+inline constexpr uint64_t kMaxRetiredBytes = 64ull << 20;
+
 // What every shard of a store shares.
 struct ShardContext {
   const StoreOptions* options = nullptr;
@@ -70,6 +111,10 @@ struct ShardContext {
   std::function<absl::Status(uint64_t incoming)> make_disk_room;
   std::atomic<uint64_t> inflight_put_bytes{0};  // dense bytes buffered by unfinished Puts
   LearnQueue* learn_queue = nullptr;            // null when learning is off
+  // Test seam (KvStoreTestPeer::SetDeleteHook): runs in every Delete after the near-duplicates
+  // outside the prefix were re-encoded and before the prefix is removed, with the shard's
+  // write_mu_ held (so it may read, not write). Set before the store serves.
+  std::function<void()> delete_hook_for_test;
 };
 
 class ModelShard {
@@ -123,7 +168,9 @@ class ModelShard {
   // RocksDB's own files fail their checks (nothing dropped); NOT_FOUND if deleted meanwhile.
   absl::StatusOr<std::shared_ptr<const std::string>> ReadPayload(const BlockRead& block);
   // Reads block `block` and decodes it as the next block of `chain` (fetching its centroid).
-  // A block that fails its check, or whose centroid is lost, is DATA_LOSS and dropped.
+  // ReadPayload's errors (a block whose own bytes fail their check is dropped); DATA_LOSS, the
+  // block kept, when its centroid or learned state failed its own check; ABORTED when the block
+  // changed since the Get listed it (list again); INTERNAL naming what is missing otherwise.
   absl::Status ReadAndDecodeBlock(const BlockRead& block, DecodeChain* chain,
                                   absl::Span<uint8_t> out);
   // Decodes node `node_id` into `out`, its ancestors first when it predicts from them. ABORTED
@@ -145,7 +192,7 @@ class ModelShard {
                                                absl::Span<const uint32_t> token_ids,
                                                absl::Span<const float> surprisal_bits,
                                                const std::vector<NewBlock>& blocks);
-  absl::StatusOr<std::pair<uint64_t, uint64_t>> Delete(absl::Span<const uint32_t> token_ids);
+  absl::StatusOr<DeleteSummary> Delete(absl::Span<const uint32_t> token_ids);
   absl::StatusOr<uint64_t> Pin(absl::Span<const uint32_t> token_ids, uint64_t ttl_seconds,
                                bool unpin);
   // Evicts those of `ids` that are still evictable leaves. Returns the bytes freed.
@@ -162,7 +209,8 @@ class ModelShard {
   // learned from on the store's LearnQueue; a full queue drops it (counted).
   void QueueLearning(uint32_t block_index, absl::Span<const uint32_t> token_ids,
                      absl::Span<const uint8_t> kv);
-  // Deletes the versions no block depends on any more (but the latest), on disk then in memory.
+  // Deletes the versions no block depends on and no reader holds any more (but the latest), on
+  // disk then in memory.
   void FreeUnusedPredictors();
   // The serialized bytes of `version`, as persisted (RocksDB-checksummed). NOT_FOUND naming
   // `version`; DATA_LOSS when unreadable.
@@ -214,6 +262,9 @@ class ModelShard {
                                    std::vector<Corrupt>* corrupt);
   absl::Status ReadAndDecodeInternal(const BlockRead& block, DecodeChain* chain,
                                      absl::Span<uint8_t> out, std::vector<Corrupt>* corrupt);
+  // The error for `block`, which can not be decoded because of `why` (not its own bytes): ABORTED
+  // if it changed since it was listed (gone, or re-encoded), else INTERNAL. Drops nothing.
+  absl::Status NotDecodable(const BlockRead& block, absl::string_view why);
   absl::Status ReconstructInternal(uint64_t node_id, absl::Span<uint8_t> out,
                                    std::vector<Corrupt>* corrupt);
   // Drops the nodes a read found bad (and their subtrees). Takes write_mu_ unless held.
@@ -222,13 +273,27 @@ class ModelShard {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
   // Near-duplicates (model_shard_cluster.cc): re-encodes, bit-exact and standalone, every block
   // outside node_id's subtree coded against a node inside it, so the subtree can go.
-  absl::Status ReleaseDependentsLocked(uint64_t node_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
+  // Before a Delete removes node_id's subtree: when reads hold the current RetiredReferences,
+  // puts in it the reconstructions of the subtree's centroids (and of their parents inside it).
+  // Returns whether it added any (the Delete then starts a new epoch once the subtree is gone).
+  bool RetireReferencesLocked(uint64_t node_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
+  // Counts the bytes replaced and written in *summary.
+  absl::Status ReleaseDependentsLocked(uint64_t node_id, DeleteSummary* summary)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
+  // *replaced_bytes: the payload bytes of the encoding replaced (0 if the node went meanwhile).
   absl::Status ReplaceEncodingLocked(uint64_t node_id, const EncodedBlock& encoded,
-                                     Encoding encoding) ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
+                                     Encoding encoding, uint64_t* replaced_bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
   bool SubtreeHasOutsideDependentsLocked(TrieNode* root) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ClusterViewLocked(const TrieNode& node, NodeView* view) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The learned predictors' context of node `n` (tokens, position, previous token, version).
-  void BlockContextLocked(const TrieNode& n, BlockRead* r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A read of node `n` as listed now: the hot copy or else `*snapshot` (taken when first needed),
+  // and the learned predictors' context (tokens, position, previous token, version held for the
+  // read; shared with `previous`, the read listed before it, when it names the same version).
+  BlockRead ListLocked(const TrieNode& n, const BlockRead* previous,
+                       std::shared_ptr<const ReadSnapshot>* snapshot)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Frees the versions a released hold left unused, off the caller's path (the LearnQueue).
+  void ScheduleFreeUnusedPredictors();
   // Decodes `payload` of `block` as the next block of `chain`, with the learned state it names.
   // DATA_LOSS when that state is unreadable or gone.
   absl::Status DecodeNext(const BlockRead& block, const std::string& payload, DecodeChain* chain,
@@ -253,6 +318,11 @@ class ModelShard {
   // Learned predictor states (its own lock); replaced only when the first commit changes the
   // geometry of a model that had none on disk.
   std::shared_ptr<PredictorRegistry> predictors_ ABSL_GUARDED_BY(mu_);
+  // The current epoch of centroids retired for the reads listed in it (RetiredReferences).
+  std::shared_ptr<RetiredReferences> retired_ ABSL_GUARDED_BY(mu_) =
+      std::make_shared<RetiredReferences>();
+  // Centroids dropped because their payload failed its checksum: their members are DATA_LOSS.
+  absl::flat_hash_set<uint64_t> corrupt_centroids_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   // Totals over the trie, kept as nodes come and go.
   uint64_t bytes_logical_ ABSL_GUARDED_BY(mu_) = 0;

@@ -116,7 +116,41 @@ void ModelShard::ClusterViewLocked(const TrieNode& node, NodeView* view) {
   }
 }
 
-absl::Status ModelShard::ReleaseDependentsLocked(uint64_t node_id) {
+bool ModelShard::RetireReferencesLocked(uint64_t node_id) {
+  std::vector<uint64_t> ids;
+  std::shared_ptr<RetiredReferences> epoch;
+  BlockGeometry g;
+  {
+    absl::MutexLock lock(&mu_);
+    TrieNode* root = FindLive(node_id);
+    // Only reads listed in this epoch can need them; none holds it (but this shard): nothing to do.
+    if (root == nullptr || retired_.use_count() <= 1) return false;
+    epoch = retired_;
+    g = model_.geometry;
+    for (TrieNode* n : SubtreeLocked(root)) {
+      if (!clusters_.HasDependents(n->id)) continue;
+      ids.push_back(n->id);
+      // A member coded against it at a position offset also needs its parent (reference_shift.h);
+      // the root's parent stays.
+      if (n != root && n->parent != nullptr) ids.push_back(n->parent->id);
+    }
+  }
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  // Bounded: dense blocks held by slow readers must not take the memory a budget promises.
+  ids.resize(std::min<size_t>(ids.size(), kMaxRetiredBytes / std::max<size_t>(g.num_bytes(), 1)));
+  bool added = false;
+  for (uint64_t id : ids) {
+    std::vector<uint8_t> block(g.num_bytes());
+    std::vector<Corrupt> corrupt;  // the subtree goes anyway: nothing to drop
+    if (!ReconstructInternal(id, absl::MakeSpan(block), &corrupt).ok()) continue;
+    epoch->Add(id, std::move(block));
+    added = true;
+  }
+  return added;
+}
+
+absl::Status ModelShard::ReleaseDependentsLocked(uint64_t node_id, DeleteSummary* summary) {
   // Dependents outside node_id's subtree of any node inside it, parents first.
   std::vector<uint64_t> outside;
   BlockGeometry g;
@@ -139,7 +173,9 @@ absl::Status ModelShard::ReleaseDependentsLocked(uint64_t node_id) {
   for (uint64_t d : outside) {
     // Store the dependent's exact current reconstruction bit-exact and standalone: every value a
     // reader gets (and every descendant's prediction context) stays the same, so the error
-    // target it met still holds and nothing below it needs re-encoding.
+    // target it met still holds and nothing below it needs re-encoding. The learned state it was
+    // coded against loses a dependent only once the new encoding is published, and stays while
+    // a reader that listed the old encoding holds it (PredictorRegistry::Hold).
     std::vector<uint8_t> recon(g.num_bytes());
     std::vector<Corrupt> corrupt;
     absl::Status s = ReconstructInternal(d, absl::MakeSpan(recon), &corrupt);
@@ -148,13 +184,21 @@ absl::Status ModelShard::ReleaseDependentsLocked(uint64_t node_id) {
     if (!s.ok()) return s;
     absl::StatusOr<EncodedBlock> e = EncodeBlock(g, recon, {.encoding = Encoding::kLossless});
     if (!e.ok()) return e.status();
-    if (auto st = ReplaceEncodingLocked(d, *e, Encoding::kLossless); !st.ok()) return st;
+    uint64_t replaced = 0;
+    if (auto st = ReplaceEncodingLocked(d, *e, Encoding::kLossless, &replaced); !st.ok()) {
+      return st;
+    }
+    if (replaced == 0) continue;  // deleted meanwhile
+    summary->bytes_freed += replaced;
+    summary->bytes_rewritten += e->bytes.size();
+    ++summary->nodes_rewritten;
   }
   return absl::OkStatus();
 }
 
 absl::Status ModelShard::ReplaceEncodingLocked(uint64_t node_id, const EncodedBlock& encoded,
-                                               Encoding encoding) {
+                                               Encoding encoding, uint64_t* replaced_bytes) {
+  *replaced_bytes = 0;
   RecordBatch batch(context_->records);
   {
     absl::MutexLock lock(&mu_);
@@ -175,6 +219,7 @@ absl::Status ModelShard::ReplaceEncodingLocked(uint64_t node_id, const EncodedBl
   absl::MutexLock lock(&mu_);
   TrieNode* n = trie_->Find(node_id);  // write_mu_: still there
   const uint64_t old_centroid = n->reference_node_id;
+  *replaced_bytes = n->bytes_stored;
   clusters_.Remove(*n);
   CountNodeLocked(*n, -1);
   n->bytes_stored = encoded.bytes.size();

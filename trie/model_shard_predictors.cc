@@ -39,13 +39,38 @@ void ModelShard::RecoverPredictor(const PredictorMeta& meta,
   context_->tiers->AddSideBytes(meta.state_bytes);
 }
 
-void ModelShard::BlockContextLocked(const TrieNode& n, BlockRead* r) const {
-  r->predictor_version = n.predictor_version;
-  r->tokens.assign(n.token_ids.begin(), n.token_ids.end());
-  r->first_position = n.depth == 0 ? 0 : (n.depth - 1) * model_.geometry.block_tokens;
-  r->previous_token = n.parent != nullptr && !n.parent->token_ids.empty()
-                          ? static_cast<int32_t>(n.parent->token_ids.back())
-                          : -1;
+BlockRead ModelShard::ListLocked(const TrieNode& n, const BlockRead* previous,
+                                 std::shared_ptr<const ReadSnapshot>* snapshot) {
+  BlockRead r;
+  r.node_id = n.id;
+  r.encoded = context_->tiers->HotCopy(Ref(n.id));
+  r.encoding = n.encoding;
+  r.reference_node_id = n.reference_node_id;
+  if (n.reference_node_id != 0) r.retired = retired_;
+  if (!r.encoded) {
+    if (!*snapshot) *snapshot = context_->records->Snapshot();
+    r.snapshot = *snapshot;
+  }
+  r.predictor_version = n.predictor_version;
+  if (previous != nullptr && previous->predictor_version == r.predictor_version) {
+    r.predictor_hold = previous->predictor_hold;
+  } else {
+    r.predictor_hold = predictors_->Hold(r.predictor_version);  // under mu_: no gap
+  }
+  r.tokens.assign(n.token_ids.begin(), n.token_ids.end());
+  r.first_position = n.depth == 0 ? 0 : (n.depth - 1) * model_.geometry.block_tokens;
+  r.previous_token = n.parent != nullptr && !n.parent->token_ids.empty()
+                         ? static_cast<int32_t>(n.parent->token_ids.back())
+                         : -1;
+  return r;
+}
+
+void ModelShard::ScheduleFreeUnusedPredictors() {
+  if (context_->learn_queue != nullptr &&
+      context_->learn_queue->Push(0, [this] { FreeUnusedPredictors(); })) {
+    return;
+  }
+  FreeUnusedPredictors();
 }
 
 absl::Status ModelShard::DecodeNext(const BlockRead& block, const std::string& payload,
@@ -54,10 +79,15 @@ absl::Status ModelShard::DecodeNext(const BlockRead& block, const std::string& p
   if (block.predictor_version != 0) {
     absl::StatusOr<std::shared_ptr<const PredictorState>> state =
         predictors()->Find(block.predictor_version);
-    if (!state.ok()) {
-      return absl::DataLossError(
-          absl::StrCat("its learned predictor state is lost: ", state.status().message()));
+    if (absl::IsNotFound(state.status())) {  // not kept: a bug (a read holds what it names)
+      return absl::NotFoundError(absl::StrCat("its learned predictor state version ",
+                                              block.predictor_version, " is not kept"));
     }
+    if (absl::IsDataLoss(state.status())) {  // failed its own check: dropped as a state
+      return absl::DataLossError(absl::StrCat("its learned predictor state is unreadable: ",
+                                              state.status().message(), "; the node is kept"));
+    }
+    if (!state.ok()) return state.status();
     learned = *std::move(state);
   }
   if (chain->first_position() != block.first_position ||
@@ -68,8 +98,15 @@ absl::Status ModelShard::DecodeNext(const BlockRead& block, const std::string& p
   }
   chain->AddPredictor(std::move(learned));
   // ReadPayloadInternal's bytes are verified: a hot copy was checked when it was made (encoded
-  // here, or parsed when read from disk), a cold one was just parsed.
-  return chain->Next(payload, block.reference_node_id, out, block.tokens, /*verified=*/true);
+  // here, or parsed when read from disk), a cold one was just parsed. So a DATA_LOSS here is not
+  // of the bytes: they do not decode in this context.
+  absl::Status s =
+      chain->Next(payload, block.reference_node_id, out, block.tokens, /*verified=*/true);
+  if (absl::IsDataLoss(s)) {
+    return absl::InternalError(
+        absl::StrCat("it passes its checksum but does not decode: ", s.message()));
+  }
+  return s;
 }
 
 void ModelShard::QueueLearning(uint32_t block_index, absl::Span<const uint32_t> token_ids,

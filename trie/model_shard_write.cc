@@ -216,8 +216,7 @@ absl::StatusOr<std::vector<uint64_t>> ModelShard::Commit(const ModelInfo& model,
   return ids;
 }
 
-absl::StatusOr<std::pair<uint64_t, uint64_t>> ModelShard::Delete(
-    absl::Span<const uint32_t> token_ids) {
+absl::StatusOr<DeleteSummary> ModelShard::Delete(absl::Span<const uint32_t> token_ids) {
   absl::MutexLock writer(&write_mu_);
   uint64_t id = 0;
   {
@@ -237,9 +236,17 @@ absl::StatusOr<std::pair<uint64_t, uint64_t>> ModelShard::Delete(
     }
     id = path.back()->id;
   }
+  // Reads listed before keep what they may need of the centroids that go (RetiredReferences).
+  auto new_epoch = absl::MakeCleanup([this, retired = RetireReferencesLocked(id)] {
+    if (!retired) return;  // else the retired blocks go with the last read listed before
+    absl::MutexLock lock(&mu_);
+    retired_ = std::make_shared<RetiredReferences>();
+  });
   // Near-duplicates coded against a node of the subtree are re-encoded first. Only writers add
   // dependents, and write_mu_ keeps them out until the subtree is gone.
-  if (auto s = ReleaseDependentsLocked(id); !s.ok()) return s;
+  DeleteSummary summary;
+  if (auto s = ReleaseDependentsLocked(id, &summary); !s.ok()) return s;
+  if (context_->delete_hook_for_test) context_->delete_hook_for_test();
   {
     absl::MutexLock lock(&mu_);
     TrieNode* n = FindLive(id);
@@ -250,10 +257,14 @@ absl::StatusOr<std::pair<uint64_t, uint64_t>> ModelShard::Delete(
           "against it after re-encoding");
     }
   }
-  uint64_t nodes = 0, bytes = 0;
-  if (auto s = RemoveSubtrees({id}, DropReason::kDeleted, &nodes, &bytes); !s.ok()) return s;
+  uint64_t bytes = 0;
+  if (auto s = RemoveSubtrees({id}, DropReason::kDeleted, &summary.nodes_deleted, &bytes);
+      !s.ok()) {
+    return s;
+  }
+  summary.bytes_freed += bytes;
   deletes_.fetch_add(1, std::memory_order_relaxed);
-  return std::make_pair(nodes, bytes);
+  return summary;
 }
 
 absl::StatusOr<uint64_t> ModelShard::Pin(absl::Span<const uint32_t> token_ids, uint64_t ttl_seconds,

@@ -122,6 +122,30 @@ absl::StatusOr<std::shared_ptr<const PredictorState>> PredictorRegistry::Acquire
   return not_kept();  // freed since Find
 }
 
+std::shared_ptr<const void> PredictorRegistry::Hold(uint32_t version) {
+  if (version == 0) return nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = versions_.find(version);
+    if (it == versions_.end()) return nullptr;
+    ++it->second.readers;
+  }
+  std::shared_ptr<PredictorRegistry> self = shared_from_this();
+  return std::shared_ptr<const void>(self.get(),
+                                     [self, version](const void*) { self->ReleaseHold(version); });
+}
+
+void PredictorRegistry::ReleaseHold(uint32_t version) {
+  absl::MutexLock lock(&mu_);
+  auto it = versions_.find(version);
+  if (it == versions_.end() || it->second.readers == 0) return;
+  const Version& v = it->second;
+  if (--it->second.readers == 0 && v.dependents == 0 && v.pending == 0 && version != latest_ &&
+      !v.freeing) {
+    free_hint_.store(true, std::memory_order_release);
+  }
+}
+
 absl::Status PredictorRegistry::CheckLocked(uint32_t version) const {
   auto it = versions_.find(version);
   if (it == versions_.end()) {
@@ -236,7 +260,9 @@ std::vector<uint32_t> PredictorRegistry::TakeUnused() {
   absl::MutexLock lock(&mu_);
   std::vector<uint32_t> out;
   for (auto& [version, v] : versions_) {
-    if (version == latest_ || v.freeing || v.dependents != 0 || v.pending != 0) continue;
+    if (version == latest_ || v.freeing || v.dependents != 0 || v.pending != 0 || v.readers != 0) {
+      continue;
+    }
     v.freeing = true;
     out.push_back(version);
   }

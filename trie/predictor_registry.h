@@ -10,8 +10,11 @@
 //     kept in the node record) and of Puts encoding against it now ("pending").
 // Life of a version: fitted -> persisted by the shard (RecordStore, inside the disk budget) ->
 // Publish (now the latest: new kResidual blocks code against it) -> kept while it is the latest,
-// has dependents or pending Puts -> TakeUnused hands it to the shard, which deletes it on disk
-// and then Forgets it. Recovery restores every persisted version (RecoverVersion); one whose
+// has dependents, pending Puts or readers -> TakeUnused hands it to the shard, which deletes it on
+// disk and then Forgets it. A reader (a Get, a reconstruction) that listed a block naming a
+// version holds it (Hold) until its BlockRead goes, as a RocksDB iterator holds its Version: a
+// block re-encoded meanwhile (a Delete's near-duplicates) still decodes from the reader's
+// snapshot. Recovery restores every persisted version (RecoverVersion); one whose
 // bytes are unreadable stays listed with its error, and Find returns that DATA_LOSS, so only its
 // dependents fail. Memory: the latest version and the PredictorOptions::resident_versions most
 // recently used others stay in memory; the rest are read back from the record layer (through the
@@ -49,7 +52,7 @@
 
 namespace kvtrie {
 
-class PredictorRegistry {
+class PredictorRegistry : public std::enable_shared_from_this<PredictorRegistry> {
  public:
   // Reads a persisted version back (RocksDB, then PredictorState::Parse). Called with no lock.
   using Loader =
@@ -85,6 +88,17 @@ class PredictorRegistry {
   // The latest readable version (0 = none).
   uint32_t latest_version() const;
 
+  // --- Readers ---
+  // Keeps `version` from being freed (TakeUnused skips it) until the returned handle and every
+  // copy of it are gone. Null for 0 or a version not kept. Take it with the owning shard's lock
+  // held while listing a block that names `version`, so no version leaves between the listing
+  // and the hold. REQUIRES: this registry is owned by a shared_ptr.
+  std::shared_ptr<const void> Hold(uint32_t version);
+  // True once since a released hold left a version that nothing needs any more: the shard's next
+  // Get then frees it on the LearnQueue (ModelShard::FreeUnusedPredictors; a Delete, an eviction,
+  // a refit or a restart frees it too).
+  bool TakeFreeHint() { return free_hint_.exchange(false, std::memory_order_acq_rel); }
+
   // --- Decoding ---
   // Reads it back when it is not resident. Errors: NOT_FOUND naming the version when it is not
   // kept; DATA_LOSS when its persisted bytes are unreadable; the loader's I/O errors.
@@ -102,8 +116,8 @@ class PredictorRegistry {
   void Publish(std::shared_ptr<const PredictorState> state, uint64_t state_bytes);
 
   // --- Freeing ---
-  // Versions that are not the latest and have no dependents or pending Puts, marked so that
-  // they are not handed out again; the caller deletes them on disk, then calls Forget (or
+  // Versions that are not the latest and have no dependents, pending Puts or readers, marked so
+  // that they are not handed out again; the caller deletes them on disk, then calls Forget (or
   // Unmark when the delete failed).
   std::vector<uint32_t> TakeUnused();
   void Forget(const std::vector<uint32_t>& versions);
@@ -126,10 +140,13 @@ class PredictorRegistry {
     uint64_t tokens_learned = 0;
     uint64_t dependents = 0;
     uint64_t pending = 0;
+    uint64_t readers = 0;    // Hold handles alive
     double bytes_saved = 0;  // since start
     bool freeing = false;
   };
 
+  // Hold's release: a reader of `version` is done.
+  void ReleaseHold(uint32_t version);
   // Drops from memory the least recently used versions past resident_versions (never the latest).
   void TrimResidentLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Check's answer: NOT_FOUND if `version` is not kept, DATA_LOSS if it is unreadable.
@@ -155,6 +172,7 @@ class PredictorRegistry {
 
   double bytes_saved_ ABSL_GUARDED_BY(mu_) = 0;  // since start, every version (freed ones too)
   std::atomic<uint64_t> fits_{0}, observations_{0}, observations_dropped_{0}, freed_{0};
+  std::atomic<bool> free_hint_{false};  // see TakeFreeHint
 };
 
 inline constexpr int kLearnerNice = 10;

@@ -104,6 +104,8 @@ struct MatchResult {
 
 // A RocksDB snapshot (trie/record_store.h); opaque outside the record store.
 struct ReadSnapshot;
+// Centroids deleted after a read was listed, kept for it (trie/model_shard.h).
+struct RetiredReferences;
 
 // A block of a Get, in order from the root.
 struct BlockRead {
@@ -121,11 +123,28 @@ struct BlockRead {
   // Set when the payload was cold at Get time: the RocksDB view in which it is read, so a
   // concurrent eviction cannot take it away mid-stream.
   std::shared_ptr<const ReadSnapshot> snapshot;
+  // Keeps predictor_version readable (not freed) while this read, or a copy of it, exists — also
+  // when a Delete re-encodes the block meanwhile (PredictorRegistry::Hold). Null when none.
+  std::shared_ptr<const void> predictor_hold;
+  // For a block coded against a centroid: the reconstructions of the centroids a Delete removed
+  // after this read was listed, so the block still decodes as listed. Null otherwise.
+  std::shared_ptr<RetiredReferences> retired;
 };
 
 struct GetResult {
   ModelInfo model;
   std::vector<BlockRead> blocks;
+};
+
+// What a Delete did. The store's payload bytes changed by bytes_freed - bytes_rewritten (negative
+// when re-encoding the near-duplicates that were coded against the deleted blocks made it grow).
+struct DeleteSummary {
+  uint64_t nodes_deleted = 0;
+  // Payload bytes removed: the deleted blocks' and the replaced encodings of the near-duplicates
+  // outside the prefix that were re-encoded because they were coded against a deleted block.
+  uint64_t bytes_freed = 0;
+  uint64_t bytes_rewritten = 0;  // payload bytes written for those re-encoded near-duplicates
+  uint64_t nodes_rewritten = 0;  // how many were re-encoded
 };
 
 enum class BlockOutcome { kStored, kDeduplicated, kResidualOfCentroid };
@@ -239,9 +258,9 @@ struct StoreStats {
   uint64_t puts_rejected_disk_full = 0;  // RESOURCE_EXHAUSTED: pins hold the disk budget
   ClusterStats cluster;  // near-duplicate clusters and the surprisal / distance histograms
   // Learned predictor states (trie/predictor_registry.h), over the models counted.
-  uint64_t predictor_versions = 0;        // versions kept (each has dependents, or is the latest)
-  uint64_t predictor_state_bytes = 0;     // their serialized bytes (on disk)
-  uint64_t predictor_memory_bytes = 0;    // their in-memory bytes plus the learners'
+  uint64_t predictor_versions = 0;      // versions kept (with dependents or readers, or the latest)
+  uint64_t predictor_state_bytes = 0;   // their serialized bytes (on disk)
+  uint64_t predictor_memory_bytes = 0;  // their in-memory bytes plus the learners'
   uint64_t predictor_tokens_learned = 0;  // tokens the latest versions were fitted on
   uint64_t blocks_on_learned = 0;         // stored blocks coded against a learned state
   // Since start.

@@ -251,7 +251,8 @@ class PyClient {
   // mutual TLS, server_name overriding the name checked in the server's certificate.
   PyClient(const std::string& target, const std::string& model_id, const std::string& ns,
            const std::string& token, double timeout_s, bool tls, const std::string& root_pem,
-           const std::string& cert_pem, const std::string& key_pem, const std::string& server_name)
+           const std::string& cert_pem, const std::string& key_pem, const std::string& server_name,
+           int retry_attempts, double retry_initial_backoff_s, double retry_max_backoff_s)
       : model_id_(model_id) {
     if (model_id.empty()) InvalidArgument("model_id: must not be empty");
     if (!(timeout_s > 0)) InvalidArgument("timeout: must be > 0 seconds");
@@ -272,6 +273,19 @@ class PyClient {
     o.tls_key_pem = key_pem;
     o.tls_server_name = server_name;
     o.timeout = absl::Milliseconds(timeout_s * 1000);
+    if (retry_attempts < 1) {
+      InvalidArgument(
+          absl::StrCat("retry_attempts: ", retry_attempts, " (must be >= 1; 1 = never retry)"));
+    }
+    if (!(retry_initial_backoff_s >= 0) || !(retry_max_backoff_s >= retry_initial_backoff_s)) {
+      InvalidArgument(absl::StrCat("retry_max_backoff: ", retry_max_backoff_s,
+                                   " s must be >= retry_initial_backoff ", retry_initial_backoff_s,
+                                   " s >= 0"));
+    }
+    o.retry.max_attempts = retry_attempts;
+    o.retry.initial_backoff = absl::Milliseconds(retry_initial_backoff_s * 1000);
+    o.retry.max_backoff = absl::Milliseconds(retry_max_backoff_s * 1000);
+    Check(ValidateRetryPolicy(o.retry));
     client_ = Client::Create(o);
   }
 
@@ -439,11 +453,12 @@ PYBIND11_MODULE(_kvtrie, m) {
   py::class_<PyClient>(m, "_Client")
       .def(py::init<const std::string&, const std::string&, const std::string&, const std::string&,
                     double, bool, const std::string&, const std::string&, const std::string&,
-                    const std::string&>(),
+                    const std::string&, int, double, double>(),
            py::arg("target"), py::arg("model_id"), py::arg("namespace"), py::arg("token"),
            py::arg("timeout"), py::arg("tls") = false, py::arg("tls_root_pem") = "",
            py::arg("tls_cert_pem") = "", py::arg("tls_key_pem") = "",
-           py::arg("tls_server_name") = "")
+           py::arg("tls_server_name") = "", py::arg("retry_attempts") = 5,
+           py::arg("retry_initial_backoff") = 0.1, py::arg("retry_max_backoff") = 2.0)
       .def("lookup", &PyClient::Lookup, py::arg("tokens"))
       .def("put", &PyClient::Put, py::arg("tokens"), py::arg("k"), py::arg("v"),
            py::arg("surprisal"), py::arg("encoding"), py::arg("target_rel_rms"), py::arg("bits"),

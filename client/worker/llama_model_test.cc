@@ -49,7 +49,7 @@ TEST(LlamaModel, GreedyFromBosTellsTheKnownStory) {
 TEST(LlamaModel, DumpOfGenesisReproducesTheReferenceDump) {
   KVTRIE_LOAD_MODEL_OR_SKIP(model);
   absl::StatusOr<std::string> text =
-      ReadTextFile(std::string(KVTRIE_SHARED_DATA_DIR) + "/texts/genesis_1-3.txt");
+      ReadTextFile(std::string(KVTRIE_TESTDATA_DIR) + "/texts/genesis_1-3.txt");
   ASSERT_TRUE(text.ok()) << text.status();
   absl::StatusOr<KvDump> ref = ReadKvDump(std::string(KVTRIE_TESTDATA_DIR) + "/genesis_1-3");
   ASSERT_TRUE(ref.ok()) << ref.status();

@@ -1,7 +1,9 @@
 // client/worker/test_model.h
 //
-// Test helper: the model file the worker tests run on — $KVTRIE_MODEL if set, else
-// KVTRIE_SHARED_DATA_DIR/stories260K/stories260K.gguf — loaded once per process.
+// Test helper: the model file the worker tests run on, loaded once per process — $KVTRIE_MODEL if
+// set, else the repository's copy KVTRIE_TESTDATA_DIR/stories260K/stories260K.gguf (so a fresh
+// clone runs every test), else the shared one, $KVTRIE_SHARED_DATA_DIR (default
+// KVTRIE_SHARED_DATA_DIR, ../shared/data) /stories260K/stories260K.gguf.
 // KVTRIE_LOAD_MODEL_OR_SKIP(model) GTEST_SKIP()s with a message naming the path when it is absent.
 #ifndef KVTRIE_CLIENT_WORKER_TEST_MODEL_H_
 #define KVTRIE_CLIENT_WORKER_TEST_MODEL_H_
@@ -18,7 +20,11 @@ namespace kvtrie::worker::testing {
 inline std::string TestModelPath() {
   const char* env = std::getenv("KVTRIE_MODEL");
   if (env != nullptr && env[0] != '\0') return env;
-  return std::string(KVTRIE_SHARED_DATA_DIR) + "/stories260K/stories260K.gguf";
+  const std::string in_repo = std::string(KVTRIE_TESTDATA_DIR) + "/stories260K/stories260K.gguf";
+  if (std::filesystem::exists(in_repo)) return in_repo;
+  const char* shared = std::getenv("KVTRIE_SHARED_DATA_DIR");
+  return std::string(shared != nullptr && shared[0] != '\0' ? shared : KVTRIE_SHARED_DATA_DIR) +
+         "/stories260K/stories260K.gguf";
 }
 
 // nullptr when the file is absent; aborts the test binary on a load error of a present file.

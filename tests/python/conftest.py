@@ -19,8 +19,21 @@ REPO = Path(__file__).resolve().parents[2]
 BUILD = Path(os.environ.get("KVTRIE_BUILD_DIR", REPO / "build"))
 SERVER = BUILD / "server" / "kvtrie-server"
 TESTDATA = REPO / "tests" / "data"
-MODEL = Path(os.environ.get("KVTRIE_MODEL",
-                            REPO.parent / "shared" / "data" / "stories260K" / "stories260K.gguf"))
+
+
+def _model() -> Path:
+    """$KVTRIE_MODEL, else the repository's copy (tests/data/stories260K), else the shared one
+    ($KVTRIE_SHARED_DATA_DIR, default ../shared/data), as client/worker/test_model.h."""
+    if os.environ.get("KVTRIE_MODEL"):
+        return Path(os.environ["KVTRIE_MODEL"])
+    in_repo = TESTDATA / "stories260K" / "stories260K.gguf"
+    if in_repo.exists():
+        return in_repo
+    shared = os.environ.get("KVTRIE_SHARED_DATA_DIR") or REPO.parent / "shared" / "data"
+    return Path(shared) / "stories260K" / "stories260K.gguf"
+
+
+MODEL = _model()
 
 
 class ServerProcess:

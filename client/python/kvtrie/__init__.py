@@ -368,9 +368,18 @@ class Client:
             or a cert without its key, raises INVALID_ARGUMENT naming ``tls.ca`` / ``tls.cert`` /
             ``tls.key``. A TLS client talking to a plaintext server (or the reverse), or one
             whose CA does not sign the server's certificate, gets UNAVAILABLE on its calls.
-        timeout: deadline of each call, in seconds.
+        timeout: deadline of each call (each attempt of it), in seconds.
         namespace: the namespace of every call (nothing is shared across namespaces).
         block_tokens: tokens per block for Puts (the first Put of a model fixes it).
+        retry_attempts: attempts of one call, the first included (1 = never retry). A Put (and
+            a :class:`PutStream`, which keeps a copy of what it sent, up to 256 MiB) that ends
+            ABORTED — the server stored nothing because the prefix kept changing under
+            concurrent Puts — or UNAVAILABLE is sent again, whole; lookup, stats and inspect are
+            sent again after UNAVAILABLE; get, delete and pin never are. The caller sees the
+            error only when every attempt failed.
+        retry_initial_backoff, retry_max_backoff: the wait before the n-th retry is drawn from
+            ``[d/2, d]``, ``d = min(retry_max_backoff, retry_initial_backoff * 2**(n-1))``
+            seconds.
 
     Thread-safe: one Client may be used from many threads at once (the GIL is released during
     every call). Creating it does not contact the server; a call to a server that is down raises
@@ -379,7 +388,9 @@ class Client:
 
     def __init__(self, target: str, model_id: str, token: Optional[str] = None,
                  tls: Union[None, bool, TlsConfig, Mapping[str, Any]] = None,
-                 timeout: float = 60.0, *, namespace: str = "", block_tokens: int = 16) -> None:
+                 timeout: float = 60.0, *, namespace: str = "", block_tokens: int = 16,
+                 retry_attempts: int = 5, retry_initial_backoff: float = 0.1,
+                 retry_max_backoff: float = 2.0) -> None:
         tls_options = _tls_options(tls)
         self.target = target
         self.model_id = model_id
@@ -388,7 +399,9 @@ class Client:
         self._spec: Optional[ModelSpec] = None
         self.tls = bool(tls_options)
         self._c = _kvtrie._Client(target, model_id, namespace, token or "", float(timeout),
-                                  **tls_options)
+                                  retry_attempts=int(retry_attempts),
+                                  retry_initial_backoff=float(retry_initial_backoff),
+                                  retry_max_backoff=float(retry_max_backoff), **tls_options)
 
     def __repr__(self) -> str:
         return (f"kvtrie.Client(target={self.target!r}, model_id={self.model_id!r}, "
@@ -523,7 +536,9 @@ class Client:
     def delete(self, tokens: TokenIds) -> dict:
         """Deletes the stored prefix ``tokens``' last block and its subtree.
 
-        Returns ``{"nodes_deleted": n, "bytes_freed": b}``. Raises NotFoundError if not stored.
+        Returns ``{"nodes_deleted": n, "bytes_freed": b, "bytes_rewritten": r}``: near-duplicates
+        coded against the prefix are re-encoded first, so the store changes by ``b - r`` bytes.
+        Raises NotFoundError if not stored.
         """
         return self._c.delete(_tokens(tokens))
 

@@ -35,7 +35,10 @@ Configuration (a dict; under vLLM, ``kv_connector_extra_config``): ``target`` (H
 ``model_id`` (default: vLLM's model name), ``namespace``, ``token``, ``tls`` (``true`` or
 ``{"ca": path, "cert": path, "key": path}``, as :class:`kvtrie.Client`), ``timeout``, ``encoding``
 (``"lossless"``, ``"residual"``, ...), ``target_rel_rms``, ``get_mode`` (``"reconstructed"`` or
-``"residual"``: decode on the worker), ``block_tokens`` (16).
+``"residual"``: decode on the worker), ``block_tokens`` (16), ``retry_attempts`` (5),
+``retry_initial_backoff`` (0.1 s), ``retry_max_backoff`` (2 s): a save whose Put ends ABORTED
+(concurrent Puts kept changing its prefix; nothing was stored) or UNAVAILABLE is sent again, whole,
+by the client's put stream, so the worker does not see it (see :class:`kvtrie.Client`).
 
 With vLLM installed the class derives from its KVConnectorBase_V1; without it (as here) it
 stands alone. Tested with the engine loop in tests/python/test_connector.py, not against vLLM.
@@ -135,7 +138,12 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
                                         token=cfg.get("token"), tls=cfg.get("tls"),
                                         timeout=float(cfg.get("timeout", 60)),
                                         namespace=cfg.get("namespace", ""),
-                                        block_tokens=self._block_tokens)
+                                        block_tokens=self._block_tokens,
+                                        retry_attempts=int(cfg.get("retry_attempts", 5)),
+                                        retry_initial_backoff=float(
+                                            cfg.get("retry_initial_backoff", 0.1)),
+                                        retry_max_backoff=float(
+                                            cfg.get("retry_max_backoff", 2.0)))
         self._encoding = cfg.get("encoding", "lossless")
         self._target_rel_rms = float(cfg.get("target_rel_rms", 0.0))
         self._get_mode = cfg.get("get_mode", "reconstructed")
