@@ -293,6 +293,20 @@ TEST_F(EncodedPutEndToEnd, EveryWrongFieldGetsItsStatusStoresNothingAndChangesNo
   compact.profile = Profile::kCompact;
   EncodeOptions int8 = Fast(Encoding::kInt8);
   int8.profile = Profile::kCompact;
+  // A stateless block (every plane coded) whose rANS words are changed: its structure is sound,
+  // only decoding it (--verify_encoded_puts=all, as this server runs) finds it wrong.
+  const std::string stateless = EncodeOf(genesis_, 1, Fast(Encoding::kResidual), nullptr).bytes;
+  std::string bad_word;
+  {
+    const absl::StatusOr<BlockHeader> h = ParseBlock(stateless);
+    EXPECT_TRUE(h.ok());
+    const size_t per_segment =
+        static_cast<uint8_t>(h->params[4]) | (static_cast<uint8_t>(h->params[5]) << 8);
+    const size_t segments = (2 * h->geometry.num_layers + per_segment - 1) / per_segment;
+    std::string p(h->payload);
+    p[4 * segments + 4 * static_cast<uint8_t>(h->params[2]) + 20] ^= 0x55;
+    bad_word = internal::WriteEnvelope(h->encoding, h->geometry, 0, h->params, p, h->profile, 0);
+  }
 
   struct Case {
     std::string name;
@@ -339,6 +353,8 @@ TEST_F(EncodedPutEndToEnd, EveryWrongFieldGetsItsStatusStoresNothingAndChangesNo
        EncodeOf(genesis_, 1, Fast(Encoding::kResidual), b2->get()).bytes,
        grpc::StatusCode::FAILED_PRECONDITION, "version 2 is not kept"},
       {"a layer range", good1.bytes, grpc::StatusCode::INVALID_ARGUMENT, "layer_begin: block 1", 2},
+      {"a word of the rANS stream", bad_word, grpc::StatusCode::INVALID_ARGUMENT,
+       "kv: block 1 encoded: does not decode: "},
       {"a NaN error", good1.bytes, grpc::StatusCode::INVALID_ARGUMENT, "rel_rms_error_k: block 1",
        0, std::numeric_limits<double>::quiet_NaN()},
   };
