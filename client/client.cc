@@ -343,24 +343,39 @@ absl::StatusOr<v1::PutResponse> Client::PutEncoded(const KvDump& kv, const Block
     open = open && writer->Write(m);
   }
   v1::PutRequest req;
-  std::vector<uint8_t> scratch;
+  // Windows of blocks encoded on codec_threads, then sent in order.
+  const size_t window = codec_pool_ ? 4 * static_cast<size_t>(codec_pool_->threads()) : 1;
+  std::vector<absl::StatusOr<EncodedBlock>> encoded(window);
+  std::vector<std::vector<uint8_t>> scratch(window);
   const size_t blocks = kv.num_tokens() / g.block_tokens;
-  for (size_t b = options.first_block; open && b < blocks; ++b) {
-    absl::StatusOr<EncodedBlock> e = EncodePutBlock(kv, g, b, options, state.get(), &scratch);
-    if (!e.ok()) {
-      ctx->TryCancel();  // no PutCommit: nothing is stored
-      writer->Finish();
-      return absl::Status(e.status().code(),
-                          absl::StrCat("kv: block ", b, ": ", e.status().message()));
+  for (size_t first = options.first_block; open && first < blocks; first += window) {
+    const size_t n = std::min(window, blocks - first);
+    const auto encode = [&](size_t i) {
+      encoded[i] = EncodePutBlock(kv, g, first + i, options, state.get(), &scratch[i]);
+    };
+    if (codec_pool_ != nullptr) {
+      codec_pool_->ParallelFor(n, encode);
+    } else {
+      for (size_t i = 0; i < n; ++i) encode(i);
     }
-    req.Clear();
-    v1::PutBlock* pb = req.mutable_block();
-    pb->set_block_index(static_cast<uint32_t>(b));
-    pb->set_encoded(std::move(e->bytes));
-    pb->set_rel_rms_error_k(e->rel_rms_error_k);
-    pb->set_rel_rms_error_v(e->rel_rms_error_v);
-    pb->set_max_abs_error(e->max_abs_error);
-    open = writer->Write(req);
+    for (size_t i = 0; open && i < n; ++i) {
+      const size_t b = first + i;
+      absl::StatusOr<EncodedBlock>& e = encoded[i];
+      if (!e.ok()) {
+        ctx->TryCancel();  // no PutCommit: nothing is stored
+        writer->Finish();
+        return absl::Status(e.status().code(),
+                            absl::StrCat("kv: block ", b, ": ", e.status().message()));
+      }
+      req.Clear();
+      v1::PutBlock* pb = req.mutable_block();
+      pb->set_block_index(static_cast<uint32_t>(b));
+      pb->set_encoded(std::move(e->bytes));
+      pb->set_rel_rms_error_k(e->rel_rms_error_k);
+      pb->set_rel_rms_error_v(e->rel_rms_error_v);
+      pb->set_max_abs_error(e->max_abs_error);
+      open = writer->Write(req);
+    }
   }
   if (open) {
     req.Clear();

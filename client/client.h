@@ -87,7 +87,8 @@ struct PutOptions {
   // `encode_on_client`. RESIDUAL is coded against the namespace's latest learned predictor state
   // (Inspect, then GetPredictor, cached); if the server answers FAILED_PRECONDITION naming
   // `predictor_version` (a newer state or a freed one), the Put is encoded again against the
-  // latest and sent once more. Whole blocks only (layers_per_message is not used).
+  // latest and sent once more. Blocks are encoded on ClientOptions::codec_threads, a window at a
+  // time, and sent in order. Whole blocks only (layers_per_message is not used).
   bool encode_on_client = false;
 };
 

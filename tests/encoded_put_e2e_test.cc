@@ -223,7 +223,7 @@ TEST_F(EncodedPutEndToEnd, AnEncodedPutStoresWhatADensePutStoresAndReadsBackTheS
 }
 
 TEST_F(EncodedPutEndToEnd, AClientThatEncodesStoresWhatTheServerWouldEncode) {
-  auto a = NewClient("a");
+  auto a = Client::Create({.target = server_->target(), .ns = "a", .codec_threads = 2});
   ASSERT_NO_FATAL_FAILURE(PutAndWaitForFits(a.get(), gpl_, 1));
   PutOptions o{.encoding = v1::ENCODING_RESIDUAL,
                .target_rel_rms = kTarget,
