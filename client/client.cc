@@ -15,6 +15,7 @@
 #include "absl/time/clock.h"
 #include "client/get_wire.h"
 #include "client/packed_tokens.h"
+#include "client/put_encode.h"
 #include "client/residual_chain.h"
 #include "codec/block_codec.h"
 #include "codec/crc32c.h"
@@ -265,6 +266,9 @@ absl::StatusOr<v1::PutResponse> Client::Put(const KvDump& kv, const PutOptions& 
         absl::StrCat("kv: k has ", kv.k.size(), " and v ", kv.v.size(), " bytes; ", kv.num_tokens(),
                      " tokens of ", g.DebugString(), " need ", seq_bytes, " each"));
   }
+  if (options.encode_on_client) {
+    if (auto s = CheckClientEncoding(options); !s.ok()) return s;
+  }
   for (int attempt = 1;; ++attempt) {
     absl::StatusOr<v1::PutResponse> r = PutOnce(kv, g, options);
     if (r.ok() || !RetryablePutCode(r.status().code()) || attempt >= options_.retry.max_attempts) {
@@ -276,6 +280,14 @@ absl::StatusOr<v1::PutResponse> Client::Put(const KvDump& kv, const PutOptions& 
 
 absl::StatusOr<v1::PutResponse> Client::PutOnce(const KvDump& kv, const BlockGeometry& g,
                                                 const PutOptions& options) {
+  if (options.encode_on_client) {
+    absl::StatusOr<v1::PutResponse> r = PutEncoded(kv, g, options);
+    if (!absl::IsFailedPrecondition(r.status()) ||
+        r.status().message().find("predictor_version") == absl::string_view::npos) {
+      return r;
+    }
+    return PutEncoded(kv, g, options);  // the latest state changed: encode against it again
+  }
   auto ctx = NewContext();
   v1::PutResponse resp;
   std::unique_ptr<grpc::ClientWriter<v1::PutRequest>> writer(stub_->Put(ctx.get(), &resp));
@@ -296,6 +308,72 @@ absl::StatusOr<v1::PutResponse> Client::PutOnce(const KvDump& kv, const BlockGeo
       pb->set_layer_begin(l);
       pb->set_layer_end(end);
       pb->set_kv(block.data() + g.layer_range_bytes(0, l), g.layer_range_bytes(l, end));
+      open = writer->Write(req);
+    }
+  }
+  if (open) {
+    req.Clear();
+    req.mutable_commit();
+    open = writer->Write(req);
+  }
+  writer->WritesDone();
+  if (auto s = FromGrpc(writer->Finish()); !s.ok()) return s;
+  return resp;
+}
+
+absl::StatusOr<v1::PutResponse> Client::PutEncoded(const KvDump& kv, const BlockGeometry& g,
+                                                   const PutOptions& options) {
+  std::shared_ptr<const PredictorState> state;
+  if (options.encoding == v1::ENCODING_RESIDUAL) {
+    absl::StatusOr<v1::InspectResponse> root = Inspect(kv.model_id, 0);
+    if (!root.ok() && !absl::IsNotFound(root.status())) return root.status();
+    for (int i = 0; root.ok() && i < root->predictors_size(); ++i) {
+      if (!root->predictors(i).latest()) continue;
+      absl::StatusOr<std::shared_ptr<const PredictorState>> s =
+          GetPredictor(kv.model_id, root->predictors(i).version());
+      if (!s.ok()) return s.status();
+      state = *std::move(s);
+    }
+  }
+  auto ctx = NewContext();
+  v1::PutResponse resp;
+  std::unique_ptr<grpc::ClientWriter<v1::PutRequest>> writer(stub_->Put(ctx.get(), &resp));
+  bool open = true;
+  for (const v1::PutRequest& m : PutHeaderRequests(options_.ns, kv, g, options)) {
+    open = open && writer->Write(m);
+  }
+  v1::PutRequest req;
+  // Windows of blocks encoded on codec_threads, then sent in order.
+  const size_t window = codec_pool_ ? 4 * static_cast<size_t>(codec_pool_->threads()) : 1;
+  std::vector<absl::StatusOr<EncodedBlock>> encoded(window);
+  std::vector<std::vector<uint8_t>> scratch(window);
+  const size_t blocks = kv.num_tokens() / g.block_tokens;
+  for (size_t first = options.first_block; open && first < blocks; first += window) {
+    const size_t n = std::min(window, blocks - first);
+    const auto encode = [&](size_t i) {
+      encoded[i] = EncodePutBlock(kv, g, first + i, options, state.get(), &scratch[i]);
+    };
+    if (codec_pool_ != nullptr) {
+      codec_pool_->ParallelFor(n, encode);
+    } else {
+      for (size_t i = 0; i < n; ++i) encode(i);
+    }
+    for (size_t i = 0; open && i < n; ++i) {
+      const size_t b = first + i;
+      absl::StatusOr<EncodedBlock>& e = encoded[i];
+      if (!e.ok()) {
+        ctx->TryCancel();  // no PutCommit: nothing is stored
+        writer->Finish();
+        return absl::Status(e.status().code(),
+                            absl::StrCat("kv: block ", b, ": ", e.status().message()));
+      }
+      req.Clear();
+      v1::PutBlock* pb = req.mutable_block();
+      pb->set_block_index(static_cast<uint32_t>(b));
+      pb->set_encoded(std::move(e->bytes));
+      pb->set_rel_rms_error_k(e->rel_rms_error_k);
+      pb->set_rel_rms_error_v(e->rel_rms_error_v);
+      pb->set_max_abs_error(e->max_abs_error);
       open = writer->Write(req);
     }
   }

@@ -81,6 +81,15 @@ struct PutOptions {
   uint32_t layers_per_message = 0;
   // RESIDUAL / LOSSLESS coder (kvtrie.v1.EncodingSpec.Profile).
   v1::EncodingSpec::Profile profile = v1::EncodingSpec::PROFILE_COMPACT;
+  // Put only: encode every block here and send it as PutBlock.encoded (the server checks it and
+  // stores it as it is: the bytes a dense Put of it would store). RAW, or LOSSLESS / RESIDUAL of
+  // PROFILE_FAST (RESIDUAL needs target_rel_rms > 0), else INVALID_ARGUMENT naming
+  // `encode_on_client`. RESIDUAL is coded against the namespace's latest learned predictor state
+  // (Inspect, then GetPredictor, cached); if the server answers FAILED_PRECONDITION naming
+  // `predictor_version` (a newer state or a freed one), the Put is encoded again against the
+  // latest and sent once more. Blocks are encoded on ClientOptions::codec_threads, a window at a
+  // time, and sent in order. Whole blocks only (layers_per_message is not used).
+  bool encode_on_client = false;
 };
 
 struct GetOptions {
@@ -163,6 +172,10 @@ class Client {
   // GetRequest.node_id in RECONSTRUCTED mode; `g` is the model's block geometry.
   absl::StatusOr<std::vector<uint8_t>> ReferenceBlock(const std::string& model_id, uint64_t node_id,
                                                       const BlockGeometry& g);
+
+  // Put with options.encode_on_client, against the latest learned state.
+  absl::StatusOr<v1::PutResponse> PutEncoded(const KvDump& kv, const BlockGeometry& g,
+                                             const PutOptions& options);
 
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;

@@ -42,6 +42,10 @@ ABSL_FLAG(double, target_rel_rms, 0, "put: relative RMS error target of lossy en
 ABSL_FLAG(uint32_t, bits, 0, "put: bit width of baselines that take one");
 ABSL_FLAG(uint32_t, block_tokens, 16, "put: tokens per block");
 ABSL_FLAG(uint32_t, layers_per_message, 0, "put: layers per PutBlock message (0 = all)");
+ABSL_FLAG(std::string, profile, "compact", "put: coder of residual and lossless: compact or fast");
+ABSL_FLAG(bool, encode_on_client, false,
+          "put: encode the blocks here and send them encoded (raw, or lossless / residual with "
+          "--profile=fast; residual needs --target_rel_rms): the server checks and stores them");
 ABSL_FLAG(std::string, mode, "reconstructed", "get: reconstructed or residual");
 ABSL_FLAG(bool, verbose, false, "put: print every block's result");
 ABSL_FLAG(int, timeout_seconds, 60, "deadline of each call");
@@ -105,6 +109,12 @@ int Run(const std::vector<char*>& args) {
     put.bits = absl::GetFlag(FLAGS_bits);
     put.block_tokens = absl::GetFlag(FLAGS_block_tokens);
     put.layers_per_message = absl::GetFlag(FLAGS_layers_per_message);
+    if (const std::string p = absl::GetFlag(FLAGS_profile); p == "fast") {
+      put.profile = v1::EncodingSpec::PROFILE_FAST;
+    } else if (p != "compact") {
+      return Usage("--profile: '" + p + "'; use compact or fast");
+    }
+    put.encode_on_client = absl::GetFlag(FLAGS_encode_on_client);
     absl::StatusOr<v1::PutResponse> r = client->Put(*d, put);
     if (!r.ok()) return Fail(r.status());
     if (absl::GetFlag(FLAGS_verbose)) {

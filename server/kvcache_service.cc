@@ -45,6 +45,7 @@ void ToNodeInfo(const NodeView& v, v1::NodeInfo* out) {
   out->set_dependents(v.dependents);
   out->set_distance_to_reference_bits(v.distance_to_reference_bits);
   out->set_predictor_version(v.predictor_version);
+  out->set_error_client_reported(v.error_client_reported);
 }
 
 void ToHistogram(const uint64_t (&counts)[kHistogramBuckets],
@@ -187,6 +188,7 @@ grpc::Status KvCacheService::StatsIn(const std::string& ns, bool whole_server_if
   response->set_predictor_memory_bytes(s.predictor_memory_bytes);
   response->set_predictor_tokens_learned(s.predictor_tokens_learned);
   response->set_blocks_on_learned(s.blocks_on_learned);
+  response->set_client_reported_error_nodes(s.client_reported_error_nodes);
   response->set_predictor_fits(s.predictor_fits);
   response->set_predictor_observations(s.predictor_observations);
   response->set_predictor_observations_dropped(s.predictor_observations_dropped);

@@ -69,6 +69,11 @@ ABSL_FLAG(int, codec_threads, 0,
           "(RAW and the fast profile; compact-profile blocks are encoded at the commit), and "
           "decode the next blocks of a RECONSTRUCTED Get while the current ones are sent; 0 = one "
           "per core");
+ABSL_FLAG(std::string, verify_encoded_puts, "structure",
+          "how much of a block a client encoded itself (PutBlock.encoded) the server checks: "
+          "structure (CRC, geometry, dtype, encoding, predictor version, every length and lane "
+          "bound, without decoding), sample (and decode one block in 8) or all (and decode every "
+          "block)");
 ABSL_FLAG(
     kvtrie::ByteSize, max_get_message_bytes, kvtrie::ByteSize{1u << 20},
     "Get splits a block by layer ranges so no message is larger than this (GetPredictor sends "
@@ -200,6 +205,16 @@ int Run() {
     return 2;
   }
   StoreOptions store_options;
+  if (const std::string v = absl::GetFlag(FLAGS_verify_encoded_puts); v == "structure") {
+    store_options.verify_encoded_puts = VerifyEncoded::kStructure;
+  } else if (v == "sample") {
+    store_options.verify_encoded_puts = VerifyEncoded::kSample;
+  } else if (v == "all") {
+    store_options.verify_encoded_puts = VerifyEncoded::kAll;
+  } else {
+    spdlog::critical("--verify_encoded_puts: '{}'; use structure, sample or all", v);
+    return 2;
+  }
   store_options.data_dir = absl::GetFlag(FLAGS_data_dir);
   store_options.sync = absl::GetFlag(FLAGS_sync);
   store_options.max_put_bytes = absl::GetFlag(FLAGS_max_put_bytes).bytes;

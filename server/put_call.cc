@@ -298,6 +298,7 @@ PutCall::Next PutCall::Block(v1::PutRequest* request) {
   }
   if (!request->has_block()) return Fail(Invalid("block: a PutRequest after the header is empty"));
   v1::PutBlock& b = *request->mutable_block();
+  if (b.payload_case() == v1::PutBlock::kEncoded) return EncodedBlock(&b);
   const auto kv =
       absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(b.kv().data()), b.kv().size());
   if (absl::Status s = stream_->Reserve(kv.size()); !s.ok()) return Fail(ToGrpcStatus(s));
@@ -317,6 +318,23 @@ PutCall::Next PutCall::Block(v1::PutRequest* request) {
                                        "exactly); nothing stored")));
     }
   }
+  return Read();
+}
+
+PutCall::Next PutCall::EncodedBlock(v1::PutBlock* b) {
+  const BlockGeometry& g = model_.geometry;
+  if (b->layer_begin() != 0 || (b->layer_end() != 0 && b->layer_end() != g.num_layers)) {
+    return Fail(Invalid(absl::StrCat("layer_begin: block ", b->block_index(), " is encoded: send ",
+                                     "it whole (layers [0, ", g.num_layers, "), not [",
+                                     b->layer_begin(), ", ", b->layer_end(), "))")));
+  }
+  if (absl::Status s = stream_->Reserve(b->encoded().size()); !s.ok()) {
+    return Fail(ToGrpcStatus(s));
+  }
+  absl::Status s =
+      session_->AddEncodedBlock(b->block_index(), std::move(*b->mutable_encoded()),
+                                {b->rel_rms_error_k(), b->rel_rms_error_v(), b->max_abs_error()});
+  if (!s.ok()) return Fail(ToGrpcStatus(s));
   return Read();
 }
 

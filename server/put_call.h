@@ -78,6 +78,7 @@ class PutCall {
   Next Header(v1::PutRequest* request);
   Next Tokens(v1::PutRequest* request);
   Next Block(v1::PutRequest* request);
+  Next EncodedBlock(v1::PutBlock* block);  // PutBlock.encoded: a whole client-encoded block
   Next EndOfBlocks();
   grpc::Status CutShort() const;
   uint64_t WholeBytes() const;  // the dense bytes of the header's full blocks

@@ -75,9 +75,10 @@ struct TrieNode {
   uint64_t bytes_stored = 0;   // encoded bytes
   float rel_rms_error_k = 0;   // achieved by the encoding (0 when bit-exact)
   float rel_rms_error_v = 0;
-  uint64_t hits = 0;               // Gets that returned this node
-  uint64_t reference_node_id = 0;  // the centroid this block is a residual of (0 = none)
-  uint32_t predictor_version = 0;  // the learned state it is coded against (0 = none)
+  uint64_t hits = 0;                   // Gets that returned this node
+  uint64_t reference_node_id = 0;      // the centroid this block is a residual of (0 = none)
+  uint32_t predictor_version = 0;      // the learned state it is coded against (0 = none)
+  bool error_client_reported = false;  // rel_rms_error_* were reported by its encoding client
 
   // Children by token hash; a bucket holds more than one node only on a hash collision.
   absl::flat_hash_map<uint64_t, absl::InlinedVector<TrieNode*, 1>> children;

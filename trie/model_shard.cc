@@ -53,6 +53,7 @@ NodeView ToView(const TrieNode& n) {
   v.num_children = static_cast<uint32_t>(n.num_children());
   v.hits = n.hits;
   v.predictor_version = n.predictor_version;
+  v.error_client_reported = n.error_client_reported;
   return v;
 }
 
@@ -142,6 +143,7 @@ NodeMeta ModelShard::MetaOf(const TrieNode& n) const {
   m.pinned_until = context_->tiers->PinnedUntil(Ref(n.id));
   m.reference_node_id = n.reference_node_id;
   m.predictor_version = n.predictor_version;
+  m.error_client_reported = n.error_client_reported;
   return m;
 }
 
@@ -159,6 +161,7 @@ void ModelShard::CountNodeLocked(const TrieNode& n, int sign) {
   add(&bytes_stored_, n.bytes_stored);
   if (nodes_at_depth_.size() <= n.depth) nodes_at_depth_.resize(n.depth + 1, 0);
   add(&nodes_at_depth_[n.depth], 1);
+  if (n.error_client_reported) add(&client_reported_nodes_, 1);
   if (n.rel_rms_error_k > 0 || n.rel_rms_error_v > 0) {
     add(&lossy_nodes_, 1);
     sum_rel_rms_k_ += sign * static_cast<double>(n.rel_rms_error_k);
@@ -182,6 +185,7 @@ TrieNode* ModelShard::PublishLocked(TrieNode* parent, uint64_t id, const NodeMet
   n->rel_rms_error_v = static_cast<float>(meta.rel_rms_error_v);
   n->reference_node_id = meta.reference_node_id;
   n->predictor_version = meta.predictor_version;
+  n->error_client_reported = meta.error_client_reported;
   predictors_->AddDependent(n->predictor_version, +1);
   next_id_ = std::max(next_id_, id + 1);
   clusters_.Add(*n);
@@ -521,6 +525,7 @@ void ModelShard::AddTotalsLocked(StoreStats* s) {
     }
   }
   s->lossy_nodes += lossy_nodes_;
+  s->client_reported_error_nodes += client_reported_nodes_;
   s->sum_rel_rms_error_k += sum_rel_rms_k_;
   s->sum_rel_rms_error_v += sum_rel_rms_v_;
   if (!lossy_errors_.empty()) {

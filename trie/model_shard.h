@@ -126,6 +126,8 @@ class ModelShard {
     Encoding encoding = Encoding::kRaw;
     uint64_t reference_node_id = 0;  // the centroid it is a residual of (0 = standalone)
     uint32_t predictor_version = 0;  // the learned state it is coded against (0 = none)
+    // Encoded by the client (PutSession::AddEncodedBlock): encoded's errors are the client's.
+    bool error_client_reported = false;
   };
   // A new block encoded standalone or against a near-duplicate centroid.
   struct NearDupEncoded {
@@ -326,6 +328,7 @@ class ModelShard {
   uint64_t bytes_logical_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t bytes_stored_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t lossy_nodes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t client_reported_nodes_ ABSL_GUARDED_BY(mu_) = 0;  // error_client_reported nodes
   double sum_rel_rms_k_ ABSL_GUARDED_BY(mu_) = 0;
   double sum_rel_rms_v_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<float, uint64_t> lossy_errors_ ABSL_GUARDED_BY(mu_);  // max(k, v) -> nodes

@@ -95,6 +95,33 @@ void PredictorRegistry::Release(uint32_t version) {
   if (it != versions_.end() && it->second.pending > 0) --it->second.pending;
 }
 
+uint32_t PredictorRegistry::latest_version() const {
+  absl::MutexLock lock(&mu_);
+  return latest_;
+}
+
+absl::StatusOr<std::shared_ptr<const PredictorState>> PredictorRegistry::AcquireVersion(
+    uint32_t version) {
+  auto not_kept = [&] {
+    return absl::FailedPreconditionError(
+        absl::StrCat("predictor_version: version ", version,
+                     " is not kept by this namespace and model; the latest is ", latest_version(),
+                     " (0 = none): fetch it with GetPredictor and encode again"));
+  };
+  absl::StatusOr<std::shared_ptr<const PredictorState>> state = Find(version);
+  if (absl::IsNotFound(state.status())) return not_kept();
+  if (!state.ok()) return state.status();
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = versions_.find(version);
+    if (it != versions_.end() && !it->second.freeing) {
+      ++it->second.pending;
+      return state;
+    }
+  }
+  return not_kept();  // freed since Find
+}
+
 std::shared_ptr<const void> PredictorRegistry::Hold(uint32_t version) {
   if (version == 0) return nullptr;
   {

@@ -80,6 +80,13 @@ class PredictorRegistry : public std::enable_shared_from_this<PredictorRegistry>
   // the encode and the commit); null when there is none or learning is off.
   std::shared_ptr<const PredictorState> AcquireLatest();
   void Release(uint32_t version);
+  // For a block its client encoded against `version` (an encoded Put): counted as pending until
+  // Release, like AcquireLatest, and returned (read back when not resident). Errors:
+  // FAILED_PRECONDITION naming `predictor_version` and the latest version when it is not kept
+  // (or is being freed); DATA_LOSS when its persisted bytes are unreadable.
+  absl::StatusOr<std::shared_ptr<const PredictorState>> AcquireVersion(uint32_t version);
+  // The latest readable version (0 = none).
+  uint32_t latest_version() const;
 
   // --- Readers ---
   // Keeps `version` from being freed (TakeUnused skips it) until the returned handle and every

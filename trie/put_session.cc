@@ -3,6 +3,7 @@
 #include "trie/put_session.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -10,6 +11,8 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "codec/block_verify.h"
 #include "codec/decode_chain.h"
 #include "trie/model_shard.h"
 
@@ -63,6 +66,10 @@ PutSession::PutSession(ModelShard* shard, ShardContext* context, ModelInfo model
 PutSession::~PutSession() {
   if (encoders_) encoders_->Wait();  // no task may still read early_learned_
   if (early_learned_) early_registry_->Release(early_learned_->version());
+  if (!client_versions_.empty()) {
+    std::shared_ptr<PredictorRegistry> registry = shard_->predictors();
+    for (const auto& [version, state] : client_versions_) registry->Release(version);
+  }
   context_->inflight_put_bytes.fetch_sub(buffered_bytes_, std::memory_order_relaxed);
 }
 
@@ -81,19 +88,19 @@ absl::Status PutSession::CheckIndex(uint32_t block_index) {
                    model_.geometry.block_tokens)));
 }
 
-absl::StatusOr<PutSession::Pending*> PutSession::Admit(uint32_t block_index) {
+absl::StatusOr<PutSession::Pending*> PutSession::Admit(uint32_t block_index, uint64_t reserve) {
   const BlockGeometry& g = model_.geometry;
+  if (reserve == 0) reserve = g.num_bytes();
   Pending& p = pending_[block_index];
   if (p.have.empty()) {
-    if (buffered_bytes_ + g.num_bytes() > context_->options->max_put_bytes) {
+    if (buffered_bytes_ + reserve > context_->options->max_put_bytes) {
       return Fail(absl::ResourceExhaustedError(absl::StrCat(
           "kv: this Put buffers more than max_put_bytes=", context_->options->max_put_bytes,
           " bytes; split it into several Puts")));
     }
     const uint64_t inflight =
-        context_->inflight_put_bytes.fetch_add(g.num_bytes(), std::memory_order_relaxed) +
-        g.num_bytes();
-    buffered_bytes_ += g.num_bytes();  // released by the destructor
+        context_->inflight_put_bytes.fetch_add(reserve, std::memory_order_relaxed) + reserve;
+    buffered_bytes_ += reserve;  // released by the destructor
     if (inflight > context_->options->max_inflight_put_bytes) {
       return Fail(absl::ResourceExhaustedError(
           absl::StrCat("kv: unfinished Puts hold more than max_inflight_put_bytes=",
@@ -199,6 +206,84 @@ absl::Status PutSession::AddBlock(uint32_t block_index, std::string kv) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<const PredictorState*> PutSession::AcquireVersion(uint32_t version) {
+  auto it = client_versions_.find(version);
+  if (it != client_versions_.end()) return it->second.get();
+  absl::StatusOr<std::shared_ptr<const PredictorState>> state =
+      shard_->predictors()->AcquireVersion(version);
+  if (!state.ok()) return state.status();
+  const PredictorState* raw = state->get();
+  client_versions_.emplace(version, *std::move(state));
+  return raw;
+}
+
+absl::Status PutSession::AddEncodedBlock(uint32_t block_index, std::string encoded,
+                                         ClientError error) {
+  if (failed_) return absl::FailedPreconditionError("put: the stream already failed");
+  const BlockGeometry& g = model_.geometry;
+  if (absl::Status s = CheckIndex(block_index); !s.ok()) return s;
+  if (pending_.contains(block_index)) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("encoded: block ", block_index, " was sent twice")));
+  }
+  const struct {
+    const char* name;
+    double value;
+  } reported[] = {{"rel_rms_error_k", error.rel_rms_error_k},
+                  {"rel_rms_error_v", error.rel_rms_error_v},
+                  {"max_abs_error", error.max_abs_error}};
+  for (const auto& r : reported) {
+    if (!std::isfinite(r.value) || r.value < 0) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat(
+          r.name, ": block ", block_index, " reports ", r.value, "; must be finite and >= 0")));
+    }
+  }
+  absl::StatusOr<BlockHeader> h =
+      VerifyEncodedBlock(g, encoded, [this](uint32_t version) { return AcquireVersion(version); });
+  if (!h.ok()) {
+    if (absl::IsFailedPrecondition(h.status())) {  // "predictor_version: ..." from the registry
+      absl::string_view m = h.status().message();
+      absl::ConsumePrefix(&m, "predictor_version: ");
+      return Fail(absl::FailedPreconditionError(
+          absl::StrCat("predictor_version: block ", block_index, " encoded: ", m)));
+    }
+    return Fail(absl::Status(h.status().code(), absl::StrCat("kv: block ", block_index,
+                                                             " encoded: ", h.status().message())));
+  }
+  const VerifyEncoded level = context_->options->verify_encoded_puts;
+  if (level == VerifyEncoded::kAll || (level == VerifyEncoded::kSample && block_index % 8 == 0)) {
+    const size_t off = static_cast<size_t>(block_index) * g.block_tokens;
+    const std::vector<int32_t> tokens(token_ids_.begin() + off,
+                                      token_ids_.begin() + off + g.block_tokens);
+    PredictionContext ctx;
+    if (h->predictor_version != 0) ctx.learned = client_versions_.at(h->predictor_version).get();
+    ctx.tokens = tokens;
+    ctx.first_position = static_cast<uint32_t>(off);
+    ctx.previous_token = off == 0 ? -1 : static_cast<int32_t>(token_ids_[off - 1]);
+    std::vector<uint8_t> out(g.num_bytes());
+    if (absl::Status s = DecodeVerifiedBlock(encoded, absl::MakeSpan(out), ctx); !s.ok()) {
+      return Fail(absl::InvalidArgumentError(
+          absl::StrCat("kv: block ", block_index, " encoded: does not decode: ", s.message())));
+    }
+  }
+  absl::StatusOr<Pending*> admitted = Admit(block_index, encoded.size());
+  if (!admitted.ok()) return admitted.status();
+  Pending& p = **admitted;
+  p.have.assign(g.num_layers, true);
+  p.layers_missing = 0;
+  p.client_encoded = true;
+  p.client_encoding = h->encoding;
+  auto e = std::make_shared<EncodedBlock>();
+  e->bits_per_component = 8.0 * static_cast<double>(encoded.size()) / g.num_elements();
+  e->rel_rms_error_k = error.rel_rms_error_k;
+  e->rel_rms_error_v = error.rel_rms_error_v;
+  e->max_abs_error = error.max_abs_error;
+  e->predictor_version = h->predictor_version;
+  e->bytes = std::move(encoded);
+  p.encoded = std::make_unique<absl::StatusOr<std::shared_ptr<const EncodedBlock>>>(std::move(e));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<PutSummary> PutSession::Finish() {
   if (failed_) return absl::FailedPreconditionError("put: the stream already failed");
   failed_ = true;  // a session finishes once
@@ -209,6 +294,15 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
       return absl::InvalidArgumentError(absl::StrCat("kv: block ", index, " is missing layers ",
                                                      RangeString(p.have),
                                                      " (the stream ended early)"));
+    }
+  }
+  if (!early_) {  // a compact-profile block predicts from its parent's reconstruction
+    bool client = false, dense = false;
+    for (const auto& [index, p] : pending_) (p.client_encoded ? client : dense) = true;
+    if (client && dense) {
+      return absl::InvalidArgumentError(
+          "encoded: a Put whose PutHeader.encoding is of the compact profile cannot mix encoded "
+          "and dense blocks (a compact block predicts from its parent); send them in two Puts");
     }
   }
   PutSummary summary;
@@ -244,8 +338,10 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
     };
     DecodeChain chain(g, nullptr);
     chain.AddPredictor(learned);
+    bool dense_new = false;  // some new block is dense: a compact chain may need its parent
+    for (uint32_t b = matched; b < num_blocks_; ++b) dense_new |= !pending_.at(b).client_encoded;
     std::vector<uint8_t> recon(early_ ? 0 : g.num_bytes());
-    if (matched > 0 && !early_) {
+    if (matched > 0 && !early_ && dense_new) {
       if (auto s = shard_->ReconstructNode(anchor, absl::MakeSpan(recon)); !s.ok()) {
         if (absl::IsAborted(s)) continue;  // the prefix changed under us: match again
         return s;
@@ -257,7 +353,8 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
       const Pending& p = pending_.at(b);
       if (p.encoded != nullptr) {
         if (!p.encoded->ok()) return p.encoded->status();
-        blocks.push_back({b, **p.encoded, encode_.encoding, 0, (**p.encoded)->predictor_version});
+        blocks.push_back({b, **p.encoded, p.client_encoded ? p.client_encoding : encode_.encoding,
+                          0, (**p.encoded)->predictor_version, p.client_encoded});
         continue;
       }
       const auto kv =
@@ -336,6 +433,7 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
     // Learned from in the background, never on this Put's path (a full queue drops them).
     for (const ModelShard::NewBlock& nb : blocks) {
       const std::string& kv = pending_.at(nb.block_index).kv;
+      if (kv.empty()) continue;  // encoded by its client: nothing dense to learn from here
       shard_->QueueLearning(
           nb.block_index, tokens,
           absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(kv.data()), kv.size()));

@@ -57,6 +57,21 @@ class PutSession {
   // without a copy; `kv` is consumed whether or not this succeeds.
   absl::Status AddBlock(uint32_t block_index, std::string kv);
 
+  // A whole block its client encoded (codec/block_codec.h envelope: RAW, LOSSLESS fast or
+  // RESIDUAL fast, reference node id 0), stored as it came. Checked at once without decoding
+  // (codec/block_verify.h), then decoded too as StoreOptions::verify_encoded_puts says; a block
+  // coded against a learned state must name a version this shard keeps (held until the session
+  // ends). `error` is what the client's encoder achieved (EncodedBlock's rel_rms_error_k / _v,
+  // max_abs_error), kept as the node's error, marked client-reported. `encoded` is consumed.
+  // Errors: INVALID_ARGUMENT "kv: block 7 encoded: <what is wrong>" (or naming the error field);
+  // FAILED_PRECONDITION naming `predictor_version` and the latest version; as AddLayers.
+  struct ClientError {
+    double rel_rms_error_k = 0;
+    double rel_rms_error_v = 0;
+    double max_abs_error = 0;
+  };
+  absl::Status AddEncodedBlock(uint32_t block_index, std::string encoded, ClientError error);
+
   // Ends the stream: encodes and commits every new block. Errors: INVALID_ARGUMENT if a block is
   // incomplete (`kv: block 3 is missing layers [2, 5)`) or a full block of token_ids is neither
   // stored nor sent (`kv: ... never sent`); ABORTED if the prefix kept changing; RESOURCE_EXHAUSTED
@@ -71,12 +86,18 @@ class PutSession {
     uint32_t layers_missing = 0;
     // Encoded on arrival (early_): written by the encoding task, read after encoders_.Wait().
     std::unique_ptr<absl::StatusOr<std::shared_ptr<const EncodedBlock>>> encoded;
+    // AddEncodedBlock: encoded by the client, in this encoding (encoded is set, kv empty).
+    bool client_encoded = false;
+    Encoding client_encoding = Encoding::kRaw;
   };
 
   // INVALID_ARGUMENT (failing the session) unless block_index is a full block of token_ids.
   absl::Status CheckIndex(uint32_t block_index);
   // The block's entry; a new one reserves its dense bytes. Fails the session on error.
-  absl::StatusOr<Pending*> Admit(uint32_t block_index);
+  // `reserve`: the bytes it buffers (0 = the dense block).
+  absl::StatusOr<Pending*> Admit(uint32_t block_index, uint64_t reserve = 0);
+  // AddEncodedBlock's state lookup: the version held for this session (acquired once).
+  absl::StatusOr<const PredictorState*> AcquireVersion(uint32_t version);
   // A block got its last layer: encodes it (early_ blocks only) on the pool.
   void BlockComplete(uint32_t block_index, Pending* p);
   absl::Status Fail(absl::Status s);
@@ -97,6 +118,8 @@ class PutSession {
   // early_registry_ and released by the destructor; every block encoded on arrival uses it.
   std::shared_ptr<PredictorRegistry> early_registry_;
   std::shared_ptr<const PredictorState> early_learned_;
+  // Versions named by client-encoded blocks, held (pending) until the session ends.
+  std::map<uint32_t, std::shared_ptr<const PredictorState>> client_versions_;
   std::unique_ptr<TaskGroup> encoders_;  // early_ encodes on context_->codec_pool; waited first
 };
 

@@ -61,6 +61,7 @@ internal::NodeRecord ToRecord(const NodeMeta& m) {
   r.set_pinned_until(m.pinned_until);
   r.set_reference_node_id(m.reference_node_id);
   r.set_predictor_version(m.predictor_version);
+  r.set_error_client_reported(m.error_client_reported);
   return r;
 }
 
@@ -86,6 +87,7 @@ absl::StatusOr<NodeMeta> FromRecord(const rocksdb::Slice& value) {
   m.pinned_until = r.pinned_until();
   m.reference_node_id = r.reference_node_id();
   m.predictor_version = r.predictor_version();
+  m.error_client_reported = r.error_client_reported();
   return m;
 }
 

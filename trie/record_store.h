@@ -91,7 +91,8 @@ struct NodeMeta {
   double rel_rms_error_v = 0;
   uint64_t pinned_until = 0;  // unix seconds; 0 = not pinned, UINT64_MAX = until unpinned
   uint64_t reference_node_id = 0;
-  uint32_t predictor_version = 0;  // the learned state the payload was coded against (0 = none)
+  uint32_t predictor_version = 0;      // the learned state the payload was coded against (0 = none)
+  bool error_client_reported = false;  // rel_rms_error_* came from the client that encoded it
 };
 
 // What a predictor index record holds (its serialized state is stored beside it).

@@ -43,6 +43,13 @@ struct PredictorOptions {
   uint64_t queue_bytes = 64ull << 20;
 };
 
+// How much of a client-encoded Put block (PutSession::AddEncodedBlock) the store checks.
+enum class VerifyEncoded : uint8_t {
+  kStructure = 0,  // codec/block_verify.h: CRC, geometry, encoding, every length and lane bound
+  kSample = 1,     // ... and decodes one block in 8 (block_index % 8 == 0)
+  kAll = 2,        // ... and decodes every block
+};
+
 struct StoreOptions {
   std::string data_dir;  // created if missing
   bool sync = false;     // fsync the WAL before acknowledging a write
@@ -52,6 +59,7 @@ struct StoreOptions {
   uint64_t max_put_bytes = 256ull << 20;
   uint64_t max_inflight_put_bytes = 1ull << 30;
   EncodeOptions default_encoding;  // used when a Put does not name one
+  VerifyEncoded verify_encoded_puts = VerifyEncoded::kStructure;
   // Threads that encode Put blocks as they arrive (trie/put_session.h); 0 = on each stream's
   // own thread.
   int codec_threads = 0;
@@ -178,6 +186,7 @@ struct NodeView {
   uint64_t hits = 0;
   uint64_t reference_node_id = 0;         // the centroid this block is a residual of (0 = none)
   uint32_t predictor_version = 0;         // the learned state it was coded against (0 = none)
+  bool error_client_reported = false;     // rel_rms_error_* came from the client that encoded it
   uint32_t dependents = 0;                // blocks stored as residuals of this one
   double distance_to_reference_bits = 0;  // trie distance to the centroid (bits)
 };
@@ -217,6 +226,7 @@ struct StoreStats {
   double sum_rel_rms_error_k = 0;  // over lossy nodes
   double sum_rel_rms_error_v = 0;
   double max_rel_rms_error = 0;
+  uint64_t client_reported_error_nodes = 0;  // of the nodes: error reported by the client
   // Counters since this process started.
   uint64_t blocks_stored = 0;
   uint64_t blocks_deduplicated = 0;

@@ -12,7 +12,8 @@
 //
 // Input: records of [u8 kind][u16 length][length bytes]; kind % 4 = 0: a serialized PutRequest
 // as is; 1: a PutHeader built from the bytes (small geometry, token ids, encoding); 2: a PutBlock
-// (index, layer range, kv bytes); 3: a PutCommit. Seeds in server/fuzz/put_stream_corpus.
+// (index, layer range, kv bytes; sent as `encoded` when bit 7 of the layer_begin byte is set);
+// 3: a PutCommit. Seeds in server/fuzz/put_stream_corpus.
 // Build and run: see tests/run_sanitizers.sh and bench/fuzz_long.sh.
 #include <grpcpp/grpcpp.h>
 
@@ -118,12 +119,17 @@ PutRequest BlockFrom(Reader r) {
   PutRequest req;
   auto* b = req.mutable_block();
   b->set_block_index(r.U8() % 40);
-  b->set_layer_begin(r.U8() % 5);
+  const uint8_t layer_begin = r.U8();
+  b->set_layer_begin(layer_begin % 5);
   b->set_layer_end(r.U8() % 5);
   const size_t fill = r.U16() % 4096;
   std::string kv = r.Bytes(fill);
   kv.resize(fill, static_cast<char>(0x3c));  // fp16/bf16 ~1 where the input ran out
-  b->set_kv(kv);
+  if (layer_begin & 0x80) {
+    b->set_encoded(kv);  // an encoded block (PutBlock.encoded, codec/block_verify.h)
+  } else {
+    b->set_kv(kv);
+  }
   return req;
 }
 
