@@ -200,7 +200,7 @@ void HeadL1Scalar(const float* x, const float* mean, const float* learned, const
     for (size_t d = 0; d < D; ++d) {
       acc[d] += std::fabs(row[d]);
       acc[D + d] += std::fabs(row[d] - mean[d]);
-      acc[2 * D + d] += std::fabs(t ? row[d] - row[d - D] : row[d] - 0.0f);
+      acc[2 * D + d] += std::fabs(t ? row[d] - x[(t - 1) * D + d] : row[d] - 0.0f);
       if (learned) acc[3 * D + d] += std::fabs(row[d] - learned[t * D + d]);
       if (linear) acc[4 * D + d] += std::fabs(row[d] - linear[t * D + d]);
     }
