@@ -145,6 +145,16 @@ std::unique_ptr<Client> Client::Create(const ClientOptions& options) {
 Client::Client(const ClientOptions& options) : options_(options) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
+  // After a failed connection the channel fails calls fast until its resolver resolves the target
+  // again, which gRPC's DNS resolver does at most every 30 s, and its reconnect backoff grows to
+  // 120 s: a retried call never reached a server restarted meanwhile (the break-it run of issue
+  // 18). Both follow the retry policy's pace instead.
+  const auto ms = [](absl::Duration d) {
+    return static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(d), 20, 120'000));
+  };
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, ms(options.retry.initial_backoff));
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, ms(options.retry.max_backoff));
+  args.SetInt(GRPC_ARG_DNS_MIN_TIME_BETWEEN_RESOLUTIONS_MS, ms(options.retry.initial_backoff));
   std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
   if (options.tls) {
     grpc::SslCredentialsOptions ssl;
@@ -413,6 +423,22 @@ absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
 absl::Status Client::GetInto(const std::string& model_id, absl::Span<const uint32_t> token_ids,
                              const GetOptions& options, KvDump* out_dump) {
   if (auto s = CheckNames(options_.ns, model_id); !s.ok()) return s;
+  // A Get changes nothing, so it is sent again after UNAVAILABLE and after ABORTED: the server's
+  // (its blocks were deleted while it streamed them) and this client's (a centroid or learned
+  // state that a RESIDUAL block names was deleted after the Get listed it; the server re-encoded
+  // the block first, so a new Get reads it standalone).
+  for (int attempt = 1;; ++attempt) {
+    absl::Status s = GetOnce(model_id, token_ids, options, out_dump);
+    if (s.ok() || !(RetryableReadCode(s.code()) || absl::IsAborted(s)) ||
+        attempt >= options_.retry.max_attempts) {
+      return s;
+    }
+    absl::SleepFor(RetryBackoff(options_.retry, attempt));
+  }
+}
+
+absl::Status Client::GetOnce(const std::string& model_id, absl::Span<const uint32_t> token_ids,
+                             const GetOptions& options, KvDump* out_dump) {
   v1::GetRequest req;
   req.set_namespace_(options_.ns);
   req.set_model_id(model_id);
@@ -476,9 +502,27 @@ absl::Status Client::GetInto(const std::string& model_id, absl::Span<const uint3
     seq_bytes = g.num_layers * g.num_kv_heads * tokens * g.head_dim * DTypeBytes(g.dtype);
     block.resize(g.num_bytes());
     layers_seen.assign(msg.header().matched_blocks(), 0);
+    // What a block names and is gone now was deleted after the server listed the block (which
+    // it re-encoded first): ABORTED, and GetInto lists again.
+    const auto listed_then_deleted = [](absl::Status s) {
+      if (!absl::IsNotFound(s)) return s;
+      return absl::AbortedError(
+          absl::StrCat(s.message(), " (deleted after this Get listed it; get again)"));
+    };
     chain = std::make_unique<ResidualChain>(
-        g, [&](uint64_t node_id) { return ReferenceBlock(model_id, node_id, g); },
-        [&](uint32_t version) { return GetPredictor(model_id, version); });
+        g,
+        [&, listed_then_deleted](uint64_t node_id) -> absl::StatusOr<std::vector<uint8_t>> {
+          absl::StatusOr<std::vector<uint8_t>> block = ReferenceBlock(model_id, node_id, g);
+          if (!block.ok()) return listed_then_deleted(block.status());
+          return block;
+        },
+        [&, listed_then_deleted](
+            uint32_t version) -> absl::StatusOr<std::shared_ptr<const PredictorState>> {
+          absl::StatusOr<std::shared_ptr<const PredictorState>> state =
+              GetPredictor(model_id, version);
+          if (!state.ok()) return listed_then_deleted(state.status());
+          return state;
+        });
   }
   out.k.resize(seq_bytes);  // the same size again (GetInto into a reused dump) writes nothing
   out.v.resize(seq_bytes);

@@ -57,8 +57,11 @@ struct ClientOptions {
   bool packed_token_ids = true;
   // Put and PutStream send a Put again (whole) when it ends ABORTED (the server stored nothing:
   // its prefix kept changing under concurrent Puts) or UNAVAILABLE; Lookup, Stats, Inspect and
-  // GetPredictor are sent again after UNAVAILABLE. Each attempt has its own `timeout`. The
-  // caller sees the last attempt's status. Get, Delete and Pin are never retried.
+  // GetPredictor are sent again after UNAVAILABLE, and Get after UNAVAILABLE or ABORTED (a
+  // centroid or learned state a RESIDUAL block names was deleted after the Get listed it: the new
+  // Get reads the block re-encoded). Each attempt has its own `timeout`. The caller sees the last
+  // attempt's status. Delete and Pin are never retried. The channel re-resolves and reconnects
+  // at this policy's pace (gRPC's own: DNS at most every 30 s, reconnects up to 120 s apart).
   RetryPolicy retry = {};
 };
 
@@ -168,6 +171,9 @@ class Client {
   template <typename Call>
   absl::Status RetryRead(Call&& call);
   explicit Client(const ClientOptions& options);
+  // One attempt of GetInto.
+  absl::Status GetOnce(const std::string& model_id, absl::Span<const uint32_t> token_ids,
+                       const GetOptions& options, KvDump* out);
   // The reconstructed block of node `node_id` (a near-duplicate's centroid), fetched with
   // GetRequest.node_id in RECONSTRUCTED mode; `g` is the model's block geometry.
   absl::StatusOr<std::vector<uint8_t>> ReferenceBlock(const std::string& model_id, uint64_t node_id,

@@ -4,6 +4,7 @@
 // sessions of tests/data.
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "client/client.h"
@@ -188,6 +189,80 @@ TEST(RetryPolicy, BackoffIsJitteredExponentialAndBounded) {
   bool jittered = false;
   for (int i = 0; i < 20 && !jittered; ++i) jittered = RetryBackoff(p, 2) != RetryBackoff(p, 2);
   EXPECT_TRUE(jittered);
+}
+
+// The break-it run of issue 18: a server restarted 2 s after a Put began was serving at +2.2 s,
+// yet the Put (8 attempts, 0.5-2 s backoff) failed UNAVAILABLE at +8-10 s: the channel waited out
+// gRPC's own reconnect backoff. Now the channel reconnects at the retry policy's pace.
+TEST_F(ClientRetry, APutReachesAServerRestartedWhileItRetries) {
+  const std::string dir = testing::FreshDir("client_retry_restart");
+  absl::StatusOr<std::unique_ptr<ServerProcess>> first = ServerProcess::Start(dir + "/data");
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string port = std::to_string((*first)->port());
+  ASSERT_EQ((*first)->Stop(), 0);
+  first->reset();
+  ClientOptions o{.target = "127.0.0.1:" + port, .ns = Ns()};
+  o.retry.max_attempts = 8;
+  o.retry.initial_backoff = absl::Milliseconds(500);
+  o.retry.max_backoff = absl::Seconds(2);
+  std::unique_ptr<Client> client = Client::Create(o);
+  std::unique_ptr<ServerProcess> second;
+  std::thread restart([&] {
+    absl::SleepFor(absl::Seconds(2));
+    absl::StatusOr<std::unique_ptr<ServerProcess>> s =
+        ServerProcess::Start(dir + "/data", {"--listen=127.0.0.1:" + port});
+    EXPECT_TRUE(s.ok()) << s.status();
+    if (s.ok()) second = *std::move(s);
+  });
+  const absl::Time t0 = absl::Now();
+  absl::StatusOr<v1::PutResponse> put = client->Put(*dump_);
+  restart.join();
+  EXPECT_TRUE(put.ok()) << put.status() << " after " << absl::Now() - t0;
+  ASSERT_NE(second, nullptr);
+  absl::StatusOr<KvDump> got = client->Get(dump_->model_id, dump_->token_ids);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->k, dump_->k);
+}
+
+// A RESIDUAL Get lists n1's blocks, coded against n0's centroids; the centroid is deleted before
+// the client fetches it (the server re-encodes the members first). The client's fetch is
+// NOT_FOUND; it gets again and decodes the re-encoded blocks, never handing the caller
+// NOT_FOUND for data that is stored (the break-it run: 15 of 2,286 racing RESIDUAL Gets).
+TEST_F(ClientRetry, AResidualGetWhoseCentroidGoesAfterTheListingGetsAgain) {
+  absl::StatusOr<KvDump> n0 = ReadKvDump(std::string(KVTRIE_TESTDATA_DIR) + "/neardup/n0");
+  absl::StatusOr<KvDump> n1 = ReadKvDump(std::string(KVTRIE_TESTDATA_DIR) + "/neardup/n1");
+  ASSERT_TRUE(n0.ok() && n1.ok());
+  const PutOptions residual{.encoding = v1::ENCODING_RESIDUAL, .target_rel_rms = 0.05};
+  ASSERT_TRUE(Direct()->Put(*n0, residual).ok());
+  absl::StatusOr<v1::PutResponse> r = Direct()->Put(*n1, residual);
+  ASSERT_TRUE(r.ok()) << r.status();
+  int members = 0;
+  for (const v1::BlockResult& b : r->blocks()) {
+    members += b.disposition() == v1::BLOCK_RESIDUAL_OF_CENTROID;
+  }
+  ASSERT_GT(members, 0);
+  absl::StatusOr<KvDump> want = Direct()->Get(n1->model_id, n1->token_ids);
+  ASSERT_TRUE(want.ok()) << want.status();
+
+  std::unique_ptr<FailingPutProxy> proxy =
+      FailingPutProxy::Start({.target = server_->target(), .node_get_failures = 1}).value();
+  std::unique_ptr<Client> client = Client::Create({.target = proxy->target(), .ns = Ns()});
+  absl::StatusOr<KvDump> got =
+      client->Get(n1->model_id, n1->token_ids, {.mode = v1::GET_MODE_RESIDUAL});
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->token_ids, want->token_ids);
+  EXPECT_EQ(got->k, want->k);
+  EXPECT_EQ(got->v, want->v);
+  EXPECT_GE(proxy->gets(), 3);  // the listing, the refused centroid, the second listing
+
+  // With one attempt the caller sees the race, as ABORTED (retry), not NOT_FOUND.
+  std::unique_ptr<FailingPutProxy> once =
+      FailingPutProxy::Start({.target = server_->target(), .node_get_failures = 1}).value();
+  ClientOptions o{.target = once->target(), .ns = Ns()};
+  o.retry.max_attempts = 1;
+  absl::Status s =
+      Client::Create(o)->Get(n1->model_id, n1->token_ids, {.mode = v1::GET_MODE_RESIDUAL}).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
 }
 
 TEST(RetryPolicy, ValidationNamesTheField) {

@@ -49,8 +49,27 @@ class FailingPutProxy::Service final : public v1::KVCache::Service {
     return stub_->Lookup(&forward, *request, response);
   }
 
+  grpc::Status Get(grpc::ServerContext* context, const v1::GetRequest* request,
+                   grpc::ServerWriter<v1::GetResponse>* writer) override {
+    gets_.fetch_add(1);
+    if (request->node_id() != 0 && node_gets_.fetch_add(1) < options_.node_get_failures) {
+      return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                          "node_id: " + std::to_string(request->node_id()) + " is not a node of '" +
+                              request->model_id() + "'");
+    }
+    return Forward(
+        *context, [&](grpc::ClientContext* c) { return stub_->Get(c, *request); }, writer);
+  }
+
+  grpc::Status GetPredictor(grpc::ServerContext* context, const v1::GetPredictorRequest* request,
+                            grpc::ServerWriter<v1::PredictorChunk>* writer) override {
+    return Forward(
+        *context, [&](grpc::ClientContext* c) { return stub_->GetPredictor(c, *request); }, writer);
+  }
+
   int puts() const { return puts_.load(); }
   int lookups() const { return lookups_.load(); }
+  int gets() const { return gets_.load(); }
 
  private:
   static void CopyToken(const grpc::ServerContext& from, grpc::ClientContext* to) {
@@ -60,10 +79,29 @@ class FailingPutProxy::Service final : public v1::KVCache::Service {
     }
   }
 
+  // A server stream (`open` starts it on the real server), forwarded message by message.
+  template <typename Open, typename Response>
+  static grpc::Status Forward(const grpc::ServerContext& context, Open open,
+                              grpc::ServerWriter<Response>* writer) {
+    grpc::ClientContext forward;
+    CopyToken(context, &forward);
+    std::unique_ptr<grpc::ClientReader<Response>> reader = open(&forward);
+    Response m;
+    while (reader->Read(&m)) {
+      if (!writer->Write(m)) {
+        forward.TryCancel();
+        break;
+      }
+    }
+    return reader->Finish();
+  }
+
   const FailingPutProxyOptions options_;
   std::unique_ptr<v1::KVCache::Stub> stub_;
   std::atomic<int> puts_{0};
   std::atomic<int> lookups_{0};
+  std::atomic<int> gets_{0};
+  std::atomic<int> node_gets_{0};
 };
 
 absl::StatusOr<std::unique_ptr<FailingPutProxy>> FailingPutProxy::Start(
@@ -87,6 +125,7 @@ FailingPutProxy::~FailingPutProxy() {
 
 int FailingPutProxy::puts() const { return service_->puts(); }
 int FailingPutProxy::lookups() const { return service_->lookups(); }
+int FailingPutProxy::gets() const { return service_->gets(); }
 void FailingPutProxy::Wait() { server_->Wait(); }
 
 }  // namespace kvtrie::testing

@@ -5,8 +5,9 @@
 // answers the first `lookup_failures` Lookups UNAVAILABLE and forwards the rest. A failed Put is
 // read whole, its PutCommit included, and nothing of it is forwarded — as the real server ends a
 // Put ABORTED ("the prefix kept changing under concurrent Puts; retry") at its commit, having
-// stored nothing. The bearer token is forwarded; other calls are UNIMPLEMENTED (tests read back
-// from the real server).
+// stored nothing. Gets (but the first `node_get_failures` of a node by id) and GetPredictor are
+// forwarded. The bearer token is forwarded; other calls are UNIMPLEMENTED (tests read back from
+// the real server).
 // Thread-safe.
 #ifndef KVTRIE_TESTS_FAILING_PUT_PROXY_H_
 #define KVTRIE_TESTS_FAILING_PUT_PROXY_H_
@@ -25,6 +26,9 @@ struct FailingPutProxyOptions {
   int put_failures = 0;
   grpc::StatusCode put_code = grpc::StatusCode::ABORTED;
   int lookup_failures = 0;  // answered UNAVAILABLE
+  // The first Gets of a node by id (GetRequest.node_id: a client fetching a centroid) answered
+  // NOT_FOUND, as the server answers once that node is deleted.
+  int node_get_failures = 0;
   std::string listen = "127.0.0.1:0";
 };
 
@@ -41,6 +45,7 @@ class FailingPutProxy {
   std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
   int puts() const;     // Puts received, failed ones included
   int lookups() const;  // Lookups received, failed ones included
+  int gets() const;     // Gets received, failed ones included
   void Wait();          // until the server shuts down
 
  private:
