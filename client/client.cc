@@ -9,6 +9,7 @@
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <thread>
 
 #include "absl/base/config.h"
 #include "absl/strings/str_cat.h"
@@ -168,7 +169,10 @@ Client::Client(const ClientOptions& options) : options_(options) {
   }
   channel_ = grpc::CreateCustomChannel(options.target, credentials, args);
   stub_ = v1::KVCache::NewStub(channel_);
-  if (options.codec_threads > 1) codec_pool_ = std::make_unique<ThreadPool>(options.codec_threads);
+  const int threads = options.codec_threads > 0
+                          ? options.codec_threads
+                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (threads > 1) codec_pool_ = std::make_unique<ThreadPool>(threads);
 }
 
 absl::StatusOr<std::vector<uint8_t>> Client::ReferenceBlock(const std::string& model_id,

@@ -49,9 +49,11 @@ struct ClientOptions {
   std::string tls_server_name = {};  // overrides the name checked in the server's certificate
   // Sent as `authorization: Bearer <token>` on every call (servers run with --tokens_file).
   std::string token = {};
-  // Threads that decode the blocks of a Get RESIDUAL (the caller's included): fast-profile blocks
-  // decode in parallel, a window of 4 per thread at a time. 1 = on the calling thread only.
-  int codec_threads = 1;
+  // Threads that decode the blocks of a Get RESIDUAL and encode those of a Put with
+  // encode_on_client (the caller's included): fast-profile blocks are coded in parallel, a window
+  // of 4 per thread at a time. 0 = the machine's cores (the default); 1 = on the calling thread
+  // only. CLI and worker: --codec_threads; Python: Client(codec_threads=).
+  int codec_threads = 0;
   // Lookup and Get send token ids as LookupRequest/GetRequest.token_ids_packed (4 bytes each,
   // parsed without varint decoding); false: as varint token_ids, for servers older than the field.
   bool packed_token_ids = true;
@@ -186,7 +188,7 @@ class Client {
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KVCache::Stub> stub_;
-  std::unique_ptr<ThreadPool> codec_pool_;                              // codec_threads > 1
+  std::unique_ptr<ThreadPool> codec_pool_;  // when codec_threads (0: the cores) > 1
   using PredictorKey = std::tuple<std::string, std::string, uint32_t>;  // (ns, model_id, version)
   absl::Mutex predictors_mu_;  // guards predictors_ (never held across an RPC)
   std::map<PredictorKey, std::pair<uint64_t, std::shared_ptr<const PredictorState>>> predictors_

@@ -22,6 +22,9 @@ ABSL_FLAG(int, retry_attempts, 5,
 ABSL_FLAG(int, retry_initial_backoff_ms, 100,
           "wait before the first retry (jittered: drawn from [d/2, d]); doubles each retry");
 ABSL_FLAG(int, retry_max_backoff_ms, 2000, "longest wait between two attempts");
+ABSL_FLAG(int, codec_threads, 0,
+          "threads that decode a RESIDUAL get and encode a put with --encode_on_client, the "
+          "caller's included (0 = the machine's cores, 1 = the calling thread only)");
 
 namespace kvtrie {
 
@@ -43,6 +46,11 @@ absl::Status ApplyClientFlags(ClientOptions* options) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--retry_initial_backoff_ms, --retry_max_backoff_ms: need 0 <= initial <= max (",
         s.message(), ")"));
+  }
+  options->codec_threads = absl::GetFlag(FLAGS_codec_threads);
+  if (options->codec_threads < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--codec_threads: ", options->codec_threads,
+                                                   " (must be >= 0; 0 = the machine's cores)"));
   }
   options->tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
   options->token = absl::GetFlag(FLAGS_token);

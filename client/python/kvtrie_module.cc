@@ -252,7 +252,8 @@ class PyClient {
   PyClient(const std::string& target, const std::string& model_id, const std::string& ns,
            const std::string& token, double timeout_s, bool tls, const std::string& root_pem,
            const std::string& cert_pem, const std::string& key_pem, const std::string& server_name,
-           int retry_attempts, double retry_initial_backoff_s, double retry_max_backoff_s)
+           int retry_attempts, double retry_initial_backoff_s, double retry_max_backoff_s,
+           int codec_threads)
       : model_id_(model_id) {
     if (model_id.empty()) InvalidArgument("model_id: must not be empty");
     if (!(timeout_s > 0)) InvalidArgument("timeout: must be > 0 seconds");
@@ -286,6 +287,11 @@ class PyClient {
     o.retry.initial_backoff = absl::Milliseconds(retry_initial_backoff_s * 1000);
     o.retry.max_backoff = absl::Milliseconds(retry_max_backoff_s * 1000);
     Check(ValidateRetryPolicy(o.retry));
+    if (codec_threads < 0) {
+      InvalidArgument(absl::StrCat("codec_threads: ", codec_threads,
+                                   " (must be >= 0; 0 = the machine's cores)"));
+    }
+    o.codec_threads = codec_threads;
     client_ = Client::Create(o);
   }
 
@@ -453,12 +459,13 @@ PYBIND11_MODULE(_kvtrie, m) {
   py::class_<PyClient>(m, "_Client")
       .def(py::init<const std::string&, const std::string&, const std::string&, const std::string&,
                     double, bool, const std::string&, const std::string&, const std::string&,
-                    const std::string&, int, double, double>(),
+                    const std::string&, int, double, double, int>(),
            py::arg("target"), py::arg("model_id"), py::arg("namespace"), py::arg("token"),
            py::arg("timeout"), py::arg("tls") = false, py::arg("tls_root_pem") = "",
            py::arg("tls_cert_pem") = "", py::arg("tls_key_pem") = "",
            py::arg("tls_server_name") = "", py::arg("retry_attempts") = 5,
-           py::arg("retry_initial_backoff") = 0.1, py::arg("retry_max_backoff") = 2.0)
+           py::arg("retry_initial_backoff") = 0.1, py::arg("retry_max_backoff") = 2.0,
+           py::arg("codec_threads") = 0)
       .def("lookup", &PyClient::Lookup, py::arg("tokens"))
       .def("put", &PyClient::Put, py::arg("tokens"), py::arg("k"), py::arg("v"),
            py::arg("surprisal"), py::arg("encoding"), py::arg("target_rel_rms"), py::arg("bits"),

@@ -173,6 +173,21 @@ def test_residual_mode_decodes_client_side_and_meets_the_target(server):
     assert 0 < worst <= target * 1.001, worst
 
 
+def test_codec_threads_decode_a_residual_get_alike_and_a_negative_count_is_refused(server):
+    tokens, surprisal, k, v = read_dump(TESTDATA / "genesis_1-3")
+    one = kvtrie.Client(server.target, "stories260K", namespace="codec_threads",
+                        codec_threads=1)
+    one.put(tokens, k, v, surprisal=surprisal, encoding="residual", target_rel_rms=0.05)
+    k1, v1, n1 = one.get(tokens, mode="residual")  # on the calling thread
+    cores = kvtrie.Client(server.target, "stories260K", namespace="codec_threads")  # 0: cores
+    k0, v0, n0 = cores.get(tokens, mode="residual")
+    assert n0 == n1 == 512
+    assert np.array_equal(bits(k0), bits(k1)) and np.array_equal(bits(v0), bits(v1))
+    with pytest.raises(kvtrie.Error) as e:
+        kvtrie.Client(server.target, "stories260K", codec_threads=-1)
+    assert e.value.code == kvtrie.StatusCode.INVALID_ARGUMENT and "codec_threads" in str(e.value)
+
+
 def test_residual_get_of_blocks_coded_against_a_learned_state(tmp_path):
     """With --learn_predictors the server codes new blocks against a learned predictor state; the
     Python client's RESIDUAL Get goes through the C++ client, which fetches that state

@@ -375,11 +375,14 @@ class Client:
             a :class:`PutStream`, which keeps a copy of what it sent, up to 256 MiB) that ends
             ABORTED — the server stored nothing because the prefix kept changing under
             concurrent Puts — or UNAVAILABLE is sent again, whole; lookup, stats and inspect are
-            sent again after UNAVAILABLE; get, delete and pin never are. The caller sees the
-            error only when every attempt failed.
+            sent again after UNAVAILABLE, get after UNAVAILABLE or ABORTED (a centroid or learned
+            state a RESIDUAL block names was deleted after the listing); delete and pin never
+            are. The caller sees the error only when every attempt failed.
         retry_initial_backoff, retry_max_backoff: the wait before the n-th retry is drawn from
             ``[d/2, d]``, ``d = min(retry_max_backoff, retry_initial_backoff * 2**(n-1))``
             seconds.
+        codec_threads: threads that decode a RESIDUAL get (the caller's included); 0 = the
+            machine's cores, 1 = the calling thread only.
 
     Thread-safe: one Client may be used from many threads at once (the GIL is released during
     every call). Creating it does not contact the server; a call to a server that is down raises
@@ -390,7 +393,7 @@ class Client:
                  tls: Union[None, bool, TlsConfig, Mapping[str, Any]] = None,
                  timeout: float = 60.0, *, namespace: str = "", block_tokens: int = 16,
                  retry_attempts: int = 5, retry_initial_backoff: float = 0.1,
-                 retry_max_backoff: float = 2.0) -> None:
+                 retry_max_backoff: float = 2.0, codec_threads: int = 0) -> None:
         tls_options = _tls_options(tls)
         self.target = target
         self.model_id = model_id
@@ -401,7 +404,8 @@ class Client:
         self._c = _kvtrie._Client(target, model_id, namespace, token or "", float(timeout),
                                   retry_attempts=int(retry_attempts),
                                   retry_initial_backoff=float(retry_initial_backoff),
-                                  retry_max_backoff=float(retry_max_backoff), **tls_options)
+                                  retry_max_backoff=float(retry_max_backoff),
+                                  codec_threads=int(codec_threads), **tls_options)
 
     def __repr__(self) -> str:
         return (f"kvtrie.Client(target={self.target!r}, model_id={self.model_id!r}, "

@@ -38,7 +38,8 @@ Configuration (a dict; under vLLM, ``kv_connector_extra_config``): ``target`` (H
 ``"residual"``: decode on the worker), ``block_tokens`` (16), ``retry_attempts`` (5),
 ``retry_initial_backoff`` (0.1 s), ``retry_max_backoff`` (2 s): a save whose Put ends ABORTED
 (concurrent Puts kept changing its prefix; nothing was stored) or UNAVAILABLE is sent again, whole,
-by the client's put stream, so the worker does not see it (see :class:`kvtrie.Client`).
+by the client's put stream, so the worker does not see it (see :class:`kvtrie.Client`);
+``codec_threads`` (0 = the cores) decode a ``"residual"`` get.
 
 With vLLM installed the class derives from its KVConnectorBase_V1; without it (as here) it
 stands alone. Tested with the engine loop in tests/python/test_connector.py, not against vLLM.
@@ -143,7 +144,8 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
                                         retry_initial_backoff=float(
                                             cfg.get("retry_initial_backoff", 0.1)),
                                         retry_max_backoff=float(
-                                            cfg.get("retry_max_backoff", 2.0)))
+                                            cfg.get("retry_max_backoff", 2.0)),
+                                        codec_threads=int(cfg.get("codec_threads", 0)))
         self._encoding = cfg.get("encoding", "lossless")
         self._target_rel_rms = float(cfg.get("target_rel_rms", 0.0))
         self._get_mode = cfg.get("get_mode", "reconstructed")
