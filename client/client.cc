@@ -33,6 +33,17 @@ absl::Status FromGrpc(const grpc::Status& s) {
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
 
+// Ends a Put's writes: the PutCommit while the stream is `open`, then the server's status.
+absl::Status CommitPut(grpc::ClientWriter<v1::PutRequest>* writer, bool open) {
+  if (open) {
+    v1::PutRequest commit;
+    commit.mutable_commit();
+    writer->Write(commit);
+  }
+  writer->WritesDone();
+  return FromGrpc(writer->Finish());
+}
+
 // proto3 `string` fields must be UTF-8: a server cannot parse a message with invalid UTF-8 and
 // answers only INTERNAL (unary) or sees the stream end (Put). Checked here to name the field.
 absl::Status CheckUtf8(absl::string_view field, absl::string_view s) {
@@ -325,13 +336,7 @@ absl::StatusOr<v1::PutResponse> Client::PutOnce(const KvDump& kv, const BlockGeo
       open = writer->Write(req);
     }
   }
-  if (open) {
-    req.Clear();
-    req.mutable_commit();
-    open = writer->Write(req);
-  }
-  writer->WritesDone();
-  if (auto s = FromGrpc(writer->Finish()); !s.ok()) return s;
+  if (auto s = CommitPut(writer.get(), open); !s.ok()) return s;
   return resp;
 }
 
@@ -391,13 +396,7 @@ absl::StatusOr<v1::PutResponse> Client::PutEncoded(const KvDump& kv, const Block
       open = writer->Write(req);
     }
   }
-  if (open) {
-    req.Clear();
-    req.mutable_commit();
-    open = writer->Write(req);
-  }
-  writer->WritesDone();
-  if (auto s = FromGrpc(writer->Finish()); !s.ok()) return s;
+  if (auto s = CommitPut(writer.get(), open); !s.ok()) return s;
   return resp;
 }
 
