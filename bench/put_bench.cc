@@ -16,8 +16,18 @@
 // server's peak RSS growth during the row (VmHWM after the row, reset by clear_refs before it,
 // minus VmRSS before it) per byte put. Medians and min-max over --repeats.
 //
+// Issue 19 (workers encode, the server stores) adds the rows of encoded Puts: `encoded` and
+// `encoded_lossless` send blocks the bench encoded before the row (RESIDUAL fast at 0.1 / LOSSLESS
+// fast, no learned state: codec/block_codec.h EncodeBlock) as PutBlock.encoded through the same
+// raw stub, so the row is the server's work alone; `client` is a worker's whole Put through
+// kvtrie::Client (encode_on_client, RESIDUAL fast 0.1, codec_threads = the cores: encode + send +
+// commit), whose row also reports this process's CPU-seconds per GB. Every row reports logical GB/s
+// (fp16 bytes represented), wire GB/s (block bytes sent: encoded or dense) and server CPU-seconds
+// per logical and per wire GB.
+//
 //   put_bench [--tokens=2048] [--tokens16=512] [--clients=1,16] [--repeats=3]
-//             [--modes=raw,residual,lossless] [--server_flags=--codec_threads=2,...]
+//             [--modes=raw,residual,lossless,encoded,encoded_lossless,client]
+//             [--server_flags=--codec_threads=2,...]
 //             [--before_dir=BUILD_DIR]   (also the rows of an older kvtrie-server, interleaved)
 #include <grpcpp/grpcpp.h>
 
@@ -39,6 +49,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "bench/speed_net.h"
+#include "client/client.h"
+#include "codec/block_codec.h"
 #include "codec/kv_dump.h"
 #include "codec/kv_layout.h"
 #include "kvtrie/v1/kvtrie.grpc.pb.h"
@@ -83,11 +95,32 @@ void ResetPeakRss(pid_t pid) {
 struct Prefix {
   std::vector<uint32_t> tokens;
   std::vector<std::vector<uint8_t>> blocks;  // 2 MiB each, block layout
+  std::vector<std::string> encoded;          // the same blocks pre-encoded (encoded modes)
 };
 
+// `p` in sequence layout, for kvtrie::Client::Put.
+KvDump SequenceOf(const Prefix& p, const BlockGeometry& g) {
+  KvDump d;
+  d.model_id = "llama3-8b-shaped";
+  d.num_layers = g.num_layers;
+  d.num_kv_heads = g.num_kv_heads;
+  d.head_dim = g.head_dim;
+  d.dtype = g.dtype;
+  d.token_ids.assign(p.tokens.begin(), p.tokens.end());
+  const size_t n = p.blocks.size() * g.block_tokens;
+  d.k.resize(static_cast<size_t>(g.num_layers) * g.num_kv_heads * n * g.head_dim * 2);
+  d.v.resize(d.k.size());
+  for (size_t b = 0; b < p.blocks.size(); ++b) {
+    ScatterBlock(g, n, p.blocks[b], b, d.k.data(), d.v.data());
+  }
+  return d;
+}
+
 // One Put of `p` through a raw stub; empty on success, else the error.
+// With `encoded`, the blocks go as p.encoded (PutBlock.encoded).
 std::string PutPrefix(v1::KVCache::Stub* stub, const Prefix& p, const BlockGeometry& g,
-                      v1::Encoding encoding, v1::EncodingSpec::Profile profile) {
+                      v1::Encoding encoding, v1::EncodingSpec::Profile profile,
+                      bool encoded = false) {
   grpc::ClientContext ctx;
   v1::PutResponse resp;
   std::unique_ptr<grpc::ClientWriter<v1::PutRequest>> w(stub->Put(&ctx, &resp));
@@ -111,7 +144,11 @@ std::string PutPrefix(v1::KVCache::Stub* stub, const Prefix& p, const BlockGeome
     v1::PutBlock* pb = req.mutable_block();
     pb->set_block_index(static_cast<uint32_t>(b));
     pb->set_layer_end(g.num_layers);
-    pb->set_kv(p.blocks[b].data(), p.blocks[b].size());
+    if (encoded) {
+      pb->set_encoded(p.encoded[b]);
+    } else {
+      pb->set_kv(p.blocks[b].data(), p.blocks[b].size());
+    }
     open = w->Write(req);
   }
   if (open) {
@@ -133,7 +170,8 @@ double Quantile(std::vector<double> v, double q) {
 }
 
 struct Row {
-  std::vector<double> gbs, cpu_per_gb, rss_per_byte, latencies;
+  std::vector<double> gbs, wire_gbs, cpu_per_gb, cpu_per_wire_gb, self_cpu_per_gb, rss_per_byte,
+      latencies;
   int failures = 0;
   std::string error;
 };
@@ -259,12 +297,32 @@ int main(int argc, char** argv) {
     if (c > 0) redis_fds.push_back(bench::Connect(aof.port));
     if (c > 0) mem_fds.push_back(bench::Connect(mem.port));
   }
+  enum class Kind { kDense, kEncoded, kClient };
   struct Mode {
     std::string name;
     v1::Encoding encoding;
     v1::EncodingSpec::Profile profile;
+    Kind kind = Kind::kDense;
+    std::vector<std::string> encoded = {};  // kEncoded: all_blocks, pre-encoded
   };
   std::vector<Mode> modes;
+  // Blocks encoded before the rows, as a worker would have (no learned state).
+  auto pre_encode = [&](Encoding e) {
+    EncodeOptions o;
+    o.encoding = e;
+    o.profile = Profile::kFast;
+    o.target_rel_rms = e == Encoding::kResidual ? 0.1 : 0;
+    std::vector<std::string> out;
+    for (const auto& b : all_blocks) {
+      absl::StatusOr<EncodedBlock> eb = EncodeBlock(g, b, o);
+      if (!eb.ok()) {
+        std::fprintf(stderr, "encode: %s\n", std::string(eb.status().message()).c_str());
+        std::exit(1);
+      }
+      out.push_back(std::move(eb->bytes));
+    }
+    return out;
+  };
   for (const std::string& m : mode_names) {
     if (m == "raw") modes.push_back({"RAW", v1::ENCODING_RAW, v1::EncodingSpec::PROFILE_COMPACT});
     if (m == "residual")
@@ -272,6 +330,25 @@ int main(int argc, char** argv) {
           {"RESIDUAL fast (0.1)", v1::ENCODING_RESIDUAL, v1::EncodingSpec::PROFILE_FAST});
     if (m == "lossless")
       modes.push_back({"LOSSLESS fast", v1::ENCODING_LOSSLESS, v1::EncodingSpec::PROFILE_FAST});
+    if (m == "encoded")
+      modes.push_back({"encoded RESIDUAL fast (0.1)", v1::ENCODING_RESIDUAL,
+                       v1::EncodingSpec::PROFILE_FAST, Kind::kEncoded,
+                       pre_encode(Encoding::kResidual)});
+    if (m == "encoded_lossless")
+      modes.push_back({"encoded LOSSLESS fast", v1::ENCODING_LOSSLESS,
+                       v1::EncodingSpec::PROFILE_FAST, Kind::kEncoded,
+                       pre_encode(Encoding::kLossless)});
+    if (m == "client")
+      modes.push_back({"kvtrie::Client encode_on_client RESIDUAL fast (0.1)", v1::ENCODING_RESIDUAL,
+                       v1::EncodingSpec::PROFILE_FAST, Kind::kClient});
+  }
+  std::vector<std::unique_ptr<Client>> clients_cc;  // kClient rows: one channel each
+  for (int c = 0; c < max_clients; ++c) {
+    ClientOptions co;
+    co.target = (*server)->target();
+    co.ns = "put_bench";
+    co.timeout = absl::Seconds(600);
+    clients_cc.push_back(Client::Create(co));
   }
   std::map<std::string, Row> rows;
   std::vector<std::string> order;
@@ -284,8 +361,9 @@ int main(int argc, char** argv) {
         p.blocks.assign(all_blocks.begin(), all_blocks.begin() + static_cast<long>(nb));
       }
       const double bytes = static_cast<double>(clients) * nb * g.num_bytes();
+      // `one(c, &wire)` puts client c's prefix and sets the block bytes it sent.
       auto run_row = [&](const std::string& name, pid_t pid,
-                         const std::function<std::string(int)>& one) {
+                         const std::function<std::string(int, double*)>& one) {
         const std::string key =
             absl::StrCat(clients, " client", clients > 1 ? "s" : "", ", ", name);
         if (!rows.count(key)) order.push_back(key);
@@ -293,20 +371,22 @@ int main(int argc, char** argv) {
         const double rss0 = StatusBytes(pid, "VmRSS:");
         ResetPeakRss(pid);
         const double cpu0 = CpuSeconds(pid);
-        std::vector<double> lat(clients);
+        const double self0 = CpuSeconds(getpid());
+        std::vector<double> lat(clients), wire(clients, 0);
         std::vector<std::string> err(clients);
         const auto t0 = Clock::now();
         std::vector<std::thread> threads;
         for (int c = 0; c < clients; ++c) {
           threads.emplace_back([&, c] {
             const auto s0 = Clock::now();
-            err[c] = one(c);
+            err[c] = one(c, &wire[c]);
             lat[c] = Since(s0);
           });
         }
         for (auto& t : threads) t.join();
         const double wall = Since(t0);
         const double cpu = CpuSeconds(pid) - cpu0;
+        const double self_cpu = CpuSeconds(getpid()) - self0;
         const double hwm = StatusBytes(pid, "VmHWM:");
         for (int c = 0; c < clients; ++c) {
           if (!err[c].empty()) {
@@ -320,8 +400,13 @@ int main(int argc, char** argv) {
             (clients - std::count_if(err.begin(), err.end(),
                                      [](const std::string& e) { return !e.empty(); })) /
             clients;
+        double wire_stored = 0;
+        for (int c = 0; c < clients; ++c) wire_stored += err[c].empty() ? wire[c] : 0;
         row.gbs.push_back(stored / wall / 1e9);
+        row.wire_gbs.push_back(wire_stored / wall / 1e9);
         row.cpu_per_gb.push_back(stored > 0 ? cpu / (stored / 1e9) : 0);
+        row.cpu_per_wire_gb.push_back(wire_stored > 0 ? cpu / (wire_stored / 1e9) : 0);
+        row.self_cpu_per_gb.push_back(stored > 0 ? self_cpu / (stored / 1e9) : 0);
         row.rss_per_byte.push_back((hwm - rss0) / bytes);
         row.latencies.insert(row.latencies.end(), lat.begin(), lat.end());
       };
@@ -329,22 +414,53 @@ int main(int argc, char** argv) {
         for (Prefix& p : prefixes) {
           p.tokens.resize(nb * 16);
           for (auto& t : p.tokens) t = next_token++;  // a new prefix: nothing deduplicated
+          if (m.kind == Kind::kEncoded) {
+            p.encoded.assign(m.encoded.begin(), m.encoded.begin() + static_cast<long>(nb));
+          }
         }
-        run_row("kvtrie Put " + m.name, spid, [&](int c) {
-          return PutPrefix(stubs[c].get(), prefixes[c], g, m.encoding, m.profile);
-        });
-        if (before) {
-          run_row("kvtrie (before) Put " + m.name, before->pid(), [&](int c) {
-            return PutPrefix(before_stubs[c].get(), prefixes[c], g, m.encoding, m.profile);
+        const double dense_wire = static_cast<double>(nb) * g.num_bytes();
+        if (m.kind == Kind::kClient) {
+          std::vector<KvDump> seq;
+          for (const Prefix& p : prefixes) seq.push_back(SequenceOf(p, g));
+          PutOptions po;
+          po.encoding = m.encoding;
+          po.profile = m.profile;
+          po.target_rel_rms = 0.1;
+          po.encode_on_client = true;
+          run_row("kvtrie Put " + m.name, spid, [&](int c, double* wire) -> std::string {
+            absl::StatusOr<v1::PutResponse> r = clients_cc[c]->Put(seq[c], po);
+            if (!r.ok()) return std::string(r.status().message());
+            if (r->blocks_stored() != nb) return "not every block was stored";
+            for (const v1::BlockResult& b : r->blocks())
+              *wire += static_cast<double>(b.bytes_stored());
+            return "";
           });
+          continue;
+        }
+        auto put = [&](v1::KVCache::Stub* stub, int c, double* wire) {
+          const Prefix& p = prefixes[c];
+          *wire = dense_wire;
+          if (m.kind == Kind::kEncoded) {
+            *wire = 0;
+            for (const std::string& e : p.encoded) *wire += static_cast<double>(e.size());
+          }
+          return PutPrefix(stub, p, g, m.encoding, m.profile, m.kind == Kind::kEncoded);
+        };
+        run_row("kvtrie Put " + m.name, spid,
+                [&](int c, double* wire) { return put(stubs[c].get(), c, wire); });
+        if (before && m.kind == Kind::kDense) {
+          run_row("kvtrie (before) Put " + m.name, before->pid(),
+                  [&](int c, double* wire) { return put(before_stubs[c].get(), c, wire); });
         }
       }
-      run_row("Redis (AOF everysec) SET", aof.pid, [&](int c) {
+      run_row("Redis (AOF everysec) SET", aof.pid, [&](int c, double* wire) {
+        *wire = static_cast<double>(nb) * g.num_bytes();
         const std::string prefix = "r" + std::to_string(rep) + "c" + std::to_string(c) + "n" +
                                    std::to_string(clients) + ":";
         return bench::RedisSet(redis_fds[c], prefix, prefixes[c].blocks) ? "" : "SET failed";
       });
-      run_row("Redis (no persistence) SET", mem.pid, [&](int c) {
+      run_row("Redis (no persistence) SET", mem.pid, [&](int c, double* wire) {
+        *wire = static_cast<double>(nb) * g.num_bytes();
         const std::string prefix = "r" + std::to_string(rep) + "c" + std::to_string(c) + "n" +
                                    std::to_string(clients) + ":";
         return bench::RedisSet(mem_fds[c], prefix, prefixes[c].blocks) ? "" : "SET failed";
@@ -364,15 +480,18 @@ int main(int argc, char** argv) {
       "Llama-3-8B-shaped KV), %d interleaved repeats; kvtrie-server %s\n\n",
       tokens1, tokens16, repeats, absl::StrJoin(server_flags, " ").c_str());
   std::printf(
-      "| clients, path | GB/s median [min-max] | p50 / p99 s per prefix | server CPU-s per GB | "
-      "peak RSS growth / bytes put | failed |\n|---|---|---|---|---|---|\n");
+      "| clients, path | logical GB/s median [min-max] | wire GB/s | p50 / p99 s per prefix | "
+      "server CPU-s per logical GB | per wire GB | bench process CPU-s per GB | peak RSS growth / "
+      "bytes put | failed |\n|---|---|---|---|---|---|---|---|---|\n");
   for (const std::string& key : order) {
     const Row& r = rows[key];
-    std::printf("| %s | %.3f [%.3f-%.3f] | %.3f / %.3f | %.2f | %.2f | %d%s%s |\n", key.c_str(),
-                Quantile(r.gbs, 0.5), *std::min_element(r.gbs.begin(), r.gbs.end()),
-                *std::max_element(r.gbs.begin(), r.gbs.end()), Quantile(r.latencies, 0.5),
-                Quantile(r.latencies, 0.99), Quantile(r.cpu_per_gb, 0.5),
-                Quantile(r.rss_per_byte, 0.5), r.failures, r.failures ? ": " : "", r.error.c_str());
+    std::printf(
+        "| %s | %.3f [%.3f-%.3f] | %.3f | %.3f / %.3f | %.2f | %.2f | %.2f | %.2f | %d%s%s |\n",
+        key.c_str(), Quantile(r.gbs, 0.5), *std::min_element(r.gbs.begin(), r.gbs.end()),
+        *std::max_element(r.gbs.begin(), r.gbs.end()), Quantile(r.wire_gbs, 0.5),
+        Quantile(r.latencies, 0.5), Quantile(r.latencies, 0.99), Quantile(r.cpu_per_gb, 0.5),
+        Quantile(r.cpu_per_wire_gb, 0.5), Quantile(r.self_cpu_per_gb, 0.5),
+        Quantile(r.rss_per_byte, 0.5), r.failures, r.failures ? ": " : "", r.error.c_str());
   }
   std::printf(
       "\nkvtrie-server peak RSS at the end %.2f GiB (VmHWM since the last row's reset), exit "
