@@ -2,10 +2,11 @@
 # bench/put_profile.sh BUILD_DIR OUT CLIENTS [REPEATS]: perf over put_bench RAW and its children
 # (kvtrie-server, redis-server); writes OUT.data and OUT.top.txt, the kvtrie-server process's
 # samples only (shares of that process). Set KVTRIE_SERVER_BINARY_DIR to profile another
-# build's server. Used for bench/speed_put.md.
+# build's server; KVTRIE_PROFILE_MODES=encoded (put_bench --modes) profiles another row. Used for
+# bench/speed_put.md.
 set -euo pipefail
 B=$1 OUT=$2 C=$3 R=${4:-1}
-perf record -F 499 -g -o "$OUT.data" -- "$B/bench/put_bench" --repeats="$R" --modes=raw \
+perf record -F 499 -g -o "$OUT.data" -- "$B/bench/put_bench" --repeats="$R" --modes="${KVTRIE_PROFILE_MODES:-raw}" \
   --clients="$C" > "$OUT.bench.txt" 2>&1 &
 perf_pid=$!
 server=""
