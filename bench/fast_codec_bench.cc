@@ -16,6 +16,11 @@
 //      (PredictorLearner on every other dump, tiled the same way; each tiled block takes all its
 //      channels from one source block, so its token ids are that block's): fast residual encode
 //      and decode GB/s at 1 and 2 threads (one block per task), the state's fit time excluded.
+//      Then the C++ client's decode of the same blocks as one prefix (ResidualChain::DecodeMany,
+//      client/residual_chain.h, in windows of 4 x threads blocks as Client::Get hands it them;
+//      the state given by its fetcher, no server): GB/s and GB per CPU-second at 1 and 2 threads,
+//      and the calling thread's share of the CPU time (1.0: nothing ran on the pool; on a shared
+//      machine, where 2 threads may not get 2 cores, the share shows whether the work spread).
 //
 //   fast_codec_bench [--data_dir=tests/data] [--blocks=16] [--repeats=3] [--target=0.1]
 //                    [--skip_bits] [--skip_speed] [--skip_learned]
@@ -30,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "client/residual_chain.h"
 #include "codec/block_batch.h"
 #include "codec/block_codec.h"
 #include "codec/kv_dump.h"
@@ -167,6 +173,13 @@ std::vector<std::vector<uint8_t>> TiledBlocks(const Dump& s, size_t count) {
 double CpuSeconds() {
   timespec ts;
   clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+// CPU seconds of the calling thread alone.
+double ThreadCpuSeconds() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
   return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
@@ -340,6 +353,88 @@ std::vector<TiledLearned> TiledWithTokens(const std::string& path) {
   return out;
 }
 
+// The client's decode of `enc` (blocks 0.. of one prefix, `eval`'s tokens) with ResidualChain at
+// 1 and 2 threads, in windows of 4 x threads blocks (client/client.cc GetOnce), interleaved.
+void PrintClientDecode(const BlockGeometry& g, const std::vector<TiledLearned>& eval,
+                       const std::vector<EncodedBlock>& enc,
+                       const std::shared_ptr<const PredictorState>& state, int repeats) {
+  const size_t n = enc.size();
+  if (n == 0 || enc[0].bytes.empty()) return;  // --only left the learned rows out
+  std::vector<uint32_t> prefix;
+  for (size_t i = 0; i < n; ++i) {
+    if (eval[i].first_position != i * g.block_tokens) {
+      std::fprintf(stderr, "client decode: block %zu is not at position %zu\n", i, i * 16);
+      std::exit(1);
+    }
+    for (int32_t t : eval[i].tokens) prefix.push_back(static_cast<uint32_t>(t));
+  }
+  const double bytes = static_cast<double>(n) * g.num_bytes();
+  std::vector<std::vector<uint8_t>> out(n, std::vector<uint8_t>(g.num_bytes()));
+  std::vector<std::vector<double>> gbs(2), cpu(2), caller(2);
+  uint64_t hash[2] = {kFnvBasis, kFnvBasis};
+  for (int rep = 0; rep < repeats; ++rep) {
+    for (int k = 0; k < 2; ++k) {
+      const int threads = k + 1;
+      ThreadPool pool(threads);
+      int fetches = 0;
+      ResidualChain chain(
+          g,
+          [](uint64_t) -> absl::StatusOr<std::vector<uint8_t>> {
+            return absl::NotFoundError("no centroids");
+          },
+          [&](uint32_t) -> absl::StatusOr<std::shared_ptr<const PredictorState>> {
+            ++fetches;
+            return state;
+          });
+      const size_t window = 4 * static_cast<size_t>(threads);
+      const double c0 = CpuSeconds(), m0 = ThreadCpuSeconds();
+      const auto t0 = Clock::now();
+      for (size_t first = 0; first < n; first += window) {
+        const size_t m = std::min(window, n - first);
+        std::vector<uint32_t> index(m), version(m, state->version());
+        std::vector<uint64_t> ref(m, 0);
+        std::vector<absl::string_view> bytes_of(m);
+        std::vector<absl::Span<uint8_t>> outs(m);
+        for (size_t i = 0; i < m; ++i) {
+          index[i] = static_cast<uint32_t>(first + i);
+          bytes_of[i] = enc[first + i].bytes;
+          outs[i] = absl::MakeSpan(out[first + i]);
+        }
+        if (absl::Status s =
+                chain.DecodeMany(index, ref, version, prefix, bytes_of, outs, &pool, [](size_t) {});
+            !s.ok()) {
+          std::fprintf(stderr, "client decode: %s\n", s.ToString().c_str());
+          std::exit(1);
+        }
+      }
+      const auto t1 = Clock::now();
+      const double c1 = CpuSeconds(), m1 = ThreadCpuSeconds();
+      caller[k].push_back((m1 - m0) / (c1 - c0));
+      gbs[k].push_back(bytes / std::chrono::duration<double>(t1 - t0).count() / 1e9);
+      cpu[k].push_back(bytes / (c1 - c0) / 1e9);
+      hash[k] = kFnvBasis;
+      for (const std::vector<uint8_t>& o : out) {
+        hash[k] =
+            Fnv1a(hash[k], absl::string_view(reinterpret_cast<const char*>(o.data()), o.size()));
+      }
+      if (fetches != 1) std::fprintf(stderr, "client decode: %d state fetches\n", fetches);
+    }
+  }
+  std::printf(
+      "\n## Client decode with a learned state (ResidualChain::DecodeMany, %zu blocks of one "
+      "prefix, windows of 4 x threads); %d repeats, median [min-max]\n\n"
+      "| threads | decode GB/s | GB/s per thread | decode GB/CPU-s | caller's share of the CPU-s "
+      "| output FNV-1a |\n|---|---|---|---|---|---|\n",
+      n, repeats);
+  for (int k = 0; k < 2; ++k) {
+    const double lo = *std::min_element(gbs[k].begin(), gbs[k].end());
+    const double hi = *std::max_element(gbs[k].begin(), gbs[k].end());
+    std::printf("| %d | %.3f [%.3f-%.3f] | %.3f | %.3f | %.2f | %016llx |\n", k + 1, Median(gbs[k]),
+                lo, hi, Median(gbs[k]) / (k + 1), Median(cpu[k]), Median(caller[k]),
+                static_cast<unsigned long long>(hash[k]));
+  }
+}
+
 void PrintLearnedSpeed(const std::string& dir, size_t nblocks, int repeats, double target) {
   const BlockGeometry g{32, 8, 16, 128, DType::kFp16};
   std::vector<TiledLearned> eval;
@@ -430,6 +525,7 @@ void PrintLearnedSpeed(const std::string& dir, size_t nblocks, int repeats, doub
       rows[k].hash = hash;
     }
   }
+  PrintClientDecode(g, eval, enc, *state, repeats);
   std::printf(
       "\n## Throughput with a learned state: %zu Llama-3-8B-shaped blocks tiled from "
       "genesis_1-3 (state learned on the other dumps, %llu tokens, fit %.1f s, linear %zu KB, "

@@ -479,7 +479,7 @@ absl::Status Client::GetOnce(const std::string& model_id, absl::Span<const uint3
   BlockGeometry g;
   size_t tokens = 0;
   std::vector<uint8_t> block;
-  std::unique_ptr<ResidualChain> chain;  // RESIDUAL mode: decodes the blocks in order
+  std::unique_ptr<ResidualChain> chain;  // RESIDUAL mode: decodes the blocks (fast: in parallel)
   std::vector<uint32_t> layers_seen;     // per block: layers received
   auto bad = [&](std::string what) {
     ctx->TryCancel();
@@ -530,7 +530,8 @@ absl::Status Client::GetOnce(const std::string& model_id, absl::Span<const uint3
   out.k.resize(seq_bytes);  // the same size again (GetInto into a reused dump) writes nothing
   out.v.resize(seq_bytes);
   // RESIDUAL with codec threads: a window of encoded blocks is decoded at once (in parallel where
-  // the blocks are independent), each scattered by the thread that decoded it.
+  // the blocks decode alone: every fast one, learned or not), each scattered by the thread that
+  // decoded it.
   const size_t window = codec_pool_ ? 4 * static_cast<size_t>(codec_pool_->threads()) : 1;
   std::vector<std::string> pending_encoded(window);
   std::vector<uint32_t> pending_index;

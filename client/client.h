@@ -50,9 +50,10 @@ struct ClientOptions {
   // Sent as `authorization: Bearer <token>` on every call (servers run with --tokens_file).
   std::string token = {};
   // Threads that decode the blocks of a Get RESIDUAL and encode those of a Put with
-  // encode_on_client (the caller's included): fast-profile blocks are coded in parallel, a window
-  // of 4 per thread at a time. 0 = the machine's cores (the default); 1 = on the calling thread
-  // only. CLI and worker: --codec_threads; Python: Client(codec_threads=).
+  // encode_on_client (the caller's included): fast-profile blocks, with or without a learned
+  // state, are coded in parallel, a window of 4 per thread at a time. 0 = the machine's cores (the
+  // default); 1 = on the calling thread only. CLI and worker: --codec_threads; Python:
+  // Client(codec_threads=).
   int codec_threads = 0;
   // Lookup and Get send token ids as LookupRequest/GetRequest.token_ids_packed (4 bytes each,
   // parsed without varint decoding); false: as varint token_ids, for servers older than the field.

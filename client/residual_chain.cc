@@ -1,10 +1,12 @@
 #include "client/residual_chain.h"
 
 #include <cstring>
+#include <map>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "codec/block_codec.h"
+#include "codec/decode_alone.h"
 #include "codec/predictor_state.h"
 
 namespace kvtrie {
@@ -64,15 +66,15 @@ absl::Status ResidualChain::Check(uint32_t block_index, uint32_t expected,
     return BlockLoss(block_index, absl::StrCat(token_count, " token ids for a block of ",
                                                geometry_.block_tokens));
   }
-  // Blocks coded against a learned state are decoded on the chain (it holds the state and the
-  // position); the others of the fast profile read nothing but their own bytes.
-  *independent =
-      h->profile == Profile::kFast && h->reference_node_id == 0 && h->predictor_version == 0;
+  // Fast-profile blocks read their own bytes and, when they name one, a learned state, their
+  // tokens, position and previous token: never the parent (codec/decode_alone.h).
+  *independent = DecodesAlone(*h);
   return absl::OkStatus();
 }
 
-absl::Status ResidualChain::UseState(uint32_t block_index, uint32_t predictor_version) {
-  if (predictor_version == 0) return absl::OkStatus();
+absl::StatusOr<std::shared_ptr<const PredictorState>> ResidualChain::FetchState(
+    uint32_t block_index, uint32_t predictor_version) {
+  if (last_state_ != nullptr && last_state_->version() == predictor_version) return last_state_;
   if (!fetch_predictor_) {
     return absl::FailedPreconditionError(
         absl::StrCat("get: block ", block_index, " needs predictor state version ",
@@ -80,6 +82,9 @@ absl::Status ResidualChain::UseState(uint32_t block_index, uint32_t predictor_ve
   }
   absl::StatusOr<std::shared_ptr<const PredictorState>> state = fetch_predictor_(predictor_version);
   if (!state.ok()) return state.status();
+  if (*state == nullptr) {
+    return BlockLoss(block_index, absl::StrCat("no predictor state version ", predictor_version));
+  }
   const BlockGeometry& sg = (*state)->geometry();
   if ((*state)->version() != predictor_version || sg.num_layers != geometry_.num_layers ||
       sg.num_kv_heads != geometry_.num_kv_heads || sg.head_dim != geometry_.head_dim ||
@@ -87,6 +92,15 @@ absl::Status ResidualChain::UseState(uint32_t block_index, uint32_t predictor_ve
     return BlockLoss(block_index, absl::StrCat("the fetched predictor state is version ",
                                                (*state)->version(), " of ", sg.DebugString()));
   }
+  last_state_ = *state;
+  return state;
+}
+
+absl::Status ResidualChain::UseState(uint32_t block_index, uint32_t predictor_version) {
+  if (predictor_version == 0) return absl::OkStatus();
+  absl::StatusOr<std::shared_ptr<const PredictorState>> state =
+      FetchState(block_index, predictor_version);
+  if (!state.ok()) return state.status();
   chain_.AddPredictor(*std::move(state));
   return absl::OkStatus();
 }
@@ -153,13 +167,51 @@ absl::Status ResidualChain::DecodeMany(absl::Span<const uint32_t> block_indices,
       return s;
     }
     independent[i] = ind;
-    if (ind) parallel.push_back(i);
   }
+  // The states the independent blocks name, each fetched once, here (the fetcher need not be
+  // thread-safe). A failed fetch is reported at the first block that needs it, after the blocks
+  // before it (as Decode in order would).
+  std::map<uint32_t, absl::StatusOr<std::shared_ptr<const PredictorState>>> states;
   std::vector<absl::Status> status(n);
+  std::vector<const PredictorState*> state_of(n, nullptr);
+  for (size_t i = 0; i < n; ++i) {
+    if (!independent[i]) continue;
+    if (const uint32_t v = predictor_versions[i]; v != 0) {
+      auto it = states.find(v);
+      if (it == states.end()) {
+        it = states.emplace(v, FetchState(block_indices[i], v)).first;
+        if (it->second.ok()) chain_.AddPredictor(*it->second);  // for the chain's blocks too
+      }
+      if (!it->second.ok()) {
+        status[i] = it->second.status();
+        continue;
+      }
+      state_of[i] = it->second->get();
+    }
+    parallel.push_back(i);
+  }
   auto decode = [&](size_t k) {
     const size_t i = parallel[k];
-    status[i] = DecodeVerifiedBlock(encoded[i], outs[i]);
-    if (status[i].ok()) done(i);
+    AloneContext ctx;
+    std::vector<int32_t> tokens;
+    if (state_of[i] != nullptr) {
+      const absl::Span<const uint32_t> t = tokens_of(i);
+      tokens.assign(t.begin(), t.end());
+      ctx.state = state_of[i];
+      ctx.tokens = tokens;
+      ctx.first_position = block_indices[i] * bt;
+      // The last token of the block before (this batch's, or last_token_ for the first).
+      ctx.previous_token = i == 0 ? last_token_ : static_cast<int32_t>(tokens_of(i - 1).back());
+    }
+    // Check verified the CRC: DecodeAlone does not again.
+    absl::Status s = DecodeAlone(encoded[i], ctx, outs[i], /*verified=*/true);
+    if (s.ok()) {
+      done(i);
+    } else {
+      // The block's index in the message, the code kept (FAILED_PRECONDITION stays one).
+      status[i] =
+          absl::Status(s.code(), absl::StrCat("get: block ", block_indices[i], ": ", s.message()));
+    }
   };
   if (pool != nullptr) {
     pool->ParallelFor(parallel.size(), decode);
@@ -170,7 +222,7 @@ absl::Status ResidualChain::DecodeMany(absl::Span<const uint32_t> block_indices,
     current_block_ = block_indices[i];
     const absl::Span<const uint32_t> tokens = tokens_of(i);
     if (independent[i]) {
-      if (!status[i].ok()) return BlockLoss(block_indices[i], status[i].message());
+      if (!status[i].ok()) return status[i];
       // The chain keeps a block as the parent only where the next block (this batch's, or the
       // first of the next call) may read it.
       if (i + 1 == n || !independent[i + 1]) chain_.NextDense(outs[i]);

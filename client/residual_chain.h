@@ -66,10 +66,13 @@ class ResidualChain {
   // block_indices[i] (consecutive from the next expected), reference_node_ids[i],
   // predictor_versions[i] and encoded[i] into outs[i]; `prefix_tokens` are the token ids of the
   // whole matched prefix (block b's are [b * block_tokens, (b + 1) * block_tokens)). Blocks that
-  // read neither their parent, a centroid nor a learned state (the fast profile) are decoded on
-  // `pool` (null: the caller) in parallel, the others in order on this thread. `done(i)`
+  // read neither their parent nor a centroid (the fast profile, codec/decode_alone.h: with or
+  // without a learned state) are decoded on `pool` (null: the caller) in parallel, the others in
+  // order on this thread after them. The learned states the parallel blocks name are fetched
+  // first, each version once, on this thread (`fetch_predictor` need not be thread-safe). `done(i)`
   // is called once outs[i] holds block i, on the thread that decoded it (for example to scatter
-  // it), and must be safe to call concurrently for different i.
+  // it), and must be safe to call concurrently for different i. On an error, blocks after the
+  // failing one may have been decoded (and `done` called for them).
   absl::Status DecodeMany(absl::Span<const uint32_t> block_indices,
                           absl::Span<const uint64_t> reference_node_ids,
                           absl::Span<const uint32_t> predictor_versions,
@@ -84,13 +87,18 @@ class ResidualChain {
   uint32_t current_block_ = 0;  // the block being decoded, for the fetcher's errors
   int32_t last_token_ = -1;     // the last token of the block before next_block_ (-1: none)
   const FetchPredictor fetch_predictor_;
+  std::shared_ptr<const PredictorState> last_state_;  // the last state fetched (checked)
   DecodeChain chain_;
 
   // Decode's checks of one block; `independent` says it reads no parent, centroid or state.
   absl::Status Check(uint32_t block_index, uint32_t expected, uint64_t reference_node_id,
                      uint32_t predictor_version, size_t token_count, absl::string_view encoded,
                      absl::Span<uint8_t> out, bool* independent);
-  // Fetches (once: the client caches) and hands the chain the state `predictor_version` names.
+  // The state `predictor_version` (> 0) names: the last one fetched, or fetched (the client
+  // caches) and checked against the version and the model's geometry.
+  absl::StatusOr<std::shared_ptr<const PredictorState>> FetchState(uint32_t block_index,
+                                                                   uint32_t predictor_version);
+  // Fetches and hands the chain the state `predictor_version` names (none for 0).
   absl::Status UseState(uint32_t block_index, uint32_t predictor_version);
   // Decodes a block on the chain, at its position, after the previous block's last token.
   absl::Status NextOnChain(uint32_t block_index, uint64_t reference_node_id,

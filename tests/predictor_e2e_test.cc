@@ -2,8 +2,9 @@
 // with --learn_predictors: real KV (tests/data) Put as RESIDUAL, the server learns and publishes a
 // version, later blocks are coded against it; GetPredictor streams it (chunks with total size and
 // CRC-32C), the C++ client fetches and caches it to decode a RESIDUAL Get itself, bit-identical to
-// RECONSTRUCTED and within the target of the original; errors name their fields; one namespace
-// never fetches another's state; Inspect and Stats show the versions.
+// RECONSTRUCTED and within the target of the original (fast blocks coded against the state on four
+// client codec threads too); errors name their fields; one namespace never fetches another's
+// state; Inspect and Stats show the versions.
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "client/client.h"
+#include "codec/block_codec.h"
 #include "codec/block_geometry.h"
 #include "codec/crc32c.h"
 #include "codec/kv_dump.h"
@@ -215,6 +217,54 @@ TEST_F(PredictorEndToEnd, BadRequestsNameTheFieldAndNamespacesAreIsolated) {
   for (const v1::PredictorChunk& c : a1) a_bytes += c.data();
   for (const v1::PredictorChunk& c : b1) b_bytes += c.data();
   EXPECT_NE(a_bytes, b_bytes);  // each learned from its own namespace's blocks
+}
+
+// Issue 19: the learned fast blocks of a RESIDUAL Get decode on the client's codec threads (they
+// need the state, their tokens and the token before them, not their parent), bit-identical to
+// the server's RECONSTRUCTED Get and to a client decoding on one thread.
+TEST_F(PredictorEndToEnd, LearnedFastBlocksDecodeOnFourClientThreadsAsTheServerDecodes) {
+  auto writer = NewClient("p");
+  ASSERT_NO_FATAL_FAILURE(PutAndWaitForFits(writer.get(), gpl_, 1));
+  ASSERT_TRUE(writer
+                  ->Put(genesis_, {.encoding = v1::ENCODING_RESIDUAL,
+                                   .target_rel_rms = kTarget,
+                                   .profile = v1::EncodingSpec::PROFILE_FAST})
+                  .ok());
+  // Every block of Genesis is a fast one; most name version 1.
+  v1::GetRequest req;
+  req.set_namespace_("p");
+  req.set_model_id(genesis_.model_id);
+  req.mutable_token_ids()->Add(genesis_.token_ids.begin(), genesis_.token_ids.end());
+  req.set_mode(v1::GET_MODE_RESIDUAL);
+  grpc::ClientContext ctx;
+  auto reader = writer->stub()->Get(&ctx, req);
+  v1::GetResponse msg;
+  int blocks = 0, learned = 0;
+  while (reader->Read(&msg)) {
+    if (!msg.has_block()) continue;
+    ++blocks;
+    absl::StatusOr<BlockHeader> h = ParseBlock(msg.block().encoded());
+    ASSERT_TRUE(h.ok()) << h.status();
+    EXPECT_EQ(h->profile, Profile::kFast);
+    learned += msg.block().predictor_version() == 1;
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  ASSERT_EQ(blocks, static_cast<int>(genesis_.num_tokens() / 16));
+  EXPECT_GT(learned, blocks / 2);
+
+  auto four = Client::Create({.target = server_->target(), .ns = "p", .codec_threads = 4});
+  auto one = Client::Create({.target = server_->target(), .ns = "p", .codec_threads = 1});
+  absl::StatusOr<KvDump> reconstructed =
+      writer->Get(genesis_.model_id, genesis_.token_ids, {.mode = v1::GET_MODE_RECONSTRUCTED});
+  ASSERT_TRUE(reconstructed.ok()) << reconstructed.status();
+  for (Client* c : {four.get(), one.get()}) {
+    absl::StatusOr<KvDump> residual =
+        c->Get(genesis_.model_id, genesis_.token_ids, {.mode = v1::GET_MODE_RESIDUAL});
+    ASSERT_TRUE(residual.ok()) << residual.status();
+    EXPECT_EQ(residual->k, reconstructed->k);
+    EXPECT_EQ(residual->v, reconstructed->v);
+    EXPECT_LE(WorstPlaneError(*residual, genesis_), kTarget * 1.001);
+  }
 }
 
 }  // namespace
