@@ -54,6 +54,7 @@ int Run(const LlamaModel& model) {
   options.put.encoding = setting->encoding;
   options.put.target_rel_rms = setting->target_rel_rms;
   options.put.bits = setting->bits;
+  ApplyPutFlags(&options.put);  // --encode_on_client
   absl::StatusOr<RunResult> r = RunWithCache(model, *client, absl::GetFlag(FLAGS_prompt), options);
   if (!r.ok()) return Fail(r.status());
   std::printf(
