@@ -505,7 +505,9 @@ class Client:
                    layers_per_message: int = 0) -> PutStream:
         """Opens a Put to be sent layer by layer as a worker computes it.
 
-        Arguments as for :meth:`put`; ``num_layers`` is the model's layer count. The returned
+        Arguments as for :meth:`put`; ``num_layers`` is the model's layer count. The layers are
+        sent dense, as they come (the server encodes them: encoding needs whole blocks; gather
+        the layers and call :meth:`put` to encode here, as the connector does). The returned
         :class:`PutStream` takes each layer's ``[kv_heads, tokens, head_dim]`` K and V with
         :meth:`PutStream.write` and stores everything at :meth:`PutStream.commit`::
 
