@@ -85,6 +85,9 @@ int Eval(const LlamaModel& model) {
        absl::StrSplit(absl::GetFlag(FLAGS_settings), ',', absl::SkipWhitespace())) {
     absl::StatusOr<EvalSetting> setting = ParseEvalSetting(s);
     if (!setting.ok()) return Fail(setting.status());
+    PutOptions put;
+    ApplyPutFlags(&put);  // --encode_on_client
+    setting->encode_on_client = put.encode_on_client;
     settings.push_back(*setting);
   }
   // The whole text (not --max_chars): windows are cut from it in order.
