@@ -291,11 +291,29 @@ absl::StatusOr<v1::PutResponse> Client::Put(const KvDump& kv, const PutOptions& 
         absl::StrCat("kv: k has ", kv.k.size(), " and v ", kv.v.size(), " bytes; ", kv.num_tokens(),
                      " tokens of ", g.DebugString(), " need ", seq_bytes, " each"));
   }
-  if (options.encode_on_client) {
-    if (auto s = CheckClientEncoding(options); !s.ok()) return s;
+  // Encoded when the client can code the request (PutOptions::encode_on_client); the header
+  // then names the encoding and the fast profile, so the server's defaults do not matter.
+  PutOptions encoded = options;
+  if (encoded.encoding == v1::ENCODING_UNSPECIFIED) {
+    absl::MutexLock lock(&default_encoding_mu_);
+    encoded.encoding = default_encoding_;
   }
+  const bool encode = options.encode_on_client && encoded.encoding != v1::ENCODING_UNSPECIFIED &&
+                      CheckClientEncoding(encoded).ok();
+  encoded.profile = v1::EncodingSpec::PROFILE_FAST;
   for (int attempt = 1;; ++attempt) {
-    absl::StatusOr<v1::PutResponse> r = PutOnce(kv, g, options);
+    absl::StatusOr<v1::PutResponse> r = PutOnce(kv, g, encode ? encoded : options, encode);
+    if (r.ok() && !encode && options.encoding == v1::ENCODING_UNSPECIFIED) {
+      // The encoding the server stored a new block in is its default: later Puts encode it here.
+      for (const v1::BlockResult& b : r->blocks()) {
+        if (b.disposition() != v1::BLOCK_STORED || b.encoding() == v1::ENCODING_UNSPECIFIED) {
+          continue;
+        }
+        absl::MutexLock lock(&default_encoding_mu_);
+        default_encoding_ = b.encoding();
+        break;
+      }
+    }
     if (r.ok() || !RetryablePutCode(r.status().code()) || attempt >= options_.retry.max_attempts) {
       return r;
     }
@@ -304,14 +322,21 @@ absl::StatusOr<v1::PutResponse> Client::Put(const KvDump& kv, const PutOptions& 
 }
 
 absl::StatusOr<v1::PutResponse> Client::PutOnce(const KvDump& kv, const BlockGeometry& g,
-                                                const PutOptions& options) {
-  if (options.encode_on_client) {
+                                                const PutOptions& options, bool encode) {
+  if (encode) {
     absl::StatusOr<v1::PutResponse> r = PutEncoded(kv, g, options);
     if (!absl::IsFailedPrecondition(r.status()) ||
         r.status().message().find("predictor_version") == absl::string_view::npos) {
       return r;
     }
-    return PutEncoded(kv, g, options);  // the latest state changed: encode against it again
+    // The state it was coded against is gone (freed after a newer one): ask for the latest again
+    // and encode against it.
+    if (absl::StatusOr<std::shared_ptr<const PredictorState>> latest =
+            LatestPredictor(kv.model_id, /*refresh=*/true);
+        !latest.ok()) {
+      return latest.status();
+    }
+    return PutEncoded(kv, g, options);
   }
   auto ctx = NewContext();
   v1::PutResponse resp;
@@ -344,15 +369,10 @@ absl::StatusOr<v1::PutResponse> Client::PutEncoded(const KvDump& kv, const Block
                                                    const PutOptions& options) {
   std::shared_ptr<const PredictorState> state;
   if (options.encoding == v1::ENCODING_RESIDUAL) {
-    absl::StatusOr<v1::InspectResponse> root = Inspect(kv.model_id, 0);
-    if (!root.ok() && !absl::IsNotFound(root.status())) return root.status();
-    for (int i = 0; root.ok() && i < root->predictors_size(); ++i) {
-      if (!root->predictors(i).latest()) continue;
-      absl::StatusOr<std::shared_ptr<const PredictorState>> s =
-          GetPredictor(kv.model_id, root->predictors(i).version());
-      if (!s.ok()) return s.status();
-      state = *std::move(s);
-    }
+    absl::StatusOr<std::shared_ptr<const PredictorState>> latest =
+        LatestPredictor(kv.model_id, /*refresh=*/false);
+    if (!latest.ok()) return latest.status();
+    state = *std::move(latest);
   }
   auto ctx = NewContext();
   v1::PutResponse resp;
@@ -398,6 +418,32 @@ absl::StatusOr<v1::PutResponse> Client::PutEncoded(const KvDump& kv, const Block
   }
   if (auto s = CommitPut(writer.get(), open); !s.ok()) return s;
   return resp;
+}
+
+absl::StatusOr<std::shared_ptr<const PredictorState>> Client::LatestPredictor(
+    const std::string& model_id, bool refresh) {
+  uint32_t version = 0;
+  bool known = false;
+  {
+    absl::MutexLock lock(&predictors_mu_);
+    if (auto it = latest_predictor_.find(model_id);
+        it != latest_predictor_.end() && !refresh &&
+        absl::Now() - it->second.second < options_.predictor_refresh) {
+      version = it->second.first;
+      known = true;
+    }
+  }
+  if (!known) {
+    absl::StatusOr<v1::InspectResponse> root = Inspect(model_id, 0);
+    if (!root.ok() && !absl::IsNotFound(root.status())) return root.status();
+    for (int i = 0; root.ok() && i < root->predictors_size(); ++i) {
+      if (root->predictors(i).latest()) version = root->predictors(i).version();
+    }
+    absl::MutexLock lock(&predictors_mu_);
+    latest_predictor_[model_id] = {version, absl::Now()};
+  }
+  if (version == 0) return std::shared_ptr<const PredictorState>();
+  return GetPredictor(model_id, version);
 }
 
 absl::StatusOr<std::unique_ptr<PutStream>> Client::OpenPut(const KvDump& header,

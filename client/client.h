@@ -49,12 +49,18 @@ struct ClientOptions {
   std::string tls_server_name = {};  // overrides the name checked in the server's certificate
   // Sent as `authorization: Bearer <token>` on every call (servers run with --tokens_file).
   std::string token = {};
-  // Threads that decode the blocks of a Get RESIDUAL and encode those of a Put with
-  // encode_on_client (the caller's included): fast-profile blocks, with or without a learned
-  // state, are coded in parallel, a window of 4 per thread at a time. 0 = the machine's cores (the
-  // default); 1 = on the calling thread only. CLI and worker: --codec_threads; Python:
+  // Threads that decode the blocks of a Get RESIDUAL and encode those of a Put
+  // (PutOptions::encode_on_client; the caller's included): fast-profile blocks, with or without a
+  // learned state, are coded in parallel, a window of 4 per thread at a time. 0 = the machine's
+  // cores (the default); 1 = on the calling thread only. CLI and worker: --codec_threads; Python:
   // Client(codec_threads=).
   int codec_threads = 0;
+  // How long an encoding Put uses the latest learned predictor state version it found (Inspect)
+  // before asking again; a version the server has since freed is noticed sooner (the Put answers
+  // FAILED_PRECONDITION naming predictor_version and is encoded again against the new latest).
+  // 0 = ask before every RESIDUAL Put. CLI and worker: --predictor_refresh_seconds; Python:
+  // Client(predictor_refresh=seconds).
+  absl::Duration predictor_refresh = absl::Seconds(10);
   // Lookup and Get send token ids as LookupRequest/GetRequest.token_ids_packed (4 bytes each,
   // parsed without varint decoding); false: as varint token_ids, for servers older than the field.
   bool packed_token_ids = true;
@@ -76,26 +82,36 @@ absl::Status LoadTlsFiles(const std::string& ca, const std::string& cert, const 
                           ClientOptions* options);
 
 struct PutOptions {
-  v1::Encoding encoding = v1::ENCODING_UNSPECIFIED;  // server default
-  double target_rel_rms = 0;                         // lossy encodings; 0 = server default
-  uint32_t bits = 0;                                 // baselines with a bit width; 0 = default
+  // ENCODING_UNSPECIFIED: the server's --default_encoding. The client learns which one it is from
+  // the response of its first such Put (sent dense) and encodes the later ones itself when it can
+  // (see encode_on_client).
+  v1::Encoding encoding = v1::ENCODING_UNSPECIFIED;
+  double target_rel_rms = 0;  // lossy encodings; 0 = server default
+  uint32_t bits = 0;          // baselines with a bit width; 0 = default
   uint32_t block_tokens = 16;
   // Blocks [0, first_block) are not sent (e.g. Lookup said they are stored); the server
   // acknowledges them as deduplicated if stored, and rejects the Put if they are not.
   uint32_t first_block = 0;
   // Layers per PutBlock message (0 = the whole block in one message).
   uint32_t layers_per_message = 0;
-  // RESIDUAL / LOSSLESS coder (kvtrie.v1.EncodingSpec.Profile).
-  v1::EncodingSpec::Profile profile = v1::EncodingSpec::PROFILE_COMPACT;
-  // Put only: encode every block here and send it as PutBlock.encoded (the server checks it and
-  // stores it as it is: the bytes a dense Put of it would store). RAW, or LOSSLESS / RESIDUAL of
-  // PROFILE_FAST (RESIDUAL needs target_rel_rms > 0), else INVALID_ARGUMENT naming
-  // `encode_on_client`. RESIDUAL is coded against the namespace's latest learned predictor state
-  // (Inspect, then GetPredictor, cached); if the server answers FAILED_PRECONDITION naming
-  // `predictor_version` (a newer state or a freed one), the Put is encoded again against the
-  // latest and sent once more. Blocks are encoded on ClientOptions::codec_threads, a window at a
-  // time, and sent in order. Whole blocks only (layers_per_message is not used).
-  bool encode_on_client = false;
+  // RESIDUAL / LOSSLESS coder (kvtrie.v1.EncodingSpec.Profile). PROFILE_UNSPECIFIED is FAST (the
+  // client encodes it; sent dense, the server's --default_profile, fast unless configured).
+  // PROFILE_COMPACT (~15 % fewer bits, ~10x slower) is encoded by the server only.
+  v1::EncodingSpec::Profile profile = v1::EncodingSpec::PROFILE_UNSPECIFIED;
+  // Put only (the normal path): encode every block here, on ClientOptions::codec_threads, and
+  // send it as PutBlock.encoded; the server checks it and stores it as it is (the bytes a dense
+  // Put of it would store against the same state), so wire, disk and server CPU scale with the
+  // encoded bytes. Done whenever the client can code the request: RAW, or LOSSLESS / RESIDUAL of
+  // the fast profile (PROFILE_FAST or unset), RESIDUAL with target_rel_rms > 0 (the server's
+  // default target is not known here), ENCODING_UNSPECIFIED once the client has learned the
+  // server's default (above), and layers_per_message = 0. Any other Put (compact profile,
+  // baselines, a layered Put, OpenPut's PutStream) is sent dense, as is every Put with false
+  // (thin clients: the CLI's --dense_puts, Python's encode_on_client=False). RESIDUAL is coded
+  // against the model's latest learned predictor state (Inspect, at most every
+  // ClientOptions::predictor_refresh, then GetPredictor, cached); when the server answers
+  // FAILED_PRECONDITION naming `predictor_version` (the state was freed), the client asks for the
+  // latest again, encodes the Put against it and sends it once more: the caller sees no error.
+  bool encode_on_client = true;
 };
 
 struct GetOptions {
@@ -121,7 +137,8 @@ class Client {
   absl::StatusOr<v1::PutResponse> Put(const KvDump& kv, const PutOptions& options = {});
 
   // Opens a Put whose KV is sent piece by piece (layer by layer as a worker computes it): see
-  // client/put_stream.h. `header`'s model_id, geometry, token_ids and surprisal_bits make the
+  // client/put_stream.h. Its blocks travel dense (the server encodes them; encode_on_client does
+  // not apply). `header`'s model_id, geometry, token_ids and surprisal_bits make the
   // PutHeader; its k and v are not read. Errors: INVALID_ARGUMENT for a bad geometry or
   // surprisal_bits count; the stream itself reports the server's errors.
   absl::StatusOr<std::unique_ptr<PutStream>> OpenPut(const KvDump& header,
@@ -166,9 +183,9 @@ class Client {
   const ClientOptions& options() const { return options_; }
 
  private:
-  // One attempt of Put.
+  // One attempt of Put; `encode`: encoded (PutEncoded), else dense.
   absl::StatusOr<v1::PutResponse> PutOnce(const KvDump& kv, const BlockGeometry& g,
-                                          const PutOptions& options);
+                                          const PutOptions& options, bool encode);
   // Calls `call` (a unary read: returns a grpc::Status) until it is not UNAVAILABLE or the
   // attempts run out.
   template <typename Call>
@@ -185,6 +202,11 @@ class Client {
   // Put with options.encode_on_client, against the latest learned state.
   absl::StatusOr<v1::PutResponse> PutEncoded(const KvDump& kv, const BlockGeometry& g,
                                              const PutOptions& options);
+  // The latest learned predictor state of (options_.ns, model_id), null when there is none: the
+  // version found by Inspect within predictor_refresh (or again when `refresh`), then
+  // GetPredictor.
+  absl::StatusOr<std::shared_ptr<const PredictorState>> LatestPredictor(const std::string& model_id,
+                                                                        bool refresh);
 
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
@@ -195,6 +217,13 @@ class Client {
   std::map<PredictorKey, std::pair<uint64_t, std::shared_ptr<const PredictorState>>> predictors_
       ABSL_GUARDED_BY(predictors_mu_);  // value: (last use, state)
   uint64_t predictor_uses_ ABSL_GUARDED_BY(predictors_mu_) = 0;
+  // model_id -> (latest version, 0 = none; when Inspect said so), of options_.ns.
+  std::map<std::string, std::pair<uint32_t, absl::Time>> latest_predictor_
+      ABSL_GUARDED_BY(predictors_mu_);
+  // The server's --default_encoding as the response of a dense ENCODING_UNSPECIFIED Put showed it
+  // (ENCODING_UNSPECIFIED until then).
+  absl::Mutex default_encoding_mu_;  // guards default_encoding_
+  v1::Encoding default_encoding_ ABSL_GUARDED_BY(default_encoding_mu_) = v1::ENCODING_UNSPECIFIED;
 };
 
 }  // namespace kvtrie

@@ -23,8 +23,17 @@ ABSL_FLAG(int, retry_initial_backoff_ms, 100,
           "wait before the first retry (jittered: drawn from [d/2, d]); doubles each retry");
 ABSL_FLAG(int, retry_max_backoff_ms, 2000, "longest wait between two attempts");
 ABSL_FLAG(int, codec_threads, 0,
-          "threads that decode a RESIDUAL get and encode a put with --encode_on_client, the "
+          "threads that decode a RESIDUAL get and encode a put (--encode_on_client), the "
           "caller's included (0 = the machine's cores, 1 = the calling thread only)");
+ABSL_FLAG(bool, encode_on_client, true,
+          "put: encode the blocks here and send them encoded (raw, lossless, and residual with "
+          "a target, of the fast profile); the server checks and stores them as they are. false: "
+          "send them dense and let the server encode (thin clients). Compact-profile, baseline "
+          "and layered puts are always sent dense");
+ABSL_FLAG(double, predictor_refresh_seconds, 10,
+          "put: how long an encoding residual put uses the latest learned predictor state "
+          "version it found before asking the server again (0 = before every put; a freed "
+          "version is noticed at once: the put is encoded again)");
 
 namespace kvtrie {
 
@@ -52,12 +61,26 @@ absl::Status ApplyClientFlags(ClientOptions* options) {
     return absl::InvalidArgumentError(absl::StrCat("--codec_threads: ", options->codec_threads,
                                                    " (must be >= 0; 0 = the machine's cores)"));
   }
+  const double refresh = absl::GetFlag(FLAGS_predictor_refresh_seconds);
+  if (!(refresh >= 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--predictor_refresh_seconds: ", refresh, " (must be >= 0)"));
+  }
+  options->predictor_refresh = absl::Seconds(refresh);
   options->tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
   options->token = absl::GetFlag(FLAGS_token);
   if (options->token.empty()) {
     if (const char* env = std::getenv("KVTRIE_TOKEN"); env != nullptr) options->token = env;
   }
   return absl::OkStatus();
+}
+
+}  // namespace kvtrie
+
+namespace kvtrie {
+
+void ApplyPutFlags(PutOptions* options) {
+  options->encode_on_client = absl::GetFlag(FLAGS_encode_on_client);
 }
 
 }  // namespace kvtrie

@@ -9,6 +9,10 @@
 //   --retry_attempts=N attempts of a call, the first included (5; 1 = never retry): an ABORTED or
 //                      UNAVAILABLE Put is sent again, as ClientOptions::retry says
 //   --retry_initial_backoff_ms, --retry_max_backoff_ms   the jittered backoff (100, 2000)
+//   --codec_threads=N  threads that encode Puts and decode RESIDUAL Gets (0 = the cores)
+//   --predictor_refresh_seconds=S   ClientOptions::predictor_refresh (10)
+//   --encode_on_client (true)   PutOptions::encode_on_client; =false sends Puts dense (thin
+//                      clients: the server encodes)
 #ifndef KVTRIE_CLIENT_CLIENT_FLAGS_H_
 #define KVTRIE_CLIENT_CLIENT_FLAGS_H_
 
@@ -20,6 +24,9 @@ namespace kvtrie {
 // Fills options' TLS, token and retry fields from the flags. Errors: as LoadTlsFiles, and
 // INVALID_ARGUMENT naming a retry flag out of range.
 absl::Status ApplyClientFlags(ClientOptions* options);
+
+// Fills options' encode_on_client from --encode_on_client.
+void ApplyPutFlags(PutOptions* options);
 
 }  // namespace kvtrie
 

@@ -8,7 +8,12 @@
 namespace kvtrie {
 
 absl::Status CheckClientEncoding(const PutOptions& options) {
-  const bool fast = options.profile == v1::EncodingSpec::PROFILE_FAST;
+  const bool fast = options.profile == v1::EncodingSpec::PROFILE_FAST ||
+                    options.profile == v1::EncodingSpec::PROFILE_UNSPECIFIED;
+  if (options.layers_per_message != 0) {
+    return absl::InvalidArgumentError(
+        "encode_on_client: a Put of layers_per_message > 0 is sent dense (whole blocks only)");
+  }
   switch (options.encoding) {
     case v1::ENCODING_RAW:
       return absl::OkStatus();
@@ -29,8 +34,8 @@ absl::Status CheckClientEncoding(const PutOptions& options) {
   return absl::InvalidArgumentError(
       absl::StrCat("encode_on_client: encoding ", v1::Encoding_Name(options.encoding),
                    " of profile ", v1::EncodingSpec::Profile_Name(options.profile),
-                   " cannot be encoded by the client; use ENCODING_RAW, or ENCODING_LOSSLESS or "
-                   "ENCODING_RESIDUAL with PROFILE_FAST"));
+                   " cannot be encoded by the client (ENCODING_RAW, or ENCODING_LOSSLESS or "
+                   "ENCODING_RESIDUAL of PROFILE_FAST can)"));
 }
 
 absl::StatusOr<EncodedBlock> EncodePutBlock(const KvDump& kv, const BlockGeometry& g, size_t b,

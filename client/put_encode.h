@@ -20,9 +20,10 @@
 
 namespace kvtrie {
 
-// OK if `options` asks for RAW, or LOSSLESS or RESIDUAL of the fast profile (RESIDUAL with a
-// target_rel_rms > 0: the server's default target is not known here). Else INVALID_ARGUMENT
-// naming `encode_on_client`.
+// OK if the client can encode what `options` asks for: RAW, or LOSSLESS or RESIDUAL of the fast
+// profile (PROFILE_FAST or PROFILE_UNSPECIFIED; RESIDUAL with a target_rel_rms > 0: the server's
+// default target is not known here), whole blocks (layers_per_message = 0). Else
+// INVALID_ARGUMENT naming `encode_on_client` and why (the Put is then sent dense).
 absl::Status CheckClientEncoding(const PutOptions& options);
 
 // Block `b` of `kv` (sequence layout) of geometry `g`, encoded as `options` says against `state`

@@ -111,11 +111,22 @@ grpc::Status ToEncodeOptions(const v1::EncodingSpec& e, const EncodeOptions& def
     return Invalid(absl::StrCat("encoding.bits: ", e.bits(), " is not in [1, 8]"));
   }
   if (e.bits() > 0) out->turboquant_bits = static_cast<int>(e.bits());
-  if (e.profile() == v1::EncodingSpec::PROFILE_FAST) {
+  // An unset profile is FAST (what clients encode themselves), unless the request asks for what
+  // only COMPACT has (a bits budget, surprisal steps). It only means something for RESIDUAL and
+  // LOSSLESS.
+  const bool compact_only = e.target_bits_per_component() > 0 || e.surprisal_step_strength() > 0;
+  if (e.profile() == v1::EncodingSpec::PROFILE_FAST ||
+      (e.profile() == v1::EncodingSpec::PROFILE_UNSPECIFIED && !compact_only)) {
     out->profile = Profile::kFast;
-  } else if (e.profile() != v1::EncodingSpec::PROFILE_COMPACT) {
+  } else if (e.profile() == v1::EncodingSpec::PROFILE_COMPACT ||
+             e.profile() == v1::EncodingSpec::PROFILE_UNSPECIFIED) {
+    out->profile = Profile::kCompact;
+  } else {
     return Invalid(absl::StrCat("encoding.profile: ", static_cast<int>(e.profile()),
                                 " is not supported by this server"));
+  }
+  if (out->encoding != Encoding::kResidual && out->encoding != Encoding::kLossless) {
+    out->profile = Profile::kCompact;  // the profile is not used: as before it existed
   }
   return grpc::Status::OK;
 }

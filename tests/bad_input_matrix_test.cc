@@ -46,8 +46,9 @@ class BadInputMatrix : public ::testing::Test {
     a_ = Client::Create({.target = server_->target(), .ns = "a"});
     b_ = Client::Create({.target = server_->target(), .ns = "b"});
     ASSERT_TRUE(a_->Put(s0_).ok());
-    ASSERT_TRUE(b_->Put(n0_).ok());
-    ASSERT_TRUE(b_->Put(n1_).ok());  // near-duplicates: a centroid and its residual
+    // Near-duplicates (compact profile): a centroid and its residual.
+    ASSERT_TRUE(b_->Put(n0_, {.profile = v1::EncodingSpec::PROFILE_COMPACT}).ok());
+    ASSERT_TRUE(b_->Put(n1_, {.profile = v1::EncodingSpec::PROFILE_COMPACT}).ok());
   }
   void TearDown() override {
     server_.reset();

@@ -232,7 +232,9 @@ TEST_F(ClientRetry, AResidualGetWhoseCentroidGoesAfterTheListingGetsAgain) {
   absl::StatusOr<KvDump> n0 = ReadKvDump(std::string(KVTRIE_TESTDATA_DIR) + "/neardup/n0");
   absl::StatusOr<KvDump> n1 = ReadKvDump(std::string(KVTRIE_TESTDATA_DIR) + "/neardup/n1");
   ASSERT_TRUE(n0.ok() && n1.ok());
-  const PutOptions residual{.encoding = v1::ENCODING_RESIDUAL, .target_rel_rms = 0.05};
+  const PutOptions residual{.encoding = v1::ENCODING_RESIDUAL,
+                            .target_rel_rms = 0.05,
+                            .profile = v1::EncodingSpec::PROFILE_COMPACT};
   ASSERT_TRUE(Direct()->Put(*n0, residual).ok());
   absl::StatusOr<v1::PutResponse> r = Direct()->Put(*n1, residual);
   ASSERT_TRUE(r.ok()) << r.status();

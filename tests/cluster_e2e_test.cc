@@ -81,7 +81,8 @@ class ClusterEndToEnd : public ::testing::Test {
 
 TEST_F(ClusterEndToEnd, LosslessNearDuplicatesAreCentroidResidualsAndReadBackBitExact) {
   auto client = NewClient("a");
-  const PutOptions lossless{.encoding = v1::ENCODING_LOSSLESS};
+  const PutOptions lossless{.encoding = v1::ENCODING_LOSSLESS,
+                            .profile = v1::EncodingSpec::PROFILE_COMPACT};
   ASSERT_TRUE(client->Put(n0_, lossless).ok());
   absl::StatusOr<v1::PutResponse> r1 = client->Put(n1_, lossless);
   absl::StatusOr<v1::PutResponse> r2 = client->Put(n2_, lossless);
@@ -161,7 +162,8 @@ TEST_F(ClusterEndToEnd, LosslessNearDuplicatesAreCentroidResidualsAndReadBackBit
 
 TEST_F(ClusterEndToEnd, LossyNearDuplicatesMeetTheDefaultTargetInBothGetModes) {
   auto client = NewClient("lossy");
-  const PutOptions lossy{.encoding = v1::ENCODING_RESIDUAL};  // server default target 0.1
+  const PutOptions lossy{.encoding = v1::ENCODING_RESIDUAL,  // server default target 0.1
+                         .profile = v1::EncodingSpec::PROFILE_COMPACT};
   ASSERT_TRUE(client->Put(n0_, lossy).ok());
   absl::StatusOr<v1::PutResponse> r1 = client->Put(n1_, lossy);
   ASSERT_TRUE(r1.ok());
@@ -187,8 +189,10 @@ TEST_F(ClusterEndToEnd, PositionShiftedBranchReadsBackTheSameInBothGetModes) {
   const KvDump n3 = Load("neardup/n3");
   for (v1::Encoding enc : {v1::ENCODING_LOSSLESS, v1::ENCODING_RESIDUAL}) {
     auto client = NewClient(v1::Encoding_Name(enc));
-    ASSERT_TRUE(client->Put(n0_, {.encoding = enc}).ok());
-    absl::StatusOr<v1::PutResponse> r3 = client->Put(n3, {.encoding = enc});
+    ASSERT_TRUE(
+        client->Put(n0_, {.encoding = enc, .profile = v1::EncodingSpec::PROFILE_COMPACT}).ok());
+    absl::StatusOr<v1::PutResponse> r3 =
+        client->Put(n3, {.encoding = enc, .profile = v1::EncodingSpec::PROFILE_COMPACT});
     ASSERT_TRUE(r3.ok()) << r3.status();
     EXPECT_EQ(Residuals(*r3), 32 - 6) << v1::Encoding_Name(enc);  // the last: a tail window
     absl::StatusOr<KvDump> dense = client->Get(n3.model_id, n3.token_ids);
@@ -212,7 +216,8 @@ TEST_F(ClusterEndToEnd, PositionShiftedBranchReadsBackTheSameInBothGetModes) {
 }
 
 TEST_F(ClusterEndToEnd, NamespacesNeverClusterAcrossEachOther) {
-  const PutOptions lossless{.encoding = v1::ENCODING_LOSSLESS};
+  const PutOptions lossless{.encoding = v1::ENCODING_LOSSLESS,
+                            .profile = v1::EncodingSpec::PROFILE_COMPACT};
   ASSERT_TRUE(NewClient("a")->Put(n0_, lossless).ok());
   absl::StatusOr<v1::PutResponse> r = NewClient("b")->Put(n1_, lossless);
   ASSERT_TRUE(r.ok());

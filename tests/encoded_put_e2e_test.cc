@@ -102,11 +102,13 @@ class EncodedPutEndToEnd : public ::testing::Test {
   std::unique_ptr<Client> NewClient(const std::string& ns) {
     return Client::Create({.target = server_->target(), .ns = ns});
   }
-  // Puts `d` densely as RESIDUAL fast and waits (up to 20 s) until `fits` versions are published.
+  // Puts `d` densely as RESIDUAL fast (the learner learns from dense Puts) and waits (up to 20 s)
+  // until `fits` versions are published.
   void PutAndWaitForFits(Client* client, const KvDump& d, uint64_t fits) {
     absl::StatusOr<v1::PutResponse> r = client->Put(d, {.encoding = v1::ENCODING_RESIDUAL,
                                                         .target_rel_rms = kTarget,
-                                                        .profile = v1::EncodingSpec::PROFILE_FAST});
+                                                        .profile = v1::EncodingSpec::PROFILE_FAST,
+                                                        .encode_on_client = false});
     ASSERT_TRUE(r.ok()) << r.status();
     for (int i = 0; i < 400; ++i) {
       absl::StatusOr<v1::StatsResponse> s = client->Stats();
@@ -247,12 +249,20 @@ TEST_F(EncodedPutEndToEnd, AClientThatEncodesStoresWhatTheServerWouldEncode) {
   absl::StatusOr<KvDump> dense = a->Get(genesis_.model_id, genesis_.token_ids);
   ASSERT_TRUE(dense.ok()) << dense.status();
   EXPECT_TRUE(dense->k == got->k && dense->v == got->v);
-  // What the client cannot encode is named.
+  // What the client cannot encode (the compact profile) is sent dense: the server encodes it.
+  ASSERT_TRUE(a->Delete(genesis_.model_id, first).ok());
   o.encode_on_client = true;
   o.profile = v1::EncodingSpec::PROFILE_COMPACT;
   absl::StatusOr<v1::PutResponse> compact = a->Put(genesis_, o);
-  EXPECT_TRUE(absl::IsInvalidArgument(compact.status())) << compact.status();
-  EXPECT_NE(compact.status().message().find("encode_on_client"), absl::string_view::npos);
+  ASSERT_TRUE(compact.ok()) << compact.status();
+  stats = a->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->client_reported_error_nodes(), 0u);
+  const std::vector<std::string> compact_bytes = StoredBytes(a.get(), "a", genesis_, 32);
+  ASSERT_EQ(compact_bytes.size(), 32u);
+  absl::StatusOr<BlockHeader> h = ParseBlock(compact_bytes[1]);
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(h->profile, Profile::kCompact);
 }
 
 TEST_F(EncodedPutEndToEnd, EveryWrongFieldGetsItsStatusStoresNothingAndChangesNothing) {

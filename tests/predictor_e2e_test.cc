@@ -82,7 +82,9 @@ class PredictorEndToEnd : public ::testing::Test {
   // Puts `d` as RESIDUAL at kTarget and waits (up to 20 s) until `ns` published `fits` versions.
   void PutAndWaitForFits(Client* client, const KvDump& d, uint64_t fits) {
     absl::StatusOr<v1::PutResponse> r =
-        client->Put(d, {.encoding = v1::ENCODING_RESIDUAL, .target_rel_rms = kTarget});
+        client->Put(d, {.encoding = v1::ENCODING_RESIDUAL,
+                        .target_rel_rms = kTarget,
+                        .profile = v1::EncodingSpec::PROFILE_COMPACT});
     ASSERT_TRUE(r.ok()) << r.status();
     for (int i = 0; i < 400; ++i) {
       absl::StatusOr<v1::StatsResponse> s = client->Stats();

@@ -87,10 +87,16 @@ class RaceEndToEnd : public ::testing::Test {
   // (lossless), then n1 RESIDUAL: n1's members are residuals of n0's centroids coded against
   // version 1, and its only blocks on it.
   void Store(Client* client) {
-    const PutOptions residual{.encoding = v1::ENCODING_RESIDUAL, .target_rel_rms = 0.05};
+    const PutOptions residual{.encoding = v1::ENCODING_RESIDUAL,
+                              .target_rel_rms = 0.05,
+                              .profile = v1::EncodingSpec::PROFILE_COMPACT};
     ASSERT_TRUE(client->Put(n0_, residual).ok());
     ASSERT_NO_FATAL_FAILURE(WaitForFits(client, 1));
-    ASSERT_TRUE(client->Put(Slice(n1_, (div_ + 1) * 16), {.encoding = v1::ENCODING_LOSSLESS}).ok());
+    ASSERT_TRUE(
+        client
+            ->Put(Slice(n1_, (div_ + 1) * 16),
+                  {.encoding = v1::ENCODING_LOSSLESS, .profile = v1::EncodingSpec::PROFILE_COMPACT})
+            .ok());
     absl::StatusOr<v1::PutResponse> r = client->Put(n1_, residual);
     ASSERT_TRUE(r.ok()) << r.status();
     int members = 0;
@@ -145,7 +151,9 @@ TEST_F(RaceEndToEnd, GetsRacingTheDeleteOfTheCentroidsNeverLoseTheMembers) {
     }
     std::thread learner([&] {
       auto c = NewClient(ns);
-      EXPECT_TRUE(c->Put(genesis_, {.encoding = v1::ENCODING_LOSSLESS}).ok());
+      EXPECT_TRUE(c->Put(genesis_, {.encoding = v1::ENCODING_LOSSLESS,
+                                    .profile = v1::EncodingSpec::PROFILE_COMPACT})
+                      .ok());
     });
     absl::StatusOr<v1::DeleteResponse> del = client->Delete(n0_.model_id, N0Branch());
     deleted = true;

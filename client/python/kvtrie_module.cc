@@ -173,8 +173,9 @@ py::dict PutResponseDict(const v1::PutResponse& r) {
 }
 
 PutOptions MakePutOptions(int encoding, double target_rel_rms, uint32_t bits, uint32_t block_tokens,
-                          uint32_t first_block, uint32_t layers_per_message) {
+                          uint32_t first_block, uint32_t layers_per_message, int profile) {
   PutOptions o;
+  o.profile = static_cast<v1::EncodingSpec::Profile>(profile);
   o.encoding = static_cast<v1::Encoding>(encoding);
   o.target_rel_rms = target_rel_rms;
   o.bits = bits;
@@ -253,7 +254,7 @@ class PyClient {
            const std::string& token, double timeout_s, bool tls, const std::string& root_pem,
            const std::string& cert_pem, const std::string& key_pem, const std::string& server_name,
            int retry_attempts, double retry_initial_backoff_s, double retry_max_backoff_s,
-           int codec_threads)
+           int codec_threads, double predictor_refresh_s)
       : model_id_(model_id) {
     if (model_id.empty()) InvalidArgument("model_id: must not be empty");
     if (!(timeout_s > 0)) InvalidArgument("timeout: must be > 0 seconds");
@@ -292,6 +293,11 @@ class PyClient {
                                    " (must be >= 0; 0 = the machine's cores)"));
     }
     o.codec_threads = codec_threads;
+    if (!(predictor_refresh_s >= 0)) {
+      InvalidArgument(
+          absl::StrCat("predictor_refresh: ", predictor_refresh_s, " s (must be >= 0)"));
+    }
+    o.predictor_refresh = absl::Milliseconds(predictor_refresh_s * 1000);
     client_ = Client::Create(o);
   }
 
@@ -308,7 +314,7 @@ class PyClient {
   py::object Put(const Tokens& tokens, const py::array& k, const py::array& v,
                  const std::optional<Floats>& surprisal, int encoding, double target_rel_rms,
                  uint32_t bits, uint32_t block_tokens, uint32_t first_block,
-                 uint32_t layers_per_message) {
+                 uint32_t layers_per_message, bool encode_on_client, int profile) {
     const KvArrays kv = CheckKv(k, v);
     if (static_cast<ssize_t>(kv.dims[2]) != tokens.size()) {
       InvalidArgument(absl::StrCat("tokens: ", tokens.size(), " token ids, but k has ", kv.dims[2],
@@ -316,12 +322,21 @@ class PyClient {
     }
     const KvDump header =
         Header(model_id_, tokens, surprisal, kv.dims[0], kv.dims[1], kv.dims[3], kv.dtype);
-    const PutOptions options = MakePutOptions(encoding, target_rel_rms, bits, block_tokens,
-                                              first_block, layers_per_message);
+    PutOptions options = MakePutOptions(encoding, target_rel_rms, bits, block_tokens, first_block,
+                                        layers_per_message, profile);
+    options.encode_on_client = encode_on_client;
     absl::StatusOr<v1::PutResponse> r;
     {
       py::gil_scoped_release release;
       r = [&]() -> absl::StatusOr<v1::PutResponse> {
+        if (encode_on_client && layers_per_message == 0) {
+          // Client::Put encodes what it can (and sends the rest dense); it reads a KvDump, so the
+          // arrays are copied once (a memcpy, small next to encoding them).
+          KvDump dump = header;
+          dump.k.assign(kv.k, kv.k + kv.bytes);
+          dump.v.assign(kv.v, kv.v + kv.bytes);
+          return client_->Put(dump, options);
+        }
         absl::StatusOr<std::unique_ptr<PutStream>> s = client_->OpenPut(header, options);
         if (!s.ok()) return s.status();
         if (auto w =
@@ -341,11 +356,11 @@ class PyClient {
                                        uint32_t layers, uint32_t heads, uint32_t head_dim,
                                        const py::dtype& dtype, int encoding, double target_rel_rms,
                                        uint32_t bits, uint32_t block_tokens, uint32_t first_block,
-                                       uint32_t layers_per_message) {
+                                       uint32_t layers_per_message, int profile) {
     const DType d = DTypeOf(dtype, "k");
     const KvDump header = Header(model_id_, tokens, surprisal, layers, heads, head_dim, d);
     const PutOptions options = MakePutOptions(encoding, target_rel_rms, bits, block_tokens,
-                                              first_block, layers_per_message);
+                                              first_block, layers_per_message, profile);
     absl::StatusOr<std::unique_ptr<PutStream>> s;
     {
       py::gil_scoped_release release;
@@ -459,21 +474,22 @@ PYBIND11_MODULE(_kvtrie, m) {
   py::class_<PyClient>(m, "_Client")
       .def(py::init<const std::string&, const std::string&, const std::string&, const std::string&,
                     double, bool, const std::string&, const std::string&, const std::string&,
-                    const std::string&, int, double, double, int>(),
+                    const std::string&, int, double, double, int, double>(),
            py::arg("target"), py::arg("model_id"), py::arg("namespace"), py::arg("token"),
            py::arg("timeout"), py::arg("tls") = false, py::arg("tls_root_pem") = "",
            py::arg("tls_cert_pem") = "", py::arg("tls_key_pem") = "",
            py::arg("tls_server_name") = "", py::arg("retry_attempts") = 5,
            py::arg("retry_initial_backoff") = 0.1, py::arg("retry_max_backoff") = 2.0,
-           py::arg("codec_threads") = 0)
+           py::arg("codec_threads") = 0, py::arg("predictor_refresh") = 10.0)
       .def("lookup", &PyClient::Lookup, py::arg("tokens"))
       .def("put", &PyClient::Put, py::arg("tokens"), py::arg("k"), py::arg("v"),
            py::arg("surprisal"), py::arg("encoding"), py::arg("target_rel_rms"), py::arg("bits"),
-           py::arg("block_tokens"), py::arg("first_block"), py::arg("layers_per_message"))
+           py::arg("block_tokens"), py::arg("first_block"), py::arg("layers_per_message"),
+           py::arg("encode_on_client") = true, py::arg("profile") = 0)
       .def("open_put", &PyClient::OpenPut, py::arg("tokens"), py::arg("surprisal"),
            py::arg("layers"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("dtype"),
            py::arg("encoding"), py::arg("target_rel_rms"), py::arg("bits"), py::arg("block_tokens"),
-           py::arg("first_block"), py::arg("layers_per_message"))
+           py::arg("first_block"), py::arg("layers_per_message"), py::arg("profile") = 0)
       .def("get", &PyClient::Get, py::arg("tokens"), py::arg("mode"), py::arg("max_blocks"))
       .def("stats", &PyClient::Stats, py::arg("namespace"))
       .def("inspect", &PyClient::Inspect, py::arg("node_id"))

@@ -185,6 +185,7 @@ absl::StatusOr<std::vector<EvalRow>> EvalRoundTrip(const LlamaModel& model,
       put.target_rel_rms = setting.target_rel_rms;
       put.bits = setting.bits;
       put.block_tokens = block_tokens;
+      put.encode_on_client = setting.encode_on_client;
       absl::StatusOr<v1::PutResponse> resp = client->Put(contexts[w], put);
       if (!resp.ok()) return resp.status();
       for (const v1::BlockResult& b : resp->blocks()) {

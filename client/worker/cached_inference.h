@@ -63,6 +63,7 @@ struct EvalSetting {
   v1::Encoding encoding = v1::ENCODING_LOSSLESS;
   double target_rel_rms = 0;
   uint32_t bits = 0;
+  bool encode_on_client = true;  // PutOptions::encode_on_client (kvtrie-worker --encode_on_client)
 };
 
 // Parses "NAME[@REL_RMS][/BITS]" with NAME one of raw, lossless, residual, int8, kivi2,

@@ -54,6 +54,7 @@ int Run(const LlamaModel& model) {
   options.put.encoding = setting->encoding;
   options.put.target_rel_rms = setting->target_rel_rms;
   options.put.bits = setting->bits;
+  ApplyPutFlags(&options.put);  // --encode_on_client
   absl::StatusOr<RunResult> r = RunWithCache(model, *client, absl::GetFlag(FLAGS_prompt), options);
   if (!r.ok()) return Fail(r.status());
   std::printf(
@@ -84,6 +85,9 @@ int Eval(const LlamaModel& model) {
        absl::StrSplit(absl::GetFlag(FLAGS_settings), ',', absl::SkipWhitespace())) {
     absl::StatusOr<EvalSetting> setting = ParseEvalSetting(s);
     if (!setting.ok()) return Fail(setting.status());
+    PutOptions put;
+    ApplyPutFlags(&put);  // --encode_on_client
+    setting->encode_on_client = put.encode_on_client;
     settings.push_back(*setting);
   }
   // The whole text (not --max_chars): windows are cut from it in order.

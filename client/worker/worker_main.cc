@@ -73,6 +73,7 @@ int main(int argc, char** argv) {
       "  dump --text_file=F --out=DIR [--max_tokens=512] [--max_chars=3000]\n"
       "  generate [--prompt=TEXT] [--steps=N]\n"
       "  run --target=HOST:PORT --prompt=TEXT [--steps=N] [--encoding=lossless]\n"
+      "      [--encode_on_client=false: send the KV dense, the server encodes]\n"
       "  eval --target=HOST:PORT --text_file=F [--context=N] [--continuation=N]");
   absl::FlagsUsageConfig usage;  // --help lists the worker's own flags
   usage.contains_help_flags = [](absl::string_view file) {

@@ -60,6 +60,40 @@ def test_get_returns_arrays_that_own_the_clients_buffer_without_a_copy(server):
     assert r.blocks_stored == 32
 
 
+def encoded_nodes(target: str, namespace: str) -> int:
+    """Stored nodes of `namespace` whose blocks a client encoded (the server's Stats)."""
+    stats = kvtrie.Client(target, "stories260K", namespace=namespace).stats()
+    return int(stats.get("client_reported_error_nodes", 0))
+
+
+def test_puts_are_encoded_here_unless_asked_dense(server):
+    tokens, surprisal, k, v = read_dump(TESTDATA / "GPL-3")
+    c = kvtrie.Client(server.target, "stories260K", namespace="py-encoded", codec_threads=2)
+    r = c.put(tokens, k, v, surprisal=surprisal, encoding="lossless")  # the default: encoded here
+    assert r.blocks_stored == 32 and encoded_nodes(server.target, "py-encoded") == 32
+    k2, v2, n = c.get(tokens)
+    assert n == 512 and np.array_equal(bits(k2), bits(k)) and np.array_equal(bits(v2), bits(v))
+    stored = r.bytes_stored
+    # Dense: per call, per client, or because the client cannot code it (the compact profile).
+    thin = kvtrie.Client(server.target, "stories260K", namespace="py-encoded",
+                         encode_on_client=False)
+    for put in (lambda: c.put(tokens, k, v, encoding="lossless", encode_on_client=False),
+                lambda: thin.put(tokens, k, v, encoding="lossless"),
+                lambda: c.put(tokens, k, v, encoding="lossless", profile="compact")):
+        c.delete(tokens[:16])
+        assert put().blocks_stored == 32
+        assert encoded_nodes(server.target, "py-encoded") == 0
+    c.delete(tokens[:16])
+    # Encoded or dense, the fast profile stores the same bytes.
+    assert c.put(tokens, k, v, encoding="lossless", encode_on_client=False).bytes_stored == stored
+    c.delete(tokens[:16])
+    r = c.put(tokens, k, v, encoding="residual", target_rel_rms=0.05)
+    assert encoded_nodes(server.target, "py-encoded") == 32
+    assert all(b.rel_rms_error_k <= 0.05 * 1.0001 for b in r.blocks)
+    with pytest.raises(kvtrie.InvalidArgumentError, match="profile"):
+        c.put(tokens, k, v, profile="tiny")
+
+
 def test_put_layers_streams_layer_by_layer_and_stores_only_at_commit(server):
     c = kvtrie.Client(server.target, "stories260K", namespace="layers")
     tokens, surprisal, k, v = read_dump(SESSIONS[1])
@@ -196,15 +230,19 @@ def test_residual_get_of_blocks_coded_against_a_learned_state(tmp_path):
     try:
         c = kvtrie.Client(s.target, "stories260K", namespace="learned")
         tokens, surprisal, k, v = read_dump(TESTDATA / "GPL-3")
-        c.put(tokens, k, v, surprisal=surprisal, encoding="residual", target_rel_rms=0.05)
+        # Dense: the server learns from dense Puts (a thin client's).
+        c.put(tokens, k, v, surprisal=surprisal, encoding="residual", target_rel_rms=0.05,
+              encode_on_client=False)
         for _ in range(400):  # learned from in the background
             if c.stats().get("predictor_fits", 0) >= 1:
                 break
             time.sleep(0.05)
         assert c.stats().get("predictor_fits", 0) == 1
         tokens, surprisal, k, v = read_dump(TESTDATA / "genesis_1-3")
+        # Encoded here against version 1 (fetched with GetPredictor).
         c.put(tokens, k, v, surprisal=surprisal, encoding="residual", target_rel_rms=0.05)
         assert c.stats().get("blocks_on_learned", 0) > 0
+        assert int(c.stats().get("client_reported_error_nodes", 0)) == 32
         k_res, v_res, n = c.get(tokens, mode="residual")
         k_rec, v_rec, _ = c.get(tokens, mode="reconstructed")
         assert n == 512
@@ -328,9 +366,10 @@ def test_help_reads_well():
 def test_the_readme_example_runs(server, monkeypatch):
     readme = (TESTDATA.parent.parent / "README.md").read_text()
     code = readme.split("```python\n", 1)[1].split("```", 1)[0]
-    assert len(code.strip().splitlines()) == 5
+    assert len(code.strip().splitlines()) == 6
     monkeypatch.chdir(TESTDATA.parent.parent)
     scope = {}
     exec(code.replace("127.0.0.1:50051", server.target), scope)  # noqa: S102 - our README
     assert scope["r"].blocks_stored + scope["r"].blocks_deduplicated == 32 and scope["n"] == 512
     assert np.array_equal(scope["k"], np.load(TESTDATA / "sessions" / "s0" / "k.npy"))
+    assert scope["c"].encode_on_client and not scope["thin"].encode_on_client

@@ -61,6 +61,10 @@ class Recorder:
         self.events.append(("get", threading.current_thread().name))
         return self.client.get(*args, **kwargs)
 
+    def put(self, *args, **kwargs):
+        self.events.append(("put", threading.current_thread().name))
+        return self.client.put(*args, **kwargs)
+
     def put_layers(self, *args, **kwargs):
         stream = self.client.put_layers(*args, **kwargs)
         outer = self
@@ -92,8 +96,48 @@ def make_engine(model, target, namespace, block_size=16, **cfg):
     return Engine(model, sched, worker, block_size=block_size), sched, worker
 
 
+def client_encoded(target, namespace) -> int:
+    """Stored nodes of `namespace` whose blocks came encoded by a client (the server's Stats)."""
+    stats = kvtrie.Client(target, "stories260K", namespace=namespace).stats()
+    return int(stats.get("client_reported_error_nodes", 0))
+
+
+def test_saves_are_encoded_on_the_worker_and_give_the_cold_logits(model, cold, server):
+    # The connector's default: each save is gathered layer by layer during the forward pass and
+    # put whole at wait_for_save, encoded on the worker (lossless of the fast profile).
+    engine, sched, worker = make_engine(model, server.target, "encoded", encoding="lossless")
+    first = engine.run("s0", prompt(0))
+    assert first.loaded_tokens == 0 and worker.stats["saved_blocks"] == 32
+    assert client_encoded(server.target, "encoded") == 32  # every block encoded by the worker
+    rec = worker._client
+    rec.events.clear()
+    warm = engine.run("s1", prompt(1))
+    assert warm.loaded_tokens == PREFIX and warm.recomputed_from is None
+    assert worker.stats["loaded_tokens"] == PREFIX and worker.stats["load_failed_tokens"] == 0
+    assert np.isnan(warm.logits[:PREFIX]).all()  # not computed: loaded
+    # Same logits as the cold run, bit for bit, for the prompt's rest and the decoded tokens.
+    assert np.array_equal(warm.logits[PREFIX:], cold.logits[PREFIX:])
+    for a, b in zip(warm.decode_logits, cold.decode_logits):
+        assert np.array_equal(a, b)
+    new_blocks = 32 - PREFIX // 16
+    assert worker.stats["saved_blocks"] == 32 + new_blocks and worker.stats["save_errors"] == 0
+    assert client_encoded(server.target, "encoded") == 32 + new_blocks
+    # One encoded put on the saver thread, no dense layer stream.
+    saves = [(w, t) for w, t in rec.events if w != "get"]
+    assert len(saves) == 1 and saves[0][0] == "put" and saves[0][1].startswith("kvtrie-save")
+    c = kvtrie.Client(server.target, "stories260K", namespace="encoded")
+    assert c.lookup(prompt(1)) == 512
+    k, v, n = c.get(prompt(1))
+    assert n == 512
+    again = engine.run("s1-again", prompt(1))  # the stored KV, loaded whole, is the model's
+    assert again.loaded_tokens == 511
+    assert np.array_equal(again.logits[511], cold.logits[511])
+
+
 def test_shared_prefix_is_loaded_and_gives_the_cold_logits_lossless(model, cold, server):
-    engine, sched, worker = make_engine(model, server.target, "lossless", encoding="lossless")
+    # A thin worker: each layer is sent dense as it is saved, during the forward pass.
+    engine, sched, worker = make_engine(model, server.target, "lossless", encoding="lossless",
+                                        encode_on_client=False)
     first = engine.run("s0", prompt(0))
     assert first.loaded_tokens == 0 and worker.stats["saved_blocks"] == 32
     calls = []
@@ -134,6 +178,7 @@ def test_shared_prefix_is_loaded_and_gives_the_cold_logits_lossless(model, cold,
     assert worker.stats["saved_blocks"] == 32 + (32 - PREFIX // 16)
     assert worker.stats["save_errors"] == 0
     assert kvtrie.Client(server.target, "stories260K", namespace="lossless").lookup(prompt(1)) == 512
+    assert client_encoded(server.target, "lossless") == 0  # the server encoded them
     # Load and save ran on the connector's threads: the Get on the loader, the layers on the
     # saver, in order, then the commit.
     threads = dict(rec.events)
@@ -164,6 +209,7 @@ def test_residual_prefix_stays_within_stated_dnll(model, cold, server):
     warm = engine.run("s1", prompt(1))
     assert warm.loaded_tokens == PREFIX and worker.stats["load_failed_tokens"] == 0
     assert not np.array_equal(warm.logits[PREFIX:], cold.logits[PREFIX:])  # lossy, really loaded
+    assert client_encoded(server.target, "residual") == 32 + (32 - PREFIX // 16)  # by the worker
     toks = prompt(1)
     nll_warm = nll_bits(warm.logits[PREFIX:511], toks[PREFIX + 1:]).mean()
     nll_cold = nll_bits(cold.logits[PREFIX:511], toks[PREFIX + 1:]).mean()

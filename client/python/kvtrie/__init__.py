@@ -8,6 +8,10 @@ sequence into blocks of ``block_tokens`` tokens (16); only full blocks are store
 
 The work is done in C++ (``kvtrie::Client``, gRPC, the codec) with the GIL released: arrays are
 read in place and returned without a copy, and one :class:`Client` may be used from many threads.
+Puts are encoded by this client (raw, lossless, and residual with a ``target_rel_rms``, of the fast
+profile, on ``codec_threads``) and sent encoded: the server checks and stores the bytes, so wire,
+disk and server CPU scale with the compressed size. ``encode_on_client=False`` (per client or per
+put) sends dense KV for the server to encode (thin clients).
 A failed call raises :class:`Error` carrying the gRPC status code and the server's message, which
 starts with the field at fault.
 
@@ -16,6 +20,7 @@ Example::
     import kvtrie
     c = kvtrie.Client("127.0.0.1:50051", "stories260K")
     r = c.put(tokens, k, v, encoding="lossless")   # k, v: [layers, kv_heads, tokens, head_dim]
+                                                   # encoded here (fast profile), sent encoded
     k2, v2, n = c.get(tokens)                      # KV of the longest stored prefix (n tokens)
     assert (k2 == k[:, :, :n]).all()
 
@@ -234,6 +239,16 @@ def _surprisal(surprisal: Optional[Sequence[float]]) -> Optional[np.ndarray]:
     return s
 
 
+_PROFILES = {None: 0, "fast": 1, "compact": 2}
+
+
+def _profile(profile: Optional[str]) -> int:
+    key = profile.lower() if isinstance(profile, str) else profile
+    if key not in _PROFILES:
+        raise _invalid(f"profile: {profile!r} is not one of 'fast', 'compact' (or None)")
+    return _PROFILES[key]
+
+
 def _encoding(encoding: Union[None, str, int, Encoding]) -> int:
     if encoding is None:
         return int(Encoding.DEFAULT)
@@ -381,8 +396,14 @@ class Client:
         retry_initial_backoff, retry_max_backoff: the wait before the n-th retry is drawn from
             ``[d/2, d]``, ``d = min(retry_max_backoff, retry_initial_backoff * 2**(n-1))``
             seconds.
-        codec_threads: threads that decode a RESIDUAL get (the caller's included); 0 = the
-            machine's cores, 1 = the calling thread only.
+        codec_threads: threads that encode a put and decode a RESIDUAL get (the caller's
+            included); 0 = the machine's cores, 1 = the calling thread only.
+        encode_on_client: the default of :meth:`put`'s ``encode_on_client`` (True: puts are
+            encoded here; False: sent dense, the server encodes them — thin clients).
+        predictor_refresh: seconds an encoding residual put uses the latest learned predictor
+            state version it found before asking the server again (0 = before every put). A
+            version the server has freed is noticed at once: the put is encoded again against
+            the latest, and the caller sees no error.
 
     Thread-safe: one Client may be used from many threads at once (the GIL is released during
     every call). Creating it does not contact the server; a call to a server that is down raises
@@ -393,7 +414,8 @@ class Client:
                  tls: Union[None, bool, TlsConfig, Mapping[str, Any]] = None,
                  timeout: float = 60.0, *, namespace: str = "", block_tokens: int = 16,
                  retry_attempts: int = 5, retry_initial_backoff: float = 0.1,
-                 retry_max_backoff: float = 2.0, codec_threads: int = 0) -> None:
+                 retry_max_backoff: float = 2.0, codec_threads: int = 0,
+                 encode_on_client: bool = True, predictor_refresh: float = 10.0) -> None:
         tls_options = _tls_options(tls)
         self.target = target
         self.model_id = model_id
@@ -401,11 +423,13 @@ class Client:
         self.block_tokens = int(block_tokens)
         self._spec: Optional[ModelSpec] = None
         self.tls = bool(tls_options)
+        self.encode_on_client = bool(encode_on_client)
         self._c = _kvtrie._Client(target, model_id, namespace, token or "", float(timeout),
                                   retry_attempts=int(retry_attempts),
                                   retry_initial_backoff=float(retry_initial_backoff),
                                   retry_max_backoff=float(retry_max_backoff),
-                                  codec_threads=int(codec_threads), **tls_options)
+                                  codec_threads=int(codec_threads),
+                                  predictor_refresh=float(predictor_refresh), **tls_options)
 
     def __repr__(self) -> str:
         return (f"kvtrie.Client(target={self.target!r}, model_id={self.model_id!r}, "
@@ -429,7 +453,8 @@ class Client:
     def put(self, tokens: TokenIds, k: np.ndarray, v: np.ndarray,
             surprisal: Optional[Sequence[float]] = None,
             encoding: Union[None, str, Encoding] = None, target_rel_rms: float = 0.0, *,
-            bits: int = 0, first_block: int = 0, layers_per_message: int = 0) -> PutResult:
+            bits: int = 0, first_block: int = 0, layers_per_message: int = 0,
+            encode_on_client: Optional[bool] = None, profile: Optional[str] = None) -> PutResult:
         """Stores the KV of ``tokens``; blocks already stored are acknowledged as deduplicated.
 
         Args:
@@ -444,7 +469,16 @@ class Client:
                 of a block; 0 = the server's default.
             bits: TURBOQUANT bits per component (0 = 3).
             first_block: blocks before it are not sent (a :meth:`lookup` said they are stored).
-            layers_per_message: layers per gRPC message (0 = a whole block per message).
+            layers_per_message: layers per gRPC message (0 = a whole block per message; > 0
+                sends the blocks dense).
+            encode_on_client: None = the client's setting (True unless constructed with
+                False). True: the blocks are encoded here and sent encoded whenever this client
+                can code the request — raw, lossless, residual with ``target_rel_rms > 0``, of
+                the fast profile, and the server's default encoding once a first put has shown
+                which it is; anything else is sent dense. False: dense KV, the server encodes.
+            profile: ``"fast"`` (None means fast, unless the server runs with
+                ``--default_profile=compact``) or ``"compact"`` (~15 % fewer bits, ~10x slower;
+                only the server encodes it, so such puts travel dense).
 
         Returns:
             :class:`PutResult` (stored and deduplicated blocks, bytes, achieved errors).
@@ -456,9 +490,11 @@ class Client:
         """
         t = _tokens(tokens)
         k, v = _array(k), _array(v)
+        encode = self.encode_on_client if encode_on_client is None else bool(encode_on_client)
         result = PutResult._from_json(self._c.put(
             t, k, v, _surprisal(surprisal), _encoding(encoding), float(target_rel_rms), int(bits),
-            self.block_tokens, int(first_block), int(layers_per_message)))
+            self.block_tokens, int(first_block), int(layers_per_message),
+            encode_on_client=encode, profile=_profile(profile)))
         self._learn(ModelSpec(k.shape[0], k.shape[1], k.shape[3], k.dtype))
         return result
 
@@ -469,7 +505,9 @@ class Client:
                    layers_per_message: int = 0) -> PutStream:
         """Opens a Put to be sent layer by layer as a worker computes it.
 
-        Arguments as for :meth:`put`; ``num_layers`` is the model's layer count. The returned
+        Arguments as for :meth:`put`; ``num_layers`` is the model's layer count. The layers are
+        sent dense, as they come (the server encodes them: encoding needs whole blocks; gather
+        the layers and call :meth:`put` to encode here, as the connector does). The returned
         :class:`PutStream` takes each layer's ``[kv_heads, tokens, head_dim]`` K and V with
         :meth:`PutStream.write` and stores everything at :meth:`PutStream.commit`::
 

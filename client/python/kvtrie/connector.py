@@ -17,9 +17,9 @@ Worker side (``role=KVConnectorRole.WORKER``), per forward pass:
     (the thread scatters the fetched KV into the paged cache layer by layer, so the first layers
     compute while later ones are still being written); ``save_kv_layer(layer_name, kv_layer,
     attn_metadata)`` after each layer wrote its KV hands the layer to a saver thread, which
-    gathers it from the paged cache and sends it at once on a layer-wise Put stream
-    (:meth:`kvtrie.Client.put_layers`), overlapping with the next layers' compute;
-    ``wait_for_save()`` commits the Puts; ``get_block_ids_with_load_errors()`` returns the block
+    gathers it from the paged cache (and, with ``encode_on_client`` off, sends it at once on a
+    layer-wise Put stream, :meth:`kvtrie.Client.put_layers`), overlapping with the next layers'
+    compute; ``wait_for_save()`` commits the Puts (by default encoding them on the worker first); ``get_block_ids_with_load_errors()`` returns the block
     ids whose KV could not be loaded (the prefix was evicted or deleted after the lookup, or the
     server is unreachable) — the engine recomputes from the first of them, as vLLM does.
     A request whose load failed in a step is not saved in that step (its new KV was computed
@@ -39,7 +39,13 @@ Configuration (a dict; under vLLM, ``kv_connector_extra_config``): ``target`` (H
 ``retry_initial_backoff`` (0.1 s), ``retry_max_backoff`` (2 s): a save whose Put ends ABORTED
 (concurrent Puts kept changing its prefix; nothing was stored) or UNAVAILABLE is sent again, whole,
 by the client's put stream, so the worker does not see it (see :class:`kvtrie.Client`);
-``codec_threads`` (0 = the cores) decode a ``"residual"`` get.
+``codec_threads`` (0 = the cores) encode saves and decode a ``"residual"`` get;
+``encode_on_client`` (true): a save is encoded on the worker (raw, lossless, residual with a
+``target_rel_rms``, of the fast profile) and sent encoded, so the server only checks and stores
+the bytes: the layers of a request are gathered during the forward pass and put whole at
+:meth:`wait_for_save` (encoding needs whole blocks). ``false`` (thin workers): each layer is sent
+dense as it is saved (:meth:`kvtrie.Client.put_layers`), overlapping with the next layers'
+compute, and the server encodes. ``predictor_refresh`` (10 s): see :class:`kvtrie.Client`.
 
 With vLLM installed the class derives from its KVConnectorBase_V1; without it (as here) it
 stands alone. Tested with the engine loop in tests/python/test_connector.py, not against vLLM.
@@ -57,7 +63,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from . import Client, Error
+from . import Client, Error, StatusCode
 
 log = logging.getLogger("kvtrie.connector")
 
@@ -145,8 +151,11 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
                                             cfg.get("retry_initial_backoff", 0.1)),
                                         retry_max_backoff=float(
                                             cfg.get("retry_max_backoff", 2.0)),
-                                        codec_threads=int(cfg.get("codec_threads", 0)))
+                                        codec_threads=int(cfg.get("codec_threads", 0)),
+                                        predictor_refresh=float(
+                                            cfg.get("predictor_refresh", 10.0)))
         self._encoding = cfg.get("encoding", "lossless")
+        self._encode_on_client = _bool(cfg.get("encode_on_client", True), "encode_on_client")
         self._target_rel_rms = float(cfg.get("target_rel_rms", 0.0))
         self._get_mode = cfg.get("get_mode", "reconstructed")
         # Scheduler side.
@@ -341,9 +350,14 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         s = self._saves.get(r.req_id)
         first = self._first_block(r)
         if s is None:
-            s = self._client.put_layers(r.token_ids[:r.save_tokens], len(self._names),
-                                        encoding=self._encoding,
-                                        target_rel_rms=self._target_rel_rms, first_block=first)
+            if self._encode_on_client:
+                s = _EncodedSave(self._client, r.token_ids[:r.save_tokens], len(self._names),
+                                 first, self._block_tokens, self._encoding, self._target_rel_rms)
+            else:
+                s = self._client.put_layers(r.token_ids[:r.save_tokens], len(self._names),
+                                            encoding=self._encoding,
+                                            target_rel_rms=self._target_rel_rms,
+                                            first_block=first)
             self._saves[r.req_id] = s
         begin = first * self._block_tokens
         b, o = self._slots(r.block_ids, begin, r.save_tokens)
@@ -396,6 +410,52 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
     def shutdown(self) -> None:
         self._loader.shutdown(wait=True)
         self._saver.shutdown(wait=True)
+
+
+def _bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"{key}: {value!r} is not a boolean")
+
+
+class _EncodedSave:
+    """A save encoded on the worker: the layers written during the forward pass are gathered
+    here and put whole at commit (``kvtrie.Client.put``, which encodes on ``codec_threads``).
+    The same write/commit/cancel calls as a :class:`kvtrie.PutStream`."""
+
+    def __init__(self, client: Any, tokens: Sequence[int], num_layers: int, first_block: int,
+                 block_tokens: int, encoding: Any, target_rel_rms: float) -> None:
+        self._client = client
+        self._tokens = list(tokens)
+        self._layers = num_layers
+        self._first_block = first_block
+        self._encoding = encoding
+        self._target_rel_rms = target_rel_rms
+        self._k: Optional[np.ndarray] = None
+        self._v: Optional[np.ndarray] = None
+
+    def write(self, layer: int, k: np.ndarray, v: np.ndarray, *, token_offset: int = 0) -> None:
+        if self._k is None:  # [layers, kv_heads, tokens, head_dim]; blocks before first: unsent
+            shape = (self._layers, k.shape[0], len(self._tokens), k.shape[2])
+            self._k, self._v = np.zeros(shape, k.dtype), np.zeros(shape, v.dtype)
+        n = k.shape[1]
+        self._k[layer, :, token_offset:token_offset + n] = k
+        self._v[layer, :, token_offset:token_offset + n] = v
+
+    def commit(self) -> Any:
+        if self._k is None:
+            raise Error(StatusCode.FAILED_PRECONDITION, "put: no layer was written")
+        k, v, self._k, self._v = self._k, self._v, None, None
+        return self._client.put(self._tokens, k, v, encoding=self._encoding,
+                                target_rel_rms=self._target_rel_rms,
+                                first_block=self._first_block, encode_on_client=True)
+
+    def cancel(self) -> None:
+        self._k = self._v = None
 
 
 def _write(cache: Any, kv: int, blocks: np.ndarray, offsets: np.ndarray, data: np.ndarray) -> None:
