@@ -205,10 +205,20 @@ class ModelShard {
   // Recovery: a persisted version (read and parsed, or its error) and its disk bytes.
   void RecoverPredictor(const PredictorMeta& meta,
                         absl::StatusOr<std::shared_ptr<const PredictorState>> state);
-  // After a committed Put: queues block `block_index` (dense `kv`; `token_ids` the Put's) to be
-  // learned from on the store's LearnQueue; a full queue drops it (counted).
-  void QueueLearning(uint32_t block_index, absl::Span<const uint32_t> token_ids,
-                     absl::Span<const uint8_t> kv);
+  // One committed block of a Put to learn from: its dense bytes (moved in), or the envelope its
+  // client encoded (RAW, LOSSLESS fast or RESIDUAL fast) with the state it names (null for 0).
+  struct LearnBlock {
+    uint32_t block_index = 0;
+    std::string kv;  // dense: geometry.num_bytes() bytes; empty when `encoded` is set
+    std::shared_ptr<const EncodedBlock> encoded;
+    std::shared_ptr<const PredictorState> learned;  // the version `encoded` names
+  };
+  // After a committed Put (`token_ids` the Put's): queues a sample of `blocks` (ascending block
+  // index) spread over the whole Put, as many as the store's LearnQueue has room for
+  // (LearnQueue::PushSample), to be learned from in the background; an encoded block is decoded
+  // there first, its version held (PredictorRegistry::Hold) until then. The others are counted
+  // as dropped. Never blocks on the learner.
+  void QueueLearning(absl::Span<const uint32_t> token_ids, std::vector<LearnBlock> blocks);
   // Deletes the versions no block depends on and no reader holds any more (but the latest), on
   // disk then in memory.
   void FreeUnusedPredictors();
@@ -300,10 +310,10 @@ class ModelShard {
                           absl::Span<uint8_t> out);
   // Reads a persisted version of this shard back (for the registry's non-resident versions).
   PredictorRegistry::Loader PredictorLoader();
-  // The LearnQueue job of QueueLearning: observes, refits when due, persists and publishes.
-  void Learn(const std::shared_ptr<PredictorRegistry>& registry, uint32_t block_index,
-             const std::vector<int32_t>& tokens, int32_t previous_token,
-             const std::vector<uint8_t>& kv);
+  // The LearnQueue job of QueueLearning: decodes an encoded block (false: it did not decode,
+  // logged), then observes, refits when due, persists and publishes.
+  bool Learn(const std::shared_ptr<PredictorRegistry>& registry, uint32_t block_index,
+             const std::vector<int32_t>& tokens, int32_t previous_token, const LearnBlock& block);
 
   ShardContext* const context_;
   const std::string ns_;

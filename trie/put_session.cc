@@ -430,13 +430,26 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
     }
     summary.stored_tokens = num_blocks_ * g.block_tokens;
     shard_->CountPut(blocks.size(), matched, anchor);
-    // Learned from in the background, never on this Put's path (a full queue drops them).
-    for (const ModelShard::NewBlock& nb : blocks) {
-      const std::string& kv = pending_.at(nb.block_index).kv;
-      if (kv.empty()) continue;  // encoded by its client: nothing dense to learn from here
-      shard_->QueueLearning(
-          nb.block_index, tokens,
-          absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(kv.data()), kv.size()));
+    // Learned from in the background, never on this Put's path: a sample spread over the new
+    // blocks, as many as the queue has room for; a client-encoded block is decoded there.
+    if (context_->learn_queue != nullptr && !blocks.empty()) {
+      std::vector<ModelShard::LearnBlock> learn;
+      learn.reserve(blocks.size());
+      for (const ModelShard::NewBlock& nb : blocks) {
+        Pending& p = pending_.at(nb.block_index);
+        ModelShard::LearnBlock lb;
+        lb.block_index = nb.block_index;
+        if (p.client_encoded) {
+          lb.encoded = nb.encoded;
+          if (nb.predictor_version != 0) lb.learned = client_versions_.at(nb.predictor_version);
+        } else if (!p.kv.empty()) {
+          lb.kv = std::move(p.kv);  // the session is done with it
+        } else {
+          continue;
+        }
+        learn.push_back(std::move(lb));
+      }
+      shard_->QueueLearning(tokens, std::move(learn));
     }
     return summary;
   }
