@@ -401,11 +401,12 @@ void LearnQueue::Drain() {
 }
 
 void LearnQueue::Stop() {
+  std::deque<Job> dropped;  // destroyed with no lock held: a job's hold takes a registry's lock
   {
     absl::MutexLock lock(&mu_);
     if (stop_ && !thread_.joinable()) return;
     stop_ = true;
-    jobs_.clear();
+    dropped.swap(jobs_);
     bytes_ = 0;
   }
   if (thread_.joinable()) thread_.join();
