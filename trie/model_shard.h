@@ -184,6 +184,37 @@ class ModelShard {
   void AddStats(StoreStats* out);
 
   // --- Writes ---
+  // One block of a PutSession's plan: its dense bytes, or its encoding (on arrival on the codec
+  // pool, or by its client).
+  struct PlanBlock {
+    std::string* kv = nullptr;  // dense (empty once encoded on arrival or when client-encoded);
+                                // moved to the learner after the commit
+    // Encoded already (null: encode it here); an error fails the Put.
+    const absl::StatusOr<std::shared_ptr<const EncodedBlock>>* encoded = nullptr;
+    bool client_encoded = false;                // by its client (PutSession::AddEncodedBlock)
+    Encoding client_encoding = Encoding::kRaw;  // then its encoding
+  };
+  // What a PutSession hands the shard at Finish: the Put's context and its blocks by index
+  // (those not stored yet must all be there). Every pointer is the session's and outlives the
+  // call.
+  struct PutPlan {
+    const ModelInfo* model = nullptr;  // the request's (validated)
+    absl::Span<const uint32_t> token_ids;
+    absl::Span<const float> surprisal_bits;
+    EncodeOptions encode;
+    bool early = false;  // the blocks read no other block (RAW, fast profile)
+    std::map<uint32_t, PlanBlock> blocks;
+    // The versions client-encoded blocks name, held by the session until it ends.
+    const std::map<uint32_t, std::shared_ptr<const PredictorState>>* client_versions = nullptr;
+  };
+  // The Put of `plan`, all or nothing: matches the stored prefix, encodes the new blocks not
+  // encoded yet (compact profile: in order, each predicted from its parent's reconstruction, or
+  // as a residual of a near-duplicate centroid when smaller), commits them in one batch (again,
+  // up to 4 times, when the prefix changes under it), counts the Put and queues a sample of the
+  // new blocks for the learner (moving their dense bytes). Errors: INVALID_ARGUMENT naming `kv`
+  // when a full block is neither stored nor in the plan; ABORTED if the prefix kept changing;
+  // Commit's errors; an encoding error.
+  absl::StatusOr<PutSummary> ApplyPut(PutPlan& plan);
   // Writes `blocks` (consecutive, the first a child of `parent_id`) in one batch and publishes
   // them; creates the model record with the first. Returns their node ids. ABORTED if
   // `parent_id` is gone or a block exists; INVALID_ARGUMENT if the model was created meanwhile
