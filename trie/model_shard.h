@@ -40,6 +40,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -209,9 +210,10 @@ class ModelShard {
   };
   // The Put of `plan`, all or nothing: matches the stored prefix, encodes the new blocks not
   // encoded yet (compact profile: in order, each predicted from its parent's reconstruction, or
-  // as a residual of a near-duplicate centroid when smaller), commits them in one batch (again,
-  // up to 4 times, when the prefix changes under it), counts the Put and queues a sample of the
-  // new blocks for the learner (moving their dense bytes). Errors: INVALID_ARGUMENT naming `kv`
+  // as a residual of a near-duplicate centroid when smaller; the stored parent's is the one a
+  // previous Put that ended with it kept, else decoded from its path), commits them in one batch
+  // (again, up to 4 times, when the prefix changes under it), counts the Put and queues a sample of
+  // the new blocks for the learner (moving their dense bytes). Errors: INVALID_ARGUMENT naming `kv`
   // when a full block is neither stored nor in the plan; ABORTED if the prefix kept changing;
   // Commit's errors; an encoding error.
   absl::StatusOr<PutSummary> ApplyPut(PutPlan& plan);
@@ -346,6 +348,11 @@ class ModelShard {
   bool Learn(const std::shared_ptr<PredictorRegistry>& registry, uint32_t block_index,
              const std::vector<int32_t>& tokens, int32_t previous_token, const LearnBlock& block);
 
+  // The reconstruction of node `node_id` kept by a compact-profile Put that ended with it (null:
+  // not kept), and keeping one (the oldest go past StoreOptions::put_parent_cache_bytes).
+  std::shared_ptr<const std::vector<uint8_t>> FindPutParent(uint64_t node_id);
+  void KeepPutParent(uint64_t node_id, absl::Span<const uint8_t> reconstruction);
+
   ShardContext* const context_;
   const std::string ns_;
   const uint64_t shard_id_;
@@ -374,6 +381,13 @@ class ModelShard {
   double sum_rel_rms_v_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<float, uint64_t> lossy_errors_ ABSL_GUARDED_BY(mu_);  // max(k, v) -> nodes
   std::vector<uint64_t> nodes_at_depth_ ABSL_GUARDED_BY(mu_);
+  // Put parents: the reconstructions (what a reader decodes) of the last block of recent
+  // compact-profile Puts, newest last, so a Put that continues one predicts from it without
+  // decoding its path again (reading it from RocksDB when cold). A node's reconstruction never
+  // changes (a Delete re-encodes its dependents bit-exactly) and ids are not reused.
+  absl::Mutex parents_mu_ ABSL_ACQUIRED_AFTER(mu_);  // guards put_parents_ (a leaf lock)
+  std::deque<std::pair<uint64_t, std::shared_ptr<const std::vector<uint8_t>>>> put_parents_
+      ABSL_GUARDED_BY(parents_mu_);
   // Counters since start (relaxed atomics: statistics only).
   std::atomic<uint64_t> blocks_stored_{0}, blocks_deduplicated_{0}, lookups_{0}, lookup_hits_{0},
       gets_{0}, puts_{0}, deletes_{0}, evictions_disk_{0}, evicted_bytes_{0},

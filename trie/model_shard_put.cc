@@ -1,5 +1,8 @@
 // ModelShard::ApplyPut (trie/model_shard.h): a PutSession's plan, matched, encoded, committed,
 // counted and queued for learning in one call.
+#include <algorithm>
+#include <deque>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -51,7 +54,10 @@ absl::StatusOr<PutSummary> ModelShard::ApplyPut(PutPlan& plan) {
     for (uint32_t b = matched; b < num_blocks; ++b) dense_new |= !plan.blocks.at(b).client_encoded;
     std::vector<uint8_t> recon(plan.early ? 0 : g.num_bytes());
     if (matched > 0 && !plan.early && dense_new) {
-      if (auto s = ReconstructNode(anchor, absl::MakeSpan(recon)); !s.ok()) {
+      std::shared_ptr<const std::vector<uint8_t>> kept = FindPutParent(anchor);
+      if (kept != nullptr && kept->size() == recon.size()) {
+        std::copy(kept->begin(), kept->end(), recon.begin());
+      } else if (auto s = ReconstructNode(anchor, absl::MakeSpan(recon)); !s.ok()) {
         if (absl::IsAborted(s)) continue;  // the prefix changed under us: match again
         return s;
       }
@@ -141,6 +147,8 @@ absl::StatusOr<PutSummary> ModelShard::ApplyPut(PutPlan& plan) {
       summary.blocks.push_back(r);
     }
     summary.stored_tokens = num_blocks * g.block_tokens;
+    // The last new block's reconstruction, for a Put that continues this one.
+    if (!plan.early && dense_new && !blocks.empty()) KeepPutParent(ids->back(), chain.parent());
     CountPut(blocks.size(), matched, anchor);
     // Learned from in the background, never on this Put's path: a sample spread over the new
     // blocks, as many as the queue has room for; a client-encoded block is decoded there.
@@ -167,6 +175,29 @@ absl::StatusOr<PutSummary> ModelShard::ApplyPut(PutPlan& plan) {
     return summary;
   }
   return absl::AbortedError("put: the prefix kept changing under concurrent Puts; retry");
+}
+
+std::shared_ptr<const std::vector<uint8_t>> ModelShard::FindPutParent(uint64_t node_id) {
+  absl::MutexLock lock(&parents_mu_);
+  for (const auto& [id, reconstruction] : put_parents_) {
+    if (id == node_id) return reconstruction;
+  }
+  return nullptr;
+}
+
+void ModelShard::KeepPutParent(uint64_t node_id, absl::Span<const uint8_t> reconstruction) {
+  const uint64_t bound = context_->options->put_parent_cache_bytes;
+  if (reconstruction.empty() || reconstruction.size() > bound) return;
+  auto kept =
+      std::make_shared<const std::vector<uint8_t>>(reconstruction.begin(), reconstruction.end());
+  std::deque<std::pair<uint64_t, std::shared_ptr<const std::vector<uint8_t>>>> gone;
+  absl::MutexLock lock(&parents_mu_);
+  put_parents_.emplace_back(node_id, std::move(kept));
+  // Every entry is one block of this model: the bound is a count.
+  while (put_parents_.size() > bound / reconstruction.size()) {
+    gone.push_back(std::move(put_parents_.front()));
+    put_parents_.pop_front();
+  }
 }
 
 }  // namespace kvtrie
