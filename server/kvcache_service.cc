@@ -194,6 +194,8 @@ grpc::Status KvCacheService::StatsIn(const std::string& ns, bool whole_server_if
   response->set_predictor_observations_dropped(s.predictor_observations_dropped);
   response->set_predictor_versions_freed(s.predictor_versions_freed);
   response->set_predictor_bytes_saved(s.predictor_bytes_saved);
+  response->set_predictor_encoded_observations(s.predictor_encoded_observations);
+  response->set_predictor_encoded_dropped(s.predictor_encoded_dropped);
   return grpc::Status::OK;
 }
 

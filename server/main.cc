@@ -151,6 +151,17 @@ ABSL_FLAG(bool, predictor_cross_layer, kvtrie::PredictorOptions().cross_layer,
           "also fit cross-layer ridge predictors and per-plane decorrelating transforms into the "
           "learned states: about 2 % fewer bits for RESIDUAL fast blocks, at a quarter of the "
           "encode speed (bench/learned.md)");
+ABSL_FLAG(kvtrie::ByteSize, put_parent_cache_bytes,
+          kvtrie::ByteSize{kvtrie::StoreOptions().put_parent_cache_bytes},
+          "per namespace and model: reconstructions of the last block of recent compact-profile "
+          "Puts kept in memory, so a Put that continues one predicts from it without decoding "
+          "(and reading from disk) the stored prefix again; 0 = none" KVTRIE_BYTE_UNITS_HELP);
+ABSL_FLAG(kvtrie::ByteSize, learn_queue_bytes,
+          kvtrie::ByteSize{kvtrie::PredictorOptions().queue_bytes},
+          "KV bytes waiting to be learned from, all models together (a block its client encoded "
+          "counts at its dense size: the learner decodes it); each Put's new blocks are sampled "
+          "across the whole Put, as many as fit, the rest not learned from (Stats "
+          "predictor_observations_dropped)" KVTRIE_BYTE_UNITS_HELP);
 ABSL_FLAG(bool, cluster_position_shifted, true,
           "store position-shifted near-duplicates (the same text a few tokens later or earlier) "
           "as residuals of a centroid whose keys are turned by RoPE to the offset, when smaller");
@@ -234,6 +245,8 @@ int Run() {
   store_options.predictors.refit_every_tokens = absl::GetFlag(FLAGS_predictor_refit_tokens);
   store_options.predictors.memory_bytes = absl::GetFlag(FLAGS_predictor_memory_bytes).bytes;
   store_options.predictors.cross_layer = absl::GetFlag(FLAGS_predictor_cross_layer);
+  store_options.predictors.queue_bytes = absl::GetFlag(FLAGS_learn_queue_bytes).bytes;
+  store_options.put_parent_cache_bytes = absl::GetFlag(FLAGS_put_parent_cache_bytes).bytes;
   store_options.near_dup.position_shifted = absl::GetFlag(FLAGS_cluster_position_shifted);
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<std::unique_ptr<KvStore>> store = KvStore::Open(store_options);

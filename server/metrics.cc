@@ -167,7 +167,8 @@ class Metrics::StoreCollector final : public prometheus::Collectable {
     counter("kvtrie_predictor_fits_total", "Learned predictor state versions published.",
             total.predictor_fits);
     counter("kvtrie_predictor_observations_dropped_total",
-            "Committed blocks not learned from: the learning queue was full.",
+            "Committed blocks not learned from: not in their Put's sample (the learning queue's "
+            "room, --learn_queue_bytes).",
             total.predictor_observations_dropped);
     {
       auto* m = family("kvtrie_evictions_total", "Nodes removed, by reason.", MetricType::Counter);

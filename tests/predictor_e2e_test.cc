@@ -4,7 +4,9 @@
 // CRC-32C), the C++ client fetches and caches it to decode a RESIDUAL Get itself, bit-identical to
 // RECONSTRUCTED and within the target of the original (fast blocks coded against the state on four
 // client codec threads too); errors name their fields; one namespace never fetches another's
-// state; Inspect and Stats show the versions.
+// state; Inspect and Stats show the versions. When every block is encoded by its client (issue 19)
+// the server still learns (it decodes them in the background), later client-encoded blocks name
+// the version, and a Put larger than --learn_queue_bytes is sampled.
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
@@ -93,6 +95,39 @@ class PredictorEndToEnd : public ::testing::Test {
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     FAIL() << "the server published fewer than " << fits << " predictor versions";
+  }
+  // Waits (up to 20 s) until `client`'s namespace published `fits` versions; its Stats then.
+  v1::StatsResponse WaitForFits(Client* client, uint64_t fits) {
+    v1::StatsResponse last;
+    for (int i = 0; i < 400; ++i) {
+      absl::StatusOr<v1::StatsResponse> s = client->Stats();
+      EXPECT_TRUE(s.ok()) << s.status();
+      if (!s.ok()) return last;
+      last = *s;
+      if (s->predictor_fits() >= fits) return last;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ADD_FAILURE() << "the server published fewer than " << fits << " predictor versions";
+    return last;
+  }
+  // The predictor version each block of a RESIDUAL Get of `d` names.
+  std::vector<uint32_t> NamedVersions(Client* client, const std::string& ns, const KvDump& d) {
+    v1::GetRequest req;
+    req.set_namespace_(ns);
+    req.set_model_id(d.model_id);
+    req.mutable_token_ids()->Add(d.token_ids.begin(), d.token_ids.end());
+    req.set_mode(v1::GET_MODE_RESIDUAL);
+    grpc::ClientContext ctx;
+    auto reader = client->stub()->Get(&ctx, req);
+    v1::GetResponse msg;
+    std::vector<uint32_t> out;
+    while (reader->Read(&msg)) {
+      if (msg.has_block() && msg.block().layer_begin() == 0) {
+        out.push_back(msg.block().predictor_version());
+      }
+    }
+    EXPECT_TRUE(reader->Finish().ok());
+    return out;
   }
   // The raw GetPredictor stream.
   grpc::Status Fetch(Client* client, const std::string& ns, uint32_t version,
@@ -267,6 +302,68 @@ TEST_F(PredictorEndToEnd, LearnedFastBlocksDecodeOnFourClientThreadsAsTheServerD
     EXPECT_EQ(residual->v, reconstructed->v);
     EXPECT_LE(WorstPlaneError(*residual, genesis_), kTarget * 1.001);
   }
+}
+
+TEST_F(PredictorEndToEnd, ClientEncodedPutsAloneGrowAStateThatLaterBlocksName) {
+  // Every block is encoded by the worker (RESIDUAL fast): the server sees no dense block, decodes
+  // them on its learning thread, and publishes a version.
+  auto client = NewClient("w");
+  const PutOptions encoded{.encoding = v1::ENCODING_RESIDUAL,
+                           .target_rel_rms = kTarget,
+                           .profile = v1::EncodingSpec::PROFILE_FAST,
+                           .encode_on_client = true};
+  ASSERT_TRUE(client->Put(gpl_, encoded).ok());
+  v1::StatsResponse s = WaitForFits(client.get(), 1);
+  EXPECT_EQ(s.predictor_encoded_observations(), 32u);
+  EXPECT_EQ(s.predictor_encoded_dropped(), 0u);
+  EXPECT_EQ(s.predictor_observations(), 32u);
+  EXPECT_EQ(s.blocks_on_learned(), 0u);  // coded before any state existed
+  EXPECT_EQ(s.predictor_tokens_learned(), 512u);
+
+  // The next encoded Put is coded by the client against that version, and every block names it.
+  ASSERT_TRUE(client->Put(genesis_, encoded).ok());
+  const std::vector<uint32_t> named = NamedVersions(client.get(), "w", genesis_);
+  ASSERT_EQ(named.size(), 32u);
+  for (uint32_t v : named) EXPECT_EQ(v, 1u);
+  s = WaitForFits(client.get(), 2);  // and the server learned from those too
+  EXPECT_EQ(s.predictor_encoded_observations(), 64u);
+  EXPECT_EQ(s.blocks_on_learned(), 32u);
+  // Read back: RECONSTRUCTED (the server decodes) within the target of the original, and the
+  // same as the client's own decode of the RESIDUAL blocks.
+  absl::StatusOr<KvDump> reconstructed =
+      client->Get(genesis_.model_id, genesis_.token_ids, {.mode = v1::GET_MODE_RECONSTRUCTED});
+  ASSERT_TRUE(reconstructed.ok()) << reconstructed.status();
+  EXPECT_LE(WorstPlaneError(*reconstructed, genesis_), kTarget * 1.001);
+  absl::StatusOr<KvDump> residual =
+      client->Get(genesis_.model_id, genesis_.token_ids, {.mode = v1::GET_MODE_RESIDUAL});
+  ASSERT_TRUE(residual.ok()) << residual.status();
+  EXPECT_EQ(residual->k, reconstructed->k);
+  EXPECT_EQ(residual->v, reconstructed->v);
+}
+
+TEST_F(PredictorEndToEnd, APutLargerThanTheLearnQueueIsSampled) {
+  // --learn_queue_bytes with room for 8 of a Put's 32 blocks: 8 are learned from, the rest
+  // counted as dropped, and the Put itself stores all 32.
+  const uint64_t block = 2ull * gpl_.num_layers * gpl_.num_kv_heads * 16 * gpl_.head_dim * 2;
+  auto small =
+      ServerProcess::Start(dir_ + "/small", {"--learn_predictors", "--predictor_refit_tokens=128",
+                                             "--learn_queue_bytes=" + std::to_string(8 * block)});
+  ASSERT_TRUE(small.ok()) << small.status();
+  auto client = Client::Create({.target = (*small)->target(), .ns = "q"});
+  ASSERT_TRUE(client
+                  ->Put(gpl_, {.encoding = v1::ENCODING_RESIDUAL,
+                               .target_rel_rms = kTarget,
+                               .profile = v1::EncodingSpec::PROFILE_FAST,
+                               .encode_on_client = true})
+                  .ok());
+  const v1::StatsResponse s = WaitForFits(client.get(), 1);  // 8 blocks = 128 tokens: one fit
+  EXPECT_EQ(s.predictor_observations(), 8u);
+  EXPECT_EQ(s.predictor_observations_dropped(), 24u);
+  EXPECT_EQ(s.predictor_encoded_observations(), 8u);
+  EXPECT_EQ(s.predictor_encoded_dropped(), 24u);
+  absl::StatusOr<v1::LookupResponse> l = client->Lookup(gpl_.model_id, gpl_.token_ids);
+  ASSERT_TRUE(l.ok()) << l.status();
+  EXPECT_EQ(l->matched_tokens(), 512u);
 }
 
 }  // namespace

@@ -77,6 +77,43 @@ class PredictorStoreTest : public testing::Test {
     ASSERT_TRUE(summary.ok()) << summary.status();
     KvStoreTestPeer::DrainLearning(store_.get());
   }
+  // Puts every full block of `d` encoded here, as a worker does (PutSession::AddEncodedBlock), in
+  // `encoding` of the fast profile at kTarget, against `learned` (null: none); waits until it
+  // was learned from. Returns the versions the blocks name.
+  std::vector<uint32_t> PutEncoded(const std::string& ns, const KvDump& d, Encoding encoding,
+                                   const PredictorState* learned = nullptr) {
+    const ModelInfo m = DumpModel(d);
+    const EncodeOptions eo{
+        .encoding = encoding, .profile = Profile::kFast, .target_rel_rms = kTarget};
+    auto session = store_->BeginPut(ns, m, d.token_ids, d.surprisal_bits, eo);
+    EXPECT_TRUE(session.ok()) << session.status();
+    std::vector<uint32_t> versions;
+    if (!session.ok()) return versions;
+    const uint32_t bt = m.geometry.block_tokens;
+    std::vector<uint8_t> block(m.geometry.num_bytes());
+    for (size_t b = 0; b < d.num_tokens() / bt; ++b) {
+      GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(block));
+      const size_t off = b * bt;
+      const std::vector<int32_t> tokens(d.token_ids.begin() + off, d.token_ids.begin() + off + bt);
+      PredictionContext ctx;
+      ctx.learned = learned;
+      ctx.tokens = tokens;
+      ctx.first_position = static_cast<uint32_t>(off);
+      ctx.previous_token = off == 0 ? -1 : static_cast<int32_t>(d.token_ids[off - 1]);
+      absl::StatusOr<EncodedBlock> e = EncodeBlock(m.geometry, block, eo, ctx);
+      EXPECT_TRUE(e.ok()) << e.status();
+      if (!e.ok()) return versions;
+      versions.push_back(e->predictor_version);
+      absl::Status s =
+          (*session)->AddEncodedBlock(static_cast<uint32_t>(b), std::move(e->bytes),
+                                      {e->rel_rms_error_k, e->rel_rms_error_v, e->max_abs_error});
+      EXPECT_TRUE(s.ok()) << s;
+    }
+    auto summary = (*session)->Finish();
+    EXPECT_TRUE(summary.ok()) << summary.status();
+    KvStoreTestPeer::DrainLearning(store_.get());
+    return versions;
+  }
   // Every stored block of `d` in `ns`, decoded by the store, in order. *error: the first error.
   std::vector<std::vector<uint8_t>> Read(const std::string& ns, const KvDump& d,
                                          absl::Status* error = nullptr) {
@@ -331,6 +368,69 @@ TEST_F(PredictorStoreTest, AFullLearningQueueDropsBlocksAndCountsThem) {
   EXPECT_EQ(s.predictor_observations, 0u);
   EXPECT_EQ(s.predictor_fits, 0u);
   EXPECT_TRUE(Versions("ns").empty());
+  EXPECT_EQ(Read("ns", gpl_).size(), 32u);  // the Put itself is unaffected
+}
+
+TEST_F(PredictorStoreTest, LearnsFromClientEncodedPutsAndLaterBlocksNameTheVersion) {
+  // Every block encoded by its client, RESIDUAL fast with no state yet: the store decodes them on
+  // the learning thread, and one dump (512 tokens) is a refit.
+  const std::vector<uint32_t> first = PutEncoded("ns", gpl_, Encoding::kResidual);
+  ASSERT_EQ(first.size(), 32u);
+  EXPECT_EQ(first[0], 0u);
+  StoreStats s = store_->Stats("ns");
+  EXPECT_EQ(s.predictor_encoded_observations, 32u);
+  EXPECT_EQ(s.predictor_encoded_dropped, 0u);
+  EXPECT_EQ(s.predictor_observations, 32u);
+  EXPECT_EQ(s.predictor_observations_dropped, 0u);
+  std::vector<PredictorVersionView> v = Versions("ns");
+  ASSERT_EQ(v.size(), 1u);
+  EXPECT_TRUE(v[0].latest);
+  EXPECT_EQ(v[0].tokens_learned, 512u);
+
+  // A worker fetches it and encodes the next Put against it; the store learns from those too,
+  // decoding each against the version it names.
+  absl::StatusOr<std::string> bytes = store_->GetPredictor("ns", gpl_.model_id, 1);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  absl::StatusOr<std::shared_ptr<const PredictorState>> state = PredictorState::Parse(*bytes);
+  ASSERT_TRUE(state.ok()) << state.status();
+  const std::vector<uint32_t> second =
+      PutEncoded("ns", genesis_, Encoding::kResidual, state->get());
+  ASSERT_EQ(second.size(), 32u);
+  for (uint32_t version : second) EXPECT_EQ(version, 1u);
+  s = store_->Stats("ns");
+  EXPECT_EQ(s.predictor_encoded_observations, 64u);
+  EXPECT_EQ(s.blocks_on_learned, 32u);
+  v = Versions("ns");
+  ASSERT_EQ(v.size(), 2u);
+  EXPECT_EQ(v[0].dependents, 32u);
+  EXPECT_EQ(v[1].tokens_learned, 1024u);
+  // What the store serves is what the worker encoded, within the target.
+  const std::vector<std::vector<uint8_t>> genesis = Read("ns", genesis_);
+  ASSERT_EQ(genesis.size(), 32u);
+  EXPECT_LE(WorstPlaneError(genesis_, genesis), kTarget * 1.05);
+}
+
+TEST_F(PredictorStoreTest, LearnsFromLosslessFastEncodedPuts) {
+  PutEncoded("ns", gpl_, Encoding::kLossless);
+  const StoreStats s = store_->Stats("ns");
+  EXPECT_EQ(s.predictor_encoded_observations, 32u);
+  EXPECT_EQ(s.predictor_fits, 1u);
+  ASSERT_EQ(Versions("ns").size(), 1u);
+  EXPECT_EQ(Versions("ns")[0].tokens_learned, 512u);
+  EXPECT_EQ(Read("ns", gpl_).size(), 32u);
+}
+
+TEST_F(PredictorStoreTest, APutLargerThanTheQueueIsSampledNotCutOff) {
+  // Room for 8 of the Put's 32 blocks: 8 are learned from, 24 counted as dropped (before, the
+  // first 8 were taken); which 8 is SpreadSample's (trie/predictor_registry_test.cc).
+  const uint64_t block = DumpModel(gpl_).geometry.num_bytes();
+  Reopen(/*queue_bytes=*/8 * block);
+  PutEncoded("ns", gpl_, Encoding::kResidual);
+  const StoreStats s = store_->Stats("ns");
+  EXPECT_EQ(s.predictor_observations, 8u);
+  EXPECT_EQ(s.predictor_observations_dropped, 24u);
+  EXPECT_EQ(s.predictor_encoded_observations, 8u);
+  EXPECT_EQ(s.predictor_encoded_dropped, 24u);
   EXPECT_EQ(Read("ns", gpl_).size(), 32u);  // the Put itself is unaffected
 }
 

@@ -40,6 +40,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -184,6 +185,38 @@ class ModelShard {
   void AddStats(StoreStats* out);
 
   // --- Writes ---
+  // One block of a PutSession's plan: its dense bytes, or its encoding (on arrival on the codec
+  // pool, or by its client).
+  struct PlanBlock {
+    std::string* kv = nullptr;  // dense (empty once encoded on arrival or when client-encoded);
+                                // moved to the learner after the commit
+    // Encoded already (null: encode it here); an error fails the Put.
+    const absl::StatusOr<std::shared_ptr<const EncodedBlock>>* encoded = nullptr;
+    bool client_encoded = false;                // by its client (PutSession::AddEncodedBlock)
+    Encoding client_encoding = Encoding::kRaw;  // then its encoding
+  };
+  // What a PutSession hands the shard at Finish: the Put's context and its blocks by index
+  // (those not stored yet must all be there). Every pointer is the session's and outlives the
+  // call.
+  struct PutPlan {
+    const ModelInfo* model = nullptr;  // the request's (validated)
+    absl::Span<const uint32_t> token_ids;
+    absl::Span<const float> surprisal_bits;
+    EncodeOptions encode;
+    bool early = false;  // the blocks read no other block (RAW, fast profile)
+    std::map<uint32_t, PlanBlock> blocks;
+    // The versions client-encoded blocks name, held by the session until it ends.
+    const std::map<uint32_t, std::shared_ptr<const PredictorState>>* client_versions = nullptr;
+  };
+  // The Put of `plan`, all or nothing: matches the stored prefix, encodes the new blocks not
+  // encoded yet (compact profile: in order, each predicted from its parent's reconstruction, or
+  // as a residual of a near-duplicate centroid when smaller; the stored parent's is the one a
+  // previous Put that ended with it kept, else decoded from its path), commits them in one batch
+  // (again, up to 4 times, when the prefix changes under it), counts the Put and queues a sample of
+  // the new blocks for the learner (moving their dense bytes). Errors: INVALID_ARGUMENT naming `kv`
+  // when a full block is neither stored nor in the plan; ABORTED if the prefix kept changing;
+  // Commit's errors; an encoding error.
+  absl::StatusOr<PutSummary> ApplyPut(PutPlan& plan);
   // Writes `blocks` (consecutive, the first a child of `parent_id`) in one batch and publishes
   // them; creates the model record with the first. Returns their node ids. ABORTED if
   // `parent_id` is gone or a block exists; INVALID_ARGUMENT if the model was created meanwhile
@@ -205,10 +238,20 @@ class ModelShard {
   // Recovery: a persisted version (read and parsed, or its error) and its disk bytes.
   void RecoverPredictor(const PredictorMeta& meta,
                         absl::StatusOr<std::shared_ptr<const PredictorState>> state);
-  // After a committed Put: queues block `block_index` (dense `kv`; `token_ids` the Put's) to be
-  // learned from on the store's LearnQueue; a full queue drops it (counted).
-  void QueueLearning(uint32_t block_index, absl::Span<const uint32_t> token_ids,
-                     absl::Span<const uint8_t> kv);
+  // One committed block of a Put to learn from: its dense bytes (moved in), or the envelope its
+  // client encoded (RAW, LOSSLESS fast or RESIDUAL fast) with the state it names (null for 0).
+  struct LearnBlock {
+    uint32_t block_index = 0;
+    std::string kv;  // dense: geometry.num_bytes() bytes; empty when `encoded` is set
+    std::shared_ptr<const EncodedBlock> encoded;
+    std::shared_ptr<const PredictorState> learned;  // the version `encoded` names
+  };
+  // After a committed Put (`token_ids` the Put's): queues a sample of `blocks` (ascending block
+  // index) spread over the whole Put, as many as the store's LearnQueue has room for
+  // (LearnQueue::PushSample), to be learned from in the background; an encoded block is decoded
+  // there first, its version held (PredictorRegistry::Hold) until then. The others are counted
+  // as dropped. Never blocks on the learner.
+  void QueueLearning(absl::Span<const uint32_t> token_ids, std::vector<LearnBlock> blocks);
   // Deletes the versions no block depends on and no reader holds any more (but the latest), on
   // disk then in memory.
   void FreeUnusedPredictors();
@@ -300,10 +343,15 @@ class ModelShard {
                           absl::Span<uint8_t> out);
   // Reads a persisted version of this shard back (for the registry's non-resident versions).
   PredictorRegistry::Loader PredictorLoader();
-  // The LearnQueue job of QueueLearning: observes, refits when due, persists and publishes.
-  void Learn(const std::shared_ptr<PredictorRegistry>& registry, uint32_t block_index,
-             const std::vector<int32_t>& tokens, int32_t previous_token,
-             const std::vector<uint8_t>& kv);
+  // The LearnQueue job of QueueLearning: decodes an encoded block (false: it did not decode,
+  // logged), then observes, refits when due, persists and publishes.
+  bool Learn(const std::shared_ptr<PredictorRegistry>& registry, uint32_t block_index,
+             const std::vector<int32_t>& tokens, int32_t previous_token, const LearnBlock& block);
+
+  // The reconstruction of node `node_id` kept by a compact-profile Put that ended with it (null:
+  // not kept), and keeping one (the oldest go past StoreOptions::put_parent_cache_bytes).
+  std::shared_ptr<const std::vector<uint8_t>> FindPutParent(uint64_t node_id);
+  void KeepPutParent(uint64_t node_id, absl::Span<const uint8_t> reconstruction);
 
   ShardContext* const context_;
   const std::string ns_;
@@ -333,6 +381,13 @@ class ModelShard {
   double sum_rel_rms_v_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<float, uint64_t> lossy_errors_ ABSL_GUARDED_BY(mu_);  // max(k, v) -> nodes
   std::vector<uint64_t> nodes_at_depth_ ABSL_GUARDED_BY(mu_);
+  // Put parents: the reconstructions (what a reader decodes) of the last block of recent
+  // compact-profile Puts, newest last, so a Put that continues one predicts from it without
+  // decoding its path again (reading it from RocksDB when cold). A node's reconstruction never
+  // changes (a Delete re-encodes its dependents bit-exactly) and ids are not reused.
+  absl::Mutex parents_mu_ ABSL_ACQUIRED_AFTER(mu_);  // guards put_parents_ (a leaf lock)
+  std::deque<std::pair<uint64_t, std::shared_ptr<const std::vector<uint8_t>>>> put_parents_
+      ABSL_GUARDED_BY(parents_mu_);
   // Counters since start (relaxed atomics: statistics only).
   std::atomic<uint64_t> blocks_stored_{0}, blocks_deduplicated_{0}, lookups_{0}, lookup_hits_{0},
       gets_{0}, puts_{0}, deletes_{0}, evictions_disk_{0}, evicted_bytes_{0},

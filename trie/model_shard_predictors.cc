@@ -109,38 +109,85 @@ absl::Status ModelShard::DecodeNext(const BlockRead& block, const std::string& p
   return s;
 }
 
-void ModelShard::QueueLearning(uint32_t block_index, absl::Span<const uint32_t> token_ids,
-                               absl::Span<const uint8_t> kv) {
-  if (context_->learn_queue == nullptr) return;
+void ModelShard::QueueLearning(absl::Span<const uint32_t> token_ids,
+                               std::vector<LearnBlock> blocks) {
+  if (context_->learn_queue == nullptr || blocks.empty()) return;
   std::shared_ptr<PredictorRegistry> registry = predictors();
-  const uint32_t bt = model().geometry.block_tokens;
-  const size_t off = static_cast<size_t>(block_index) * bt;
-  if (off + bt > token_ids.size() || kv.size() != model().geometry.num_bytes()) return;
-  std::vector<int32_t> tokens(token_ids.begin() + off, token_ids.begin() + off + bt);
-  const int32_t previous = off == 0 ? -1 : static_cast<int32_t>(token_ids[off - 1]);
-  auto job = [this, registry, block_index, tokens = std::move(tokens), previous,
-              kv = std::vector<uint8_t>(kv.begin(), kv.end())] {
-    Learn(registry, block_index, tokens, previous, kv);
-  };
-  if (!context_->learn_queue->Push(kv.size(), std::move(job))) registry->CountDropped();
+  const BlockGeometry& g = model().geometry;
+  const uint32_t bt = g.block_tokens;
+  std::vector<LearnQueue::Job> jobs;
+  jobs.reserve(blocks.size());
+  std::vector<bool> is_encoded;
+  for (LearnBlock& b : blocks) {
+    const size_t off = static_cast<size_t>(b.block_index) * bt;
+    if (off + bt > token_ids.size()) continue;
+    if (b.encoded == nullptr && b.kv.size() != g.num_bytes()) continue;
+    std::vector<int32_t> tokens(token_ids.begin() + off, token_ids.begin() + off + bt);
+    const int32_t previous = off == 0 ? -1 : static_cast<int32_t>(token_ids[off - 1]);
+    // Keeps the version an encoded block names from being freed until the job is gone (run or
+    // dropped); the state itself is kept alive by `b.learned`.
+    std::shared_ptr<const void> hold =
+        b.encoded != nullptr ? registry->Hold(b.encoded->predictor_version) : nullptr;
+    is_encoded.push_back(b.encoded != nullptr);
+    auto job = [this, registry, tokens = std::move(tokens), previous, hold = std::move(hold),
+                b = std::move(b)] {
+      if (Learn(registry, b.block_index, tokens, previous, b) && b.encoded != nullptr) {
+        registry->CountEncodedObserved();
+      }
+    };
+    // An encoded block counts at its dense size: that is what the learner decodes and reads.
+    jobs.emplace_back(g.num_bytes(), std::move(job));
+  }
+  // Seeded by the Put's first tokens, so Puts of equal length sample different offsets.
+  uint64_t seed = token_ids.size();
+  for (size_t i = 0; i < std::min<size_t>(token_ids.size(), bt); ++i) {
+    seed = seed * 1099511628211ull + token_ids[i];
+  }
+  std::vector<bool> queued = context_->learn_queue->PushSample(std::move(jobs), seed);
+  uint64_t dropped = 0, encoded_dropped = 0;
+  for (size_t i = 0; i < queued.size(); ++i) {
+    if (queued[i]) continue;
+    ++dropped;
+    encoded_dropped += is_encoded[i];
+  }
+  if (dropped != 0) registry->CountDropped(dropped, encoded_dropped);
 }
 
-void ModelShard::Learn(const std::shared_ptr<PredictorRegistry>& registry, uint32_t block_index,
+bool ModelShard::Learn(const std::shared_ptr<PredictorRegistry>& registry, uint32_t block_index,
                        const std::vector<int32_t>& tokens, int32_t previous_token,
-                       const std::vector<uint8_t>& kv) {
+                       const LearnBlock& block) {
   const uint32_t first_position = block_index * static_cast<uint32_t>(tokens.size());
+  std::vector<uint8_t> decoded;
+  absl::Span<const uint8_t> kv(reinterpret_cast<const uint8_t*>(block.kv.data()), block.kv.size());
+  if (block.encoded != nullptr) {
+    // Checked when it arrived (PutSession::AddEncodedBlock) and in memory since.
+    PredictionContext ctx;
+    ctx.learned = block.learned.get();
+    ctx.tokens = tokens;
+    ctx.first_position = first_position;
+    ctx.previous_token = previous_token;
+    decoded.resize(model().geometry.num_bytes());
+    if (absl::Status s = DecodeVerifiedBlock(block.encoded->bytes, absl::MakeSpan(decoded), ctx);
+        !s.ok()) {
+      spdlog::warn("decoding a client-encoded block of '{}'/'{}' to learn from: {}", ns_,
+                   model().model_id, s.ToString());
+      registry->CountDropped(1, 1);
+      return false;
+    }
+    kv = decoded;
+  }
   absl::StatusOr<bool> due = registry->Observe(kv, tokens, first_position, previous_token);
   if (!due.ok()) {
     spdlog::warn("learning from a block of '{}'/'{}': {}", ns_, model().model_id,
                  due.status().ToString());
-    return;
+    return false;
   }
-  if (!*due || !context_->records->health().ok()) return;
+  if (!*due || !context_->records->health().ok()) return true;
   absl::StatusOr<std::shared_ptr<const PredictorState>> state = registry->Fit();
   if (!state.ok()) {
     spdlog::warn("fitting a predictor state of '{}'/'{}': {}", ns_, model().model_id,
                  state.status().ToString());
-    return;
+    return true;
   }
   const std::string bytes = (*state)->Serialize();
   // Persisted first, inside the disk budget; published (new blocks code against it) only then.
@@ -149,7 +196,7 @@ void ModelShard::Learn(const std::shared_ptr<PredictorRegistry>& registry, uint3
         "predictor state version {} of '{}'/'{}' ({} bytes) does not fit the disk "
         "budget; not published",
         (*state)->version(), ns_, model().model_id, bytes.size());
-    return;
+    return true;
   }
   PredictorMeta meta;
   meta.ns = ns_;
@@ -166,10 +213,11 @@ void ModelShard::Learn(const std::shared_ptr<PredictorRegistry>& registry, uint3
   if (!s.ok()) {
     spdlog::error("persisting predictor state version {} of '{}'/'{}': {}", meta.version, ns_,
                   meta.model_id, s.ToString());
-    return;
+    return true;
   }
   registry->Publish(*std::move(state), bytes.size());
   FreeUnusedPredictors();  // the previous latest, if nothing was coded against it
+  return true;
 }
 
 void ModelShard::FreeUnusedPredictors() {

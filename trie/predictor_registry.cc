@@ -326,6 +326,22 @@ void PredictorRegistry::AddStats(StoreStats* s) const {
   s->predictor_observations += get(observations_);
   s->predictor_observations_dropped += get(observations_dropped_);
   s->predictor_versions_freed += get(freed_);
+  s->predictor_encoded_observations += get(encoded_observed_);
+  s->predictor_encoded_dropped += get(encoded_dropped_);
+}
+
+std::vector<uint32_t> SpreadSample(uint32_t n, uint32_t k, uint64_t seed) {
+  k = std::min(n, k);
+  std::vector<uint32_t> out;
+  out.reserve(k);
+  if (k == 0) return out;
+  // Index i = floor((i + u) * n / k) with u in [0, 1) from the seed: one in each stride of n / k
+  // (>= 1) blocks, strictly ascending, the last < n.
+  const uint64_t u = seed % 1024;  // u = this / 1024
+  for (uint64_t i = 0; i < k; ++i) {
+    out.push_back(static_cast<uint32_t>(((i * 1024 + u) * n) / (uint64_t{k} * 1024)));
+  }
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -345,6 +361,36 @@ bool LearnQueue::Push(uint64_t bytes, std::function<void()> job) {
   return true;
 }
 
+std::vector<bool> LearnQueue::PushSample(std::vector<Job> jobs, uint64_t seed) {
+  std::vector<bool> queued(jobs.size(), false);
+  if (jobs.empty()) return queued;
+  uint64_t total = 0;
+  for (const Job& j : jobs) total += j.first;
+  const uint64_t mean = std::max<uint64_t>(1, total / jobs.size());
+  std::vector<Job> dropped;  // destroyed after the lock is released (their holds release)
+  {
+    absl::MutexLock lock(&mu_);
+    const uint64_t free = stop_ || bytes_ >= max_bytes_ ? 0 : max_bytes_ - bytes_;
+    const uint64_t fit = std::min<uint64_t>(free / mean, jobs.size());
+    std::vector<bool> chosen(jobs.size(), false);
+    for (uint32_t i :
+         SpreadSample(static_cast<uint32_t>(jobs.size()), static_cast<uint32_t>(fit), seed)) {
+      chosen[i] = true;
+    }
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      // A block larger than the mean may not fit after all: it is dropped like the unchosen.
+      if (chosen[i] && bytes_ + jobs[i].first <= max_bytes_) {
+        bytes_ += jobs[i].first;
+        jobs_.push_back(std::move(jobs[i]));
+        queued[i] = true;
+      } else {
+        dropped.push_back(std::move(jobs[i]));
+      }
+    }
+  }
+  return queued;
+}
+
 void LearnQueue::Drain() {
   absl::MutexLock lock(&mu_);
   mu_.Await(absl::Condition(
@@ -355,11 +401,12 @@ void LearnQueue::Drain() {
 }
 
 void LearnQueue::Stop() {
+  std::deque<Job> dropped;  // destroyed with no lock held: a job's hold takes a registry's lock
   {
     absl::MutexLock lock(&mu_);
     if (stop_ && !thread_.joinable()) return;
     stop_ = true;
-    jobs_.clear();
+    dropped.swap(jobs_);
     bytes_ = 0;
   }
   if (thread_.joinable()) thread_.join();
@@ -370,7 +417,7 @@ void LearnQueue::Run() {
   // Best effort: a failure (e.g. a seccomp profile that forbids it) leaves the default priority.
   setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), kLearnerNice);
   for (;;) {
-    std::pair<uint64_t, std::function<void()>> job;
+    Job job;
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
@@ -383,6 +430,7 @@ void LearnQueue::Run() {
       running_job_ = true;
     }
     job.second();
+    job.second = nullptr;  // what it holds (a predictor version) goes before Drain returns
     absl::MutexLock lock(&mu_);
     bytes_ -= std::min(bytes_, job.first);
     running_job_ = false;

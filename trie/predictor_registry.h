@@ -3,8 +3,11 @@
 // PredictorRegistry: the learned predictor states (codec/predictor_state.h) of ONE (namespace,
 // model), owned by its ModelShard (trie/model_shard.h); never shared across namespaces, since a
 // table learned from one tenant's prompts would leak them. It holds
-//   - the learner, fed with the dense blocks of committed Puts on the store's background
-//     LearnQueue (never on a Put's critical path), bounded by PredictorOptions::memory_bytes;
+//   - the learner, fed with the blocks of committed Puts on the store's background LearnQueue
+//     (never on a Put's critical path), bounded by PredictorOptions::memory_bytes: dense blocks as
+//     they came, and blocks their client encoded (an encoded Put) decoded there first, each
+//     against the version it names (held until then). A large Put is sampled across its whole
+//     length (SpreadSample), as much of it as the queue has room for;
 //   - every published version: immutable, numbered 1, 2, ... per (namespace, model), each with the
 //     count of stored blocks coded against it ("dependents", from BlockHeader::predictor_version
 //     kept in the node record) and of Puts encoding against it now ("pending").
@@ -127,7 +130,14 @@ class PredictorRegistry : public std::enable_shared_from_this<PredictorRegistry>
   // --- Observability ---
   std::vector<PredictorVersionView> Versions() const;  // oldest first
   void AddStats(StoreStats* s) const;
-  void CountDropped() { observations_dropped_.fetch_add(1, std::memory_order_relaxed); }
+  // `n` committed blocks were not learned from (not in their Put's sample, no room in the queue,
+  // or, for one its client encoded, it did not decode); `encoded` of them were client-encoded.
+  void CountDropped(uint64_t n, uint64_t encoded) {
+    observations_dropped_.fetch_add(n, std::memory_order_relaxed);
+    encoded_dropped_.fetch_add(encoded, std::memory_order_relaxed);
+  }
+  // A client-encoded block was decoded on the LearnQueue thread and learned from.
+  void CountEncodedObserved() { encoded_observed_.fetch_add(1, std::memory_order_relaxed); }
 
  private:
   struct Version {
@@ -172,10 +182,17 @@ class PredictorRegistry : public std::enable_shared_from_this<PredictorRegistry>
 
   double bytes_saved_ ABSL_GUARDED_BY(mu_) = 0;  // since start, every version (freed ones too)
   std::atomic<uint64_t> fits_{0}, observations_{0}, observations_dropped_{0}, freed_{0};
-  std::atomic<bool> free_hint_{false};  // see TakeFreeHint
+  std::atomic<uint64_t> encoded_observed_{0}, encoded_dropped_{0};  // client-encoded blocks
+  std::atomic<bool> free_hint_{false};                              // see TakeFreeHint
 };
 
 inline constexpr int kLearnerNice = 10;
+
+// Which `k` of a Put's `n` new blocks to learn from, spread over the whole Put rather than its
+// first k: min(n, k) distinct indices in [0, n), ascending, one in each of min(n, k) equal strides
+// of [0, n), at the same offset `seed` picks inside every stride (so the first is in the first
+// stride and the last in the last: a Put contributes its start, middle and end). Deterministic.
+std::vector<uint32_t> SpreadSample(uint32_t n, uint32_t k, uint64_t seed);
 
 class LearnQueue {
  public:
@@ -184,8 +201,15 @@ class LearnQueue {
   LearnQueue(const LearnQueue&) = delete;
   LearnQueue& operator=(const LearnQueue&) = delete;
 
+  using Job = std::pair<uint64_t, std::function<void()>>;  // (bytes it holds, the job)
+
   // Queues `job` holding `bytes`; false (job dropped) when that passes the bound or after Stop.
   bool Push(uint64_t bytes, std::function<void()> job);
+  // Queues a sample of `jobs` (the blocks of one Put, in order) spread over all of them
+  // (SpreadSample with `seed`): as many as the free bytes hold at their mean size. Returns which
+  // were queued (one flag per job); the others are destroyed, with no lock held. None after Stop.
+  std::vector<bool> PushSample(std::vector<Job> jobs, uint64_t seed);
+  uint64_t max_bytes() const { return max_bytes_; }
   // Waits until every queued job has run (tests).
   void Drain();
   // Runs no more jobs (those queued are dropped) and joins the thread.
@@ -196,7 +220,7 @@ class LearnQueue {
 
   const uint64_t max_bytes_;
   absl::Mutex mu_;
-  std::deque<std::pair<uint64_t, std::function<void()>>> jobs_ ABSL_GUARDED_BY(mu_);
+  std::deque<Job> jobs_ ABSL_GUARDED_BY(mu_);
   uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
   bool running_job_ ABSL_GUARDED_BY(mu_) = false;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;

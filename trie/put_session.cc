@@ -9,7 +9,6 @@
 #include <string>
 #include <vector>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "codec/block_verify.h"
@@ -288,7 +287,6 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
   if (failed_) return absl::FailedPreconditionError("put: the stream already failed");
   failed_ = true;  // a session finishes once
   if (encoders_) encoders_->Wait();
-  const BlockGeometry& g = model_.geometry;
   for (const auto& [index, p] : pending_) {
     if (p.layers_missing != 0) {
       return absl::InvalidArgumentError(absl::StrCat("kv: block ", index, " is missing layers ",
@@ -305,142 +303,23 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
           "and dense blocks (a compact block predicts from its parent); send them in two Puts");
     }
   }
-  PutSummary summary;
-  summary.tail_tokens_ignored = static_cast<uint32_t>(token_ids_.size() % g.block_tokens);
-  const absl::Span<const uint32_t> tokens(token_ids_);
-  constexpr int kAttempts = 4;
-  for (int attempt = 0; attempt < kAttempts; ++attempt) {
-    const MatchResult match = shard_->Match(tokens);
-    const uint32_t matched = static_cast<uint32_t>(match.node_ids.size());
-    const uint64_t anchor = matched ? match.node_ids.back() : 0;
-    // Every full block must be stored already or sent now.
-    for (uint32_t b = matched; b < num_blocks_; ++b) {
-      if (!pending_.contains(b)) {
-        uint32_t e = b;
-        while (e < num_blocks_ && !pending_.contains(e)) ++e;
-        return absl::InvalidArgumentError(absl::StrCat(
-            "kv: blocks [", b, ", ", e, ") of token_ids (", token_ids_.size(),
-            " tokens) were never sent and are not stored; send every full block or fewer "
-            "token_ids"));
-      }
-    }
-    // The new blocks: encoded on arrival (early_), or now, in order; a compact-profile block is
-    // predicted from its parent's reconstruction, kept by the decode chain (what a reader will
-    // decode).
-    std::vector<ModelShard::NewBlock> blocks;
-    // The latest learned state (kept until the commit; null when there is none) and what it
-    // conditions on.
-    std::shared_ptr<PredictorRegistry> registry = shard_->predictors();
-    std::shared_ptr<const PredictorState> learned;
-    if (encode_.encoding == Encoding::kResidual) learned = registry->AcquireLatest();
-    absl::Cleanup release = [&] {
-      if (learned) registry->Release(learned->version());
-    };
-    DecodeChain chain(g, nullptr);
-    chain.AddPredictor(learned);
-    bool dense_new = false;  // some new block is dense: a compact chain may need its parent
-    for (uint32_t b = matched; b < num_blocks_; ++b) dense_new |= !pending_.at(b).client_encoded;
-    std::vector<uint8_t> recon(early_ ? 0 : g.num_bytes());
-    if (matched > 0 && !early_ && dense_new) {
-      if (auto s = shard_->ReconstructNode(anchor, absl::MakeSpan(recon)); !s.ok()) {
-        if (absl::IsAborted(s)) continue;  // the prefix changed under us: match again
-        return s;
-      }
-      const size_t next = static_cast<size_t>(matched) * g.block_tokens;
-      chain.StartAt(static_cast<uint32_t>(next), static_cast<int32_t>(token_ids_[next - 1]), recon);
-    }
-    for (uint32_t b = matched; b < num_blocks_; ++b) {
-      const Pending& p = pending_.at(b);
-      if (p.encoded != nullptr) {
-        if (!p.encoded->ok()) return p.encoded->status();
-        blocks.push_back({b, **p.encoded, p.client_encoded ? p.client_encoding : encode_.encoding,
-                          0, (**p.encoded)->predictor_version, p.client_encoded});
-        continue;
-      }
-      const auto kv =
-          absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(p.kv.data()), p.kv.size());
-      PredictionContext ctx;
-      if (!early_) ctx.parent = chain.parent();
-      const size_t off = static_cast<size_t>(b) * g.block_tokens;
-      const std::vector<int32_t> block_tokens(token_ids_.begin() + off,
-                                              token_ids_.begin() + off + g.block_tokens);
-      const int32_t previous_token = off == 0 ? -1 : static_cast<int32_t>(token_ids_[off - 1]);
-      ctx.learned = learned.get();
-      ctx.tokens = block_tokens;
-      ctx.first_position = static_cast<uint32_t>(off);
-      ctx.previous_token = previous_token;
-      ctx.surprisal_bits = absl::MakeConstSpan(surprisal_bits_)
-                               .subspan(static_cast<size_t>(b) * g.block_tokens, g.block_tokens);
-      // Standalone, or a residual of a near-duplicate centroid when smaller.
-      absl::StatusOr<ModelShard::NearDupEncoded> nd =
-          shard_->EncodeNewBlock(model_, anchor, b, tokens, surprisal_bits_, kv, encode_, ctx);
-      if (!nd.ok()) return nd.status();
-      if (early_) {
-        // Reads no other block: no chain to keep.
-      } else if (encode_.encoding == Encoding::kRaw || encode_.encoding == Encoding::kLossless) {
-        chain.NextDense(kv, block_tokens);
-      } else {
-        if (nd->reference_node_id != 0) {
-          chain.ReserveReferences(2);
-          chain.AddReference(nd->reference_node_id, nd->reference);
-          if (nd->reference_parent_id != 0) {
-            chain.AddReference(nd->reference_parent_id, nd->reference_parent);
-          }
-        }
-        if (auto s = chain.Next(nd->encoded.bytes, nd->reference_node_id, absl::MakeSpan(recon),
-                                block_tokens);
-            !s.ok()) {
-          return absl::InternalError(
-              absl::StrCat("codec: cannot decode what it encoded: ", s.message()));
-        }
-      }
-      const uint32_t predictor_version = nd->encoded.predictor_version;
-      blocks.push_back({b, std::make_shared<const EncodedBlock>(std::move(nd->encoded)),
-                        encode_.encoding, nd->reference_node_id, predictor_version});
-    }
-    absl::StatusOr<std::vector<uint64_t>> ids =
-        blocks.empty() ? std::vector<uint64_t>{}
-                       : shard_->Commit(model_, anchor, tokens, surprisal_bits_, blocks);
-    if (absl::IsAborted(ids.status())) continue;  // the prefix changed under us: match again
-    if (!ids.ok()) return ids.status();
-    for (uint32_t b = 0; b < matched; ++b) {
-      BlockReport r;
-      r.block_index = b;
-      r.outcome = BlockOutcome::kDeduplicated;
-      r.node_id = match.node_ids[b];
-      r.bytes_logical = g.num_bytes();
-      summary.blocks.push_back(r);
-    }
-    for (size_t i = 0; i < blocks.size(); ++i) {
-      BlockReport r;
-      r.block_index = blocks[i].block_index;
-      r.outcome =
-          blocks[i].reference_node_id ? BlockOutcome::kResidualOfCentroid : BlockOutcome::kStored;
-      r.reference_node_id = blocks[i].reference_node_id;
-      r.node_id = (*ids)[i];
-      r.bytes_logical = g.num_bytes();
-      const EncodedBlock& e = *blocks[i].encoded;
-      r.bytes_stored = e.bytes.size();
-      r.encoding = blocks[i].encoding;
-      r.bits_per_component = e.bits_per_component;
-      r.rel_rms_error_k = e.rel_rms_error_k;
-      r.rel_rms_error_v = e.rel_rms_error_v;
-      r.max_abs_error = e.max_abs_error;
-      summary.blocks.push_back(r);
-    }
-    summary.stored_tokens = num_blocks_ * g.block_tokens;
-    shard_->CountPut(blocks.size(), matched, anchor);
-    // Learned from in the background, never on this Put's path (a full queue drops them).
-    for (const ModelShard::NewBlock& nb : blocks) {
-      const std::string& kv = pending_.at(nb.block_index).kv;
-      if (kv.empty()) continue;  // encoded by its client: nothing dense to learn from here
-      shard_->QueueLearning(
-          nb.block_index, tokens,
-          absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(kv.data()), kv.size()));
-    }
-    return summary;
+  // One plan for the shard: it matches, encodes what is left, commits, counts and queues
+  // learning in one call.
+  ModelShard::PutPlan plan;
+  plan.model = &model_;
+  plan.token_ids = token_ids_;
+  plan.surprisal_bits = surprisal_bits_;
+  plan.encode = encode_;
+  plan.early = early_;
+  plan.client_versions = &client_versions_;
+  for (auto& [index, p] : pending_) {
+    ModelShard::PlanBlock& b = plan.blocks[index];
+    b.kv = &p.kv;
+    b.encoded = p.encoded.get();
+    b.client_encoded = p.client_encoded;
+    b.client_encoding = p.client_encoding;
   }
-  return absl::AbortedError("put: the prefix kept changing under concurrent Puts; retry");
+  return shard_->ApplyPut(plan);
 }
 
 }  // namespace kvtrie

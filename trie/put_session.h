@@ -72,11 +72,12 @@ class PutSession {
   };
   absl::Status AddEncodedBlock(uint32_t block_index, std::string encoded, ClientError error);
 
-  // Ends the stream: encodes and commits every new block. Errors: INVALID_ARGUMENT if a block is
-  // incomplete (`kv: block 3 is missing layers [2, 5)`) or a full block of token_ids is neither
-  // stored nor sent (`kv: ... never sent`); ABORTED if the prefix kept changing; RESOURCE_EXHAUSTED
-  // if the disk budget is held by pins; UNAVAILABLE if the store failed. Nothing is stored unless
-  // this returns OK.
+  // Ends the stream: hands the shard one plan (ModelShard::ApplyPut: its blocks, dense or
+  // encoded, and their context), which encodes what is left and commits every new block. Errors:
+  // INVALID_ARGUMENT if a block is incomplete (`kv: block 3 is missing layers [2, 5)`) or a full
+  // block of token_ids is neither stored nor sent (`kv: ... never sent`); ABORTED if the prefix
+  // kept changing; RESOURCE_EXHAUSTED if the disk budget is held by pins; UNAVAILABLE if the store
+  // failed. Nothing is stored unless this returns OK.
   absl::StatusOr<PutSummary> Finish();
 
  private:

@@ -38,8 +38,10 @@ struct PredictorOptions {
   // Versions kept in memory besides the latest (the most recently used); older ones are read back
   // from disk when a block needs them.
   uint32_t resident_versions = 4;
-  // Dense KV bytes waiting to be learned from, all models together; a block that does not fit is
-  // not learned from (counted in StoreStats::predictor_observations_dropped).
+  // KV bytes waiting to be learned from, all models together (a client-encoded block counts at its
+  // dense size: the learner decodes it). A Put's new blocks are sampled across the whole Put, as
+  // many as the free bytes hold; the others are not learned from (counted in
+  // StoreStats::predictor_observations_dropped). Server flag --learn_queue_bytes.
   uint64_t queue_bytes = 64ull << 20;
 };
 
@@ -63,6 +65,11 @@ struct StoreOptions {
   // Threads that encode Put blocks as they arrive (trie/put_session.h); 0 = on each stream's
   // own thread.
   int codec_threads = 0;
+  // Per (namespace, model): the reconstructions of the last block of recent compact-profile Puts
+  // (a block each), kept so that a Put continuing one predicts from it without decoding (and
+  // reading from RocksDB) the stored prefix again. 0 = none kept. Server flag
+  // --put_parent_cache_bytes.
+  uint64_t put_parent_cache_bytes = 16ull << 20;
   BlockTrie::TokenHash token_hash = BlockTrie::DefaultTokenHash;  // a seam for collision tests
   NearDupOptions near_dup;  // near-duplicate clusters (trie/cluster_index.h)
   PredictorOptions predictors;
@@ -264,10 +271,16 @@ struct StoreStats {
   uint64_t predictor_tokens_learned = 0;  // tokens the latest versions were fitted on
   uint64_t blocks_on_learned = 0;         // stored blocks coded against a learned state
   // Since start.
-  uint64_t predictor_fits = 0;                  // versions published
-  uint64_t predictor_observations = 0;          // blocks learned from
-  uint64_t predictor_observations_dropped = 0;  // not learned from: the queue was full
-  uint64_t predictor_versions_freed = 0;        // dropped once their last dependent was gone
+  uint64_t predictor_fits = 0;          // versions published
+  uint64_t predictor_observations = 0;  // blocks learned from
+  // Not learned from: not in its Put's sample (LearnQueue::PushSample) or no room in the queue.
+  uint64_t predictor_observations_dropped = 0;
+  uint64_t predictor_versions_freed = 0;  // dropped once their last dependent was gone
+  // Blocks their client encoded (encoded Puts), decoded on the learning thread and learned from
+  // (also in predictor_observations), and not learned from (also in _dropped; or they did not
+  // decode there).
+  uint64_t predictor_encoded_observations = 0;
+  uint64_t predictor_encoded_dropped = 0;
   // Estimated bytes the learned predictors saved on the blocks stored since start (the sum of
   // EncodedBlock::learned_bytes_saved: vs the best non-learned predictor per head).
   uint64_t predictor_bytes_saved = 0;

@@ -1,0 +1,203 @@
+// ModelShard::ApplyPut (trie/model_shard.h): a PutSession's plan, matched, encoded, committed,
+// counted and queued for learning in one call.
+#include <algorithm>
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
+#include "codec/decode_chain.h"
+#include "trie/model_shard.h"
+
+namespace kvtrie {
+
+absl::StatusOr<PutSummary> ModelShard::ApplyPut(PutPlan& plan) {
+  const ModelInfo& m = *plan.model;
+  const BlockGeometry& g = m.geometry;
+  const uint32_t num_blocks = static_cast<uint32_t>(plan.token_ids.size() / g.block_tokens);
+  PutSummary summary;
+  summary.tail_tokens_ignored = static_cast<uint32_t>(plan.token_ids.size() % g.block_tokens);
+  const absl::Span<const uint32_t> tokens = plan.token_ids;
+  constexpr int kAttempts = 4;
+  for (int attempt = 0; attempt < kAttempts; ++attempt) {
+    const MatchResult match = Match(tokens);
+    const uint32_t matched = static_cast<uint32_t>(match.node_ids.size());
+    const uint64_t anchor = matched ? match.node_ids.back() : 0;
+    // Every full block must be stored already or sent now.
+    for (uint32_t b = matched; b < num_blocks; ++b) {
+      if (!plan.blocks.contains(b)) {
+        uint32_t e = b;
+        while (e < num_blocks && !plan.blocks.contains(e)) ++e;
+        return absl::InvalidArgumentError(absl::StrCat(
+            "kv: blocks [", b, ", ", e, ") of token_ids (", plan.token_ids.size(),
+            " tokens) were never sent and are not stored; send every full block or fewer "
+            "token_ids"));
+      }
+    }
+    // The new blocks: encoded on arrival (plan.early), or now, in order; a compact-profile block is
+    // predicted from its parent's reconstruction, kept by the decode chain (what a reader will
+    // decode).
+    std::vector<ModelShard::NewBlock> blocks;
+    // The latest learned state (kept until the commit; null when there is none) and what it
+    // conditions on.
+    std::shared_ptr<PredictorRegistry> registry = predictors();
+    std::shared_ptr<const PredictorState> learned;
+    if (plan.encode.encoding == Encoding::kResidual) learned = registry->AcquireLatest();
+    absl::Cleanup release = [&] {
+      if (learned) registry->Release(learned->version());
+    };
+    DecodeChain chain(g, nullptr);
+    chain.AddPredictor(learned);
+    bool dense_new = false;  // some new block is dense: a compact chain may need its parent
+    for (uint32_t b = matched; b < num_blocks; ++b) dense_new |= !plan.blocks.at(b).client_encoded;
+    std::vector<uint8_t> recon(plan.early ? 0 : g.num_bytes());
+    if (matched > 0 && !plan.early && dense_new) {
+      std::shared_ptr<const std::vector<uint8_t>> kept = FindPutParent(anchor);
+      if (kept != nullptr && kept->size() == recon.size()) {
+        std::copy(kept->begin(), kept->end(), recon.begin());
+      } else if (auto s = ReconstructNode(anchor, absl::MakeSpan(recon)); !s.ok()) {
+        if (absl::IsAborted(s)) continue;  // the prefix changed under us: match again
+        return s;
+      }
+      const size_t next = static_cast<size_t>(matched) * g.block_tokens;
+      chain.StartAt(static_cast<uint32_t>(next), static_cast<int32_t>(plan.token_ids[next - 1]),
+                    recon);
+    }
+    for (uint32_t b = matched; b < num_blocks; ++b) {
+      const PlanBlock& p = plan.blocks.at(b);
+      if (p.encoded != nullptr) {
+        if (!p.encoded->ok()) return p.encoded->status();
+        blocks.push_back({b, **p.encoded,
+                          p.client_encoded ? p.client_encoding : plan.encode.encoding, 0,
+                          (**p.encoded)->predictor_version, p.client_encoded});
+        continue;
+      }
+      const auto kv =
+          absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(p.kv->data()), p.kv->size());
+      PredictionContext ctx;
+      if (!plan.early) ctx.parent = chain.parent();
+      const size_t off = static_cast<size_t>(b) * g.block_tokens;
+      const std::vector<int32_t> block_tokens(plan.token_ids.begin() + off,
+                                              plan.token_ids.begin() + off + g.block_tokens);
+      const int32_t previous_token = off == 0 ? -1 : static_cast<int32_t>(plan.token_ids[off - 1]);
+      ctx.learned = learned.get();
+      ctx.tokens = block_tokens;
+      ctx.first_position = static_cast<uint32_t>(off);
+      ctx.previous_token = previous_token;
+      ctx.surprisal_bits = absl::MakeConstSpan(plan.surprisal_bits)
+                               .subspan(static_cast<size_t>(b) * g.block_tokens, g.block_tokens);
+      // Standalone, or a residual of a near-duplicate centroid when smaller.
+      absl::StatusOr<ModelShard::NearDupEncoded> nd =
+          EncodeNewBlock(m, anchor, b, tokens, plan.surprisal_bits, kv, plan.encode, ctx);
+      if (!nd.ok()) return nd.status();
+      if (plan.early) {
+        // Reads no other block: no chain to keep.
+      } else if (plan.encode.encoding == Encoding::kRaw ||
+                 plan.encode.encoding == Encoding::kLossless) {
+        chain.NextDense(kv, block_tokens);
+      } else {
+        if (nd->reference_node_id != 0) {
+          chain.ReserveReferences(2);
+          chain.AddReference(nd->reference_node_id, nd->reference);
+          if (nd->reference_parent_id != 0) {
+            chain.AddReference(nd->reference_parent_id, nd->reference_parent);
+          }
+        }
+        if (auto s = chain.Next(nd->encoded.bytes, nd->reference_node_id, absl::MakeSpan(recon),
+                                block_tokens);
+            !s.ok()) {
+          return absl::InternalError(
+              absl::StrCat("codec: cannot decode what it encoded: ", s.message()));
+        }
+      }
+      const uint32_t predictor_version = nd->encoded.predictor_version;
+      blocks.push_back({b, std::make_shared<const EncodedBlock>(std::move(nd->encoded)),
+                        plan.encode.encoding, nd->reference_node_id, predictor_version});
+    }
+    absl::StatusOr<std::vector<uint64_t>> ids =
+        blocks.empty() ? std::vector<uint64_t>{}
+                       : Commit(m, anchor, tokens, plan.surprisal_bits, blocks);
+    if (absl::IsAborted(ids.status())) continue;  // the prefix changed under us: match again
+    if (!ids.ok()) return ids.status();
+    for (uint32_t b = 0; b < matched; ++b) {
+      BlockReport r;
+      r.block_index = b;
+      r.outcome = BlockOutcome::kDeduplicated;
+      r.node_id = match.node_ids[b];
+      r.bytes_logical = g.num_bytes();
+      summary.blocks.push_back(r);
+    }
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      BlockReport r;
+      r.block_index = blocks[i].block_index;
+      r.outcome =
+          blocks[i].reference_node_id ? BlockOutcome::kResidualOfCentroid : BlockOutcome::kStored;
+      r.reference_node_id = blocks[i].reference_node_id;
+      r.node_id = (*ids)[i];
+      r.bytes_logical = g.num_bytes();
+      const EncodedBlock& e = *blocks[i].encoded;
+      r.bytes_stored = e.bytes.size();
+      r.encoding = blocks[i].encoding;
+      r.bits_per_component = e.bits_per_component;
+      r.rel_rms_error_k = e.rel_rms_error_k;
+      r.rel_rms_error_v = e.rel_rms_error_v;
+      r.max_abs_error = e.max_abs_error;
+      summary.blocks.push_back(r);
+    }
+    summary.stored_tokens = num_blocks * g.block_tokens;
+    // The last new block's reconstruction, for a Put that continues this one.
+    if (!plan.early && dense_new && !blocks.empty()) KeepPutParent(ids->back(), chain.parent());
+    CountPut(blocks.size(), matched, anchor);
+    // Learned from in the background, never on this Put's path: a sample spread over the new
+    // blocks, as many as the queue has room for; a client-encoded block is decoded there.
+    if (context_->learn_queue != nullptr && !blocks.empty()) {
+      std::vector<ModelShard::LearnBlock> learn;
+      learn.reserve(blocks.size());
+      for (const ModelShard::NewBlock& nb : blocks) {
+        PlanBlock& p = plan.blocks.at(nb.block_index);
+        ModelShard::LearnBlock lb;
+        lb.block_index = nb.block_index;
+        if (p.client_encoded) {
+          lb.encoded = nb.encoded;
+          if (nb.predictor_version != 0)
+            lb.learned = plan.client_versions->at(nb.predictor_version);
+        } else if (!p.kv->empty()) {
+          lb.kv = std::move(*p.kv);  // the session is done with it
+        } else {
+          continue;
+        }
+        learn.push_back(std::move(lb));
+      }
+      QueueLearning(tokens, std::move(learn));
+    }
+    return summary;
+  }
+  return absl::AbortedError("put: the prefix kept changing under concurrent Puts; retry");
+}
+
+std::shared_ptr<const std::vector<uint8_t>> ModelShard::FindPutParent(uint64_t node_id) {
+  absl::MutexLock lock(&parents_mu_);
+  for (const auto& [id, reconstruction] : put_parents_) {
+    if (id == node_id) return reconstruction;
+  }
+  return nullptr;
+}
+
+void ModelShard::KeepPutParent(uint64_t node_id, absl::Span<const uint8_t> reconstruction) {
+  const uint64_t bound = context_->options->put_parent_cache_bytes;
+  if (reconstruction.empty() || reconstruction.size() > bound) return;
+  auto kept =
+      std::make_shared<const std::vector<uint8_t>>(reconstruction.begin(), reconstruction.end());
+  std::deque<std::pair<uint64_t, std::shared_ptr<const std::vector<uint8_t>>>> gone;
+  absl::MutexLock lock(&parents_mu_);
+  put_parents_.emplace_back(node_id, std::move(kept));
+  // Every entry is one block of this model: the bound is a count.
+  while (put_parents_.size() > bound / reconstruction.size()) {
+    gone.push_back(std::move(put_parents_.front()));
+    put_parents_.pop_front();
+  }
+}
+
+}  // namespace kvtrie
