@@ -3,7 +3,8 @@
 # RESIDUAL fast blocks (Llama-3-8B-shaped, 512 tokens, real stories260K values; speed_bench) from
 # the kvtrie-server of `before_dir` (a build folder holding server/kvtrie-server, e.g. main's) and
 # from this checkout's build, with and without a learned state (--learn_first with a refit after
-# 512 tokens, or --learn_predictors=false), interleaved, `runs` times each; prints the Get rows.
+# 512 tokens, or --learn_predictors=false), interleaved (alternating which server runs first),
+# `runs` times each; prints the Get rows.
 # Take medians per row.
 #   deploy/build.sh -j2 speed_bench kvtrie-server
 #   bench/read_path_before_after.sh /path/to/before/build [runs=3] [codec_threads=2]
@@ -19,7 +20,9 @@ for i in $(seq "$runs"); do
     else
       flags=(--server_flag=--learn_predictors=false)
     fi
-    for server in "$before" build; do
+    servers=("$before" build)
+    if [ $((i % 2)) -eq 0 ]; then servers=(build "$before"); fi  # alternate which runs first
+    for server in "${servers[@]}"; do
       echo "== run $i, state $state, server $server"
       KVTRIE_SERVER_BINARY_DIR=$(realpath "$server") build/bench/speed_bench --tokens=512 \
         --repeats=1 --codec_threads="$threads" --client_threads=2 --clients=1 --only=get \
