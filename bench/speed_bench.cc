@@ -22,11 +22,14 @@
 //   speed_bench [--tokens=512] [--repeats=3] [--codec_threads=1,2] [--client_threads=1,2]
 //               [--clients=4,16] [--lookup_tokens=1024,16384,131072,1048576] [--redis=PATH]
 //               [--only=all|get|lookup] [--get_repeats=1] [--varint_tokens] [--modes=RAW,...]
-//               [--server_flag=--name=value ...]
+//               [--learn_first] [--server_flag=--name=value ...]
 // --server_flag: one more kvtrie-server flag (repeatable), e.g.
 // --server_flag=--learn_predictors=false so that a Lookup run is not measured while the server
 // learns from the stored prefix.
 // --varint_tokens: token ids as varints (token_ids), for a server older than token_ids_packed.
+// --learn_first: before the repeats, one RESIDUAL fast Put of other token ids per server, and a
+// wait until the server published a learned state from it, so that every timed RESIDUAL Put is
+// coded against a learned state (with learning on; fails when none appears within 60 s).
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
@@ -91,8 +94,9 @@ std::vector<int> IntList(const std::string& s) {
 // assembled. Returns the bytes of kv (RECONSTRUCTED) or encoded (RESIDUAL), -1 on an error.
 bool packed_tokens = true;  // --varint_tokens: false
 
+// The bytes of a Get's blocks, or -1. *learned (if given): its blocks that name a learned state.
 double StubGet(v1::KVCache::Stub* stub, const std::string& ns, const std::string& model,
-               const std::vector<uint32_t>& tokens, v1::GetMode mode) {
+               const std::vector<uint32_t>& tokens, v1::GetMode mode, size_t* learned = nullptr) {
   v1::GetRequest req;
   req.set_namespace_(ns);
   req.set_model_id(model);
@@ -107,7 +111,13 @@ double StubGet(v1::KVCache::Stub* stub, const std::string& ns, const std::string
   auto reader = stub->Get(&ctx, req);
   v1::GetResponse msg;
   double bytes = 0;
-  while (reader->Read(&msg)) bytes += msg.block().kv().size() + msg.block().encoded().size();
+  while (reader->Read(&msg)) {
+    bytes += msg.block().kv().size() + msg.block().encoded().size();
+    if (learned != nullptr && msg.has_block() && msg.block().layer_begin() == 0 &&
+        msg.block().predictor_version() != 0) {
+      ++*learned;
+    }
+  }
   return reader->Finish().ok() ? bytes : -1;
 }
 
@@ -136,6 +146,7 @@ int main(int argc, char** argv) {
   using namespace kvtrie::bench;
   size_t tokens = 512;
   int repeats = 3, get_repeats = 1;
+  bool learn_first = false;  // --learn_first
   std::string redis_bin = "/usr/bin/redis-server", only = "all", mode_filter;
   std::vector<std::string> server_flags;  // --server_flag, appended to every kvtrie-server
   std::vector<int> codec_threads = {1, 2}, client_threads = {1, 2}, clients = {4, 16},
@@ -166,6 +177,8 @@ int main(int argc, char** argv) {
       mode_filter = v;
     } else if (const char* v = value("--server_flag=")) {
       server_flags.push_back(v);
+    } else if (a == "--learn_first") {
+      learn_first = true;
     } else if (a == "--varint_tokens") {
       packed_tokens = false;
     } else if (const char* v = value("--only=")) {
@@ -297,6 +310,24 @@ int main(int argc, char** argv) {
   std::vector<std::vector<uint32_t>> raw_tokens(servers.size());
   uint32_t next_token = 1;
   bool failed = false;
+  if (learn_first) {  // one RESIDUAL fast Put of other token ids, learned from before timing
+    for (auto& t : kv.token_ids) t = next_token++;
+    for (Server& s : servers) {
+      absl::StatusOr<v1::PutResponse> put =
+          s.client->Put(kv, {.encoding = v1::ENCODING_RESIDUAL,
+                             .target_rel_rms = 0.1,
+                             .profile = v1::EncodingSpec::PROFILE_FAST});
+      uint64_t versions = 0;
+      for (int wait = 0; put.ok() && versions == 0 && wait < 600; ++wait) {
+        absl::StatusOr<v1::StatsResponse> st = s.client->Stats();
+        versions = st.ok() ? st->predictor_versions() : 0;
+        if (versions == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      std::fprintf(stderr, "%s: learned state versions after the warm-up Put: %llu\n",
+                   s.name.c_str(), static_cast<unsigned long long>(versions));
+      if (versions == 0) failed = true;
+    }
+  }
   for (int rep = 0; rep < repeats && run_get && !failed; ++rep) {
     self_cpu = SelfCpuSeconds();
     auto t0 = Clock::now();
@@ -320,6 +351,25 @@ int main(int argc, char** argv) {
         absl::StatusOr<v1::PutResponse> put = s.client->Put(
             kv, {.encoding = m.encoding, .target_rel_rms = 0.1, .profile = m.profile});
         add(p + "Put " + m.name, Since(t0), CpuSeconds(pid) - cpu);
+        if (learn_first) {  // the learner's work on this Put is not timed with the Gets
+          std::string last;
+          for (int same = 0, wait = 0; same < 5 && wait < 600; ++wait) {
+            absl::StatusOr<v1::StatsResponse> st = s.client->Stats();
+            const std::string key =
+                st.ok() ? absl::StrCat(st->predictor_observations(), ",",
+                                       st->predictor_observations_dropped(), ",",
+                                       st->predictor_fits(), ",", st->predictor_versions())
+                        : "";
+            same = key == last ? same + 1 : 0;
+            last = key;
+            std::this_thread::sleep_for(std::chrono::milliseconds(100));
+          }
+          size_t learned = 0;
+          StubGet(s.stub.get(), "speed", kv.model_id, kv.token_ids, v1::GET_MODE_RESIDUAL,
+                  &learned);
+          std::fprintf(stderr, "%s %s: %zu of %zu blocks coded against a learned state\n",
+                       s.name.c_str(), m.name, learned, kv.token_ids.size() / g.block_tokens);
+        }
         if (m.encoding == v1::ENCODING_RAW) raw_tokens[si] = kv.token_ids;
         for (int gr = 0; gr < get_repeats && !failed; ++gr) {
           cpu = CpuSeconds(pid);

@@ -1,11 +1,8 @@
 #include <algorithm>
-#include <future>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "codec/block_codec.h"
-#include "codec/decode_chain.h"
 #include "server/grpc_status.h"
 #include "server/kvcache_service.h"
 #include "server/request_checks.h"
@@ -20,9 +17,6 @@ using service_checks::Invalid;
 using service_checks::TokensOf;
 using service_checks::ToModelSpec;
 
-// Reads of a Get retried when a block's centroid was deleted concurrently.
-constexpr int kGetRetries = 3;
-
 }  // namespace
 
 grpc::Status KvCacheService::Get(grpc::ServerContext* context, const v1::GetRequest* request,
@@ -31,46 +25,11 @@ grpc::Status KvCacheService::Get(grpc::ServerContext* context, const v1::GetRequ
   return GetStream(context, request, &sink);
 }
 
-grpc::Status KvCacheService::PrepareGetSlot(const v1::GetRequest& request, const BlockRead& b,
-                                            const BlockGeometry& g, GetSlot* slot) {
-  slot->owner.reset();
-  slot->dense = {};
-  slot->independent = false;
-  absl::StatusOr<std::shared_ptr<const std::string>> payload =
-      store_->ReadPayload(request.namespace_(), request.model_id(), b);
-  if (!payload.ok()) return ToGrpcStatus(payload.status());
-  slot->payload = *std::move(payload);
-  // The payload is verified (hot: when it was made; cold: just now), so no second CRC pass.
-  absl::StatusOr<BlockHeader> h = ParseVerifiedBlock(*slot->payload);
-  if (!h.ok() || !(h->geometry == g) || b.reference_node_id != 0) return grpc::Status::OK;
-  if (h->encoding == Encoding::kRaw && h->profile == Profile::kCompact &&
-      h->payload.size() == g.num_bytes()) {
-    slot->owner = slot->payload;
-    slot->dense =
-        absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(h->payload.data()), h->payload.size());
-  } else if (h->profile == Profile::kFast && h->reference_node_id == 0 &&
-             h->predictor_version == 0) {
-    // (A block coded against a learned state decodes on the chain: the store holds the state.)
-    slot->independent = true;
-  }
-  return grpc::Status::OK;
-}
-
-void KvCacheService::DecodeGetSlot(const BlockGeometry& g, GetSlot* slot) {
-  std::shared_ptr<uint8_t[]> buffer(new uint8_t[g.num_bytes()]);
-  const absl::Span<uint8_t> out(buffer.get(), g.num_bytes());
-  if (!DecodeVerifiedBlock(*slot->payload, out).ok()) return;  // the chain's path reports it
-  slot->dense = out;
-  slot->owner = std::move(buffer);
-}
-
 KvCacheService::GetCall::GetCall(KvCacheService* service, grpc::ServerContextBase* context,
                                  v1::GetRequest request)
     : service_(service), context_(context), request_(std::move(request)) {}
 
-KvCacheService::GetCall::~GetCall() {
-  if (decoding_.valid()) decoding_.wait();  // it writes into next_
-}
+KvCacheService::GetCall::~GetCall() = default;  // the reader waits for its window
 
 std::unique_ptr<KvCacheService::GetCall> KvCacheService::NewGet(grpc::ServerContextBase* context,
                                                                 v1::GetRequest request) {
@@ -97,27 +56,28 @@ grpc::Status KvCacheService::GetCall::Start(v1::GetResponse* header) {
     scratch_ = *std::move(path);
     tokens_ = scratch_;
   }
-  absl::StatusOr<GetResult> got =
-      store->Get(request->namespace_(), request->model_id(), tokens_, request->max_blocks());
-  if (!got.ok()) return ToGrpcStatus(got.status());
-  got_ = *std::move(got);
-  const uint32_t bt = got_.model.geometry.block_tokens;
-  if (!got_.model.model_id.empty()) {
-    ToModelSpec(got_.model, header->mutable_header()->mutable_model());
+  absl::StatusOr<std::unique_ptr<BlockReader>> reader =
+      store->NewReader(request->namespace_(), request->model_id(), tokens_, request->max_blocks(),
+                       residual_ ? BlockReader::Mode::kStored : BlockReader::Mode::kReconstructed,
+                       service_->codec_pool_.get());
+  if (!reader.ok()) return ToGrpcStatus(reader.status());
+  reader_ = *std::move(reader);
+  const GetResult& got = reader_->listing();
+  const uint32_t bt = got.model.geometry.block_tokens;
+  if (!got.model.model_id.empty()) {
+    ToModelSpec(got.model, header->mutable_header()->mutable_model());
   }
-  header->mutable_header()->set_matched_blocks(static_cast<uint32_t>(got_.blocks.size()));
-  header->mutable_header()->set_matched_tokens(static_cast<uint32_t>(got_.blocks.size()) * bt);
-  const BlockGeometry& g = got_.model.geometry;
-  chain_.emplace(g, nullptr);  // the store reads the centroids
+  header->mutable_header()->set_matched_blocks(static_cast<uint32_t>(got.blocks.size()));
+  header->mutable_header()->set_matched_tokens(static_cast<uint32_t>(got.blocks.size()) * bt);
+  const BlockGeometry& g = got.model.geometry;
   const size_t layer_bytes = g.num_layers ? g.layer_range_bytes(0, 1) : 1;
   layers_per_message_ =
       static_cast<uint32_t>(std::max<uint64_t>(1, options.max_get_message_bytes / layer_bytes));
-  window_ = static_cast<size_t>(service_->codec_pool_->threads());
   return grpc::Status::OK;
 }
 
 v1::GetBlock KvCacheService::GetCall::MetaOf(size_t i) const {
-  const BlockRead& b = got_.blocks[i];
+  const BlockRead& b = reader_->listing().blocks[i];
   v1::GetBlock meta;
   meta.set_block_index(static_cast<uint32_t>(i));
   meta.set_node_id(b.node_id);
@@ -127,117 +87,46 @@ v1::GetBlock KvCacheService::GetCall::MetaOf(size_t i) const {
   return meta;
 }
 
-grpc::Status KvCacheService::GetCall::Prepare(size_t begin, std::vector<GetSlot>* slots) {
-  slots->clear();
-  for (size_t i = begin; i < std::min(got_.blocks.size(), begin + window_); ++i) {
-    GetSlot& slot = slots->emplace_back();
-    slot.index = i;
-    if (auto s = service_->PrepareGetSlot(request_, got_.blocks[i], got_.model.geometry, &slot);
-        !s.ok()) {
-      return s;
-    }
-  }
-  return grpc::Status::OK;
-}
-
 grpc::Status KvCacheService::GetCall::Next(Message* out, bool* end) {
   *end = false;
   const grpc::Status gone(grpc::StatusCode::CANCELLED, "client gone");
-  const BlockGeometry& g = got_.model.geometry;
-  if (residual_) {  // the stored payloads as they are, without a copy
-    if (next_block_ >= got_.blocks.size()) {
+  const BlockGeometry& g = reader_->listing().model.geometry;
+  if (!sending_) {  // the block's first message: the reader makes it ready
+    if (context_->IsCancelled()) return gone;
+    bool last = false;
+    if (absl::Status s = reader_->Next(&block_, &last); !s.ok()) return ToGrpcStatus(s);
+    if (last) {
       *end = true;
       return grpc::Status::OK;
     }
-    if (context_->IsCancelled()) return gone;
-    const size_t i = next_block_++;
-    absl::StatusOr<std::shared_ptr<const std::string>> payload =
-        service_->store_->ReadPayload(request_.namespace_(), request_.model_id(), got_.blocks[i]);
-    if (!payload.ok()) return ToGrpcStatus(payload.status());
-    out->block = MetaOf(i);
+    sending_ = true;
+    layer_ = 0;
+  }
+  out->block = MetaOf(block_.index);
+  if (residual_) {  // the stored payload as it is, without a copy
     out->block.set_layer_begin(0);
     out->block.set_layer_end(g.num_layers);
     out->encoded = true;
-    out->bytes = **payload;
-    out->owner = *std::move(payload);
+    out->bytes = block_.bytes;
+    out->owner = std::move(block_.owner);
+    sending_ = false;
     return grpc::Status::OK;
   }
-  // RECONSTRUCTED. Blocks go out in windows of the codec pool's size: while window k is
-  // written (the blocks that need their parent or a centroid decoded in order, here), the pool
-  // decodes the independent blocks of window k + 1. Raw blocks are sent from their payloads.
-  ThreadPool* pool = service_->codec_pool_.get();
-  if (!started_) {
-    started_ = true;
-    if (auto s = Prepare(0, &current_); !s.ok()) return s;
-    for (GetSlot& slot : current_) {
-      if (slot.independent && slot.owner == nullptr) DecodeGetSlot(g, &slot);
-    }
+  // RECONSTRUCTED: the dense block, split by layers above max_get_message_bytes.
+  const uint32_t l = layer_;
+  const uint32_t l_end = std::min(g.num_layers, l + layers_per_message_);
+  const size_t begin = g.layer_range_bytes(0, l), size = g.layer_range_bytes(l, l_end);
+  out->block.set_layer_begin(l);
+  out->block.set_layer_end(l_end);
+  out->encoded = false;
+  out->bytes = block_.bytes.substr(begin, size);
+  out->owner = block_.owner;
+  layer_ = l_end;
+  if (layer_ >= g.num_layers) {
+    block_ = BlockReader::Block();  // release this call's hold on the buffer
+    sending_ = false;
   }
-  for (;;) {
-    if (begin_ >= got_.blocks.size()) {
-      *end = true;
-      return grpc::Status::OK;
-    }
-    if (!window_open_) {  // the next window: read, and its independent blocks decoded beside
-      window_open_ = true;
-      prepared_ = Prepare(begin_ + window_, &next_);
-      todo_.clear();
-      if (prepared_.ok()) {
-        for (GetSlot& slot : next_) {
-          if (slot.independent && slot.owner == nullptr) todo_.push_back(&slot);
-        }
-      }
-      // (With one codec thread they are decoded after this window is written.)
-      if (pool->threads() > 1 && !todo_.empty()) {
-        decoding_ = std::async(std::launch::async, [this, pool, &g] {
-          pool->ParallelFor(todo_.size(), [&](size_t k) { DecodeGetSlot(g, todo_[k]); });
-        });
-      }
-    }
-    if (pos_ < current_.size()) {
-      GetSlot& slot = current_[pos_];
-      if (layer_ == 0) {  // the block's first message: the block is made ready
-        if (context_->IsCancelled()) return gone;
-        if (slot.owner == nullptr) {
-          grpc::Status s =
-              service_->DecodeOnChain(request_, tokens_, slot.index, &got_, &*chain_, &slot);
-          if (!s.ok()) return s;
-        } else {
-          chain_->NextDenseShared(slot.owner, slot.dense);
-        }
-      }
-      const uint32_t l = layer_;
-      const uint32_t l_end = std::min(g.num_layers, l + layers_per_message_);
-      out->block = MetaOf(slot.index);
-      out->block.set_layer_begin(l);
-      out->block.set_layer_end(l_end);
-      const absl::Span<const uint8_t> part =
-          slot.dense.subspan(g.layer_range_bytes(0, l), g.layer_range_bytes(l, l_end));
-      out->encoded = false;
-      out->bytes = absl::string_view(reinterpret_cast<const char*>(part.data()), part.size());
-      out->owner = slot.owner;
-      layer_ = l_end;
-      if (layer_ >= g.num_layers) {
-        slot = GetSlot();  // release this call's hold on the buffers
-        ++pos_;
-        layer_ = 0;
-      }
-      return grpc::Status::OK;
-    }
-    // Window written: the next one is current.
-    if (decoding_.valid()) {
-      decoding_.get();
-    } else {
-      for (GetSlot* slot : todo_) DecodeGetSlot(g, slot);
-    }
-    todo_.clear();
-    if (!prepared_.ok()) return prepared_;
-    std::swap(current_, next_);
-    pos_ = 0;
-    layer_ = 0;
-    begin_ += window_;
-    window_open_ = false;
-  }
+  return grpc::Status::OK;
 }
 
 grpc::Status KvCacheService::GetStream(grpc::ServerContext* context, const v1::GetRequest* request,
@@ -253,47 +142,6 @@ grpc::Status KvCacheService::GetStream(grpc::ServerContext* context, const v1::G
     if (grpc::Status s = call.Next(&m, &end); !s.ok() || end) return s;
     if (!sink->WriteBlock(m.block, m.encoded, m.bytes, std::move(m.owner))) return gone;
   }
-}
-
-grpc::Status KvCacheService::DecodeOnChain(const v1::GetRequest& request,
-                                           absl::Span<const uint32_t> tokens, size_t i,
-                                           GetResult* got, DecodeChain* chain, GetSlot* slot) {
-  const BlockGeometry& g = got->model.geometry;
-  std::shared_ptr<uint8_t[]> buffer(new uint8_t[g.num_bytes()]);
-  const absl::Span<uint8_t> out(buffer.get(), g.num_bytes());
-  const BlockRead& b = got->blocks[i];
-  chain->SetOutputOwner(buffer);
-  absl::Status s =
-      store_->ReadAndDecodeBlock(request.namespace_(), request.model_id(), b, chain, out);
-  // ABORTED: the block changed since the Get listed it and its listed encoding can not be
-  // decoded any more (the centroid it is a residual of was deleted while the Get ran, and could
-  // not be kept for it: it listed while the Delete was under way). Delete
-  // first re-encodes its dependents as bit-exact standalone copies under the same node ids,
-  // so read the rest of the prefix again and decode the same node (bounded). Everything else a
-  // Get listed is read as listed (the store's snapshot reads, trie/kv_store.h).
-  for (int retry = 0; absl::IsAborted(s) && retry < kGetRetries; ++retry) {
-    absl::StatusOr<GetResult> again =
-        store_->Get(request.namespace_(), request.model_id(), tokens, request.max_blocks());
-    if (!again.ok()) break;
-    if (again->blocks.size() <= i || again->blocks[i].node_id != b.node_id) {
-      // The block itself went (a Delete of its prefix): what this Get promised is gone.
-      return grpc::Status(grpc::StatusCode::ABORTED,
-                          absl::StrCat("token_ids: blocks [", i, ", ", got->blocks.size(),
-                                       ") were deleted while this Get streamed them; retry"));
-    }
-    for (size_t j = i; j < again->blocks.size() && j < got->blocks.size() &&
-                       again->blocks[j].node_id == got->blocks[j].node_id;
-         ++j) {
-      got->blocks[j] = again->blocks[j];
-    }
-    chain->SetOutputOwner(buffer);
-    s = store_->ReadAndDecodeBlock(request.namespace_(), request.model_id(), got->blocks[i], chain,
-                                   out);
-  }
-  if (!s.ok()) return ToGrpcStatus(s);
-  slot->dense = out;
-  slot->owner = std::move(buffer);
-  return grpc::Status::OK;
 }
 
 }  // namespace kvtrie

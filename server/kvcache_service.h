@@ -8,8 +8,10 @@
 // fuzzer serves it so); kvtrie-server serves it through GuardedService's callback reactors
 // (server/guarded_service.h), which drive the same code one message at a time: NewPut
 // (server/put_call.h) and NewGet (GetCall below). Thread-safe.
-// A Get RECONSTRUCTED sends raw blocks from their stored payloads and decodes the others on a
-// pool of `codec_threads`, the next window of blocks while the current one is written.
+// A Get reads through the store's one read path (KvStore::NewReader, trie/block_reader.h), which
+// reads each payload once and decodes a RECONSTRUCTED Get's blocks on the service's pool of
+// `codec_threads`, the next window of blocks while the current one is written; the service only
+// frames the blocks it yields into messages.
 // Put streams are admitted by PutLimits (server/put_limits.h): a bounded number at once, a
 // per-namespace budget of buffered bytes, an idle deadline. A Get whose block's centroid is
 // deleted concurrently reads that block again (at most 3 times) before it answers ABORTED.
@@ -17,9 +19,7 @@
 #define KVTRIE_SERVER_KVCACHE_SERVICE_H_
 
 #include <cstdint>
-#include <future>
 #include <memory>
-#include <optional>
 #include <vector>
 
 #include "codec/decode_chain.h"
@@ -107,39 +107,22 @@ class KvCacheService final : public v1::KVCache::Service {
   std::unique_ptr<GetCall> NewGet(grpc::ServerContextBase* context, v1::GetRequest request);
 
  private:
-  // One block of a Get on its way to the wire: its stored payload, and what is sent for it.
-  struct GetSlot {
-    size_t index = 0;
-    std::shared_ptr<const std::string> payload;
-    // Set when the block is ready to send: a view of the payload (raw) or of a decoded buffer.
-    std::shared_ptr<const void> owner;
-    absl::Span<const uint8_t> dense;
-    bool independent = false;  // decodes without the parent or a reference (fast profile)
-  };
-  // Reads block `b`'s payload into `slot`; a raw block is then ready to send, a fast-profile one
-  // marked independent (decodable without its parent).
-  grpc::Status PrepareGetSlot(const v1::GetRequest& request, const BlockRead& b,
-                              const BlockGeometry& g, GetSlot* slot);
-  // Decodes an independent block into a fresh buffer; on failure leaves it for DecodeOnChain.
-  static void DecodeGetSlot(const BlockGeometry& g, GetSlot* slot);
-  // Decodes block `i` as the next of `chain` through the store (which reports and drops a
-  // corrupt block), retrying when its centroid was deleted meanwhile.
-  grpc::Status DecodeOnChain(const v1::GetRequest& request, absl::Span<const uint32_t> tokens,
-                             size_t i, GetResult* got, DecodeChain* chain, GetSlot* slot);
-
   KvStore* const store_;
   const ServiceOptions options_;
   PutLimits put_limits_;
-  const std::unique_ptr<ThreadPool> codec_pool_;  // Get's decodes
+  // Decodes the blocks of Gets RECONSTRUCTED, handed to each Get's store reader
+  // (KvStore::NewReader): shared by every Get, --codec_threads threads (the handler's included).
+  const std::unique_ptr<ThreadPool> codec_pool_;
 };
 
-// One Get: Start checks the request (errors name the field), matches its prefix and makes the
-// header message; each Next makes the following message (a block, or a layer range of one),
-// which the caller puts on the wire before asking for the next, until `end`. RECONSTRUCTED
-// Gets decode on the service's codec pool the window of blocks after the one being sent, so
-// block i + 1 is made while block i is on the wire; Next may block while it decodes a block on
-// the chain (compact profile) or waits for that window. Not thread-safe: one caller. The
-// service and `context` must outlive it; the destructor waits for a window being decoded.
+// One Get: Start checks the request (errors name the field), opens the store's reader of its
+// prefix (KvStore::NewReader) and makes the header message; each Next makes the following
+// message (a block, or a layer range of one) from the block the reader yields, which the caller
+// puts on the wire before asking for the next, until `end`. The reader of a RECONSTRUCTED Get
+// decodes the window of blocks after the one being sent on the service's codec pool, so block
+// i + 1 is made while block i is on the wire; Next may block while the reader decodes a block on
+// the chain (compact profile, centroids) or waits for that window. Not thread-safe: one caller.
+// The service and `context` must outlive it; the destructor waits for a window being decoded.
 class KvCacheService::GetCall {
  public:
   // A GetResponse after the header: `block` (kv and encoded empty) with `bytes` as its kv, or
@@ -163,29 +146,19 @@ class KvCacheService::GetCall {
 
  private:
   v1::GetBlock MetaOf(size_t i) const;
-  grpc::Status Prepare(size_t begin, std::vector<GetSlot>* slots);
 
   KvCacheService* const service_;
   grpc::ServerContextBase* const context_;
   const v1::GetRequest request_;
   std::vector<uint32_t> scratch_;
   absl::Span<const uint32_t> tokens_;
-  GetResult got_;
   bool residual_ = false;
-  std::optional<DecodeChain> chain_;
   uint32_t layers_per_message_ = 1;
-  size_t window_ = 1;
-  size_t next_block_ = 0;  // RESIDUAL: the next block sent
-  // RECONSTRUCTED: the window being sent (from block begin_: slot pos_, layer layer_ next), and
-  // the next one, being decoded.
-  bool started_ = false;
-  bool window_open_ = false;
-  size_t begin_ = 0, pos_ = 0;
+  std::unique_ptr<BlockReader> reader_;
+  // RECONSTRUCTED: the block being sent, while `sending_` (layer layer_ next).
+  bool sending_ = false;
+  BlockReader::Block block_;
   uint32_t layer_ = 0;
-  std::vector<GetSlot> current_, next_;
-  grpc::Status prepared_;
-  std::vector<GetSlot*> todo_;  // of next_, decoded by decoding_
-  std::future<void> decoding_;  // last: destroyed (and waited for) first
 };
 
 }  // namespace kvtrie

@@ -2,7 +2,8 @@
 // prefix whose blocks mix raw, compact-residual and fast-profile encodings reads back the same
 // through the zero-copy, pipelined RECONSTRUCTED path (one and three codec threads) as through
 // the client's own decode; token ids sent packed or as varints match the same blocks; bad packed
-// ids are INVALID_ARGUMENT naming the field.
+// ids are INVALID_ARGUMENT naming the field; a cold block read by one Get is read from RocksDB
+// once and stays cold.
 #include <grpcpp/grpcpp.h>
 
 #include <cstring>
@@ -150,6 +151,47 @@ TEST_P(GetPath, PackedTokenIdsMatchTheSameBlocksAndBadOnesNameTheField) {
     EXPECT_TRUE(reader->Finish().ok());
     EXPECT_EQ(blocks, 32u);
   }
+}
+
+// The tiers' rule "a block read once stays cold" over the wire (issue 19): after a restart every
+// block is cold; one Get RECONSTRUCTED of compact-residual blocks (decoded on the chain, each from
+// its parent) reads each payload from RocksDB once and promotes none; a second Get promotes them.
+TEST_P(GetPath, AColdBlockReadByOneGetIsReadOnceAndStaysCold) {
+  const KvDump s1 = LoadSession(1);
+  ASSERT_TRUE(client_
+                  ->Put(s1, {.encoding = v1::ENCODING_RESIDUAL,
+                             .target_rel_rms = 0.1,
+                             .profile = v1::EncodingSpec::PROFILE_COMPACT})
+                  .ok());
+  client_.reset();
+  server_.reset();  // stops it
+  absl::StatusOr<std::unique_ptr<ServerProcess>> s = ServerProcess::Start(
+      dir_ + "/data",
+      {absl::StrCat("--codec_threads=", GetParam()), "--max_get_message_bytes=4096"});
+  ASSERT_TRUE(s.ok()) << s.status();
+  server_ = *std::move(s);
+  client_ = Client::Create({.target = server_->target(), .ns = "get"});
+  absl::StatusOr<v1::StatsResponse> before = client_->Stats();
+  ASSERT_TRUE(before.ok()) << before.status();
+  ASSERT_EQ(before->cold_reads(), 0u);
+  ASSERT_EQ(before->hot_nodes(), 0u);
+  absl::StatusOr<KvDump> dense = client_->Get(s1.model_id, s1.token_ids);
+  ASSERT_TRUE(dense.ok()) << dense.status();
+  ASSERT_EQ(dense->token_ids.size(), 512u);
+  EXPECT_NE(dense->k, s1.k);  // lossy: decoded, not raw
+  absl::StatusOr<v1::StatsResponse> after = client_->Stats();
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->cold_reads(), 32u);  // once per block, not once framed and once decoded
+  EXPECT_EQ(after->promotions(), 0u);
+  EXPECT_EQ(after->hot_nodes(), 0u);
+  absl::StatusOr<KvDump> again = client_->Get(s1.model_id, s1.token_ids);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->k, dense->k);
+  EXPECT_EQ(again->v, dense->v);
+  after = client_->Stats();
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->cold_reads(), 64u);
+  EXPECT_EQ(after->promotions(), 32u);  // read again while cold: brought back
 }
 
 INSTANTIATE_TEST_SUITE_P(CodecThreads, GetPath, ::testing::Values(1, 3));

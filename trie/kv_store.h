@@ -55,6 +55,8 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "codec/decode_chain.h"
+#include "codec/thread_pool.h"
+#include "trie/block_reader.h"
 #include "trie/put_session.h"
 #include "trie/store_types.h"
 
@@ -89,6 +91,18 @@ class KvStore {
   // (namespace, model_id) is a miss: no blocks and an empty model.
   absl::StatusOr<GetResult> Get(const std::string& ns, const std::string& model_id,
                                 absl::Span<const uint32_t> token_ids, size_t max_blocks);
+
+  // The one read path of a Get (trie/block_reader.h, as LevelDB's DB::NewIterator): lists the
+  // longest stored prefix of `token_ids` as Get does (at most max_blocks, 0 = all) and returns a
+  // reader of its blocks, each payload read once: their stored envelopes (kStored) or their dense
+  // reconstructions (kReconstructed), decoded in windows on `pool` (the caller's, e.g. the
+  // service's Get pool; null: on the caller's thread). An unknown (namespace, model_id) is a miss:
+  // a reader with no blocks and an empty model. The store must outlive the reader.
+  absl::StatusOr<std::unique_ptr<BlockReader>> NewReader(const std::string& ns,
+                                                         const std::string& model_id,
+                                                         absl::Span<const uint32_t> token_ids,
+                                                         size_t max_blocks, BlockReader::Mode mode,
+                                                         ThreadPool* pool);
 
   // Reads the payload of a block of a Get (the hot copy, or from RocksDB in the Get's snapshot,
   // CRC-checked, promoted to memory when read often). Errors: DATA_LOSS if its bytes fail their

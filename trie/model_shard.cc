@@ -362,9 +362,15 @@ absl::Status ModelShard::ReadAndDecodeInternal(const BlockRead& block, DecodeCha
                                                std::vector<Corrupt>* corrupt) {
   std::shared_ptr<const std::string> payload;
   if (auto s = ReadPayloadInternal(block, &payload, corrupt); !s.ok()) return s;
+  return DecodeInternal(block, *payload, chain, out, corrupt);
+}
+
+absl::Status ModelShard::DecodeInternal(const BlockRead& block, const std::string& payload,
+                                        DecodeChain* chain, absl::Span<uint8_t> out,
+                                        std::vector<Corrupt>* corrupt) {
   // The centroid and, for one used at a position offset, its parent (codec/reference_shift.h).
   const uint64_t needed[2] = {block.reference_node_id,
-                              DecodeChain::ReferenceParentOf(*payload, block.reference_node_id,
+                              DecodeChain::ReferenceParentOf(payload, block.reference_node_id,
                                                              /*verified=*/true)};
   if (needed[1] != 0) {  // it must be the centroid's parent in the trie
     std::string why;
@@ -412,7 +418,7 @@ absl::Status ModelShard::ReadAndDecodeInternal(const BlockRead& block, DecodeCha
     }
     chain->AddReference(ref_id, reference);
   }
-  absl::Status s = DecodeNext(block, *payload, chain, out);
+  absl::Status s = DecodeNext(block, payload, chain, out);
   // The state it names is not kept, or the bytes passed their checksum but do not decode here: an
   // inconsistency or a race, never a reason to delete it. (DATA_LOSS: its state failed its own
   // check; the block is kept.)
@@ -424,6 +430,14 @@ absl::Status ModelShard::ReadAndDecodeBlock(const BlockRead& block, DecodeChain*
                                             absl::Span<uint8_t> out) {
   std::vector<Corrupt> corrupt;
   absl::Status s = ReadAndDecodeInternal(block, chain, out, &corrupt);
+  DropCorrupt(corrupt);
+  return s;
+}
+
+absl::Status ModelShard::DecodeReadBlock(const BlockRead& block, const std::string& payload,
+                                         DecodeChain* chain, absl::Span<uint8_t> out) {
+  std::vector<Corrupt> corrupt;
+  absl::Status s = DecodeInternal(block, payload, chain, out, &corrupt);
   DropCorrupt(corrupt);
   return s;
 }

@@ -174,6 +174,11 @@ class ModelShard {
   // changed since the Get listed it (list again); INTERNAL naming what is missing otherwise.
   absl::Status ReadAndDecodeBlock(const BlockRead& block, DecodeChain* chain,
                                   absl::Span<uint8_t> out);
+  // As ReadAndDecodeBlock, with `payload`: the block's bytes as ReadPayload returned them (read
+  // once by the caller, trie/block_reader.h), so the block is not read (nor counted) again. Its
+  // centroid, if any, is read here. Errors: ReadAndDecodeBlock's but ReadPayload's.
+  absl::Status DecodeReadBlock(const BlockRead& block, const std::string& payload,
+                               DecodeChain* chain, absl::Span<uint8_t> out);
   // Decodes node `node_id` into `out`, its ancestors first when it predicts from them. ABORTED
   // if the node is gone.
   absl::Status ReconstructNode(uint64_t node_id, absl::Span<uint8_t> out);
@@ -305,6 +310,10 @@ class ModelShard {
                                    std::vector<Corrupt>* corrupt);
   absl::Status ReadAndDecodeInternal(const BlockRead& block, DecodeChain* chain,
                                      absl::Span<uint8_t> out, std::vector<Corrupt>* corrupt);
+  // Decodes `payload` (block's, read) as the next block of `chain`, its centroid read here.
+  absl::Status DecodeInternal(const BlockRead& block, const std::string& payload,
+                              DecodeChain* chain, absl::Span<uint8_t> out,
+                              std::vector<Corrupt>* corrupt);
   // The error for `block`, which can not be decoded because of `why` (not its own bytes): ABORTED
   // if it changed since it was listed (gone, or re-encoded), else INTERNAL. Drops nothing.
   absl::Status NotDecodable(const BlockRead& block, absl::string_view why);
