@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <string>
 #include <thread>
@@ -315,6 +316,74 @@ TEST_F(ShardE2E, DnsMembershipAddsAFourthShardMovingAboutAQuarter) {
   EXPECT_LT(moved, total * 45 / 100) << moved << " of " << total;
   std::printf("[ shards ] 3 -> 4 shards: %d of %d prefixes changed owner (%.0f%%)\n", moved, total,
               100.0 * moved / total);
+}
+
+TEST_F(ShardE2E, CliRoutesByShardsAndStatsFanOutEvenWithALostShard) {
+  for (int i = 0; i < 2; ++i) StartShard(i);
+  // kvtrie-9 is listed but nothing serves it: a lost shard from the start.
+  const std::string shards = "--shards=" + ShardList() + ",kvtrie-9=127.0.0.1:1";
+  const std::string cli = testing::BinaryPath("client/kvtrie");
+  const std::vector<std::string> base = {cli, shards, std::string("--namespace=") + kNs,
+                                         "--retry_attempts=1"};
+  auto run = [&](std::vector<std::string> args, std::string* out) {
+    std::vector<std::string> argv = base;
+    argv.insert(argv.end(), args.begin(), args.end());
+    std::string err;
+    const int rc = testing::RunCommand(argv, out, &err);
+    EXPECT_NE(rc, 1) << err;  // never an error exit, whichever shard owns the prefix
+    return rc;
+  };
+  std::unique_ptr<ShardedClient> c = NewClient();  // the two live shards, to know the owners
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->SetShards({{"kvtrie-0", servers_[0]->target()},
+                            {"kvtrie-1", servers_[1]->target()},
+                            {"kvtrie-9", "127.0.0.1:1"}})
+                  .ok());
+  int stored = 0, skipped = 0;
+  std::string out;
+  for (const char* name : {"sessions/s0", "genesis_1-3", "GPL-3", "story_prompt", "neardup/n1"}) {
+    const std::string dir = std::string(KVTRIE_TESTDATA_DIR) + "/" + name;
+    absl::StatusOr<KvDump> d = ReadKvManifest(dir);
+    ASSERT_TRUE(d.ok()) << d.status();
+    const bool lost = c->OwnerOf(d->model_id, d->token_ids).name == "kvtrie-9";
+    ASSERT_EQ(run({"--encoding=lossless", "put", dir}, &out), 0);
+    const int tokens = nlohmann::json::parse(out)["stored_tokens"];
+    EXPECT_EQ(tokens == 0, lost) << name << ": " << out;
+    (lost ? skipped : stored) += 1;
+    const std::string got = dir_ + "/got";
+    EXPECT_EQ(run({"get", dir, got}, &out), lost ? 3 : 0) << name << ": " << out;  // 3: a miss
+    if (!lost) {
+      absl::StatusOr<KvDump> back = ReadKvDump(got);
+      absl::StatusOr<KvDump> want = ReadKvDump(dir);
+      ASSERT_TRUE(back.ok() && want.ok());
+      const KvDump full = Slice(*want, 0, back->num_tokens());
+      EXPECT_EQ(back->num_tokens(), want->num_tokens() / 16 * 16) << name;
+      EXPECT_TRUE(SameKv(*back, full)) << name;
+    }
+  }
+  ASSERT_GT(stored, 0);
+  std::printf("[ shards ] cli: %d dumps stored, %d skipped (owner lost)\n", stored, skipped);
+  std::fflush(stdout);  // before the next fork
+
+  ASSERT_EQ(run({"stats", "--all_shards"}, &out), 0);
+  const nlohmann::json stats = nlohmann::json::parse(out);
+  EXPECT_EQ(stats["shards_answered"], 2);
+  EXPECT_EQ(stats["shards_total"], 3);
+  EXPECT_TRUE(stats["shards"]["kvtrie-9"].contains("error")) << out;
+  const uint64_t n0 = stats["shards"]["kvtrie-0"]["nodes"],
+                 n1 = stats["shards"]["kvtrie-1"]["nodes"];
+  EXPECT_EQ(stats["nodes"], n0 + n1);
+  EXPECT_GT(n0 + n1, 0u);
+
+  ASSERT_EQ(run({"inspect", "--model_id=stories260K"}, &out), 0);
+  const nlohmann::json inspect = nlohmann::json::parse(out);
+  EXPECT_TRUE(inspect["shards"].contains("kvtrie-0")) << out;
+  EXPECT_TRUE(inspect["shards"]["kvtrie-9"].contains("error")) << out;
+
+  // A bad list names the flag.
+  std::string err;
+  EXPECT_EQ(testing::RunCommand({cli, "--shards=kvtrie-0", "stats"}, &out, &err), 1);
+  EXPECT_NE(err.find("--shards"), std::string::npos) << err;
 }
 
 }  // namespace
