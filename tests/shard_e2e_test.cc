@@ -3,9 +3,12 @@
 // and four near-duplicates whole, and 64-token windows cut from every dump at block-aligned
 // offsets (real KV rows, re-cut so that there are enough distinct first blocks to route), stored
 // LOSSLESS so that Gets are compared bit for bit.
+#include <stdlib.h>
+
 #include <atomic>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -21,6 +24,7 @@
 #include "client/sharded_client.h"
 #include "codec/kv_dump.h"
 #include "gtest/gtest.h"
+#include "tests/prometheus_text.h"
 #include "tests/server_process.h"
 
 namespace kvtrie {
@@ -384,6 +388,42 @@ TEST_F(ShardE2E, CliRoutesByShardsAndStatsFanOutEvenWithALostShard) {
   std::string err;
   EXPECT_EQ(testing::RunCommand({cli, "--shards=kvtrie-0", "stats"}, &out, &err), 1);
   EXPECT_NE(err.find("--shards"), std::string::npos) << err;
+}
+
+TEST_F(ShardE2E, MetricsCarryTheShardLabelFromTheFlagOrPodName) {
+  for (int i = 0; i < 2; ++i) {
+    const std::string port_file = dir_ + "/metrics" + std::to_string(i) + ".port";
+    std::vector<std::string> flags = {"--metrics_listen=127.0.0.1:0",
+                                      "--metrics_port_file=" + port_file};
+    if (i == 0) flags.push_back("--shard_name=kvtrie-0");
+    if (i == 1) setenv("POD_NAME", "kvtrie-1", 1);  // what the StatefulSet's downward API sets
+    absl::StatusOr<std::unique_ptr<ServerProcess>> s =
+        ServerProcess::Start(dir_ + "/" + Name(i), flags);
+    unsetenv("POD_NAME");
+    ASSERT_TRUE(s.ok()) << s.status();
+    servers_[i] = *std::move(s);
+    std::unique_ptr<ShardedClient> c = NewClient();
+    ASSERT_NE(c, nullptr);
+    for (size_t n = 0; n < 8; ++n) {
+      ASSERT_TRUE(c->Lookup(Prefixes()[n].model_id, Prefixes()[n].token_ids).ok());
+    }
+    int port = 0;
+    std::ifstream(port_file) >> port;
+    ASSERT_GT(port, 0);
+    absl::StatusOr<PromText> text = ParsePromText(ScrapeMetrics(port));
+    ASSERT_TRUE(text.ok()) << text.status();
+    const std::string label = "shard=\"" + Name(i) + "\"";
+    int lookups = 0;
+    for (const auto& [series, value] : text->samples) {
+      if (absl::StartsWith(series, "exposer_")) continue;  // prometheus-cpp's own, not kvtrie's
+      EXPECT_NE(series.find(label), std::string::npos) << series;
+      if (absl::StartsWith(series, "kvtrie_rpc_requests_total{") &&
+          series.find("method=\"Lookup\"") != std::string::npos) {
+        lookups += static_cast<int>(value);
+      }
+    }
+    EXPECT_GT(lookups, 0);
+  }
 }
 
 }  // namespace
