@@ -2,7 +2,7 @@
 //
 // N kvtrie servers as one cache (issue 21), on this machine, real servers on loopback ports
 // (tests/server_process.h), real KV (tests/data: 64-token windows of every dump at --stride-token
-// offsets, distinct first blocks, ~20 KB each; the server's default encoding):
+// offsets, distinct first blocks, 40 KB of K+V each; the server's default encoding):
 //   1. aggregate Put and Get throughput through kvtrie::ShardedClient with 1, 2 and 3 shards
 //      (--threads client threads; ratio to 1 shard), and the plain Client on 1 server (the cost
 //      of routing). On a machine of few cores the servers share them: the point is that routing
