@@ -103,8 +103,8 @@ class ShardRouter {
   // The current shards, sorted by name. Re-resolves first when the DNS membership is due (the
   // calling thread resolves, without holding the lock; a failed resolution keeps the old set).
   std::vector<Shard> Shards();
-  // The owner of the prefix `token_ids` of (ns, model_id) among Shards(); nullopt-like empty
-  // Shard{} only when there are no shards (never after a successful Create).
+  // The owner of the prefix `token_ids` of (ns, model_id) among Shards() (an empty Shard{} only
+  // when there are none, which FromList and FromDns never leave).
   Shard Owner(absl::string_view ns, absl::string_view model_id,
               absl::Span<const uint32_t> token_ids);
   // A call to a shard failed (down, past its deadline): the DNS membership is re-resolved at the
