@@ -6,7 +6,6 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/descriptor.h"
-#include "google/protobuf/reflection.h"
 
 namespace kvtrie {
 
@@ -36,21 +35,23 @@ v1::StatsResponse MergeStats(absl::Span<const v1::StatsResponse> stats) {
     if (s.bits_per_component() > 0) elements += 8.0 * s.bytes_stored() / s.bits_per_component();
     lossy_k += s.mean_rel_rms_error_k() * s.lossy_nodes();
     lossy_v += s.mean_rel_rms_error_v() * s.lossy_nodes();
+    // Histograms: the same buckets on every server; counts summed.
+    for (auto [into, from] :
+         {std::pair{out.mutable_path_surprisal_histogram(), &s.path_surprisal_histogram()},
+          std::pair{out.mutable_branch_distance_histogram(), &s.branch_distance_histogram()}}) {
+      for (int b = 0; b < from->size(); ++b) {
+        if (b >= into->size()) {
+          *into->Add() = from->Get(b);
+        } else {
+          into->Mutable(b)->set_count(into->Get(b).count() + from->Get(b).count());
+        }
+      }
+    }
     for (int i = 0; i < d->field_count(); ++i) {
       const FieldDescriptor* f = d->field(i);
       const bool is_max = f->name().rfind("max_", 0) == 0;
-      if (f->is_repeated() && f->type() == FieldDescriptor::TYPE_MESSAGE) {
-        // Histograms: the same buckets on every server; counts summed.
-        auto* into = static_cast<google::protobuf::RepeatedPtrField<v1::HistogramBucket>*>(
-            r->MutableRepeatedPtrField<v1::HistogramBucket>(&out, f));
-        const auto& from = r->GetRepeatedPtrField<v1::HistogramBucket>(s, f);
-        for (int b = 0; b < from.size(); ++b) {
-          if (b >= into->size())
-            *into->Add() = from[b];
-          else
-            into->Mutable(b)->set_count(into->Get(b).count() + from[b].count());
-        }
-      } else if (f->cpp_type() == FieldDescriptor::CPPTYPE_UINT64) {
+      if (f->is_repeated()) continue;  // the histograms, above
+      if (f->cpp_type() == FieldDescriptor::CPPTYPE_UINT64) {
         const uint64_t a = r->GetUInt64(out, f), b = r->GetUInt64(s, f);
         r->SetUInt64(&out, f, is_max ? std::max(a, b) : a + b);
       } else if (f->cpp_type() == FieldDescriptor::CPPTYPE_DOUBLE) {
