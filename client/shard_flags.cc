@@ -20,6 +20,9 @@ ABSL_FLAG(int, shard_down_backoff_ms, 1000,
 ABSL_FLAG(int, route_tokens, 16,
           "tokens of a prefix that pick its owner shard (the first block; the same in every "
           "client)");
+ABSL_FLAG(int, shard_warmup_seconds, 0,
+          "for this long after the shard names change, a miss on a prefix's new owner asks its "
+          "previous owner once and copies what it gets to the new one (0 = off)");
 ABSL_FLAG(bool, all_shards, false, "stats: print each shard's answer beside the merged total");
 
 namespace kvtrie {
@@ -42,6 +45,9 @@ absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClientFromFlags(const Clie
   if (refresh < 1) return absl::InvalidArgumentError("--shards_refresh_seconds: must be >= 1");
   if (backoff < 0) return absl::InvalidArgumentError("--shard_down_backoff_ms: must be >= 0");
   if (route < 1) return absl::InvalidArgumentError("--route_tokens: must be >= 1");
+  const int warmup = absl::GetFlag(FLAGS_shard_warmup_seconds);
+  if (warmup < 0) return absl::InvalidArgumentError("--shard_warmup_seconds: must be >= 0");
+  o.warmup_window = absl::Seconds(warmup);
   o.router.refresh_interval = absl::Seconds(refresh);
   o.router.route_tokens = static_cast<size_t>(route);
   o.down_initial_backoff = absl::Milliseconds(backoff);

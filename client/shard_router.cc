@@ -232,10 +232,37 @@ absl::Status ShardRouter::SetShards(std::vector<Shard> shards) {
   if (absl::Status s = CheckShards(shards); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
   if (shards != shards_) {
+    // The set before (for PreviousOwner), unless only addresses changed: ownership did not.
+    auto names = [](const std::vector<Shard>& v) {
+      std::vector<std::string> n;
+      for (const Shard& s : v) n.push_back(s.name);
+      return n;
+    };
+    if (!shards_.empty() && names(shards_) != names(shards)) {
+      previous_ = std::move(shards_);
+      changed_at_ = absl::Now();
+    }
     shards_ = std::move(shards);
     ++generation_;
   }
   return absl::OkStatus();
+}
+
+std::optional<Shard> ShardRouter::PreviousOwner(absl::string_view ns, absl::string_view model_id,
+                                                absl::Span<const uint32_t> token_ids,
+                                                absl::Duration window) {
+  const uint64_t key = RouteKey(ns, model_id, token_ids, options_.route_tokens);
+  absl::MutexLock lock(&mu_);
+  if (previous_.empty() || absl::Now() - changed_at_ > window) return std::nullopt;
+  const int before = OwnerIndex(previous_, key), now = OwnerIndex(shards_, key);
+  if (before < 0 || now < 0) return std::nullopt;
+  const Shard& was = previous_[static_cast<size_t>(before)];
+  if (was.name == shards_[static_cast<size_t>(now)].name) return std::nullopt;
+  // Its address now, if it is still a shard (a removed one keeps its old address).
+  for (const Shard& s : shards_) {
+    if (s.name == was.name) return s;
+  }
+  return was;
 }
 
 uint64_t ShardRouter::generation() const {

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -112,6 +113,11 @@ class ShardRouter {
   void ReportFailure();
   // Replaces the membership (an explicit list changed). Errors: as FromList.
   absl::Status SetShards(std::vector<Shard> shards);
+  // During `window` after the shard names last changed: the owner of the prefix in the set
+  // before, when it is another shard than today's (for a Get that misses on its new owner to ask
+  // the old one once, mcrouter's warm-up); else nullopt.
+  std::optional<Shard> PreviousOwner(absl::string_view ns, absl::string_view model_id,
+                                     absl::Span<const uint32_t> token_ids, absl::Duration window);
   // Bumped on every change of the membership.
   uint64_t generation() const;
 
@@ -124,8 +130,11 @@ class ShardRouter {
   const ShardRouterOptions options_;
   std::string dns_name_;                     // empty: explicit list
   std::shared_ptr<ShardResolver> resolver_;  // null: explicit list
-  mutable absl::Mutex mu_;  // guards shards_, generation_, next_refresh_, refreshing_
+  // guards shards_, previous_, changed_at_, generation_, next_refresh_, refreshing_
+  mutable absl::Mutex mu_;
   std::vector<Shard> shards_ ABSL_GUARDED_BY(mu_);
+  std::vector<Shard> previous_ ABSL_GUARDED_BY(mu_);  // before the last change of names
+  absl::Time changed_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time next_refresh_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   bool refreshing_ ABSL_GUARDED_BY(mu_) = false;  // one thread resolves at a time

@@ -147,6 +147,34 @@ TEST(ShardRouterDns, ResolvesRefreshesAndKeepsTheOldSetWhenDnsFails) {
   EXPECT_EQ(router.Shards(), moved);
 }
 
+TEST(ShardRouter, PreviousOwnerOnlyForMovedKeysWithinTheWindow) {
+  absl::StatusOr<std::unique_ptr<ShardRouter>> r =
+      ShardRouter::FromList(Named({"kvtrie-0", "kvtrie-1", "kvtrie-2"}), {});
+  ASSERT_TRUE(r.ok()) << r.status();
+  ShardRouter& router = **r;
+  EXPECT_FALSE(router.PreviousOwner("ns", "m", Prefix(1), absl::Hours(1)));  // no change yet
+  std::vector<std::string> before;
+  for (uint32_t i = 0; i < 200; ++i) before.push_back(router.Owner("ns", "m", Prefix(i)).name);
+  // Addresses only: nobody's keys moved.
+  std::vector<Shard> moved_ip = Named({"kvtrie-0", "kvtrie-1", "kvtrie-2"});
+  moved_ip[0].target = "10.1.1.1:1";
+  ASSERT_TRUE(router.SetShards(moved_ip).ok());
+  EXPECT_FALSE(router.PreviousOwner("ns", "m", Prefix(1), absl::Hours(1)));
+  ASSERT_TRUE(router.SetShards(Named({"kvtrie-0", "kvtrie-1", "kvtrie-2", "kvtrie-3"})).ok());
+  int moved = 0;
+  for (uint32_t i = 0; i < 200; ++i) {
+    std::optional<Shard> prev = router.PreviousOwner("ns", "m", Prefix(i), absl::Hours(1));
+    const bool did_move = router.Owner("ns", "m", Prefix(i)).name != before[i];
+    ASSERT_EQ(prev.has_value(), did_move) << i;
+    if (prev) {
+      ++moved;
+      EXPECT_EQ(prev->name, before[i]);
+    }
+    EXPECT_FALSE(router.PreviousOwner("ns", "m", Prefix(i), absl::ZeroDuration()));  // expired
+  }
+  EXPECT_GT(moved, 20);
+}
+
 TEST(SystemResolver, ResolvesAHostPortIntoNamedShards) {
   // getaddrinfo of a name every machine has (/etc/hosts); each address gets a name (its PTR
   // name's first label, else the address) and the port.

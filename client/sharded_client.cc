@@ -151,7 +151,23 @@ absl::StatusOr<v1::LookupResponse> ShardedClient::Lookup(const std::string& mode
     return v1::LookupResponse();
   }
   absl::StatusOr<v1::LookupResponse> r = c->Lookup(model_id, token_ids);
-  if (Lost(owner, r.status(), Call::kRead)) return v1::LookupResponse();
+  const bool lost = Lost(owner, r.status(), Call::kRead);
+  if (!lost && !r.ok()) return r;
+  if ((lost || r->matched_tokens() == 0) && options_.warmup_window > absl::ZeroDuration()) {
+    std::optional<Shard> prev =
+        router_->PreviousOwner(options_.client.ns, model_id, token_ids, options_.warmup_window);
+    std::shared_ptr<Client> p = prev ? Acquire(*prev) : nullptr;
+    if (p != nullptr) {
+      absl::StatusOr<v1::LookupResponse> w = p->Lookup(model_id, token_ids);
+      Lost(*prev, w.status(), Call::kAdmin);
+      if (w.ok() && w->matched_tokens() > 0) {
+        absl::MutexLock lock(&mu_);
+        ++counters_.warmup_hits;
+        return w;
+      }
+    }
+  }
+  if (lost) return v1::LookupResponse();
   return r;
 }
 
@@ -192,8 +208,49 @@ absl::Status ShardedClient::GetInto(const std::string& model_id,
     return miss();
   }
   absl::Status s = c->GetInto(model_id, token_ids, options, out);
-  if (Lost(owner, s, Call::kRead)) return miss();
+  const bool lost = Lost(owner, s, Call::kRead);
+  if (!lost && !s.ok()) return s;
+  if ((lost || out->token_ids.empty()) && options_.warmup_window > absl::ZeroDuration() &&
+      WarmUpGet(model_id, token_ids, options, owner, out)) {
+    return absl::OkStatus();
+  }
+  if (lost) return miss();
   return s;
+}
+
+bool ShardedClient::WarmUpGet(const std::string& model_id, absl::Span<const uint32_t> token_ids,
+                              const GetOptions& options, const Shard& owner, KvDump* out) {
+  std::optional<Shard> prev =
+      router_->PreviousOwner(options_.client.ns, model_id, token_ids, options_.warmup_window);
+  std::shared_ptr<Client> p = prev ? Acquire(*prev) : nullptr;
+  if (p == nullptr) return false;
+  absl::Status s = p->GetInto(model_id, token_ids, options, out);
+  Lost(*prev, s, Call::kAdmin);
+  if (!s.ok() || out->token_ids.empty()) {
+    out->token_ids.clear();
+    out->surprisal_bits.clear();
+    out->k.clear();
+    out->v.clear();
+    return false;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    ++counters_.warmup_hits;
+  }
+  // Copy it to the new owner, without surprisal (a Get does not return it).
+  std::shared_ptr<Client> o = Acquire(owner);
+  if (o != nullptr) {
+    std::vector<float> surprisal;
+    surprisal.swap(out->surprisal_bits);
+    absl::StatusOr<v1::PutResponse> r = o->Put(*out, options_.warmup_put);
+    surprisal.swap(out->surprisal_bits);
+    Lost(owner, r.status(), Call::kAdmin);
+    if (r.ok()) {
+      absl::MutexLock lock(&mu_);
+      ++counters_.warmup_copies;
+    }
+  }
+  return true;
 }
 
 absl::StatusOr<v1::DeleteResponse> ShardedClient::Delete(const std::string& model_id,

@@ -52,6 +52,14 @@ struct ShardedClientOptions {
   // How long a shard that failed is skipped: drawn from [d/2, d], d doubling per failure in a row.
   absl::Duration down_initial_backoff = absl::Seconds(1);
   absl::Duration down_max_backoff = absl::Seconds(30);
+  // Warm-up (mcrouter's WarmUpRoute), off when zero: during this long after the shard names
+  // change, a Lookup or Get that misses on (or loses) a prefix's new owner asks its previous
+  // owner once; a Get answered there is also Put to the new owner with `warmup_put` (whose
+  // block_tokens must be the model's), so the new owner is warm when the window ends. The copy
+  // is of what Get returned (reconstructed: a lossy encoding is encoded again), without
+  // surprisal. CLI: --shard_warmup_seconds; Python: warmup_window=.
+  absl::Duration warmup_window = absl::ZeroDuration();
+  PutOptions warmup_put = {};
 };
 
 // A status of a shard, not of the call: UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED,
@@ -115,6 +123,8 @@ class ShardedClient {
     uint64_t lost_calls = 0;      // calls answered as a miss because the owner was lost
     uint64_t puts_skipped = 0;    // of them, Puts (nothing stored)
     uint64_t shard_failures = 0;  // calls that failed with a LostShardCode (marking a shard down)
+    uint64_t warmup_hits = 0;     // Lookups and Gets answered by a previous owner
+    uint64_t warmup_copies = 0;   // Gets so answered that were Put to the new owner
   };
   Counters counters() const;
   bool IsDown(const std::string& shard_name) const;
@@ -130,6 +140,10 @@ class ShardedClient {
   // when `s` is a lost shard's (a read or Put then becomes a miss).
   bool Lost(const Shard& shard, const absl::Status& s, Call call);
   void CountMiss(Call call);
+  // The warm-up of a Get that missed on `owner` (see warmup_window): true when the previous owner
+  // answered it into `out`.
+  bool WarmUpGet(const std::string& model_id, absl::Span<const uint32_t> token_ids,
+                 const GetOptions& options, const Shard& owner, KvDump* out);
 
   struct Entry {
     std::string target;

@@ -322,6 +322,49 @@ TEST_F(ShardE2E, DnsMembershipAddsAFourthShardMovingAboutAQuarter) {
               100.0 * moved / total);
 }
 
+TEST_F(ShardE2E, WarmUpAsksThePreviousOwnerOnceAndCopiesToTheNewOne) {
+  for (int i = 0; i < 3; ++i) StartShard(i);
+  ShardedClientOptions o = Options();
+  o.shards = ShardList();
+  o.warmup_window = absl::Seconds(60);
+  o.warmup_put = Lossless();
+  absl::StatusOr<std::unique_ptr<ShardedClient>> made = ShardedClient::Create(o);
+  ASSERT_TRUE(made.ok()) << made.status();
+  ShardedClient& c = **made;
+  PutAll(c);
+  std::vector<std::string> before;
+  for (const KvDump& p : Prefixes()) before.push_back(c.OwnerOf(p.model_id, p.token_ids).name);
+  StartShard(3);
+  ASSERT_TRUE(c.SetShards(Membership()).ok());
+
+  int moved = 0;
+  for (size_t n = 0; n < Prefixes().size(); ++n) {
+    const KvDump& p = Prefixes()[n];
+    const bool was_moved = c.OwnerOf(p.model_id, p.token_ids).name != before[n];
+    moved += was_moved;
+    // Every prefix hits: the moved ones on their previous owner, bit-exact.
+    absl::StatusOr<v1::LookupResponse> l = c.Lookup(p.model_id, p.token_ids);
+    ASSERT_TRUE(l.ok()) << l.status();
+    EXPECT_EQ(l->matched_tokens(), p.num_tokens());
+    absl::StatusOr<KvDump> g = c.Get(p.model_id, p.token_ids);
+    ASSERT_TRUE(g.ok()) << g.status();
+    EXPECT_TRUE(SameKv(*g, p));
+    if (was_moved) {
+      // ... and copied to the new owner, which now serves it itself.
+      absl::StatusOr<v1::LookupResponse> on_new = Direct(3)->Lookup(p.model_id, p.token_ids);
+      ASSERT_TRUE(on_new.ok()) << on_new.status();
+      EXPECT_EQ(on_new->matched_tokens(), p.num_tokens());
+    }
+  }
+  ASSERT_GT(moved, 0);
+  const ShardedClient::Counters n = c.counters();
+  EXPECT_EQ(n.warmup_copies, static_cast<uint64_t>(moved));
+  EXPECT_EQ(n.warmup_hits, static_cast<uint64_t>(2 * moved));  // each moved Lookup and Get
+  // A second pass hits the new owner: no more warm-up.
+  for (const KvDump& p : Prefixes()) ASSERT_TRUE(c.Get(p.model_id, p.token_ids).ok());
+  EXPECT_EQ(c.counters().warmup_hits, n.warmup_hits);
+}
+
 TEST_F(ShardE2E, CliRoutesByShardsAndStatsFanOutEvenWithALostShard) {
   for (int i = 0; i < 2; ++i) StartShard(i);
   // kvtrie-9 is listed but nothing serves it: a lost shard from the start.
