@@ -7,8 +7,9 @@
 //      (--threads client threads; ratio to 1 shard), and the plain Client on 1 server (the cost
 //      of routing). On a machine of few cores the servers share them: the point is that routing
 //      costs nothing, not that it scales;
-//   2. the hit rate kept after a fourth shard is added to 3 loaded ones, and after one of 3 is
-//      killed (-9): Gets of every prefix, misses counted, errors must be 0;
+//   2. the hit rate kept after a fourth shard is added to 3 loaded ones (without and with the
+//      warm-up from the previous owner), and after one of 3 is killed (-9): Gets of every
+//      prefix, misses counted, errors must be 0;
 //   3. key skew (max/mean prefixes per shard) for the real prefixes and for --random_prefixes
 //      random first blocks, over 3, 4 and 16 shard names.
 //
@@ -112,8 +113,10 @@ std::string List(const std::vector<Shard>& shards) {
   return absl::StrJoin(items, ",");
 }
 
-std::unique_ptr<ShardedClient> Sharded(const std::vector<Shard>& shards) {
+std::unique_ptr<ShardedClient> Sharded(const std::vector<Shard>& shards,
+                                       absl::Duration warmup = absl::ZeroDuration()) {
   ShardedClientOptions o;
+  o.warmup_window = warmup;
   o.shards = List(shards);
   o.client.ns = "bench";
   o.client.timeout = absl::Seconds(10);
@@ -214,14 +217,34 @@ int Main() {
                 t.gets_per_s / base_get, t.errors, t.short_gets);
   }
 
+  // The routing itself: OwnerOf (hash of the key, one score per shard) per call.
+  {
+    std::vector<Shard> three;
+    for (int i = 0; i < 3; ++i) three.push_back({"kvtrie-" + std::to_string(i), "x:1"});
+    std::unique_ptr<ShardedClient> client = Sharded(three);
+    constexpr int kCalls = 200000;
+    size_t sink = 0;
+    const auto t0 = Clock::now();
+    for (int i = 0; i < kCalls; ++i) {
+      const KvDump& p = prefixes[i % prefixes.size()];
+      sink += client->OwnerOf(p.model_id, p.token_ids).name.size();
+    }
+    const double ns = std::chrono::duration<double, std::nano>(Clock::now() - t0).count() / kCalls;
+    std::printf("\nRouting a call (ShardedClient::OwnerOf, 3 shards): %.0f ns (%zu)\n", ns,
+                sink % 10);
+  }
+
   // 2. Hit rate kept after adding a shard and after losing one.
   std::printf(
       "\n## Hit rate kept\n\n| change | prefixes | hits | misses | errors | hit rate | "
       "expected |\n|---|---|---|---|---|---|---|\n");
-  for (const char* change : {"add a 4th to 3", "kill -9 one of 3"}) {
+  for (const char* change :
+       {"add a 4th to 3", "add a 4th to 3, --shard_warmup_seconds=60", "kill -9 one of 3"}) {
+    const bool warm = std::strstr(change, "warmup") != nullptr;
     Cluster c{testing::FreshDir("shard_bench_change"), {}};
     for (int i = 0; i < 3; ++i) c.Add();
-    std::unique_ptr<ShardedClient> client = Sharded(c.Membership());
+    std::unique_ptr<ShardedClient> client =
+        Sharded(c.Membership(), warm ? absl::Seconds(60) : absl::ZeroDuration());
     for (const KvDump& p : prefixes) client->Put(p).IgnoreError();
     const bool add = change[0] == 'a';
     if (add) {
@@ -241,7 +264,10 @@ int Main() {
         ++misses;
     }
     std::printf("| %s | %zu | %d | %d | %d | %.1f%% | %s |\n", change, prefixes.size(), hits,
-                misses, errors, 100.0 * hits / prefixes.size(), add ? "~75%" : "~67%");
+                misses, errors, 100.0 * hits / prefixes.size(),
+                warm  ? "100%"
+                : add ? "~75%"
+                      : "~67%");
   }
 
   // 3. Key skew.

@@ -109,3 +109,30 @@ def test_membership_arguments_are_checked():
     with pytest.raises(kvtrie.Error) as e:
         kvtrie.ShardedClient("m", shards_dns="no-such-host.invalid:1")
     assert e.value.code == kvtrie.StatusCode.UNAVAILABLE
+
+
+def test_warm_up_asks_the_previous_owner_and_copies_to_the_new_one(shards, tmp_path):
+    c = kvtrie.ShardedClient("stories260K", shards=shard_list(shards), namespace="py",
+                             warmup_window=60.0, warmup_put={"encoding": "lossless"})
+    prefixes = windows()
+    for tokens, k, v in prefixes:
+        c.put(tokens, k, v, encoding="lossless")
+    before = [c.owner(t) for t, _, _ in prefixes]
+    fourth = ServerProcess(tmp_path / "kvtrie-3")
+    try:
+        c.set_shards(shard_list(shards + [fourth]))
+        new = kvtrie.Client(fourth.target, "stories260K", namespace="py")
+        moved = 0
+        for (tokens, k, v), was in zip(prefixes, before):
+            assert c.lookup(tokens) == len(tokens)
+            k2, v2, n = c.get(tokens)
+            assert n == len(tokens) and np.array_equal(bits(k2), bits(k))
+            if c.owner(tokens) != was:
+                moved += 1
+                assert new.lookup(tokens) == len(tokens)  # copied to the new owner
+        assert moved > 0
+        assert c.counters["warmup_copies"] == moved
+        assert c.counters["warmup_hits"] == 2 * moved
+    finally:
+        fourth.proc.kill()
+        fourth.proc.wait()

@@ -58,6 +58,10 @@ class ShardedClient:
         route_tokens: tokens of a prefix that pick its owner (16: the first block; the same in
             every client of the shards).
         down_backoff: seconds a failed shard is skipped (doubling per failure in a row).
+        warmup_window: seconds after the shard names change during which a lookup or get that
+            misses on (or loses) a prefix's new owner asks its previous owner once; a get
+            answered there is also put to the new owner (``warmup_put`` are its put keyword
+            arguments, e.g. ``{"encoding": "lossless"}``). 0 (the default): off.
         **client_kwargs: every shard's :class:`kvtrie.Client` arguments (``namespace``,
             ``timeout``, ``token``, ``tls``, ``retry_attempts``, ...; default
             ``retry_attempts=1``: a lost shard is a miss at once).
@@ -72,6 +76,7 @@ class ShardedClient:
     def __init__(self, model_id: str, *, shards: Optional[str] = None,
                  shards_dns: Optional[str] = None, route_tokens: int = 16,
                  refresh_interval: float = 30.0, down_backoff: float = 1.0,
+                 warmup_window: float = 0.0, warmup_put: Optional[Dict[str, Any]] = None,
                  **client_kwargs: Any) -> None:
         if bool(shards) == bool(shards_dns):
             raise from_status(StatusCode.INVALID_ARGUMENT,
@@ -84,6 +89,10 @@ class ShardedClient:
         self._dns = shards_dns
         self._refresh_interval = float(refresh_interval)
         self._down_backoff = float(down_backoff)
+        self._warmup_window = float(warmup_window)
+        self._warmup_put = dict(warmup_put or {})
+        self._previous: List[Tuple[str, str]] = []  # the shards before the last change of names
+        self._changed_at = float("-inf")
         client_kwargs.setdefault("retry_attempts", 1)
         self._client_kwargs = client_kwargs
         self._lock = threading.Lock()  # guards everything below
@@ -93,7 +102,8 @@ class ShardedClient:
         self._clients: Dict[str, Tuple[str, Any]] = {}  # name -> (target, kvtrie.Client)
         self._down_until: Dict[str, float] = {}
         self._failures: Dict[str, int] = {}
-        self.counters = {"lost_calls": 0, "puts_skipped": 0, "shard_failures": 0}
+        self.counters = {"lost_calls": 0, "puts_skipped": 0, "shard_failures": 0,
+                         "warmup_hits": 0, "warmup_copies": 0}
 
     # --- membership ------------------------------------------------------------------------
     def _maybe_refresh(self) -> None:
@@ -107,7 +117,12 @@ class ShardedClient:
             shards = sorted(_kvtrie._resolve_shards(self._dns))
         except Error:
             return  # keep the last set
+        self._replace(shards)
+
+    def _replace(self, shards: List[Tuple[str, str]]) -> None:
         with self._lock:
+            if [n for n, _ in shards] != [n for n, _ in self._shards]:
+                self._previous, self._changed_at = self._shards, time.monotonic()
             self._shards = shards
 
     @property
@@ -119,9 +134,7 @@ class ShardedClient:
 
     def set_shards(self, shards: str) -> None:
         """Replaces an explicit membership (``"name=host:port,..."``)."""
-        parsed = _kvtrie._parse_shards(shards)
-        with self._lock:
-            self._shards = parsed
+        self._replace(_kvtrie._parse_shards(shards))
 
     def owner(self, tokens: Any) -> str:
         """The name of the shard that owns the prefix ``tokens``."""
@@ -132,6 +145,32 @@ class ShardedClient:
         i = _kvtrie._shard_owner([n for n, _ in shards], self.namespace, self.model_id, tokens,
                                  self.route_tokens)
         return shards[i]
+
+    def _previous_owner(self, tokens: np.ndarray, owner: str) -> Optional[Tuple[str, str]]:
+        with self._lock:
+            if (not self._previous or
+                    time.monotonic() - self._changed_at > self._warmup_window):
+                return None
+            previous, current = list(self._previous), dict(self._shards)
+        i = _kvtrie._shard_owner([n for n, _ in previous], self.namespace, self.model_id, tokens,
+                                 self.route_tokens)
+        name = previous[i][0]
+        return None if name == owner else (name, current.get(name, previous[i][1]))
+
+    def _warm_up(self, tokens: np.ndarray, owner: str, fn):
+        """fn(previous owner's client) when a warm-up applies and it answers; else None."""
+        if self._warmup_window <= 0:
+            return None
+        prev = self._previous_owner(tokens, owner)
+        client = self._acquire(prev) if prev else None
+        if client is None:
+            return None
+        try:
+            result = fn(client)
+        except Error as e:
+            self._lost(prev[0], e, "admin")
+            return None
+        return result
 
     # --- one shard's client and its health -------------------------------------------------
     def _acquire(self, shard: Tuple[str, str]):
@@ -196,8 +235,17 @@ class ShardedClient:
 
     # --- the calls -------------------------------------------------------------------------
     def lookup(self, tokens: Any) -> int:
-        """As :meth:`kvtrie.Client.lookup`, on the owner; 0 when it is lost."""
-        return self._call(tokens, "read", lambda c, t: c.lookup(t), lambda: 0)
+        """As :meth:`kvtrie.Client.lookup`, on the owner; 0 when it is lost (or, with a
+        warm-up, the previous owner's answer)."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
+        n = self._call(tokens, "read", lambda c, t: c.lookup(t), lambda: 0)
+        if n == 0:
+            w = self._warm_up(tokens, self.owner(tokens), lambda c: c.lookup(tokens))
+            if w:
+                with self._lock:
+                    self.counters["warmup_hits"] += 1
+                return w
+        return n
 
     def put(self, tokens: Any, k: np.ndarray, v: np.ndarray, *args: Any, **kwargs: Any):
         """As :meth:`kvtrie.Client.put`, on the owner; when it is lost nothing is stored and the
@@ -211,7 +259,24 @@ class ShardedClient:
         def miss():
             empty = np.empty((0, 0, 0, 0), np.float16)
             return empty, empty.copy(), 0
-        return self._call(tokens, "read", lambda c, t: c.get(t, *args, **kwargs), miss)
+        tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
+        k, v, n = self._call(tokens, "read", lambda c, t: c.get(t, *args, **kwargs), miss)
+        if n == 0:
+            owner = self.owner(tokens)
+            w = self._warm_up(tokens, owner, lambda c: c.get(tokens, *args, **kwargs))
+            if w and w[2] > 0:
+                k, v, n = w
+                with self._lock:
+                    self.counters["warmup_hits"] += 1
+                new = self._acquire((owner, dict(self.shards)[owner]))
+                try:
+                    if new is not None:
+                        new.put(tokens[:n], k, v, **self._warmup_put)
+                        with self._lock:
+                            self.counters["warmup_copies"] += 1
+                except Error as e:
+                    self._lost(owner, e, "admin")
+        return k, v, n
 
     def delete(self, tokens: Any) -> dict:
         """As :meth:`kvtrie.Client.delete`, on the owner (raises when it is lost)."""
