@@ -14,6 +14,8 @@
 // Puts are encoded here (raw, lossless, residual with --target_rel_rms, of the fast profile) and
 // sent encoded; --encode_on_client=false sends them dense for the server to encode
 // (client/client_flags.h).
+// More than one server: --shards=NAME=HOST:PORT,... or --shards_dns=NAME, --all_shards
+// (client/shard_flags.h).
 //
 // Output is JSON on stdout. Errors are one line on stderr and exit status 1 (2 for usage; 3 when
 // `get` finds no stored prefix, so `kvtrie get ... && use OUT` is safe).
@@ -33,6 +35,7 @@
 #include "client/client.h"
 #include "client/client_flags.h"
 #include "client/proto_json.h"
+#include "client/shard_flags.h"
 #include "codec/kv_dump.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "server address HOST:PORT");
@@ -91,6 +94,14 @@ int Run(const std::vector<char*>& args) {
   options.timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout_seconds));
   if (absl::Status s = ApplyClientFlags(&options); !s.ok()) return Fail(s);
   std::unique_ptr<Client> client = Client::Create(options);
+  // --shards / --shards_dns: each prefix's calls go to its owner shard (client/shard_flags.h).
+  std::unique_ptr<ShardedClient> sharded;
+  if (ShardFlagsGiven()) {
+    if (cmd == "call") return Usage("call: not with --shards; give one shard's --target");
+    absl::StatusOr<std::unique_ptr<ShardedClient>> s = ShardedClientFromFlags(options);
+    if (!s.ok()) return Fail(s.status());
+    sharded = *std::move(s);
+  }
 
   if (cmd == "call") {
     if (args.size() != 4) return Usage("usage: kvtrie call METHOD JSON (JSON: text, - or @FILE)");
@@ -119,7 +130,7 @@ int Run(const std::vector<char*>& args) {
       return Usage("--profile: '" + p + "'; use fast or compact");
     }
     ApplyPutFlags(&put);
-    absl::StatusOr<v1::PutResponse> r = client->Put(*d, put);
+    absl::StatusOr<v1::PutResponse> r = sharded ? sharded->Put(*d, put) : client->Put(*d, put);
     if (!r.ok()) return Fail(r.status());
     if (absl::GetFlag(FLAGS_verbose)) {
       Print(ProtoToJson(*r));
@@ -149,7 +160,8 @@ int Run(const std::vector<char*>& args) {
     } else if (mode != "reconstructed") {
       return Usage("--mode: reconstructed or residual");
     }
-    absl::StatusOr<KvDump> kv = client->Get(ModelId(*d), d->token_ids, get);
+    absl::StatusOr<KvDump> kv = sharded ? sharded->Get(ModelId(*d), d->token_ids, get)
+                                        : client->Get(ModelId(*d), d->token_ids, get);
     if (!kv.ok()) return Fail(kv.status());
     if (kv->token_ids.empty()) {
       Print({{"matched_tokens", 0}});
@@ -166,9 +178,16 @@ int Run(const std::vector<char*>& args) {
     if (args.size() != 3) return Usage("usage: kvtrie lookup DIR");
     absl::StatusOr<KvDump> d = ReadKvManifest(args[2]);
     if (!d.ok()) return Fail(d.status());
-    absl::StatusOr<v1::LookupResponse> r = client->Lookup(ModelId(*d), d->token_ids);
+    absl::StatusOr<v1::LookupResponse> r = sharded ? sharded->Lookup(ModelId(*d), d->token_ids)
+                                                   : client->Lookup(ModelId(*d), d->token_ids);
     if (!r.ok()) return Fail(r.status());
     Print(ProtoToJson(*r));
+    return 0;
+  }
+  if (cmd == "stats" && sharded) {
+    absl::StatusOr<nlohmann::json> j = ShardedStatsJson(*sharded);
+    if (!j.ok()) return Fail(j.status());
+    Print(*j);
     return 0;
   }
   if (cmd == "stats") {
@@ -192,6 +211,10 @@ int Run(const std::vector<char*>& args) {
       return Usage("usage: kvtrie inspect [NODE_ID] --model_id=ID");
     }
     if (absl::GetFlag(FLAGS_model_id).empty()) return Usage("inspect needs --model_id");
+    if (sharded) {
+      Print(ShardedInspectJson(*sharded, absl::GetFlag(FLAGS_model_id), node));
+      return 0;
+    }
     absl::StatusOr<v1::InspectResponse> r = client->Inspect(absl::GetFlag(FLAGS_model_id), node);
     if (!r.ok()) return Fail(r.status());
     Print(ProtoToJson(*r));
@@ -205,8 +228,9 @@ int Run(const std::vector<char*>& args) {
     absl::StatusOr<KvDump> d = ReadKvManifest(args[2]);
     if (!d.ok()) return Fail(d.status());
     if (n > d->token_ids.size()) return Usage("TOKENS is more than the manifest holds");
+    const auto prefix = absl::MakeSpan(d->token_ids).subspan(0, n);
     absl::StatusOr<v1::DeleteResponse> r =
-        client->Delete(ModelId(*d), absl::MakeSpan(d->token_ids).subspan(0, n));
+        sharded ? sharded->Delete(ModelId(*d), prefix) : client->Delete(ModelId(*d), prefix);
     if (!r.ok()) return Fail(r.status());
     Print(ProtoToJson(*r));
     return 0;
@@ -227,7 +251,8 @@ int main(int argc, char** argv) {
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view file) {
     return absl::StrContains(file, "client/kvtrie_main.cc") ||
-           absl::StrContains(file, "client/client_flags.cc");
+           absl::StrContains(file, "client/client_flags.cc") ||
+           absl::StrContains(file, "client/shard_flags.cc");
   };
   usage.contains_helpshort_flags = usage.contains_help_flags;
   absl::SetFlagsUsageConfig(usage);

@@ -310,6 +310,7 @@ int Run() {
   std::unique_ptr<Metrics> metrics;
   if (!ops.metrics_listen.empty()) {
     metrics = std::make_unique<Metrics>(store->get(), ops.metrics_max_namespaces);
+    metrics->SetShardName(ops.shard_name);
     if ((*auth)->table() != nullptr) metrics->NameNamespaces((*auth)->table()->namespaces());
     absl::StatusOr<int> metrics_port = metrics->Listen(ops.metrics_listen);
     if (!metrics_port.ok()) {

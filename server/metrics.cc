@@ -245,6 +245,27 @@ Metrics::Metrics(KvStore* store, size_t max_namespaces)
 
 Metrics::~Metrics() = default;
 
+// Every sample of `inner` with shard="NAME" added (--shard_name): one scrape config over all the
+// StatefulSet's pods keeps them apart, and a dashboard sums or splits by shard.
+class Metrics::ShardLabelled : public prometheus::Collectable {
+ public:
+  ShardLabelled(std::shared_ptr<prometheus::Collectable> inner, std::string shard)
+      : inner_(std::move(inner)), shard_(std::move(shard)) {}
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    std::vector<prometheus::MetricFamily> families = inner_->Collect();
+    for (prometheus::MetricFamily& f : families) {
+      for (prometheus::ClientMetric& m : f.metric) m.label.push_back({"shard", shard_});
+    }
+    return families;
+  }
+
+ private:
+  const std::shared_ptr<prometheus::Collectable> inner_;
+  const std::string shard_;
+};
+
+void Metrics::SetShardName(const std::string& name) { shard_name_ = name; }
+
 absl::StatusOr<int> Metrics::Listen(const std::string& address) {
   try {
     exposer_ = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/2);
@@ -252,8 +273,18 @@ absl::StatusOr<int> Metrics::Listen(const std::string& address) {
     return absl::UnavailableError(
         absl::StrCat("--metrics_listen: cannot serve on ", address, ": ", e.what()));
   }
-  exposer_->RegisterCollectable(registry_);
-  exposer_->RegisterCollectable(store_collector_);
+  if (shard_name_.empty()) {
+    exposer_->RegisterCollectable(registry_);
+    exposer_->RegisterCollectable(store_collector_);
+  } else {
+    for (std::shared_ptr<prometheus::Collectable> c :
+         std::initializer_list<std::shared_ptr<prometheus::Collectable>>{registry_,
+                                                                         store_collector_}) {
+      // The exposer holds a weak_ptr: labelled_ keeps the wrappers alive.
+      labelled_.push_back(std::make_shared<ShardLabelled>(std::move(c), shard_name_));
+      exposer_->RegisterCollectable(labelled_.back());
+    }
+  }
   const std::vector<int> ports = exposer_->GetListeningPorts();
   if (ports.empty()) return absl::UnavailableError("--metrics_listen: no port bound");
   return ports.front();

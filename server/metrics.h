@@ -24,6 +24,8 @@
 // Cardinality: at most `max_namespaces` namespace label values (the tokens file's namespaces
 // first, then the first ones seen); the rest are counted under namespace="other". The empty
 // namespace is labelled "(default)". Store gauges of "other" are the total minus the named ones.
+// With a shard name (--shard_name, default $POD_NAME) every kvtrie_* sample also carries
+// shard="NAME" (one server of several: README "Running more than one server").
 //
 // Thread-safe.
 #ifndef KVTRIE_SERVER_METRICS_H_
@@ -79,6 +81,9 @@ class Metrics {
   // bind. Returns the bound port.
   absl::StatusOr<int> Listen(const std::string& address);
 
+  // Adds shard="`name`" to every sample (--shard_name); call before Listen. Empty: no label.
+  void SetShardName(const std::string& name);
+
   // Gives `namespaces` their own label first (the tokens file's), up to the cap.
   void NameNamespaces(const std::vector<std::string>& namespaces);
 
@@ -94,6 +99,9 @@ class Metrics {
 
  private:
   class StoreCollector;
+  class ShardLabelled;
+  std::string shard_name_;  // set before Listen, then read-only
+  std::vector<std::shared_ptr<prometheus::Collectable>> labelled_;  // registered by Listen
   KvStore* const store_;
   NamespaceLabels labels_;
   std::shared_ptr<prometheus::Registry> registry_;

@@ -1,5 +1,7 @@
 #include "server/ops_flags.h"
 
+#include <cstdlib>
+
 #include "absl/flags/flag.h"
 
 ABSL_FLAG(std::string, config, "",
@@ -30,6 +32,10 @@ ABSL_FLAG(std::string, metrics_port_file, "",
 ABSL_FLAG(uint32_t, metrics_max_namespaces, 32,
           "most namespaces with their own metrics label; the rest are namespace=\"other\"");
 
+ABSL_FLAG(std::string, shard_name, "",
+          "this server's shard name (e.g. kvtrie-0), added as shard=\"NAME\" to every /metrics "
+          "sample; default: $POD_NAME (a StatefulSet pod's stable name), else none");
+
 namespace kvtrie {
 
 OpsFlags ReadOpsFlags() {
@@ -46,6 +52,10 @@ OpsFlags ReadOpsFlags() {
   f.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   f.metrics_port_file = absl::GetFlag(FLAGS_metrics_port_file);
   f.metrics_max_namespaces = absl::GetFlag(FLAGS_metrics_max_namespaces);
+  f.shard_name = absl::GetFlag(FLAGS_shard_name);
+  if (f.shard_name.empty()) {
+    if (const char* pod = std::getenv("POD_NAME"); pod != nullptr) f.shard_name = pod;
+  }
   return f;
 }
 

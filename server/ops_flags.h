@@ -21,6 +21,7 @@ struct OpsFlags {
   std::string metrics_listen;     // empty: no /metrics
   std::string metrics_port_file;  // written with the bound metrics port
   size_t metrics_max_namespaces = 0;
+  std::string shard_name;  // /metrics label shard="NAME"; empty: none
 };
 
 OpsFlags ReadOpsFlags();

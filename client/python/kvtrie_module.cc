@@ -446,7 +446,12 @@ class PyClient {
 }  // namespace
 }  // namespace kvtrie
 
+namespace kvtrie {
+void BindShards(py::module_& m);  // shard_binding.cc: kvtrie.ShardedClient's routing
+}  // namespace kvtrie
+
 PYBIND11_MODULE(_kvtrie, m) {
+  kvtrie::BindShards(m);
   using kvtrie::PyClient;
   using kvtrie::PyPutStream;
   m.doc() =

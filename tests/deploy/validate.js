@@ -54,6 +54,7 @@ const MODELS = {
   "v1/PersistentVolumeClaim": require("kubernetes-models/v1/PersistentVolumeClaim").PersistentVolumeClaim,
   "apps/v1/Deployment": require("kubernetes-models/apps/v1/Deployment").Deployment,
   "apps/v1/StatefulSet": require("kubernetes-models/apps/v1/StatefulSet").StatefulSet,
+  "policy/v1/PodDisruptionBudget": require("kubernetes-models/policy/v1/PodDisruptionBudget").PodDisruptionBudget,
 };
 // The Debian package of every library kvtrie-server links directly, less the base image's
 // (libc, libstdc++, libgcc): the runtime stage of the Dockerfile must install each.
@@ -222,6 +223,25 @@ for (const { where, obj } of docs.filter((d) => d.obj.kind === "Service")) {
 }
 for (const { where, obj } of docs.filter((d) => d.obj.kind === "StatefulSet")) {
   if (!find("Service", obj.spec.serviceName)) fail(where, `serviceName ${obj.spec.serviceName} is not a Service`);
+  // Shards (issue 21): each pod's /metrics carries its stable name (--shard_name or $POD_NAME
+  // from metadata.name), and a PodDisruptionBudget lets a drain take one shard at a time.
+  const kv = obj.spec.template.spec.containers.find((c) => c.name === "kvtrie") || {};
+  const podName = (kv.env || []).find((e) => e.name === "POD_NAME");
+  const named = (kv.args || []).some((a) => a.startsWith("--shard_name=")) ||
+    (podName && podName.valueFrom && podName.valueFrom.fieldRef &&
+     podName.valueFrom.fieldRef.fieldPath === "metadata.name");
+  if (!named) fail(where, "no shard name: set env POD_NAME from metadata.name (or --shard_name)");
+  const labels = obj.spec.template.metadata.labels || {};
+  const pdbs = docs.filter((d) => d.obj.kind === "PodDisruptionBudget" &&
+    Object.entries((d.obj.spec.selector || {}).matchLabels || {}).every(([k, v]) => labels[k] === v));
+  if (!pdbs.length) fail(where, "no PodDisruptionBudget selects its pods");
+  for (const p of pdbs) {
+    const replicas = Number(obj.spec.replicas || 1);
+    const min = p.obj.spec.minAvailable, max = p.obj.spec.maxUnavailable;
+    if ((typeof min === "number" && min >= replicas) || max === 0 || max === "0%") {
+      fail(p.where, `allows no voluntary eviction of ${replicas} replicas (a drain would hang)`);
+    }
+  }
 }
 
 // --- Dockerfile ----------------------------------------------------------------------------
@@ -311,6 +331,10 @@ const MUTATIONS = [
   ["kvtrie-standalone.yaml", "targetPort: metrics}", "targetPort: metricz}", "targetPort metricz"],
   ["kvtrie-config.yaml", "  tokens.json: |", "  tokens.jsn: |", "no key 'tokens.json'"],
   ["kvtrie-statefulset.yaml", "serviceName: kvtrie-headless", "serviceName: kvtrie-nope", "serviceName kvtrie-nope"],
+  ["kvtrie-statefulset.yaml", "fieldRef: {fieldPath: metadata.name}", "fieldRef: {fieldPath: metadata.uid}", "no shard name"],
+  ["kvtrie-statefulset.yaml", "maxUnavailable: 1", "maxUnavailable: 0", "allows no voluntary eviction"],
+  ["kvtrie-statefulset.yaml", "maxUnavailable: 1\n  selector:\n    matchLabels: {app: kvtrie-sharded}",
+   "maxUnavailable: 1\n  selector:\n    matchLabels: {app: kvtrie-other}", "no PodDisruptionBudget selects"],
   ["Dockerfile", "USER kvtrie", "USER root", "runs as root"],
   ["Dockerfile", "VOLUME /var/lib/kvtrie", "VOLUME /data", "is not a VOLUME"],
   ["Dockerfile", "\"--data_dir=/var/lib/kvtrie\"", "\"--data_dir=/var/lib/kvtrie\", \"--no_such_flag=1\"", "--no_such_flag=1' is not"],

@@ -600,3 +600,9 @@ class Client:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close()
+
+
+# N servers as one cache (kvtrie/sharded.py): imported last, it builds on Client.
+from .sharded import LOST_SHARD_CODES, ShardedClient  # noqa: E402
+
+__all__ += ["ShardedClient", "LOST_SHARD_CODES"]

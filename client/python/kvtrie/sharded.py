@@ -1,0 +1,331 @@
+"""kvtrie.ShardedClient — N kvtrie servers (shards) used as one cache, from Python.
+
+Each call for a prefix goes to its owner: the shard whose *name* wins the rendezvous hash of
+(namespace, model_id, the first ``route_tokens`` token ids) — the C++ router's own function
+(client/shard_router.h), so Python, C++ and CLI clients agree. A prefix, its extensions and
+near-duplicates sharing the first block live on one shard.
+
+A lost shard is a miss, never an error: when the owner is down, past its deadline or refusing
+(UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, CANCELLED, UNKNOWN, INTERNAL,
+DATA_LOSS), ``lookup`` answers 0, ``get`` an empty result, ``put`` stores nothing (a
+:class:`PutResult` with 0 stored tokens) and counts it in ``counters["puts_skipped"]``. The shard
+is then skipped for a jittered backoff (``down_backoff`` seconds doubling per failure in a row,
+at most 30x) before the next call tries it again. The caller's own errors (INVALID_ARGUMENT,
+NOT_FOUND, PERMISSION_DENIED, ...) raise :class:`kvtrie.Error` as the plain :class:`Client`'s do;
+``delete`` and ``pin`` always raise (the caller must know they did not happen).
+
+Example::
+
+    c = kvtrie.ShardedClient("stories260K",
+                             shards="kvtrie-0=10.0.0.5:50051,kvtrie-1=10.0.0.6:50051")
+    # or shards_dns="_grpc._tcp.kvtrie-headless.default.svc.cluster.local"
+    c.put(tokens, k, v)
+    k2, v2, n = c.get(tokens)       # n == 0 when the owner is down: recompute
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ._errors import Error, StatusCode, from_status
+from . import _kvtrie
+
+__all__ = ["ShardedClient", "LOST_SHARD_CODES"]
+
+LOST_SHARD_CODES = frozenset({
+    StatusCode.UNAVAILABLE, StatusCode.DEADLINE_EXCEEDED, StatusCode.RESOURCE_EXHAUSTED,
+    StatusCode.ABORTED, StatusCode.CANCELLED, StatusCode.UNKNOWN, StatusCode.INTERNAL,
+    StatusCode.DATA_LOSS,
+})
+
+
+class ShardedClient:
+    """One :class:`kvtrie.Client` per shard, every call routed to the prefix's owner.
+
+    Args:
+        model_id: as :class:`kvtrie.Client`'s.
+        shards: ``"name=host:port,..."`` — the shards by stable name (e.g. a StatefulSet's
+            ``kvtrie-0``); or
+        shards_dns: a DNS name giving them: an SRV name (``_grpc._tcp.kvtrie-headless.NS.svc.
+            cluster.local``: each target's first label is the name) or ``host:port`` (A records,
+            named by their reverse name). Re-resolved every ``refresh_interval`` seconds, and
+            after a shard failure (at most once a second).
+        route_tokens: tokens of a prefix that pick its owner (16: the first block; the same in
+            every client of the shards).
+        down_backoff: seconds a failed shard is skipped (doubling per failure in a row).
+        warmup_window: seconds after the shard names change during which a lookup or get that
+            misses on (or loses) a prefix's new owner asks its previous owner once; a get
+            answered there is also put to the new owner (``warmup_put`` are its put keyword
+            arguments, e.g. ``{"encoding": "lossless"}``). 0 (the default): off.
+        **client_kwargs: every shard's :class:`kvtrie.Client` arguments (``namespace``,
+            ``timeout``, ``token``, ``tls``, ``retry_attempts``, ...; default
+            ``retry_attempts=1``: a lost shard is a miss at once).
+
+    Raises:
+        Error: INVALID_ARGUMENT naming ``shards`` (neither or both given, a bad list);
+            UNAVAILABLE when ``shards_dns`` does not resolve now.
+
+    Thread-safe.
+    """
+
+    def __init__(self, model_id: str, *, shards: Optional[str] = None,
+                 shards_dns: Optional[str] = None, route_tokens: int = 16,
+                 refresh_interval: float = 30.0, down_backoff: float = 1.0,
+                 warmup_window: float = 0.0, warmup_put: Optional[Dict[str, Any]] = None,
+                 **client_kwargs: Any) -> None:
+        if bool(shards) == bool(shards_dns):
+            raise from_status(StatusCode.INVALID_ARGUMENT,
+                              "shards, shards_dns: give exactly one of them")
+        if int(route_tokens) < 1:
+            raise from_status(StatusCode.INVALID_ARGUMENT, "route_tokens: must be >= 1")
+        self.model_id = model_id
+        self.namespace = client_kwargs.get("namespace", "")
+        self.route_tokens = int(route_tokens)
+        self._dns = shards_dns
+        self._refresh_interval = float(refresh_interval)
+        self._down_backoff = float(down_backoff)
+        self._warmup_window = float(warmup_window)
+        self._warmup_put = dict(warmup_put or {})
+        self._previous: List[Tuple[str, str]] = []  # the shards before the last change of names
+        self._changed_at = float("-inf")
+        client_kwargs.setdefault("retry_attempts", 1)
+        self._client_kwargs = client_kwargs
+        self._lock = threading.Lock()  # guards everything below
+        self._shards: List[Tuple[str, str]] = (
+            _kvtrie._parse_shards(shards) if shards else sorted(_kvtrie._resolve_shards(shards_dns)))
+        self._next_refresh = time.monotonic() + self._refresh_interval
+        self._clients: Dict[str, Tuple[str, Any]] = {}  # name -> (target, kvtrie.Client)
+        self._down_until: Dict[str, float] = {}
+        self._failures: Dict[str, int] = {}
+        self.counters = {"lost_calls": 0, "puts_skipped": 0, "shard_failures": 0,
+                         "warmup_hits": 0, "warmup_copies": 0}
+
+    # --- membership ------------------------------------------------------------------------
+    def _maybe_refresh(self) -> None:
+        if self._dns is None:
+            return
+        with self._lock:
+            if time.monotonic() < self._next_refresh:
+                return
+            self._next_refresh = time.monotonic() + self._refresh_interval
+        try:
+            shards = sorted(_kvtrie._resolve_shards(self._dns))
+        except Error:
+            return  # keep the last set
+        self._replace(shards)
+
+    def _replace(self, shards: List[Tuple[str, str]]) -> None:
+        with self._lock:
+            if [n for n, _ in shards] != [n for n, _ in self._shards]:
+                self._previous, self._changed_at = self._shards, time.monotonic()
+            self._shards = shards
+
+    @property
+    def shards(self) -> List[Tuple[str, str]]:
+        """The current ``(name, target)`` shards, sorted by name."""
+        self._maybe_refresh()
+        with self._lock:
+            return list(self._shards)
+
+    def set_shards(self, shards: str) -> None:
+        """Replaces an explicit membership (``"name=host:port,..."``)."""
+        self._replace(_kvtrie._parse_shards(shards))
+
+    def owner(self, tokens: Any) -> str:
+        """The name of the shard that owns the prefix ``tokens``."""
+        return self._owner(np.ascontiguousarray(tokens, dtype=np.uint32))[0]
+
+    def _owner(self, tokens: np.ndarray) -> Tuple[str, str]:
+        shards = self.shards
+        i = _kvtrie._shard_owner([n for n, _ in shards], self.namespace, self.model_id, tokens,
+                                 self.route_tokens)
+        return shards[i]
+
+    def _previous_owner(self, tokens: np.ndarray, owner: str) -> Optional[Tuple[str, str]]:
+        with self._lock:
+            if (not self._previous or
+                    time.monotonic() - self._changed_at > self._warmup_window):
+                return None
+            previous, current = list(self._previous), dict(self._shards)
+        i = _kvtrie._shard_owner([n for n, _ in previous], self.namespace, self.model_id, tokens,
+                                 self.route_tokens)
+        name = previous[i][0]
+        return None if name == owner else (name, current.get(name, previous[i][1]))
+
+    def _warm_up(self, tokens: np.ndarray, owner: str, fn):
+        """fn(previous owner's client) when a warm-up applies and it answers; else None."""
+        if self._warmup_window <= 0:
+            return None
+        prev = self._previous_owner(tokens, owner)
+        client = self._acquire(prev) if prev else None
+        if client is None:
+            return None
+        try:
+            result = fn(client)
+        except Error as e:
+            self._lost(prev[0], e, "admin")
+            return None
+        return result
+
+    # --- one shard's client and its health -------------------------------------------------
+    def _acquire(self, shard: Tuple[str, str]):
+        from . import Client  # the package's, imported late (this module is imported by it)
+        name, target = shard
+        with self._lock:
+            entry = self._clients.get(name)
+            if entry is None or entry[0] != target:
+                entry = (target, Client(target, self.model_id, **self._client_kwargs))
+                self._clients[name] = entry
+                self._down_until.pop(name, None)
+                self._failures.pop(name, None)
+            if time.monotonic() < self._down_until.get(name, 0.0):
+                return None
+            return entry[1]
+
+    def _lost(self, name: str, e: Error, kind: str) -> bool:
+        """Records a failed call; True when it is the shard's (then a read or put is a miss)."""
+        if e.code not in LOST_SHARD_CODES:
+            return False
+        with self._lock:
+            self.counters["shard_failures"] += 1
+            if kind != "admin":
+                self.counters["lost_calls"] += 1
+            if kind == "put":
+                self.counters["puts_skipped"] += 1
+            n = min(self._failures.get(name, 0) + 1, 20)
+            self._failures[name] = n
+            d = min(self._down_backoff * 2 ** (n - 1), self._down_backoff * 30)
+            self._down_until[name] = time.monotonic() + d * random.uniform(0.5, 1.0)
+            if self._dns is not None:
+                self._next_refresh = min(self._next_refresh, time.monotonic() + 1.0)
+        return True
+
+    def _ok(self, name: str) -> None:
+        with self._lock:
+            self._failures.pop(name, None)
+
+    def _miss(self, kind: str) -> None:
+        with self._lock:
+            self.counters["lost_calls"] += 1
+            if kind == "put":
+                self.counters["puts_skipped"] += 1
+
+    def _call(self, tokens: Any, kind: str, fn, miss):
+        tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
+        name, target = self._owner(tokens)
+        client = self._acquire((name, target))
+        if client is None:
+            if kind == "admin":
+                raise Error(StatusCode.UNAVAILABLE, f"shard {name} is down; nothing done")
+            self._miss(kind)
+            return miss()
+        try:
+            result = fn(client, tokens)
+        except Error as e:
+            if self._lost(name, e, kind) and kind != "admin":
+                return miss()
+            raise
+        self._ok(name)
+        return result
+
+    # --- the calls -------------------------------------------------------------------------
+    def lookup(self, tokens: Any) -> int:
+        """As :meth:`kvtrie.Client.lookup`, on the owner; 0 when it is lost (or, with a
+        warm-up, the previous owner's answer)."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
+        n = self._call(tokens, "read", lambda c, t: c.lookup(t), lambda: 0)
+        if n == 0:
+            w = self._warm_up(tokens, self.owner(tokens), lambda c: c.lookup(tokens))
+            if w:
+                with self._lock:
+                    self.counters["warmup_hits"] += 1
+                return w
+        return n
+
+    def put(self, tokens: Any, k: np.ndarray, v: np.ndarray, *args: Any, **kwargs: Any):
+        """As :meth:`kvtrie.Client.put`, on the owner; when it is lost nothing is stored and the
+        result has ``stored_tokens == 0`` (counted in ``counters["puts_skipped"]``)."""
+        from . import PutResult
+        return self._call(tokens, "put", lambda c, t: c.put(t, k, v, *args, **kwargs),
+                          lambda: PutResult(0, 0, 0, 0, ()))
+
+    def get(self, tokens: Any, *args: Any, **kwargs: Any) -> Tuple[np.ndarray, np.ndarray, int]:
+        """As :meth:`kvtrie.Client.get`, on the owner; ``(empty, empty, 0)`` when it is lost."""
+        def miss():
+            empty = np.empty((0, 0, 0, 0), np.float16)
+            return empty, empty.copy(), 0
+        tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
+        k, v, n = self._call(tokens, "read", lambda c, t: c.get(t, *args, **kwargs), miss)
+        if n == 0:
+            owner = self.owner(tokens)
+            w = self._warm_up(tokens, owner, lambda c: c.get(tokens, *args, **kwargs))
+            if w and w[2] > 0:
+                k, v, n = w
+                with self._lock:
+                    self.counters["warmup_hits"] += 1
+                new = self._acquire((owner, dict(self.shards)[owner]))
+                try:
+                    if new is not None:
+                        new.put(tokens[:n], k, v, **self._warmup_put)
+                        with self._lock:
+                            self.counters["warmup_copies"] += 1
+                except Error as e:
+                    self._lost(owner, e, "admin")
+        return k, v, n
+
+    def delete(self, tokens: Any) -> dict:
+        """As :meth:`kvtrie.Client.delete`, on the owner (raises when it is lost)."""
+        return self._call(tokens, "admin", lambda c, t: c.delete(t), None)
+
+    def pin(self, tokens: Any, ttl_seconds: int = 0, unpin: bool = False) -> int:
+        """As :meth:`kvtrie.Client.pin`, on the owner (raises when it is lost)."""
+        return self._call(tokens, "admin", lambda c, t: c.pin(t, ttl_seconds, unpin), None)
+
+    def stats_all(self, namespace: Optional[str] = None) -> Dict[str, Any]:
+        """Every shard's :meth:`kvtrie.Client.stats` by name; a lost shard's entry is the
+        :class:`kvtrie.Error` it raised (it is then skipped for its backoff)."""
+        out: Dict[str, Any] = {}
+        for shard in self.shards:
+            client = self._acquire(shard)
+            if client is None:
+                out[shard[0]] = Error(StatusCode.UNAVAILABLE, f"shard {shard[0]} is down")
+                continue
+            try:
+                out[shard[0]] = client.stats(namespace)
+                self._ok(shard[0])
+            except Error as e:
+                self._lost(shard[0], e, "admin")
+                out[shard[0]] = e
+        return out
+
+    def stats(self, namespace: Optional[str] = None) -> dict:
+        """The counters of every shard that answered, summed (``max_*`` the largest), with
+        ``shards_answered`` and ``shards_total``. Ratios are recomputed from the sums."""
+        per = self.stats_all(namespace)
+        answered = [s for s in per.values() if isinstance(s, dict)]
+        total: Dict[str, Any] = {}
+        for s in answered:
+            for key, value in s.items():
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    continue
+                if key.startswith("max_"):
+                    total[key] = max(total.get(key, 0), value)
+                else:
+                    total[key] = total.get(key, 0) + value
+        stored = total.get("bytes_stored", 0)
+        total["compression_ratio"] = total.get("bytes_logical", 0) / stored if stored else 0.0
+        total.pop("bits_per_component", None)
+        total.pop("mean_rel_rms_error_k", None)
+        total.pop("mean_rel_rms_error_v", None)
+        total["shards_answered"] = len(answered)
+        total["shards_total"] = len(per)
+        return total
+
+    def __repr__(self) -> str:
+        return (f"kvtrie.ShardedClient(model_id={self.model_id!r}, "
+                f"shards={[n for n, _ in self.shards]!r})")

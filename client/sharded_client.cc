@@ -1,0 +1,333 @@
+#include "client/sharded_client.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/random/random.h"
+#include "absl/strings/str_cat.h"
+#include "google/protobuf/descriptor.h"
+
+namespace kvtrie {
+
+bool LostShardCode(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kResourceExhausted:
+    case absl::StatusCode::kAborted:
+    case absl::StatusCode::kCancelled:
+    case absl::StatusCode::kUnknown:
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kDataLoss:
+      return true;
+    default:
+      return false;
+  }
+}
+
+v1::StatsResponse MergeStats(absl::Span<const v1::StatsResponse> stats) {
+  using google::protobuf::FieldDescriptor;
+  v1::StatsResponse out;
+  const google::protobuf::Descriptor* d = out.GetDescriptor();
+  const google::protobuf::Reflection* r = out.GetReflection();
+  double elements = 0, lossy_k = 0, lossy_v = 0;  // for the recomputed ratios and means
+  for (const v1::StatsResponse& s : stats) {
+    if (s.bits_per_component() > 0) elements += 8.0 * s.bytes_stored() / s.bits_per_component();
+    lossy_k += s.mean_rel_rms_error_k() * s.lossy_nodes();
+    lossy_v += s.mean_rel_rms_error_v() * s.lossy_nodes();
+    // Histograms: the same buckets on every server; counts summed.
+    for (auto [into, from] :
+         {std::pair{out.mutable_path_surprisal_histogram(), &s.path_surprisal_histogram()},
+          std::pair{out.mutable_branch_distance_histogram(), &s.branch_distance_histogram()}}) {
+      for (int b = 0; b < from->size(); ++b) {
+        if (b >= into->size()) {
+          *into->Add() = from->Get(b);
+        } else {
+          into->Mutable(b)->set_count(into->Get(b).count() + from->Get(b).count());
+        }
+      }
+    }
+    for (int i = 0; i < d->field_count(); ++i) {
+      const FieldDescriptor* f = d->field(i);
+      const bool is_max = f->name().rfind("max_", 0) == 0;
+      if (f->is_repeated()) continue;  // the histograms, above
+      if (f->cpp_type() == FieldDescriptor::CPPTYPE_UINT64) {
+        const uint64_t a = r->GetUInt64(out, f), b = r->GetUInt64(s, f);
+        r->SetUInt64(&out, f, is_max ? std::max(a, b) : a + b);
+      } else if (f->cpp_type() == FieldDescriptor::CPPTYPE_DOUBLE) {
+        r->SetDouble(&out, f, std::max(r->GetDouble(out, f), r->GetDouble(s, f)));
+      }
+    }
+  }
+  out.set_compression_ratio(
+      out.bytes_stored() > 0 ? static_cast<double>(out.bytes_logical()) / out.bytes_stored() : 0);
+  out.set_bits_per_component(elements > 0 ? 8.0 * out.bytes_stored() / elements : 0);
+  out.set_mean_rel_rms_error_k(out.lossy_nodes() > 0 ? lossy_k / out.lossy_nodes() : 0);
+  out.set_mean_rel_rms_error_v(out.lossy_nodes() > 0 ? lossy_v / out.lossy_nodes() : 0);
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClient::Create(
+    const ShardedClientOptions& options) {
+  if (options.shards.empty() == options.shards_dns.empty()) {
+    return absl::InvalidArgumentError("shards, shards_dns: give exactly one of them");
+  }
+  std::unique_ptr<ShardedClient> c(new ShardedClient(options));
+  if (!options.shards.empty()) {
+    absl::StatusOr<std::vector<Shard>> list = ParseShardList(options.shards);
+    if (!list.ok()) return list.status();
+    absl::StatusOr<std::unique_ptr<ShardRouter>> r =
+        ShardRouter::FromList(*std::move(list), options.router);
+    if (!r.ok()) return r.status();
+    c->router_ = *std::move(r);
+  } else {
+    std::shared_ptr<ShardResolver> resolver = options.resolver;
+    if (resolver == nullptr) resolver = NewSystemResolver();
+    absl::StatusOr<std::unique_ptr<ShardRouter>> r =
+        ShardRouter::FromDns(options.shards_dns, std::move(resolver), options.router);
+    if (!r.ok()) return r.status();
+    c->router_ = *std::move(r);
+  }
+  return c;
+}
+
+std::shared_ptr<Client> ShardedClient::Acquire(const Shard& shard) {
+  absl::MutexLock lock(&mu_);
+  Entry& e = entries_[shard.name];
+  if (e.client == nullptr || e.target != shard.target) {
+    // New shard, or its address changed (a restarted pod): a fresh channel, a fresh start.
+    ClientOptions o = options_.client;
+    o.target = shard.target;
+    e.target = shard.target;
+    e.client = Client::Create(o);  // creates a channel; connects lazily (no I/O here)
+    e.down_until = absl::InfinitePast();
+    e.failures_in_a_row = 0;
+  }
+  if (absl::Now() < e.down_until) return nullptr;
+  return e.client;
+}
+
+void ShardedClient::CountMiss(Call call) {
+  absl::MutexLock lock(&mu_);
+  ++counters_.lost_calls;
+  if (call == Call::kPut) ++counters_.puts_skipped;
+}
+
+bool ShardedClient::Lost(const Shard& shard, const absl::Status& s, Call call) {
+  if (s.ok() || !LostShardCode(s.code())) {
+    if (s.ok()) {
+      absl::MutexLock lock(&mu_);
+      entries_[shard.name].failures_in_a_row = 0;
+    }
+    return false;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    Entry& e = entries_[shard.name];
+    ++counters_.shard_failures;
+    if (call != Call::kAdmin) ++counters_.lost_calls;
+    if (call == Call::kPut) ++counters_.puts_skipped;
+    const int n = std::min(++e.failures_in_a_row, 20);
+    absl::Duration d = options_.down_initial_backoff;
+    for (int i = 1; i < n && d < options_.down_max_backoff; ++i) d *= 2;
+    d = std::min(d, options_.down_max_backoff);
+    static thread_local absl::BitGen gen;
+    e.down_until = absl::Now() + d * absl::Uniform(gen, 0.5, 1.0);
+  }
+  router_->ReportFailure();
+  return true;
+}
+
+Shard ShardedClient::OwnerOf(const std::string& model_id, absl::Span<const uint32_t> token_ids) {
+  return router_->Owner(options_.client.ns, model_id, token_ids);
+}
+
+absl::StatusOr<v1::LookupResponse> ShardedClient::Lookup(const std::string& model_id,
+                                                         absl::Span<const uint32_t> token_ids) {
+  const Shard owner = OwnerOf(model_id, token_ids);
+  std::shared_ptr<Client> c = Acquire(owner);
+  if (c == nullptr) {
+    CountMiss(Call::kRead);
+    return v1::LookupResponse();
+  }
+  absl::StatusOr<v1::LookupResponse> r = c->Lookup(model_id, token_ids);
+  const bool lost = Lost(owner, r.status(), Call::kRead);
+  if (!lost && !r.ok()) return r;
+  if ((lost || r->matched_tokens() == 0) && options_.warmup_window > absl::ZeroDuration()) {
+    std::optional<Shard> prev =
+        router_->PreviousOwner(options_.client.ns, model_id, token_ids, options_.warmup_window);
+    std::shared_ptr<Client> p = prev ? Acquire(*prev) : nullptr;
+    if (p != nullptr) {
+      absl::StatusOr<v1::LookupResponse> w = p->Lookup(model_id, token_ids);
+      Lost(*prev, w.status(), Call::kAdmin);
+      if (w.ok() && w->matched_tokens() > 0) {
+        absl::MutexLock lock(&mu_);
+        ++counters_.warmup_hits;
+        return w;
+      }
+    }
+  }
+  if (lost) return v1::LookupResponse();
+  return r;
+}
+
+absl::StatusOr<v1::PutResponse> ShardedClient::Put(const KvDump& kv, const PutOptions& options) {
+  const Shard owner = OwnerOf(kv.model_id, kv.token_ids);
+  std::shared_ptr<Client> c = Acquire(owner);
+  if (c == nullptr) {
+    CountMiss(Call::kPut);
+    return v1::PutResponse();
+  }
+  absl::StatusOr<v1::PutResponse> r = c->Put(kv, options);
+  if (Lost(owner, r.status(), Call::kPut)) return v1::PutResponse();
+  return r;
+}
+
+absl::StatusOr<KvDump> ShardedClient::Get(const std::string& model_id,
+                                          absl::Span<const uint32_t> token_ids,
+                                          const GetOptions& options) {
+  KvDump out;
+  if (absl::Status s = GetInto(model_id, token_ids, options, &out); !s.ok()) return s;
+  return out;
+}
+
+absl::Status ShardedClient::GetInto(const std::string& model_id,
+                                    absl::Span<const uint32_t> token_ids, const GetOptions& options,
+                                    KvDump* out) {
+  const Shard owner = OwnerOf(model_id, token_ids);
+  auto miss = [out] {
+    out->token_ids.clear();
+    out->surprisal_bits.clear();
+    out->k.clear();
+    out->v.clear();
+    return absl::OkStatus();
+  };
+  std::shared_ptr<Client> c = Acquire(owner);
+  if (c == nullptr) {
+    CountMiss(Call::kRead);
+    return miss();
+  }
+  absl::Status s = c->GetInto(model_id, token_ids, options, out);
+  const bool lost = Lost(owner, s, Call::kRead);
+  if (!lost && !s.ok()) return s;
+  if ((lost || out->token_ids.empty()) && options_.warmup_window > absl::ZeroDuration() &&
+      WarmUpGet(model_id, token_ids, options, owner, out)) {
+    return absl::OkStatus();
+  }
+  if (lost) return miss();
+  return s;
+}
+
+bool ShardedClient::WarmUpGet(const std::string& model_id, absl::Span<const uint32_t> token_ids,
+                              const GetOptions& options, const Shard& owner, KvDump* out) {
+  std::optional<Shard> prev =
+      router_->PreviousOwner(options_.client.ns, model_id, token_ids, options_.warmup_window);
+  std::shared_ptr<Client> p = prev ? Acquire(*prev) : nullptr;
+  if (p == nullptr) return false;
+  absl::Status s = p->GetInto(model_id, token_ids, options, out);
+  Lost(*prev, s, Call::kAdmin);
+  if (!s.ok() || out->token_ids.empty()) {
+    out->token_ids.clear();
+    out->surprisal_bits.clear();
+    out->k.clear();
+    out->v.clear();
+    return false;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    ++counters_.warmup_hits;
+  }
+  // Copy it to the new owner, without surprisal (a Get does not return it).
+  std::shared_ptr<Client> o = Acquire(owner);
+  if (o != nullptr) {
+    std::vector<float> surprisal;
+    surprisal.swap(out->surprisal_bits);
+    absl::StatusOr<v1::PutResponse> r = o->Put(*out, options_.warmup_put);
+    surprisal.swap(out->surprisal_bits);
+    Lost(owner, r.status(), Call::kAdmin);
+    if (r.ok()) {
+      absl::MutexLock lock(&mu_);
+      ++counters_.warmup_copies;
+    }
+  }
+  return true;
+}
+
+absl::StatusOr<v1::DeleteResponse> ShardedClient::Delete(const std::string& model_id,
+                                                         absl::Span<const uint32_t> token_ids) {
+  const Shard owner = OwnerOf(model_id, token_ids);
+  std::shared_ptr<Client> c = Acquire(owner);
+  if (c == nullptr) {
+    return absl::UnavailableError(absl::StrCat("shard ", owner.name, " is down; nothing deleted"));
+  }
+  absl::StatusOr<v1::DeleteResponse> r = c->Delete(model_id, token_ids);
+  Lost(owner, r.status(), Call::kAdmin);
+  return r;
+}
+
+absl::StatusOr<v1::PinResponse> ShardedClient::Pin(const std::string& model_id,
+                                                   absl::Span<const uint32_t> token_ids,
+                                                   uint64_t ttl_seconds, bool unpin) {
+  const Shard owner = OwnerOf(model_id, token_ids);
+  std::shared_ptr<Client> c = Acquire(owner);
+  if (c == nullptr) {
+    return absl::UnavailableError(absl::StrCat("shard ", owner.name, " is down; nothing pinned"));
+  }
+  absl::StatusOr<v1::PinResponse> r = c->Pin(model_id, token_ids, ttl_seconds, unpin);
+  Lost(owner, r.status(), Call::kAdmin);
+  return r;
+}
+
+std::vector<ShardedClient::ShardStats> ShardedClient::StatsAll(const std::string& ns_override) {
+  std::vector<ShardStats> out;
+  for (const Shard& shard : router_->Shards()) {
+    ShardStats one{shard, absl::OkStatus(), {}};
+    std::shared_ptr<Client> c = Acquire(shard);
+    if (c == nullptr) {
+      one.status = absl::UnavailableError(absl::StrCat("shard ", shard.name, " is down"));
+    } else {
+      absl::StatusOr<v1::StatsResponse> r = c->Stats(ns_override);
+      Lost(shard, r.status(), Call::kAdmin);
+      if (r.ok())
+        one.stats = *std::move(r);
+      else
+        one.status = r.status();
+    }
+    out.push_back(std::move(one));
+  }
+  return out;
+}
+
+std::vector<ShardedClient::ShardInspect> ShardedClient::InspectAll(const std::string& model_id,
+                                                                   uint64_t node_id) {
+  std::vector<ShardInspect> out;
+  for (const Shard& shard : router_->Shards()) {
+    ShardInspect one{shard, absl::OkStatus(), {}};
+    std::shared_ptr<Client> c = Acquire(shard);
+    if (c == nullptr) {
+      one.status = absl::UnavailableError(absl::StrCat("shard ", shard.name, " is down"));
+    } else {
+      absl::StatusOr<v1::InspectResponse> r = c->Inspect(model_id, node_id);
+      Lost(shard, r.status(), Call::kAdmin);
+      if (r.ok())
+        one.inspect = *std::move(r);
+      else
+        one.status = r.status();
+    }
+    out.push_back(std::move(one));
+  }
+  return out;
+}
+
+ShardedClient::Counters ShardedClient::counters() const {
+  absl::MutexLock lock(&mu_);
+  return counters_;
+}
+
+bool ShardedClient::IsDown(const std::string& shard_name) const {
+  absl::MutexLock lock(&mu_);
+  auto it = entries_.find(shard_name);
+  return it != entries_.end() && absl::Now() < it->second.down_until;
+}
+
+}  // namespace kvtrie

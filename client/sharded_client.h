@@ -1,0 +1,163 @@
+// client/sharded_client.h
+//
+// kvtrie::ShardedClient — N kvtrie servers (shards) used as one cache. Every call for a prefix
+// goes to its owner (client/shard_router.h: rendezvous hash of namespace, model_id and the first
+// route_tokens token ids over the shard names), so a prefix, its extensions and near-duplicates
+// sharing the first block live on one shard. The plain kvtrie::Client is unchanged; this class
+// holds one Client per shard (created on first use, replaced when a shard's address changes).
+//
+// A lost shard is a miss, never an error: when the owner is down, past its deadline or refusing
+// (a status LostShardCode says is the shard's, not the caller's), Lookup answers 0 matched
+// tokens, Get an empty result, Put stores nothing (an empty PutResponse) and is counted in
+// puts_skipped. The shard is then marked down for a jittered backoff (down_initial_backoff
+// doubling to down_max_backoff): calls for its prefixes are misses at once, without waiting for
+// a deadline, until the backoff ends and the next call tries it again. A DNS membership is
+// re-resolved after such a failure. Errors of the caller's own (INVALID_ARGUMENT, NOT_FOUND,
+// PERMISSION_DENIED, UNAUTHENTICATED, FAILED_PRECONDITION, ...) are returned as the plain Client
+// returns them. Delete and Pin go to the owner and return its status as it is (a Delete on a
+// lost shard is UNAVAILABLE: the caller must know it did not happen).
+//
+// Stats and Inspect fan out to every shard (StatsAll, InspectAll); MergeStats adds them up.
+// Thread-safe.
+#ifndef KVTRIE_CLIENT_SHARDED_CLIENT_H_
+#define KVTRIE_CLIENT_SHARDED_CLIENT_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "client/client.h"
+#include "client/shard_router.h"
+
+namespace kvtrie {
+
+struct ShardedClientOptions {
+  // Every shard's connection: ns, timeout (the deadline past which a shard is lost for the call),
+  // TLS, token, codec_threads, retry. `target` is not used.
+  ClientOptions client;
+  // The membership, exactly one of: an explicit "name=host:port,..." list, or a DNS name (an SRV
+  // name such as _grpc._tcp.kvtrie.default.svc.cluster.local, or host:port for A records)
+  // resolved by `resolver` (null: the system's). CLI: --shards, --shards_dns.
+  std::string shards;
+  std::string shards_dns;
+  std::shared_ptr<ShardResolver> resolver;
+  ShardRouterOptions router;
+  // How long a shard that failed is skipped: drawn from [d/2, d], d doubling per failure in a row.
+  absl::Duration down_initial_backoff = absl::Seconds(1);
+  absl::Duration down_max_backoff = absl::Seconds(30);
+  // Warm-up (mcrouter's WarmUpRoute), off when zero: during this long after the shard names
+  // change, a Lookup or Get that misses on (or loses) a prefix's new owner asks its previous
+  // owner once; a Get answered there is also Put to the new owner with `warmup_put` (whose
+  // block_tokens must be the model's), so the new owner is warm when the window ends. The copy
+  // is of what Get returned (reconstructed: a lossy encoding is encoded again), without
+  // surprisal. CLI: --shard_warmup_seconds; Python: warmup_window=.
+  absl::Duration warmup_window = absl::ZeroDuration();
+  PutOptions warmup_put = {};
+};
+
+// A status of a shard, not of the call: UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED,
+// ABORTED, CANCELLED, UNKNOWN, INTERNAL, DATA_LOSS.
+bool LostShardCode(absl::StatusCode code);
+
+// Stats of several shards added up: counters summed; max_* fields the largest; ratios
+// (compression_ratio, bits_per_component) recomputed from the sums; mean errors weighted by
+// lossy_nodes; histogram buckets summed bucket by bucket. `namespaces` and `models` are summed
+// (one on two shards counts twice).
+v1::StatsResponse MergeStats(absl::Span<const v1::StatsResponse> stats);
+
+class ShardedClient {
+ public:
+  // Errors: INVALID_ARGUMENT naming `shards` / `shards_dns` (neither or both given, a bad list);
+  // UNAVAILABLE when shards_dns does not resolve now.
+  static absl::StatusOr<std::unique_ptr<ShardedClient>> Create(const ShardedClientOptions& options);
+
+  ShardedClient(const ShardedClient&) = delete;
+  ShardedClient& operator=(const ShardedClient&) = delete;
+
+  // As Client's, sent to the owner; a lost owner is a miss (see above).
+  absl::StatusOr<v1::LookupResponse> Lookup(const std::string& model_id,
+                                            absl::Span<const uint32_t> token_ids);
+  absl::StatusOr<v1::PutResponse> Put(const KvDump& kv, const PutOptions& options = {});
+  absl::StatusOr<KvDump> Get(const std::string& model_id, absl::Span<const uint32_t> token_ids,
+                             const GetOptions& options = {});
+  absl::Status GetInto(const std::string& model_id, absl::Span<const uint32_t> token_ids,
+                       const GetOptions& options, KvDump* out);
+  absl::StatusOr<v1::DeleteResponse> Delete(const std::string& model_id,
+                                            absl::Span<const uint32_t> token_ids);
+  absl::StatusOr<v1::PinResponse> Pin(const std::string& model_id,
+                                      absl::Span<const uint32_t> token_ids,
+                                      uint64_t ttl_seconds = 0, bool unpin = false);
+
+  // One answer per shard of the current membership, sorted by name; a lost shard has its status
+  // (and is marked down), the others their response.
+  struct ShardStats {
+    Shard shard;
+    absl::Status status;
+    v1::StatsResponse stats;
+  };
+  std::vector<ShardStats> StatsAll(const std::string& ns_override = "");
+  struct ShardInspect {
+    Shard shard;
+    absl::Status status;
+    v1::InspectResponse inspect;
+  };
+  // node_id is each shard's own (0 = the root of every shard's trie).
+  std::vector<ShardInspect> InspectAll(const std::string& model_id, uint64_t node_id);
+
+  // The owner of the prefix `token_ids` of (options.client.ns, model_id).
+  Shard OwnerOf(const std::string& model_id, absl::Span<const uint32_t> token_ids);
+  std::vector<Shard> shards() { return router_->Shards(); }
+  // Replaces an explicit membership (e.g. a shard added, or restarted at another address).
+  absl::Status SetShards(std::vector<Shard> shards) {
+    return router_->SetShards(std::move(shards));
+  }
+
+  struct Counters {
+    uint64_t lost_calls = 0;      // calls answered as a miss because the owner was lost
+    uint64_t puts_skipped = 0;    // of them, Puts (nothing stored)
+    uint64_t shard_failures = 0;  // calls that failed with a LostShardCode (marking a shard down)
+    uint64_t warmup_hits = 0;     // Lookups and Gets answered by a previous owner
+    uint64_t warmup_copies = 0;   // Gets so answered that were Put to the new owner
+  };
+  Counters counters() const;
+  bool IsDown(const std::string& shard_name) const;
+
+  const ShardedClientOptions& options() const { return options_; }
+
+ private:
+  explicit ShardedClient(const ShardedClientOptions& options) : options_(options) {}
+  // The Client of `shard`, or null when it is marked down (the call is a miss).
+  std::shared_ptr<Client> Acquire(const Shard& shard);
+  enum class Call { kRead, kPut, kAdmin };  // kAdmin: Delete, Pin, Stats, Inspect (never a miss)
+  // Records the outcome of a call to `shard` (a lost shard's status marks it down); returns true
+  // when `s` is a lost shard's (a read or Put then becomes a miss).
+  bool Lost(const Shard& shard, const absl::Status& s, Call call);
+  void CountMiss(Call call);
+  // The warm-up of a Get that missed on `owner` (see warmup_window): true when the previous owner
+  // answered it into `out`.
+  bool WarmUpGet(const std::string& model_id, absl::Span<const uint32_t> token_ids,
+                 const GetOptions& options, const Shard& owner, KvDump* out);
+
+  struct Entry {
+    std::string target;
+    std::shared_ptr<Client> client;
+    absl::Time down_until = absl::InfinitePast();
+    int failures_in_a_row = 0;
+  };
+  const ShardedClientOptions options_;
+  std::unique_ptr<ShardRouter> router_;
+  mutable absl::Mutex mu_;  // guards entries_ and counters_ (never held across an RPC)
+  std::map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);  // by shard name
+  Counters counters_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvtrie
+
+#endif  // KVTRIE_CLIENT_SHARDED_CLIENT_H_

@@ -1,0 +1,138 @@
+"""kvtrie.ShardedClient against three real kvtrie-server processes, on the real KV dumps of
+tests/data: each prefix on its owner only (the same owner the C++ router picks), Gets
+bit-identical, a killed shard a miss and never an error (issue 21)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvtrie
+from conftest import TESTDATA, ServerProcess, read_dump
+
+DUMPS = [TESTDATA / "sessions" / f"s{i}" for i in range(4)] + [
+    TESTDATA / "neardup" / f"n{i}" for i in range(4)] + [
+    TESTDATA / name for name in ("genesis_1-3", "GPL-3", "story_prompt")]
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint16)
+
+
+def windows():
+    """The whole dumps, and 64-token windows of each at 32-token steps with distinct first
+    blocks (real KV rows re-cut, so that there are enough prefixes to spread)."""
+    out, seen = [], set()
+    for folder in DUMPS:
+        tokens, surprisal, k, v = read_dump(folder)
+        n = len(tokens) // 16 * 16
+        out.append((tokens[:n], k[:, :, :n], v[:, :, :n]))
+        for o in range(16, len(tokens) - 64 + 1, 32):
+            key = tuple(tokens[o:o + 16])
+            if key not in seen:
+                seen.add(key)
+                out.append((tokens[o:o + 64], np.ascontiguousarray(k[:, :, o:o + 64]),
+                            np.ascontiguousarray(v[:, :, o:o + 64])))
+    return out
+
+
+@pytest.fixture()
+def shards(tmp_path):
+    servers = [ServerProcess(tmp_path / f"kvtrie-{i}") for i in range(3)]
+    yield servers
+    for s in servers:
+        if s.proc.poll() is None:
+            s.proc.kill()
+            s.proc.wait()
+
+
+def shard_list(servers):
+    return ",".join(f"kvtrie-{i}={s.target}" for i, s in enumerate(servers))
+
+
+def test_each_prefix_on_its_owner_only_and_gets_bit_identical(shards):
+    c = kvtrie.ShardedClient("stories260K", shards=shard_list(shards), namespace="py")
+    direct = [kvtrie.Client(s.target, "stories260K", namespace="py") for s in shards]
+    prefixes = windows()
+    assert len(prefixes) > 40
+    owners = {}
+    for tokens, k, v in prefixes:
+        r = c.put(tokens, k, v, encoding="lossless")
+        assert r.stored_tokens == len(tokens)
+    for tokens, k, v in prefixes:
+        owner = c.owner(tokens)
+        owners[owner] = owners.get(owner, 0) + 1
+        for i, d in enumerate(direct):
+            assert d.lookup(tokens) == (len(tokens) if owner == f"kvtrie-{i}" else 0)
+        k2, v2, n = c.get(tokens)
+        assert n == len(tokens)
+        assert np.array_equal(bits(k2), bits(k)) and np.array_equal(bits(v2), bits(v))
+    assert sorted(owners) == ["kvtrie-0", "kvtrie-1", "kvtrie-2"]
+    total = c.stats()
+    assert total["shards_answered"] == 3
+    assert total["nodes"] == sum(d.stats()["nodes"] for d in direct)
+
+
+def test_a_killed_shard_is_a_miss_never_an_error(shards):
+    c = kvtrie.ShardedClient("stories260K", shards=shard_list(shards), namespace="py",
+                             timeout=5.0)
+    prefixes = windows()
+    for tokens, k, v in prefixes:
+        c.put(tokens, k, v, encoding="lossless")
+    shards[1].proc.kill()
+    shards[1].proc.wait()
+    lost = 0
+    for tokens, k, v in prefixes:
+        k2, v2, n = c.get(tokens)
+        assert c.lookup(tokens) == n
+        if c.owner(tokens) == "kvtrie-1":
+            lost += 1
+            assert n == 0
+            assert c.put(tokens, k, v, encoding="lossless").stored_tokens == 0
+        else:
+            assert n == len(tokens) and np.array_equal(bits(k2), bits(k))
+    assert lost > 0
+    assert c.counters["puts_skipped"] == lost
+    assert c.counters["shard_failures"] >= 1
+    per = c.stats_all()
+    assert isinstance(per["kvtrie-1"], kvtrie.Error) and isinstance(per["kvtrie-0"], dict)
+    with pytest.raises(kvtrie.Error) as e:  # a delete must not pass for done
+        c.delete(next(t for t, _, _ in prefixes if c.owner(t) == "kvtrie-1"))
+    assert e.value.code == kvtrie.StatusCode.UNAVAILABLE
+
+
+def test_membership_arguments_are_checked():
+    with pytest.raises(kvtrie.InvalidArgumentError, match="shards"):
+        kvtrie.ShardedClient("m")
+    with pytest.raises(kvtrie.InvalidArgumentError, match="shards"):
+        kvtrie.ShardedClient("m", shards="kvtrie-0")
+    with pytest.raises(kvtrie.Error) as e:
+        kvtrie.ShardedClient("m", shards_dns="no-such-host.invalid:1")
+    assert e.value.code == kvtrie.StatusCode.UNAVAILABLE
+
+
+def test_warm_up_asks_the_previous_owner_and_copies_to_the_new_one(shards, tmp_path):
+    c = kvtrie.ShardedClient("stories260K", shards=shard_list(shards), namespace="py",
+                             warmup_window=60.0, warmup_put={"encoding": "lossless"})
+    prefixes = windows()
+    for tokens, k, v in prefixes:
+        c.put(tokens, k, v, encoding="lossless")
+    before = [c.owner(t) for t, _, _ in prefixes]
+    fourth = ServerProcess(tmp_path / "kvtrie-3")
+    try:
+        c.set_shards(shard_list(shards + [fourth]))
+        new = kvtrie.Client(fourth.target, "stories260K", namespace="py")
+        moved = 0
+        for (tokens, k, v), was in zip(prefixes, before):
+            assert c.lookup(tokens) == len(tokens)
+            k2, v2, n = c.get(tokens)
+            assert n == len(tokens) and np.array_equal(bits(k2), bits(k))
+            if c.owner(tokens) != was:
+                moved += 1
+                assert new.lookup(tokens) == len(tokens)  # copied to the new owner
+        assert moved > 0
+        assert c.counters["warmup_copies"] == moved
+        assert c.counters["warmup_hits"] == 2 * moved
+    finally:
+        fourth.proc.kill()
+        fourth.proc.wait()
