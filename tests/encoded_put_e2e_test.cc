@@ -32,6 +32,23 @@ using testing::Msg;
 using testing::ServerProcess;
 constexpr double kTarget = 0.05;
 
+// The first `tokens` tokens of `d` (sequence layout: [layers][heads][tokens][head_dim] per side).
+KvDump FirstTokens(const KvDump& d, size_t tokens) {
+  KvDump out = d;
+  out.token_ids.resize(tokens);
+  if (!out.surprisal_bits.empty()) out.surprisal_bits.resize(tokens);
+  const size_t row = static_cast<size_t>(d.head_dim) * 2;  // fp16
+  const size_t rows = static_cast<size_t>(d.num_layers) * d.num_kv_heads;
+  out.k.assign(rows * tokens * row, 0);
+  out.v.assign(out.k.size(), 0);
+  for (size_t r = 0; r < rows; ++r) {
+    const size_t from = r * d.num_tokens() * row, to = r * tokens * row;
+    std::copy_n(d.k.begin() + from, tokens * row, out.k.begin() + to);
+    std::copy_n(d.v.begin() + from, tokens * row, out.v.begin() + to);
+  }
+  return out;
+}
+
 EncodeOptions Fast(Encoding e) {
   EncodeOptions o;
   o.encoding = e;
@@ -229,39 +246,43 @@ TEST_F(EncodedPutEndToEnd, AnEncodedPutStoresWhatADensePutStoresAndReadsBackTheS
 TEST_F(EncodedPutEndToEnd, AClientThatEncodesStoresWhatTheServerWouldEncode) {
   auto a = Client::Create({.target = server_->target(), .ns = "a", .codec_threads = 2});
   ASSERT_NO_FATAL_FAILURE(PutAndWaitForFits(a.get(), gpl_, 1));
+  // The server learns from encoded Puts too: 24 blocks (384 tokens) stay under the 512-token
+  // refit, so the dense Put below codes against the same version 1 as the client did.
+  constexpr uint32_t kBlocks = 24;
+  const KvDump genesis = FirstTokens(genesis_, kBlocks * 16);
   PutOptions o{.encoding = v1::ENCODING_RESIDUAL,
                .target_rel_rms = kTarget,
                .profile = v1::EncodingSpec::PROFILE_FAST,
                .encode_on_client = true};
-  absl::StatusOr<v1::PutResponse> put = a->Put(genesis_, o);
+  absl::StatusOr<v1::PutResponse> put = a->Put(genesis, o);
   ASSERT_TRUE(put.ok()) << put.status();
-  EXPECT_EQ(put->blocks_stored(), 32u);
-  const std::vector<std::string> encoded = StoredBytes(a.get(), "a", genesis_, 32);
+  EXPECT_EQ(put->blocks_stored(), kBlocks);
+  const std::vector<std::string> encoded = StoredBytes(a.get(), "a", genesis, kBlocks);
   absl::StatusOr<v1::StatsResponse> stats = a->Stats();
   ASSERT_TRUE(stats.ok());
-  EXPECT_EQ(stats->client_reported_error_nodes(), 32u);
+  EXPECT_EQ(stats->client_reported_error_nodes(), kBlocks);
   EXPECT_GT(stats->blocks_on_learned(), 0u);  // coded against version 1
-  absl::StatusOr<KvDump> got = a->Get(genesis_.model_id, genesis_.token_ids);
+  absl::StatusOr<KvDump> got = a->Get(genesis.model_id, genesis.token_ids);
   ASSERT_TRUE(got.ok()) << got.status();
   const std::vector<uint32_t> first(genesis_.token_ids.begin(), genesis_.token_ids.begin() + 16);
   ASSERT_TRUE(a->Delete(genesis_.model_id, first).ok());
   o.encode_on_client = false;
-  ASSERT_TRUE(a->Put(genesis_, o).ok());
-  EXPECT_EQ(StoredBytes(a.get(), "a", genesis_, 32), encoded);
-  absl::StatusOr<KvDump> dense = a->Get(genesis_.model_id, genesis_.token_ids);
+  ASSERT_TRUE(a->Put(genesis, o).ok());
+  EXPECT_EQ(StoredBytes(a.get(), "a", genesis, kBlocks), encoded);
+  absl::StatusOr<KvDump> dense = a->Get(genesis.model_id, genesis.token_ids);
   ASSERT_TRUE(dense.ok()) << dense.status();
   EXPECT_TRUE(dense->k == got->k && dense->v == got->v);
   // What the client cannot encode (the compact profile) is sent dense: the server encodes it.
   ASSERT_TRUE(a->Delete(genesis_.model_id, first).ok());
   o.encode_on_client = true;
   o.profile = v1::EncodingSpec::PROFILE_COMPACT;
-  absl::StatusOr<v1::PutResponse> compact = a->Put(genesis_, o);
+  absl::StatusOr<v1::PutResponse> compact = a->Put(genesis, o);
   ASSERT_TRUE(compact.ok()) << compact.status();
   stats = a->Stats();
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ(stats->client_reported_error_nodes(), 0u);
-  const std::vector<std::string> compact_bytes = StoredBytes(a.get(), "a", genesis_, 32);
-  ASSERT_EQ(compact_bytes.size(), 32u);
+  const std::vector<std::string> compact_bytes = StoredBytes(a.get(), "a", genesis, kBlocks);
+  ASSERT_EQ(compact_bytes.size(), kBlocks);
   absl::StatusOr<BlockHeader> h = ParseBlock(compact_bytes[1]);
   ASSERT_TRUE(h.ok()) << h.status();
   EXPECT_EQ(h->profile, Profile::kCompact);

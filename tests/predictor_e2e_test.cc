@@ -306,8 +306,10 @@ TEST_F(PredictorEndToEnd, LearnedFastBlocksDecodeOnFourClientThreadsAsTheServerD
 
 TEST_F(PredictorEndToEnd, ClientEncodedPutsAloneGrowAStateThatLaterBlocksName) {
   // Every block is encoded by the worker (RESIDUAL fast): the server sees no dense block, decodes
-  // them on its learning thread, and publishes a version.
-  auto client = NewClient("w");
+  // them on its learning thread, and publishes a version. predictor_refresh 0: the client looks
+  // the latest version up before every Put (by default it uses what it found for 10 s).
+  auto client = Client::Create(
+      {.target = server_->target(), .ns = "w", .predictor_refresh = absl::ZeroDuration()});
   const PutOptions encoded{.encoding = v1::ENCODING_RESIDUAL,
                            .target_rel_rms = kTarget,
                            .profile = v1::EncodingSpec::PROFILE_FAST,
