@@ -254,6 +254,21 @@ class ShardedClient:
         return self._call(tokens, "put", lambda c, t: c.put(t, k, v, *args, **kwargs),
                           lambda: PutResult(0, 0, 0, 0, ()))
 
+    def put_layers(self, tokens: Any, num_layers: int, *args: Any,
+                   **kwargs: Any) -> "_ShardedPutStream":
+        """As :meth:`kvtrie.Client.put_layers`, on the owner. When the owner is lost (down when
+        opened, or failing a write or the commit with a lost shard's status) the rest of the
+        stream is discarded and :meth:`commit` returns a result with 0 stored tokens (counted in
+        ``counters["puts_skipped"]``)."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
+        name, target = self._owner(tokens)
+        client = self._acquire((name, target))
+        stream = None if client is None else client.put_layers(tokens, num_layers, *args,
+                                                                **kwargs)
+        if stream is None:
+            self._miss("put")
+        return _ShardedPutStream(self, name, stream)
+
     def get(self, tokens: Any, *args: Any, **kwargs: Any) -> Tuple[np.ndarray, np.ndarray, int]:
         """As :meth:`kvtrie.Client.get`, on the owner; ``(empty, empty, 0)`` when it is lost."""
         def miss():
@@ -329,3 +344,55 @@ class ShardedClient:
     def __repr__(self) -> str:
         return (f"kvtrie.ShardedClient(model_id={self.model_id!r}, "
                 f"shards={[n for n, _ in self.shards]!r})")
+
+
+class _ShardedPutStream:
+    """The :class:`kvtrie.PutStream` of a prefix's owner, or a discarding one when it is lost."""
+
+    def __init__(self, sharded: ShardedClient, name: str, stream: Any) -> None:
+        self._sharded = sharded
+        self._name = name
+        self._stream = stream  # None: the owner is lost, writes are dropped
+        self._done = False
+
+    def _lost(self, e: Error) -> None:
+        if not self._sharded._lost(self._name, e, "put"):
+            raise e
+        if self._stream is not None:
+            try:
+                self._stream.cancel()
+            except Error:
+                pass
+        self._stream = None
+
+    def write(self, layer: int, k: np.ndarray, v: np.ndarray, *, token_offset: int = 0) -> None:
+        if self._stream is None:
+            return
+        try:
+            self._stream.write(layer, k, v, token_offset=token_offset)
+        except Error as e:
+            self._lost(e)
+
+    def commit(self) -> Any:
+        from . import PutResult
+        self._done = True
+        if self._stream is not None:
+            try:
+                result = self._stream.commit()
+                self._sharded._ok(self._name)
+                return result
+            except Error as e:
+                self._lost(e)
+        return PutResult(0, 0, 0, 0, ())
+
+    def cancel(self) -> None:
+        self._done = True
+        if self._stream is not None:
+            self._stream.cancel()
+
+    def __enter__(self) -> "_ShardedPutStream":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self._done:
+            self.cancel()
