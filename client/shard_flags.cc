@@ -53,6 +53,8 @@ absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClientFromFlags(const Clie
   if (warmup < 0) return absl::InvalidArgumentError("--shard_warmup_seconds: must be >= 0");
   o.warmup_window = absl::Seconds(warmup);
   o.pin_replicas = absl::GetFlag(FLAGS_pin_replicas);
+  // Copies (warm-up, replicas) are of what Get returned: stored lossless, not rounded again.
+  o.warmup_put.encoding = v1::ENCODING_LOSSLESS;
   o.router.refresh_interval = absl::Seconds(refresh);
   o.router.route_tokens = static_cast<size_t>(route);
   o.down_initial_backoff = absl::Milliseconds(backoff);

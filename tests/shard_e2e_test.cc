@@ -552,5 +552,45 @@ TEST_F(ShardE2E, PinnedPrefixesReplicatedTwiceSurviveAKilledShard) {
                                   std::to_string(unreplicated_rate));
 }
 
+// The CLI's pin over shards with --pin_replicas=2: the pinned dump is on two shards, and after
+// kill -9 of its owner `get` still finds it (exit 0, bit-exact) through the second shard.
+TEST_F(ShardE2E, CliPinWithTwoReplicasSurvivesItsOwner) {
+  for (int i = 0; i < 3; ++i) StartShard(i);
+  const std::string cli = testing::BinaryPath("client/kvtrie");
+  const std::vector<std::string> base = {cli, "--shards=" + ShardList(),
+                                         std::string("--namespace=") + kNs, "--retry_attempts=1",
+                                         "--pin_replicas=2"};
+  auto run = [&](std::vector<std::string> args, std::string* out) {
+    std::vector<std::string> argv = base;
+    argv.insert(argv.end(), args.begin(), args.end());
+    std::string err;
+    const int rc = testing::RunCommand(argv, out, &err);
+    EXPECT_NE(rc, 1) << err;
+    return rc;
+  };
+  const std::string dir = std::string(KVTRIE_TESTDATA_DIR) + "/story_prompt";
+  absl::StatusOr<KvDump> want = ReadKvDump(dir);
+  ASSERT_TRUE(want.ok()) << want.status();
+  const size_t full = want->num_tokens() / 16 * 16;
+  std::string out;
+  ASSERT_EQ(run({"--encoding=lossless", "put", dir}, &out), 0);
+  ASSERT_EQ(run({"pin", dir, std::to_string(full)}, &out), 0);
+  EXPECT_EQ(nlohmann::json::parse(out)["replica_copies"], 1) << out;
+  int holders = 0;
+  for (int i = 0; i < 3; ++i) {
+    holders += Direct(i)->Lookup(want->model_id, want->token_ids)->matched_tokens() == full;
+  }
+  EXPECT_EQ(holders, 2);
+  std::unique_ptr<ShardedClient> c = NewClient();
+  ASSERT_NE(c, nullptr);
+  const std::string owner = c->OwnerOf(want->model_id, want->token_ids).name;
+  servers_[owner.back() - '0']->Kill();
+  const std::string got = dir_ + "/got";
+  ASSERT_EQ(run({"get", dir, got}, &out), 0) << out;  // not 3: the second shard has it
+  absl::StatusOr<KvDump> back = ReadKvDump(got);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(SameKv(*back, Slice(*want, 0, full)));
+}
+
 }  // namespace
 }  // namespace kvtrie

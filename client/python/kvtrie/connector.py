@@ -54,7 +54,9 @@ of a prompt goes to its owner shard (rendezvous hash of the first ``route_tokens
 and a lost shard is a miss (lookup 0, the engine computes; a save skipped), never an error.
 ``retry_attempts`` then defaults to 1; ``shard_down_backoff`` (1 s: a failed shard is skipped
 that long, doubling), ``shards_refresh_seconds`` (30) and ``shard_warmup_seconds`` (0) are the
-CLI's ``--shard_down_backoff_ms``, ``--shards_refresh_seconds`` and ``--shard_warmup_seconds``.
+CLI's ``--shard_down_backoff_ms``, ``--shards_refresh_seconds`` and ``--shard_warmup_seconds``;
+``pin_replicas`` (1): 2 makes a miss on a prompt's owner ask its second shard, where prefixes
+pinned with ``--pin_replicas=2`` (system prompts) are copied.
 
 With vLLM installed the class derives from its KVConnectorBase_V1; without it (as here) it
 stands alone. Tested with the engine loop in tests/python/test_connector.py, not against vLLM.
@@ -430,7 +432,7 @@ def _make_client(cfg: Dict[str, Any], block_tokens: int) -> Any:
                          refresh_interval=float(cfg.get("shards_refresh_seconds", 30.0)),
                          down_backoff=float(cfg.get("shard_down_backoff", 1.0)),
                          warmup_window=float(cfg.get("shard_warmup_seconds", 0.0)),
-                         **kwargs)
+                         pin_replicas=int(cfg.get("pin_replicas", 1)), **kwargs)
 
 
 def _bool(value: Any, key: str) -> bool:
