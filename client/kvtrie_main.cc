@@ -8,6 +8,9 @@
 //   stats                server totals (or the namespace's, with --namespace)
 //   inspect [NODE_ID]    one trie node (0 = the root) and its children; needs --model_id
 //   delete DIR TOKENS    delete the stored prefix of DIR's first TOKENS tokens and its subtree
+//   pin DIR TOKENS       pin (unpin DIR TOKENS: unpin) that prefix against eviction, for
+//                        --pin_ttl_seconds (0 = until unpinned); with --pin_replicas=2 over
+//                        shards also on its second shard
 //   call METHOD JSON     any kvtrie.v1.KVCache call from a JSON request (client/call_command.h)
 //
 // TLS and tenants: --tls_ca, --tls_cert, --tls_key, --token (client/client_flags.h).
@@ -54,6 +57,7 @@ ABSL_FLAG(std::string, profile, "",
 ABSL_FLAG(std::string, mode, "reconstructed", "get: reconstructed or residual");
 ABSL_FLAG(bool, verbose, false, "put: print every block's result");
 ABSL_FLAG(int, timeout_seconds, 60, "deadline of each call");
+ABSL_FLAG(int, pin_ttl_seconds, 0, "pin: the pin's time to live (0 = until unpinned)");
 
 namespace kvtrie {
 namespace {
@@ -235,6 +239,30 @@ int Run(const std::vector<char*>& args) {
     Print(ProtoToJson(*r));
     return 0;
   }
+  if (cmd == "pin" || cmd == "unpin") {
+    size_t n = 0;
+    if (args.size() != 4 || !absl::SimpleAtoi(args[3], &n)) {
+      return Usage("usage: kvtrie " + cmd + " DIR TOKENS");
+    }
+    absl::StatusOr<KvDump> d = ReadKvManifest(args[2]);
+    if (!d.ok()) return Fail(d.status());
+    if (n > d->token_ids.size()) return Usage("TOKENS is more than the manifest holds");
+    const auto prefix = absl::MakeSpan(d->token_ids).subspan(0, n);
+    const int ttl = absl::GetFlag(FLAGS_pin_ttl_seconds);
+    if (ttl < 0) return Usage("--pin_ttl_seconds: must be >= 0");
+    const bool unpin = cmd == "unpin";
+    absl::StatusOr<v1::PinResponse> r =
+        sharded ? sharded->Pin(ModelId(*d), prefix, static_cast<uint64_t>(ttl), unpin)
+                : client->Pin(ModelId(*d), prefix, static_cast<uint64_t>(ttl), unpin);
+    if (!r.ok()) return Fail(r.status());
+    nlohmann::json out = ProtoToJson(*r);
+    if (sharded) {
+      out["replica_copies"] = sharded->counters().replica_copies;
+      out["replica_failures"] = sharded->counters().replica_failures;
+    }
+    Print(out);
+    return 0;
+  }
   return Usage("unknown command '" + cmd + "'");
 }
 
@@ -246,7 +274,7 @@ int main(int argc, char** argv) {
       "command-line client of a kvtrie server.\n"
       "  kvtrie [--target=HOST:PORT] [--namespace=NS] COMMAND ARGS...\n"
       "  put DIR | get DIR OUT | lookup DIR | stats | inspect [NODE_ID] --model_id=ID |"
-      " delete DIR TOKENS | call METHOD JSON\n"
+      " delete DIR TOKENS | pin DIR TOKENS | unpin DIR TOKENS | call METHOD JSON\n"
       "  DIR is a KV dump folder: k.npy, v.npy, manifest.json (see shared/data/README.md)");
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view file) {

@@ -23,6 +23,10 @@ ABSL_FLAG(int, route_tokens, 16,
 ABSL_FLAG(int, shard_warmup_seconds, 0,
           "for this long after the shard names change, a miss on a prefix's new owner asks its "
           "previous owner once and copies what it gets to the new one (0 = off)");
+ABSL_FLAG(int, pin_replicas, 1,
+          "2: a pinned prefix is also copied to (and pinned on) its second shard in rendezvous "
+          "order, and a miss on its owner asks that shard, so it survives one lost shard "
+          "(1 = off)");
 ABSL_FLAG(bool, all_shards, false, "stats: print each shard's answer beside the merged total");
 
 namespace kvtrie {
@@ -48,6 +52,9 @@ absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClientFromFlags(const Clie
   const int warmup = absl::GetFlag(FLAGS_shard_warmup_seconds);
   if (warmup < 0) return absl::InvalidArgumentError("--shard_warmup_seconds: must be >= 0");
   o.warmup_window = absl::Seconds(warmup);
+  o.pin_replicas = absl::GetFlag(FLAGS_pin_replicas);
+  // Copies (warm-up, replicas) are of what Get returned: stored lossless, not rounded again.
+  o.warmup_put.encoding = v1::ENCODING_LOSSLESS;
   o.router.refresh_interval = absl::Seconds(refresh);
   o.router.route_tokens = static_cast<size_t>(route);
   o.down_initial_backoff = absl::Milliseconds(backoff);

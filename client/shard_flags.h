@@ -12,6 +12,7 @@
 //                                 the same in every client of the shards)
 //   --shard_warmup_seconds=S      after the shard names change, a miss asks the previous owner
 //                                 once and copies to the new one, for S seconds (0: off)
+//   --pin_replicas=N              2: pinned prefixes are copied to their second shard (1: off)
 //   --all_shards                  stats: print each shard's answer beside the merged total
 // With either membership flag, put/get/lookup/delete go to the prefix's owner (a lost shard is a
 // miss, not an error), stats adds every shard's up and inspect prints every shard's node.

@@ -298,6 +298,18 @@ std::vector<Shard> ShardRouter::Shards() {
   return shards_;
 }
 
+std::optional<Shard> ShardRouter::SecondOwner(absl::string_view ns, absl::string_view model_id,
+                                              absl::Span<const uint32_t> token_ids) {
+  MaybeRefresh();
+  const uint64_t key = RouteKey(ns, model_id, token_ids, options_.route_tokens);
+  absl::MutexLock lock(&mu_);
+  const int first = OwnerIndex(shards_, key);
+  if (first < 0 || shards_.size() < 2) return std::nullopt;
+  std::vector<Shard> rest = shards_;
+  rest.erase(rest.begin() + first);
+  return rest[static_cast<size_t>(OwnerIndex(rest, key))];
+}
+
 Shard ShardRouter::Owner(absl::string_view ns, absl::string_view model_id,
                          absl::Span<const uint32_t> token_ids) {
   MaybeRefresh();

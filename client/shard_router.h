@@ -108,6 +108,10 @@ class ShardRouter {
   // when there are none, which FromList and FromDns never leave).
   Shard Owner(absl::string_view ns, absl::string_view model_id,
               absl::Span<const uint32_t> token_ids);
+  // The second shard in the prefix's rendezvous order (the one that would own it without its
+  // owner): where a replicated (pinned) prefix's copy lives. nullopt with fewer than 2 shards.
+  std::optional<Shard> SecondOwner(absl::string_view ns, absl::string_view model_id,
+                                   absl::Span<const uint32_t> token_ids);
   // A call to a shard failed (down, past its deadline): the DNS membership is re-resolved at the
   // next call past min_refresh_interval.
   void ReportFailure();

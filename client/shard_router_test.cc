@@ -175,6 +175,33 @@ TEST(ShardRouter, PreviousOwnerOnlyForMovedKeysWithinTheWindow) {
   EXPECT_GT(moved, 20);
 }
 
+TEST(ShardRouter, SecondOwnerIsTheOwnerWithoutTheOwnerAndSpreads) {
+  const std::vector<std::string> names = {"kvtrie-0", "kvtrie-1", "kvtrie-2"};
+  absl::StatusOr<std::unique_ptr<ShardRouter>> r = ShardRouter::FromList(Named(names), {});
+  ASSERT_TRUE(r.ok()) << r.status();
+  std::map<std::string, int> seconds;
+  for (uint32_t i = 0; i < 300; ++i) {
+    const Shard owner = (*r)->Owner("ns", "m", Prefix(i));
+    std::optional<Shard> second = (*r)->SecondOwner("ns", "m", Prefix(i));
+    ASSERT_TRUE(second.has_value());
+    EXPECT_NE(second->name, owner.name);
+    // Exactly the shard that owns the prefix once its owner is gone (where its keys would go).
+    std::vector<std::string> rest;
+    for (const std::string& n : names) {
+      if (n != owner.name) rest.push_back(n);
+    }
+    absl::StatusOr<std::unique_ptr<ShardRouter>> without = ShardRouter::FromList(Named(rest), {});
+    ASSERT_TRUE(without.ok());
+    EXPECT_EQ((*without)->Owner("ns", "m", Prefix(i)).name, second->name) << i;
+    ++seconds[second->name];
+  }
+  EXPECT_EQ(seconds.size(), 3u);  // the copies spread too
+  absl::StatusOr<std::unique_ptr<ShardRouter>> single =
+      ShardRouter::FromList(Named({"kvtrie-0"}), {});
+  ASSERT_TRUE(single.ok());
+  EXPECT_FALSE((*single)->SecondOwner("ns", "m", Prefix(1)).has_value());
+}
+
 TEST(SystemResolver, ResolvesAHostPortIntoNamedShards) {
   // getaddrinfo of a name every machine has (/etc/hosts); each address gets a name (its PTR
   // name's first label, else the address) and the port.

@@ -72,6 +72,10 @@ absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClient::Create(
   if (options.shards.empty() == options.shards_dns.empty()) {
     return absl::InvalidArgumentError("shards, shards_dns: give exactly one of them");
   }
+  if (options.pin_replicas < 1 || options.pin_replicas > 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pin_replicas: ", options.pin_replicas, " (must be 1 or 2)"));
+  }
   std::unique_ptr<ShardedClient> c(new ShardedClient(options));
   if (!options.shards.empty()) {
     absl::StatusOr<std::vector<Shard>> list = ParseShardList(options.shards);
@@ -148,7 +152,9 @@ absl::StatusOr<v1::LookupResponse> ShardedClient::Lookup(const std::string& mode
   std::shared_ptr<Client> c = Acquire(owner);
   if (c == nullptr) {
     CountMiss(Call::kRead);
-    return v1::LookupResponse();
+    v1::LookupResponse replica;
+    ReplicaLookup(model_id, token_ids, &replica);
+    return replica;
   }
   absl::StatusOr<v1::LookupResponse> r = c->Lookup(model_id, token_ids);
   const bool lost = Lost(owner, r.status(), Call::kRead);
@@ -166,6 +172,10 @@ absl::StatusOr<v1::LookupResponse> ShardedClient::Lookup(const std::string& mode
         return w;
       }
     }
+  }
+  if (v1::LookupResponse replica;
+      (lost || r->matched_tokens() == 0) && ReplicaLookup(model_id, token_ids, &replica)) {
+    return replica;
   }
   if (lost) return v1::LookupResponse();
   return r;
@@ -205,7 +215,8 @@ absl::Status ShardedClient::GetInto(const std::string& model_id,
   std::shared_ptr<Client> c = Acquire(owner);
   if (c == nullptr) {
     CountMiss(Call::kRead);
-    return miss();
+    if (!ReplicaGet(model_id, token_ids, options, out)) miss();
+    return absl::OkStatus();
   }
   absl::Status s = c->GetInto(model_id, token_ids, options, out);
   const bool lost = Lost(owner, s, Call::kRead);
@@ -214,8 +225,93 @@ absl::Status ShardedClient::GetInto(const std::string& model_id,
       WarmUpGet(model_id, token_ids, options, owner, out)) {
     return absl::OkStatus();
   }
+  if ((lost || out->token_ids.empty()) && ReplicaGet(model_id, token_ids, options, out)) {
+    return absl::OkStatus();
+  }
   if (lost) return miss();
   return s;
+}
+
+bool ShardedClient::ReplicaLookup(const std::string& model_id, absl::Span<const uint32_t> token_ids,
+                                  v1::LookupResponse* out) {
+  Shard second;
+  std::shared_ptr<Client> p = AcquireSecond(model_id, token_ids, &second);
+  if (p == nullptr) return false;
+  absl::StatusOr<v1::LookupResponse> w = p->Lookup(model_id, token_ids);
+  Lost(second, w.status(), Call::kAdmin);
+  if (!w.ok() || w->matched_tokens() == 0) return false;
+  CountReplica(&Counters::replica_hits);
+  *out = *std::move(w);
+  return true;
+}
+
+bool ShardedClient::ReplicaGet(const std::string& model_id, absl::Span<const uint32_t> token_ids,
+                               const GetOptions& options, KvDump* out) {
+  Shard second;
+  std::shared_ptr<Client> p = AcquireSecond(model_id, token_ids, &second);
+  if (p == nullptr) return false;
+  absl::Status w = p->GetInto(model_id, token_ids, options, out);
+  Lost(second, w, Call::kAdmin);
+  if (!w.ok() || out->token_ids.empty()) {
+    out->token_ids.clear();
+    out->surprisal_bits.clear();
+    out->k.clear();
+    out->v.clear();
+    return false;
+  }
+  CountReplica(&Counters::replica_hits);
+  return true;
+}
+
+void ShardedClient::CountReplica(uint64_t Counters::*counter) {
+  absl::MutexLock lock(&mu_);
+  ++(counters_.*counter);
+}
+
+std::shared_ptr<Client> ShardedClient::AcquireSecond(const std::string& model_id,
+                                                     absl::Span<const uint32_t> token_ids,
+                                                     Shard* second) {
+  if (options_.pin_replicas < 2) return nullptr;
+  std::optional<Shard> s = router_->SecondOwner(options_.client.ns, model_id, token_ids);
+  if (!s) return nullptr;
+  *second = *s;
+  return Acquire(*s);
+}
+
+void ShardedClient::PinReplica(const std::string& model_id, absl::Span<const uint32_t> token_ids,
+                               uint64_t ttl_seconds, bool unpin, Client* owner) {
+  Shard second;
+  std::shared_ptr<Client> p = AcquireSecond(model_id, token_ids, &second);
+  if (options_.pin_replicas < 2 || router_->Shards().size() < 2) return;
+  if (p == nullptr) {
+    CountReplica(&Counters::replica_failures);
+    return;
+  }
+  if (!unpin) {  // copy what the owner stores (reconstructed), without surprisal
+    if (owner == nullptr) {
+      CountReplica(&Counters::replica_failures);
+      return;
+    }
+    absl::StatusOr<KvDump> kv = owner->Get(model_id, token_ids);
+    if (!kv.ok() || kv->token_ids.empty()) {
+      CountReplica(&Counters::replica_failures);
+      return;
+    }
+    kv->surprisal_bits.clear();
+    absl::StatusOr<v1::PutResponse> put = p->Put(*kv, options_.warmup_put);
+    Lost(second, put.status(), Call::kAdmin);
+    if (!put.ok()) {
+      CountReplica(&Counters::replica_failures);
+      return;
+    }
+  }
+  absl::StatusOr<v1::PinResponse> pin = p->Pin(model_id, token_ids, ttl_seconds, unpin);
+  Lost(second, pin.status(), Call::kAdmin);
+  if (!pin.ok()) {
+    CountReplica(&Counters::replica_failures);
+  } else if (!unpin) {
+    CountReplica(&Counters::replica_copies);
+  }
 }
 
 bool ShardedClient::WarmUpGet(const std::string& model_id, absl::Span<const uint32_t> token_ids,
@@ -262,6 +358,14 @@ absl::StatusOr<v1::DeleteResponse> ShardedClient::Delete(const std::string& mode
   }
   absl::StatusOr<v1::DeleteResponse> r = c->Delete(model_id, token_ids);
   Lost(owner, r.status(), Call::kAdmin);
+  Shard second;  // a replicated copy must not outlive its delete
+  if (std::shared_ptr<Client> p = AcquireSecond(model_id, token_ids, &second)) {
+    absl::StatusOr<v1::DeleteResponse> d = p->Delete(model_id, token_ids);
+    Lost(second, d.status(), Call::kAdmin);
+    if (!d.ok()) CountReplica(&Counters::replica_failures);
+  } else if (options_.pin_replicas >= 2 && router_->Shards().size() >= 2) {
+    CountReplica(&Counters::replica_failures);
+  }
   return r;
 }
 
@@ -275,6 +379,7 @@ absl::StatusOr<v1::PinResponse> ShardedClient::Pin(const std::string& model_id,
   }
   absl::StatusOr<v1::PinResponse> r = c->Pin(model_id, token_ids, ttl_seconds, unpin);
   Lost(owner, r.status(), Call::kAdmin);
+  if (r.ok()) PinReplica(model_id, token_ids, ttl_seconds, unpin, c.get());
   return r;
 }
 

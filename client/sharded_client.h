@@ -60,6 +60,13 @@ struct ShardedClientOptions {
   // surprisal. CLI: --shard_warmup_seconds; Python: warmup_window=.
   absl::Duration warmup_window = absl::ZeroDuration();
   PutOptions warmup_put = {};
+  // Replication of pinned prefixes (1: off; 2: on). With 2, Pin also copies the prefix to its
+  // second shard in rendezvous order (a Get from the owner Put there with `warmup_put`, then
+  // pinned there), Delete and unpin reach both, and a Lookup or Get whose owner is lost or
+  // answers a miss asks the second shard once: a pinned prefix (a system prompt) survives the
+  // loss of one shard. A copy that fails is counted (replica_failures), not returned: Pin and
+  // Delete return the owner's status. CLI: --pin_replicas.
+  int pin_replicas = 1;
 };
 
 // A status of a shard, not of the call: UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED,
@@ -120,11 +127,14 @@ class ShardedClient {
   }
 
   struct Counters {
-    uint64_t lost_calls = 0;      // calls answered as a miss because the owner was lost
-    uint64_t puts_skipped = 0;    // of them, Puts (nothing stored)
-    uint64_t shard_failures = 0;  // calls that failed with a LostShardCode (marking a shard down)
-    uint64_t warmup_hits = 0;     // Lookups and Gets answered by a previous owner
-    uint64_t warmup_copies = 0;   // Gets so answered that were Put to the new owner
+    uint64_t lost_calls = 0;        // calls answered as a miss because the owner was lost
+    uint64_t puts_skipped = 0;      // of them, Puts (nothing stored)
+    uint64_t shard_failures = 0;    // calls that failed with a LostShardCode (marking a shard down)
+    uint64_t warmup_hits = 0;       // Lookups and Gets answered by a previous owner
+    uint64_t warmup_copies = 0;     // Gets so answered that were Put to the new owner
+    uint64_t replica_copies = 0;    // pinned prefixes copied (and pinned) on their second shard
+    uint64_t replica_hits = 0;      // Lookups and Gets answered by the second shard
+    uint64_t replica_failures = 0;  // copies, unpins and deletes on the second shard that failed
   };
   Counters counters() const;
   bool IsDown(const std::string& shard_name) const;
@@ -144,6 +154,18 @@ class ShardedClient {
   // answered it into `out`.
   bool WarmUpGet(const std::string& model_id, absl::Span<const uint32_t> token_ids,
                  const GetOptions& options, const Shard& owner, KvDump* out);
+  // With pin_replicas 2: the Client of the prefix's second shard, or null (off, one shard, down).
+  std::shared_ptr<Client> AcquireSecond(const std::string& model_id,
+                                        absl::Span<const uint32_t> token_ids, Shard* second);
+  // A miss (or lost owner) asks the second shard: true when it answered a hit into `out`.
+  bool ReplicaLookup(const std::string& model_id, absl::Span<const uint32_t> token_ids,
+                     v1::LookupResponse* out);
+  bool ReplicaGet(const std::string& model_id, absl::Span<const uint32_t> token_ids,
+                  const GetOptions& options, KvDump* out);
+  // Pin (or unpin) the prefix's copy on its second shard, copying it from `owner` first.
+  void PinReplica(const std::string& model_id, absl::Span<const uint32_t> token_ids,
+                  uint64_t ttl_seconds, bool unpin, Client* owner);
+  void CountReplica(uint64_t Counters::*counter);
 
   struct Entry {
     std::string target;

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -467,6 +468,128 @@ TEST_F(ShardE2E, MetricsCarryTheShardLabelFromTheFlagOrPodName) {
     }
     EXPECT_GT(lookups, 0);
   }
+}
+
+// Replication factor 2 for pinned prefixes (--pin_replicas=2): Pin copies the prefix to its
+// second shard in rendezvous order, so after kill -9 of one shard every pinned prefix still hits
+// bit-exactly (the copy is lossless), while unpinned prefixes of the victim miss. Measured beside
+// a client without replicas: the hit rate of the pinned prefixes after losing one shard.
+TEST_F(ShardE2E, PinnedPrefixesReplicatedTwiceSurviveAKilledShard) {
+  for (int i = 0; i < 3; ++i) StartShard(i);
+  ShardedClientOptions o = Options();
+  o.shards = ShardList();
+  o.pin_replicas = 2;
+  o.warmup_put = Lossless();
+  absl::StatusOr<std::unique_ptr<ShardedClient>> created = ShardedClient::Create(o);
+  ASSERT_TRUE(created.ok()) << created.status();
+  ShardedClient& c = **created;
+  o.pin_replicas = 3;
+  EXPECT_EQ(ShardedClient::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  PutAll(c);
+  // Every other prefix is pinned (a system prompt of its own).
+  std::vector<size_t> pinned, unpinned;
+  for (size_t n = 0; n < Prefixes().size(); ++n) (n % 2 == 0 ? pinned : unpinned).push_back(n);
+  for (size_t n : pinned) {
+    const KvDump& p = Prefixes()[n];
+    ASSERT_TRUE(c.Pin(p.model_id, p.token_ids).ok());
+    int holders = 0;  // the owner and the second shard, whole; the third, nothing
+    for (int i = 0; i < 3; ++i) {
+      absl::StatusOr<v1::LookupResponse> l = Direct(i)->Lookup(p.model_id, p.token_ids);
+      ASSERT_TRUE(l.ok()) << l.status();
+      if (l->matched_tokens() == p.num_tokens()) ++holders;
+    }
+    EXPECT_EQ(holders, 2) << "prefix " << n;
+  }
+  EXPECT_EQ(c.counters().replica_copies, pinned.size());
+  EXPECT_EQ(c.counters().replica_failures, 0u);
+  // A delete reaches both copies (a replica must not outlive it).
+  const KvDump& deleted = Prefixes()[pinned.back()];
+  pinned.pop_back();
+  ASSERT_TRUE(c.Delete(deleted.model_id, deleted.token_ids).ok());
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_LT(Direct(i)->Lookup(deleted.model_id, deleted.token_ids)->matched_tokens(),
+              deleted.num_tokens());
+  }
+
+  ShardedClientOptions plain = Options();
+  plain.shards = ShardList();
+  std::unique_ptr<ShardedClient> one = *ShardedClient::Create(plain);  // pin_replicas 1
+  const int victim = 0;
+  servers_[victim]->Kill();
+  auto hit_rate = [&](ShardedClient& client, const std::vector<size_t>& which, int* victims) {
+    int hits = 0;
+    *victims = 0;
+    for (size_t n : which) {
+      const KvDump& p = Prefixes()[n];
+      if (client.OwnerOf(p.model_id, p.token_ids).name == Name(victim)) ++*victims;
+      absl::StatusOr<v1::LookupResponse> l = client.Lookup(p.model_id, p.token_ids);
+      absl::StatusOr<KvDump> g = client.Get(p.model_id, p.token_ids);
+      EXPECT_TRUE(l.ok() && g.ok()) << "prefix " << n;  // never an error
+      if (!g.ok() || g->token_ids.empty()) continue;
+      EXPECT_TRUE(SameKv(*g, p)) << "prefix " << n;
+      EXPECT_EQ(l->matched_tokens(), p.num_tokens()) << "prefix " << n;
+      ++hits;
+    }
+    return static_cast<double>(hits) / static_cast<double>(which.size());
+  };
+  int pinned_victims = 0, unpinned_victims = 0, ignored = 0;
+  const double pinned_rate = hit_rate(c, pinned, &pinned_victims);
+  const double unpinned_rate = hit_rate(c, unpinned, &unpinned_victims);
+  const double unreplicated_rate = hit_rate(*one, pinned, &ignored);
+  ASSERT_GT(pinned_victims, 0);
+  ASSERT_GT(unpinned_victims, 0);
+  EXPECT_EQ(pinned_rate, 1.0);
+  EXPECT_LT(unpinned_rate, 1.0);
+  EXPECT_LT(unreplicated_rate, 1.0);
+  EXPECT_GE(c.counters().replica_hits, 2u * static_cast<uint64_t>(pinned_victims));
+  std::printf(
+      "after kill -9 of 1 of 3 shards: pinned prefixes hit %.1f%% with --pin_replicas=2 "
+      "(%d of %zu owned by the victim), %.1f%% without; unpinned %.1f%%\n",
+      100 * pinned_rate, pinned_victims, pinned.size(), 100 * unreplicated_rate,
+      100 * unpinned_rate);
+  ::testing::Test::RecordProperty("pinned_hit_rate_replicated", std::to_string(pinned_rate));
+  ::testing::Test::RecordProperty("pinned_hit_rate_unreplicated",
+                                  std::to_string(unreplicated_rate));
+}
+
+// The CLI's pin over shards with --pin_replicas=2: the pinned dump is on two shards, and after
+// kill -9 of its owner `get` still finds it (exit 0, bit-exact) through the second shard.
+TEST_F(ShardE2E, CliPinWithTwoReplicasSurvivesItsOwner) {
+  for (int i = 0; i < 3; ++i) StartShard(i);
+  const std::string cli = testing::BinaryPath("client/kvtrie");
+  const std::vector<std::string> base = {cli, "--shards=" + ShardList(),
+                                         std::string("--namespace=") + kNs, "--retry_attempts=1",
+                                         "--pin_replicas=2"};
+  auto run = [&](std::vector<std::string> args, std::string* out) {
+    std::vector<std::string> argv = base;
+    argv.insert(argv.end(), args.begin(), args.end());
+    std::string err;
+    const int rc = testing::RunCommand(argv, out, &err);
+    EXPECT_NE(rc, 1) << err;
+    return rc;
+  };
+  const std::string dir = std::string(KVTRIE_TESTDATA_DIR) + "/story_prompt";
+  absl::StatusOr<KvDump> want = ReadKvDump(dir);
+  ASSERT_TRUE(want.ok()) << want.status();
+  const size_t full = want->num_tokens() / 16 * 16;
+  std::string out;
+  ASSERT_EQ(run({"--encoding=lossless", "put", dir}, &out), 0);
+  ASSERT_EQ(run({"pin", dir, std::to_string(full)}, &out), 0);
+  EXPECT_EQ(nlohmann::json::parse(out)["replica_copies"], 1) << out;
+  int holders = 0;
+  for (int i = 0; i < 3; ++i) {
+    holders += Direct(i)->Lookup(want->model_id, want->token_ids)->matched_tokens() == full;
+  }
+  EXPECT_EQ(holders, 2);
+  std::unique_ptr<ShardedClient> c = NewClient();
+  ASSERT_NE(c, nullptr);
+  const std::string owner = c->OwnerOf(want->model_id, want->token_ids).name;
+  servers_[owner.back() - '0']->Kill();
+  const std::string got = dir_ + "/got";
+  ASSERT_EQ(run({"get", dir, got}, &out), 0) << out;  // not 3: the second shard has it
+  absl::StatusOr<KvDump> back = ReadKvDump(got);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(SameKv(*back, Slice(*want, 0, full)));
 }
 
 }  // namespace

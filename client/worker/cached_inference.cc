@@ -27,10 +27,10 @@ double Mean(const std::vector<float>& v, size_t begin, size_t end) {
   return end > begin ? sum / static_cast<double>(end - begin) : 0.0;
 }
 
-}  // namespace
-
-absl::StatusOr<RunResult> RunWithCache(const LlamaModel& model, Client& client,
-                                       absl::string_view prompt, const RunOptions& options) {
+// RunWithCache over a Client or a ShardedClient (the same Lookup/Get/Put).
+template <typename C>
+absl::StatusOr<RunResult> RunWithCacheImpl(const LlamaModel& model, C& client,
+                                           absl::string_view prompt, const RunOptions& options) {
   RunResult r;
   r.prompt_tokens = model.tokenizer().Encode(prompt, /*bos=*/true, /*eos=*/false);
   const std::vector<uint32_t>& tokens = r.prompt_tokens;
@@ -82,6 +82,18 @@ absl::StatusOr<RunResult> RunWithCache(const LlamaModel& model, Client& client,
   r.generated = std::move(*gen);
   r.text = model.tokenizer().DecodeAll(seq.tokens());
   return r;
+}
+
+}  // namespace
+
+absl::StatusOr<RunResult> RunWithCache(const LlamaModel& model, Client& client,
+                                       absl::string_view prompt, const RunOptions& options) {
+  return RunWithCacheImpl(model, client, prompt, options);
+}
+
+absl::StatusOr<RunResult> RunWithCache(const LlamaModel& model, ShardedClient& client,
+                                       absl::string_view prompt, const RunOptions& options) {
+  return RunWithCacheImpl(model, client, prompt, options);
 }
 
 absl::StatusOr<RunResult> RunWithoutCache(const LlamaModel& model, absl::string_view prompt,

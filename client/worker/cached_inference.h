@@ -24,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "client/client.h"
+#include "client/sharded_client.h"
 #include "client/worker/llama_model.h"
 
 namespace kvtrie::worker {
@@ -51,6 +52,11 @@ struct RunResult {
 // Errors: from the client (UNAVAILABLE, INVALID_ARGUMENT, ...) and the model; INTERNAL if Get
 // returns KV for tokens that are not a prefix of the prompt.
 absl::StatusOr<RunResult> RunWithCache(const LlamaModel& model, Client& client,
+                                       absl::string_view prompt, const RunOptions& options);
+// The same over N shards (kvtrie-worker --shards / --shards_dns): every call goes to the
+// prompt's owner shard; a lost owner is a miss (Lookup 0: everything is computed; Put skipped,
+// stored_blocks 0), never an error.
+absl::StatusOr<RunResult> RunWithCache(const LlamaModel& model, ShardedClient& client,
                                        absl::string_view prompt, const RunOptions& options);
 
 // The same computation without kvtrie (reused_tokens = 0, nothing stored).

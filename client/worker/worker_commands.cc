@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <ctime>
@@ -15,6 +16,7 @@
 #include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "client/client_flags.h"
+#include "client/shard_flags.h"
 #include "client/worker/cached_inference.h"
 #include "client/worker/worker_ops.h"
 
@@ -22,7 +24,8 @@ ABSL_DECLARE_FLAG(std::string, prompt);
 ABSL_DECLARE_FLAG(int, steps);
 ABSL_DECLARE_FLAG(std::string, text_file);
 
-ABSL_FLAG(std::string, target, "127.0.0.1:50051", "run/eval: kvtrie server HOST:PORT");
+ABSL_FLAG(std::string, target, "127.0.0.1:50051",
+          "run/eval: kvtrie server HOST:PORT (run: or --shards / --shards_dns)");
 ABSL_FLAG(std::string, ns, "", "run: namespace; eval: namespace prefix (default: unique per run)");
 ABSL_FLAG(std::string, encoding, "lossless",
           "run: how new blocks are stored, NAME[@REL_RMS][/BITS] (see --settings)");
@@ -48,14 +51,30 @@ int Run(const LlamaModel& model) {
   co.target = absl::GetFlag(FLAGS_target);
   if (absl::Status s = ApplyClientFlags(&co); !s.ok()) return Fail(s);
   co.ns = absl::GetFlag(FLAGS_ns);
-  std::unique_ptr<Client> client = Client::Create(co);
   RunOptions options;
   options.steps = static_cast<size_t>(std::max(0, absl::GetFlag(FLAGS_steps)));
   options.put.encoding = setting->encoding;
   options.put.target_rel_rms = setting->target_rel_rms;
   options.put.bits = setting->bits;
   ApplyPutFlags(&options.put);  // --encode_on_client
-  absl::StatusOr<RunResult> r = RunWithCache(model, *client, absl::GetFlag(FLAGS_prompt), options);
+  absl::StatusOr<RunResult> r;
+  std::string lost;
+  if (ShardFlagsGiven()) {  // --shards / --shards_dns: the prompt's owner shard, a lost one misses
+    absl::StatusOr<std::unique_ptr<ShardedClient>> sharded = ShardedClientFromFlags(co);
+    if (!sharded.ok()) return Fail(sharded.status());
+    r = RunWithCache(model, **sharded, absl::GetFlag(FLAGS_prompt), options);
+    if (r.ok()) {
+      const std::vector<uint32_t>& t = r->prompt_tokens;
+      const ShardedClient::Counters c = (*sharded)->counters();
+      std::printf("shard: %s (%lu calls lost to a down shard, %lu puts skipped)\n",
+                  (*sharded)->OwnerOf(model.model_id(), t).name.c_str(),
+                  static_cast<unsigned long>(c.lost_calls),
+                  static_cast<unsigned long>(c.puts_skipped));
+    }
+  } else {
+    std::unique_ptr<Client> client = Client::Create(co);
+    r = RunWithCache(model, *client, absl::GetFlag(FLAGS_prompt), options);
+  }
   if (!r.ok()) return Fail(r.status());
   std::printf(
       "prompt: %zu tokens; reused %zu from kvtrie, computed %zu (+%zu logits-only pass); "

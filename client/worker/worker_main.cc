@@ -73,11 +73,13 @@ int main(int argc, char** argv) {
       "  dump --text_file=F --out=DIR [--max_tokens=512] [--max_chars=3000]\n"
       "  generate [--prompt=TEXT] [--steps=N]\n"
       "  run --target=HOST:PORT --prompt=TEXT [--steps=N] [--encoding=lossless]\n"
+      "      [--shards=NAME=HOST:PORT,... | --shards_dns=NAME: the prompt's owner shard]\n"
       "      [--encode_on_client=false: send the KV dense, the server encodes]\n"
       "  eval --target=HOST:PORT --text_file=F [--context=N] [--continuation=N]");
   absl::FlagsUsageConfig usage;  // --help lists the worker's own flags
   usage.contains_help_flags = [](absl::string_view file) {
-    return absl::StrContains(file, "client/worker/") || absl::StrContains(file, "client_flags.cc");
+    return absl::StrContains(file, "client/worker/") ||
+           absl::StrContains(file, "client_flags.cc") || absl::StrContains(file, "shard_flags.cc");
   };
   usage.contains_helpshort_flags = usage.contains_help_flags;
   absl::SetFlagsUsageConfig(usage);

@@ -245,3 +245,67 @@ def test_the_server_going_away_falls_back_to_recompute(model, cold, tmp_path):
     assert warm.loaded_tokens == PREFIX and warm.recomputed_from == 0
     assert np.array_equal(warm.logits, cold.logits)
     assert worker.stats["save_errors"] >= 1
+
+
+@pytest.fixture()
+def three_shards(tmp_path):
+    servers = [ServerProcess(tmp_path / f"kvtrie-{i}") for i in range(3)]
+    yield servers
+    for s in servers:
+        if s.proc.poll() is None:
+            s.proc.kill()
+            s.proc.wait()
+
+
+@pytest.mark.parametrize("encode_on_client", [True, False])
+def test_three_shards_route_by_prompt_and_a_killed_shard_is_recomputed(model, cold, three_shards,
+                                                                      encode_on_client):
+    # The connector given `shards` (no `target`): its own kvtrie.ShardedClient on both sides.
+    from engine import Engine
+    shards = ",".join(f"kvtrie-{i}={s.target}" for i, s in enumerate(three_shards))
+    config = {"shards": shards, "model_id": "stories260K", "namespace": "sharded",
+              "encoding": "lossless", "timeout": 5, "shard_down_backoff": 0.2,
+              "encode_on_client": encode_on_client}
+    sched = KvtrieConnector(role=KVConnectorRole.SCHEDULER, config=config)
+    worker = KvtrieConnector(role=KVConnectorRole.WORKER, config=config)
+    assert isinstance(worker._client, kvtrie.ShardedClient)
+    engine = Engine(model, sched, worker)
+    story = read_dump(TESTDATA / "story_prompt")[0].tolist()  # another first block
+    owner_s, owner_story = worker._client.owner(prompt(0)), worker._client.owner(story)
+    assert owner_s != owner_story  # in namespace "sharded": kvtrie-2 and kvtrie-0
+    direct = {f"kvtrie-{i}": kvtrie.Client(s.target, "stories260K", namespace="sharded")
+              for i, s in enumerate(three_shards)}
+
+    engine.run("s0", prompt(0))
+    first_story = engine.run("story", story)
+    assert first_story.loaded_tokens == 0
+    story_full = len(story) // 16 * 16
+    assert worker.stats["saved_blocks"] == 32 + story_full // 16
+    # Each prompt's blocks are on its owner and nowhere else.
+    for name, c in direct.items():
+        assert c.lookup(prompt(0)) == (512 if name == owner_s else 0)
+        assert c.lookup(story) == (story_full if name == owner_story else 0)
+
+    # The shared preamble is loaded from its owner: the cold logits, bit for bit.
+    warm = engine.run("s1", prompt(1))
+    assert warm.loaded_tokens == PREFIX and warm.recomputed_from is None
+    assert np.array_equal(warm.logits[PREFIX:], cold.logits[PREFIX:])
+    for a, b in zip(warm.decode_logits, cold.decode_logits):
+        assert np.array_equal(a, b)
+    assert direct[owner_s].lookup(prompt(1)) == 512
+
+    # kill -9 the sessions' owner: s1 is a miss (computed in full, the cold logits, the save
+    # skipped, no error); the story, on a live shard, still loads.
+    saved = worker.stats["saved_blocks"]
+    victim = three_shards[int(owner_s.split("-")[1])]
+    victim.proc.kill()
+    victim.proc.wait()
+    lost = engine.run("s1-lost", prompt(1))
+    assert lost.loaded_tokens == 0 and lost.recomputed_from is None
+    assert np.array_equal(lost.logits, cold.logits)
+    assert worker.stats["save_errors"] == 0 and worker.stats["saved_blocks"] == saved
+    assert sched._client.counters["lost_calls"] >= 1
+    assert worker._client.counters["puts_skipped"] >= 1
+    hit = engine.run("story-again", story)
+    assert hit.loaded_tokens == story_full
+    assert np.array_equal(hit.logits[story_full:], first_story.logits[story_full:])

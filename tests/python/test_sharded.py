@@ -136,3 +136,29 @@ def test_warm_up_asks_the_previous_owner_and_copies_to_the_new_one(shards, tmp_p
     finally:
         fourth.proc.kill()
         fourth.proc.wait()
+
+
+def test_pinned_prefixes_replicated_twice_survive_a_killed_shard(shards):
+    c = kvtrie.ShardedClient("stories260K", shards=shard_list(shards), namespace="py",
+                             timeout=5.0, pin_replicas=2, warmup_put={"encoding": "lossless"})
+    with pytest.raises(kvtrie.InvalidArgumentError, match="pin_replicas"):
+        kvtrie.ShardedClient("m", shards=shard_list(shards), pin_replicas=3)
+    direct = [kvtrie.Client(s.target, "stories260K", namespace="py") for s in shards]
+    prefixes = windows()
+    for tokens, k, v in prefixes:
+        c.put(tokens, k, v, encoding="lossless")
+    pinned = prefixes[::2]
+    for tokens, _, _ in pinned:
+        c.pin(tokens)
+        assert sum(d.lookup(tokens) == len(tokens) for d in direct) == 2  # owner and second
+    assert c.counters["replica_copies"] == len(pinned) and c.counters["replica_failures"] == 0
+    shards[0].proc.kill()
+    shards[0].proc.wait()
+    victims = 0
+    for tokens, k, v in pinned:
+        victims += c.owner(tokens) == "kvtrie-0"
+        assert c.lookup(tokens) == len(tokens)
+        k2, v2, n = c.get(tokens)
+        assert n == len(tokens) and np.array_equal(bits(k2), bits(k))
+        assert np.array_equal(bits(v2), bits(v))
+    assert victims > 0 and c.counters["replica_hits"] >= 2 * victims

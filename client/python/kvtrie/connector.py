@@ -47,6 +47,17 @@ the bytes: the layers of a request are gathered during the forward pass and put 
 dense as it is saved (:meth:`kvtrie.Client.put_layers`), overlapping with the next layers'
 compute, and the server encodes. ``predictor_refresh`` (10 s): see :class:`kvtrie.Client`.
 
+More than one server: ``shards`` (``"kvtrie-0=host:port,kvtrie-1=host:port,..."``) or
+``shards_dns`` (an SRV name of the headless Service, or ``host:port`` for A records) instead of
+``target`` makes the connector use a :class:`kvtrie.ShardedClient`: every lookup, get and save
+of a prompt goes to its owner shard (rendezvous hash of the first ``route_tokens`` = 16 tokens),
+and a lost shard is a miss (lookup 0, the engine computes; a save skipped), never an error.
+``retry_attempts`` then defaults to 1; ``shard_down_backoff`` (1 s: a failed shard is skipped
+that long, doubling), ``shards_refresh_seconds`` (30) and ``shard_warmup_seconds`` (0) are the
+CLI's ``--shard_down_backoff_ms``, ``--shards_refresh_seconds`` and ``--shard_warmup_seconds``;
+``pin_replicas`` (1): 2 makes a miss on a prompt's owner ask its second shard, where prefixes
+pinned with ``--pin_replicas=2`` (system prompts) are copied.
+
 With vLLM installed the class derives from its KVConnectorBase_V1; without it (as here) it
 stands alone. Tested with the engine loop in tests/python/test_connector.py, not against vLLM.
 """
@@ -63,7 +74,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from . import Client, Error, StatusCode
+from . import Client, Error, ShardedClient, StatusCode
 
 log = logging.getLogger("kvtrie.connector")
 
@@ -127,7 +138,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
     """kvtrie as a vLLM-style KV connector (see the module docstring for the call order)."""
 
     def __init__(self, vllm_config: Any = None, role: Any = None, kv_cache_config: Any = None, *,
-                 config: Optional[Dict[str, Any]] = None, client: Optional[Client] = None):
+                 config: Optional[Dict[str, Any]] = None, client: Any = None):
         if _Base is not object:  # pragma: no cover - only under vLLM
             try:
                 super().__init__(vllm_config, role, kv_cache_config)
@@ -141,19 +152,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self._role_value = role if role is not None else KVConnectorRole.WORKER
         self._cfg = cfg
         self._block_tokens = int(cfg.get("block_tokens", 16))
-        self._client = client or Client(cfg.get("target", "127.0.0.1:50051"), cfg["model_id"],
-                                        token=cfg.get("token"), tls=cfg.get("tls"),
-                                        timeout=float(cfg.get("timeout", 60)),
-                                        namespace=cfg.get("namespace", ""),
-                                        block_tokens=self._block_tokens,
-                                        retry_attempts=int(cfg.get("retry_attempts", 5)),
-                                        retry_initial_backoff=float(
-                                            cfg.get("retry_initial_backoff", 0.1)),
-                                        retry_max_backoff=float(
-                                            cfg.get("retry_max_backoff", 2.0)),
-                                        codec_threads=int(cfg.get("codec_threads", 0)),
-                                        predictor_refresh=float(
-                                            cfg.get("predictor_refresh", 10.0)))
+        self._client = client or _make_client(cfg, self._block_tokens)
         self._encoding = cfg.get("encoding", "lossless")
         self._encode_on_client = _bool(cfg.get("encode_on_client", True), "encode_on_client")
         self._target_rel_rms = float(cfg.get("target_rel_rms", 0.0))
@@ -410,6 +409,30 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
     def shutdown(self) -> None:
         self._loader.shutdown(wait=True)
         self._saver.shutdown(wait=True)
+
+
+def _make_client(cfg: Dict[str, Any], block_tokens: int) -> Any:
+    """A :class:`kvtrie.Client` on ``target``, or with ``shards`` / ``shards_dns`` a
+    :class:`kvtrie.ShardedClient` (every call to the prompt's owner; a lost shard is a miss)."""
+    sharded = bool(cfg.get("shards") or cfg.get("shards_dns"))
+    kwargs: Dict[str, Any] = dict(
+        token=cfg.get("token"), tls=cfg.get("tls"), timeout=float(cfg.get("timeout", 60)),
+        namespace=cfg.get("namespace", ""), block_tokens=block_tokens,
+        # Over shards a lost shard is a miss at once (the engine recomputes), not retried.
+        retry_attempts=int(cfg.get("retry_attempts", 1 if sharded else 5)),
+        retry_initial_backoff=float(cfg.get("retry_initial_backoff", 0.1)),
+        retry_max_backoff=float(cfg.get("retry_max_backoff", 2.0)),
+        codec_threads=int(cfg.get("codec_threads", 0)),
+        predictor_refresh=float(cfg.get("predictor_refresh", 10.0)))
+    if not sharded:
+        return Client(cfg.get("target", "127.0.0.1:50051"), cfg["model_id"], **kwargs)
+    return ShardedClient(cfg["model_id"], shards=cfg.get("shards") or None,
+                         shards_dns=cfg.get("shards_dns") or None,
+                         route_tokens=int(cfg.get("route_tokens", 16)),
+                         refresh_interval=float(cfg.get("shards_refresh_seconds", 30.0)),
+                         down_backoff=float(cfg.get("shard_down_backoff", 1.0)),
+                         warmup_window=float(cfg.get("shard_warmup_seconds", 0.0)),
+                         pin_replicas=int(cfg.get("pin_replicas", 1)), **kwargs)
 
 
 def _bool(value: Any, key: str) -> bool:

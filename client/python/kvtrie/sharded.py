@@ -62,6 +62,11 @@ class ShardedClient:
             misses on (or loses) a prefix's new owner asks its previous owner once; a get
             answered there is also put to the new owner (``warmup_put`` are its put keyword
             arguments, e.g. ``{"encoding": "lossless"}``). 0 (the default): off.
+        pin_replicas: 2: a pinned prefix is also copied to (``warmup_put`` are the copy's put
+            arguments) and pinned on its second shard in rendezvous order, ``delete`` and unpin
+            reach both, and a lookup or get whose owner is lost or misses asks that shard once,
+            so a pinned prefix survives one lost shard (the C++ client's ``pin_replicas``, CLI
+            ``--pin_replicas``). 1 (the default): off.
         **client_kwargs: every shard's :class:`kvtrie.Client` arguments (``namespace``,
             ``timeout``, ``token``, ``tls``, ``retry_attempts``, ...; default
             ``retry_attempts=1``: a lost shard is a miss at once).
@@ -77,12 +82,16 @@ class ShardedClient:
                  shards_dns: Optional[str] = None, route_tokens: int = 16,
                  refresh_interval: float = 30.0, down_backoff: float = 1.0,
                  warmup_window: float = 0.0, warmup_put: Optional[Dict[str, Any]] = None,
-                 **client_kwargs: Any) -> None:
+                 pin_replicas: int = 1, **client_kwargs: Any) -> None:
         if bool(shards) == bool(shards_dns):
             raise from_status(StatusCode.INVALID_ARGUMENT,
                               "shards, shards_dns: give exactly one of them")
         if int(route_tokens) < 1:
             raise from_status(StatusCode.INVALID_ARGUMENT, "route_tokens: must be >= 1")
+        if int(pin_replicas) not in (1, 2):
+            raise from_status(StatusCode.INVALID_ARGUMENT,
+                              f"pin_replicas: {pin_replicas} (must be 1 or 2)")
+        self.pin_replicas = int(pin_replicas)
         self.model_id = model_id
         self.namespace = client_kwargs.get("namespace", "")
         self.route_tokens = int(route_tokens)
@@ -103,7 +112,8 @@ class ShardedClient:
         self._down_until: Dict[str, float] = {}
         self._failures: Dict[str, int] = {}
         self.counters = {"lost_calls": 0, "puts_skipped": 0, "shard_failures": 0,
-                         "warmup_hits": 0, "warmup_copies": 0}
+                         "warmup_hits": 0, "warmup_copies": 0, "replica_copies": 0,
+                         "replica_hits": 0, "replica_failures": 0}
 
     # --- membership ------------------------------------------------------------------------
     def _maybe_refresh(self) -> None:
@@ -145,6 +155,39 @@ class ShardedClient:
         i = _kvtrie._shard_owner([n for n, _ in shards], self.namespace, self.model_id, tokens,
                                  self.route_tokens)
         return shards[i]
+
+    def _second(self, tokens: np.ndarray) -> Optional[Tuple[str, str]]:
+        """The prefix's second shard in rendezvous order (pin_replicas 2), else None."""
+        if self.pin_replicas < 2:
+            return None
+        shards = self.shards
+        if len(shards) < 2:
+            return None
+        owner = self._owner(tokens)
+        rest = [s for s in shards if s != owner]
+        return rest[_kvtrie._shard_owner([n for n, _ in rest], self.namespace, self.model_id,
+                                         tokens, self.route_tokens)]
+
+    def _replica(self, tokens: np.ndarray, fn, hit):
+        """fn(second shard's client) when pin_replicas is 2 and hit(result); else None."""
+        second = self._second(tokens)
+        client = self._acquire(second) if second else None
+        if client is None:
+            return None
+        try:
+            result = fn(client)
+        except Error as e:
+            self._lost(second[0], e, "admin")
+            return None
+        if not hit(result):
+            return None
+        with self._lock:
+            self.counters["replica_hits"] += 1
+        return result
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self.counters[key] += 1
 
     def _previous_owner(self, tokens: np.ndarray, owner: str) -> Optional[Tuple[str, str]]:
         with self._lock:
@@ -245,6 +288,9 @@ class ShardedClient:
                 with self._lock:
                     self.counters["warmup_hits"] += 1
                 return w
+            r = self._replica(tokens, lambda c: c.lookup(tokens), lambda m: m > 0)
+            if r:
+                return r
         return n
 
     def put(self, tokens: Any, k: np.ndarray, v: np.ndarray, *args: Any, **kwargs: Any):
@@ -253,6 +299,21 @@ class ShardedClient:
         from . import PutResult
         return self._call(tokens, "put", lambda c, t: c.put(t, k, v, *args, **kwargs),
                           lambda: PutResult(0, 0, 0, 0, ()))
+
+    def put_layers(self, tokens: Any, num_layers: int, *args: Any,
+                   **kwargs: Any) -> "_ShardedPutStream":
+        """As :meth:`kvtrie.Client.put_layers`, on the owner. When the owner is lost (down when
+        opened, or failing a write or the commit with a lost shard's status) the rest of the
+        stream is discarded and :meth:`commit` returns a result with 0 stored tokens (counted in
+        ``counters["puts_skipped"]``)."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
+        name, target = self._owner(tokens)
+        client = self._acquire((name, target))
+        stream = None if client is None else client.put_layers(tokens, num_layers, *args,
+                                                                **kwargs)
+        if stream is None:
+            self._miss("put")
+        return _ShardedPutStream(self, name, stream)
 
     def get(self, tokens: Any, *args: Any, **kwargs: Any) -> Tuple[np.ndarray, np.ndarray, int]:
         """As :meth:`kvtrie.Client.get`, on the owner; ``(empty, empty, 0)`` when it is lost."""
@@ -276,15 +337,55 @@ class ShardedClient:
                             self.counters["warmup_copies"] += 1
                 except Error as e:
                     self._lost(owner, e, "admin")
+        if n == 0:
+            r = self._replica(tokens, lambda c: c.get(tokens, *args, **kwargs),
+                              lambda g: g[2] > 0)
+            if r:
+                k, v, n = r
         return k, v, n
 
     def delete(self, tokens: Any) -> dict:
-        """As :meth:`kvtrie.Client.delete`, on the owner (raises when it is lost)."""
-        return self._call(tokens, "admin", lambda c, t: c.delete(t), None)
+        """As :meth:`kvtrie.Client.delete`, on the owner (raises when it is lost); with
+        ``pin_replicas=2`` also on the second shard (a copy must not outlive its delete)."""
+        result = self._call(tokens, "admin", lambda c, t: c.delete(t), None)
+        t = np.ascontiguousarray(tokens, dtype=np.uint32)
+        second = self._second(t)
+        if second is not None:
+            client = self._acquire(second)
+            try:
+                if client is None:
+                    raise Error(StatusCode.UNAVAILABLE, f"shard {second[0]} is down")
+                client.delete(t)
+            except Error as e:
+                self._lost(second[0], e, "admin")
+                self._count("replica_failures")
+        return result
 
     def pin(self, tokens: Any, ttl_seconds: int = 0, unpin: bool = False) -> int:
-        """As :meth:`kvtrie.Client.pin`, on the owner (raises when it is lost)."""
-        return self._call(tokens, "admin", lambda c, t: c.pin(t, ttl_seconds, unpin), None)
+        """As :meth:`kvtrie.Client.pin`, on the owner (raises when it is lost); with
+        ``pin_replicas=2`` the prefix is then copied to its second shard and pinned there (a
+        failed copy is counted in ``counters["replica_failures"]``, not raised)."""
+        result = self._call(tokens, "admin", lambda c, t: c.pin(t, ttl_seconds, unpin), None)
+        t = np.ascontiguousarray(tokens, dtype=np.uint32)
+        second = self._second(t)
+        if second is None:
+            return result
+        owner, replica = self._acquire(self._owner(t)), self._acquire(second)
+        try:
+            if owner is None or replica is None:
+                raise Error(StatusCode.UNAVAILABLE, "a shard is down")
+            if not unpin:
+                k, v, n = owner.get(t)
+                if n == 0:
+                    raise Error(StatusCode.NOT_FOUND, "the owner no longer stores it")
+                replica.put(t[:n], k, v, **self._warmup_put)
+            replica.pin(t, ttl_seconds, unpin)
+            if not unpin:
+                self._count("replica_copies")
+        except Error as e:
+            self._lost(second[0], e, "admin")
+            self._count("replica_failures")
+        return result
 
     def stats_all(self, namespace: Optional[str] = None) -> Dict[str, Any]:
         """Every shard's :meth:`kvtrie.Client.stats` by name; a lost shard's entry is the
@@ -329,3 +430,55 @@ class ShardedClient:
     def __repr__(self) -> str:
         return (f"kvtrie.ShardedClient(model_id={self.model_id!r}, "
                 f"shards={[n for n, _ in self.shards]!r})")
+
+
+class _ShardedPutStream:
+    """The :class:`kvtrie.PutStream` of a prefix's owner, or a discarding one when it is lost."""
+
+    def __init__(self, sharded: ShardedClient, name: str, stream: Any) -> None:
+        self._sharded = sharded
+        self._name = name
+        self._stream = stream  # None: the owner is lost, writes are dropped
+        self._done = False
+
+    def _lost(self, e: Error) -> None:
+        if not self._sharded._lost(self._name, e, "put"):
+            raise e
+        if self._stream is not None:
+            try:
+                self._stream.cancel()
+            except Error:
+                pass
+        self._stream = None
+
+    def write(self, layer: int, k: np.ndarray, v: np.ndarray, *, token_offset: int = 0) -> None:
+        if self._stream is None:
+            return
+        try:
+            self._stream.write(layer, k, v, token_offset=token_offset)
+        except Error as e:
+            self._lost(e)
+
+    def commit(self) -> Any:
+        from . import PutResult
+        self._done = True
+        if self._stream is not None:
+            try:
+                result = self._stream.commit()
+                self._sharded._ok(self._name)
+                return result
+            except Error as e:
+                self._lost(e)
+        return PutResult(0, 0, 0, 0, ())
+
+    def cancel(self) -> None:
+        self._done = True
+        if self._stream is not None:
+            self._stream.cancel()
+
+    def __enter__(self) -> "_ShardedPutStream":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self._done:
+            self.cancel()
