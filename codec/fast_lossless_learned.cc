@@ -1,0 +1,256 @@
+#include "codec/fast_lossless_learned.h"
+
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "codec/fast_residual.h"
+#include "codec/rans_interleaved.h"
+
+namespace kvtrie {
+namespace {
+
+constexpr int kLanes = 32;
+constexpr int kTokens = 28;
+
+// The monotone bijection of 16-bit patterns onto uint16 arithmetic (int16 order).
+inline uint16_t Ord(uint16_t h) {
+  return (h & 0x8000) ? static_cast<uint16_t>(0xffff - (h & 0x7fff)) : h;
+}
+inline uint16_t Unord(uint16_t u) {
+  return (u & 0x8000) ? static_cast<uint16_t>(0x8000 | (0xffff - u)) : u;
+}
+
+inline int BitLength(uint32_t z) { return 32 - __builtin_clz(z); }
+
+void PutU32(std::string* out, uint32_t v) {
+  char b[4];
+  std::memcpy(b, &v, 4);
+  out->append(b, 4);
+}
+
+absl::Status GetU32(absl::string_view* in, uint32_t* v, const char* what) {
+  if (in->size() < 4) return absl::DataLossError(absl::StrCat("fast lossless learned: ", what));
+  std::memcpy(v, in->data(), 4);
+  in->remove_prefix(4);
+  return absl::OkStatus();
+}
+
+// The block's prediction rounded to the dtype, one 16-bit pattern per element.
+void Prediction(const BlockGeometry& g, const PredictorState& state,
+                absl::Span<const int32_t> tokens, uint32_t first_position, int32_t previous_token,
+                std::vector<uint16_t>* ph) {
+  std::vector<float> p(g.num_elements());
+  state.Predict(tokens, first_position, previous_token, p.data());
+  ph->resize(p.size());
+  FromFloat(g.dtype, p.data(), p.size(), ph->data());
+}
+
+class BitWriter {
+ public:
+  explicit BitWriter(std::string* out) : out_(out) {}
+  void Put(uint32_t v, int n) {
+    acc_ |= static_cast<uint64_t>(v) << fill_;
+    fill_ += n;
+    while (fill_ >= 8) {
+      out_->push_back(static_cast<char>(acc_ & 0xff));
+      acc_ >>= 8;
+      fill_ -= 8;
+    }
+  }
+  void Flush() {
+    if (fill_ > 0) out_->push_back(static_cast<char>(acc_ & 0xff));
+    acc_ = 0;
+    fill_ = 0;
+  }
+
+ private:
+  std::string* out_;
+  uint64_t acc_ = 0;
+  int fill_ = 0;
+};
+
+class BitReader {
+ public:
+  explicit BitReader(absl::string_view in) : in_(in) {}
+  // False if fewer than n bits are left.
+  bool Get(int n, uint32_t* v) {
+    while (fill_ < n) {
+      if (pos_ >= in_.size()) return false;
+      acc_ |= static_cast<uint64_t>(static_cast<uint8_t>(in_[pos_++])) << fill_;
+      fill_ += 8;
+    }
+    *v = static_cast<uint32_t>(acc_ & ((1ull << n) - 1));
+    acc_ >>= n;
+    fill_ -= n;
+    return true;
+  }
+  // True if every byte was read and the unread bits of the last one are zero.
+  bool AtEnd() const { return pos_ == in_.size() && fill_ < 8 && acc_ == 0; }
+
+ private:
+  absl::string_view in_;
+  size_t pos_ = 0;
+  uint64_t acc_ = 0;
+  int fill_ = 0;
+};
+
+}  // namespace
+
+bool CanCodeFastLosslessLearned(const BlockGeometry& g, const PredictorState& state,
+                                absl::Span<const int32_t> tokens) {
+  return DTypeBytes(g.dtype) == 2 && tokens.size() == g.block_tokens &&
+         internal::CheckLearnedGeometry(state, g).ok();
+}
+
+void CompressFastLosslessLearned(const BlockGeometry& g, absl::Span<const uint8_t> data,
+                                 const PredictorState& state, absl::Span<const int32_t> tokens,
+                                 uint32_t first_position, int32_t previous_token,
+                                 std::string* out) {
+  std::vector<uint16_t> ph;
+  Prediction(g, state, tokens, first_position, previous_token, &ph);
+  const size_t planes = 2 * g.num_layers;
+  const size_t n = g.num_elements() / planes;
+  const size_t padded = (n + kLanes - 1) / kLanes * kLanes;
+  std::vector<uint8_t> sym(padded);
+  std::string raw;
+  for (size_t pl = 0; pl < planes; ++pl) {
+    uint32_t counts[kTokens] = {};
+    raw.clear();
+    BitWriter bits(&raw);
+    for (size_t i = 0; i < n; ++i) {
+      const size_t e = pl * n + i;
+      uint16_t x;
+      std::memcpy(&x, data.data() + 2 * e, 2);
+      const int16_t d = static_cast<int16_t>(static_cast<uint16_t>(Ord(x) - Ord(ph[e])));
+      const uint32_t z = (static_cast<uint32_t>(static_cast<uint16_t>(d)) << 1 & 0xffff) ^
+                         static_cast<uint32_t>(static_cast<uint16_t>(d >> 15));
+      if (z < 16) {
+        sym[i] = static_cast<uint8_t>(z);
+      } else {
+        const int nb = BitLength(z);
+        sym[i] = static_cast<uint8_t>(11 + nb);
+        bits.Put(z & ((1u << (nb - 1)) - 1), nb - 1);
+      }
+      ++counts[sym[i]];
+    }
+    bits.Flush();
+    for (size_t i = n; i < padded; ++i) sym[i] = 0, ++counts[0];
+    int last = 0;
+    for (int s = 0; s < kTokens; ++s)
+      if (counts[s]) last = s;
+    const irans::Table table = irans::NormalizeCounts(counts, std::max(2, last + 1));
+    irans::WriteTable(table, out);
+    std::string segment;
+    const irans::Table* tables[1] = {&table};
+    irans::EncodeSegment(sym, kLanes, padded, tables, &segment);
+    PutU32(out, static_cast<uint32_t>(segment.size()));
+    out->append(segment);
+    PutU32(out, static_cast<uint32_t>(raw.size()));
+    out->append(raw);
+  }
+}
+
+absl::Status DecompressFastLosslessLearned(const BlockGeometry& g, absl::string_view payload,
+                                           const PredictorState& state,
+                                           absl::Span<const int32_t> tokens,
+                                           uint32_t first_position, int32_t previous_token,
+                                           absl::Span<uint8_t> out) {
+  if (out.size() != g.num_bytes()) return absl::InvalidArgumentError("out: wrong size");
+  if (!CanCodeFastLosslessLearned(g, state, tokens)) {
+    return absl::FailedPreconditionError(
+        "fast lossless learned: needs a 16-bit dtype, a state of the block's geometry and its "
+        "token ids");
+  }
+  std::vector<uint16_t> ph;
+  Prediction(g, state, tokens, first_position, previous_token, &ph);
+  const size_t planes = 2 * g.num_layers;
+  const size_t n = g.num_elements() / planes;
+  const size_t padded = (n + kLanes - 1) / kLanes * kLanes;
+  std::vector<uint8_t> sym(padded);
+  auto dtable = std::make_unique<irans::DecodeTable>();
+  absl::string_view in = payload;
+  for (size_t pl = 0; pl < planes; ++pl) {
+    irans::Table table;
+    if (auto s = irans::ReadTable(&in, &table); !s.ok()) return s;
+    irans::BuildDecodeTable(table, dtable.get());
+    uint32_t seg_bytes = 0, raw_bytes = 0;
+    if (auto s = GetU32(&in, &seg_bytes, "truncated before a segment length"); !s.ok()) return s;
+    if (seg_bytes > in.size()) return absl::DataLossError("fast lossless learned: segment length");
+    const absl::string_view segment = in.substr(0, seg_bytes);
+    in.remove_prefix(seg_bytes);
+    const irans::DecodeTable* tables[1] = {dtable.get()};
+    if (auto s = irans::DecodeSegment(segment, kLanes, padded, tables, absl::MakeSpan(sym));
+        !s.ok()) {
+      return s;
+    }
+    if (auto s = GetU32(&in, &raw_bytes, "truncated before a raw length"); !s.ok()) return s;
+    if (raw_bytes > in.size()) return absl::DataLossError("fast lossless learned: raw length");
+    BitReader bits(in.substr(0, raw_bytes));
+    in.remove_prefix(raw_bytes);
+    for (size_t i = 0; i < n; ++i) {
+      const uint32_t t = sym[i];
+      uint32_t z = t;
+      if (t >= 16) {
+        if (t >= kTokens) return absl::DataLossError("fast lossless learned: token out of range");
+        const int nb = static_cast<int>(t) - 11;
+        uint32_t low = 0;
+        if (!bits.Get(nb - 1, &low)) {
+          return absl::DataLossError("fast lossless learned: raw bits truncated");
+        }
+        z = (1u << (nb - 1)) | low;
+      }
+      const uint16_t d = static_cast<uint16_t>((z >> 1) ^ (0u - (z & 1)));
+      const size_t e = pl * n + i;
+      const uint16_t x = Unord(static_cast<uint16_t>(Ord(ph[e]) + d));
+      std::memcpy(out.data() + 2 * e, &x, 2);
+    }
+    if (!bits.AtEnd()) return absl::DataLossError("fast lossless learned: trailing raw bits");
+  }
+  if (!in.empty()) {
+    return absl::DataLossError(
+        absl::StrCat("fast lossless learned: ", in.size(), " trailing payload bytes"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckFastLosslessLearnedLayout(const BlockGeometry& g, absl::string_view payload) {
+  if (DTypeBytes(g.dtype) != 2) {
+    return absl::DataLossError("fast lossless learned: the dtype is not 16-bit");
+  }
+  const size_t planes = 2 * g.num_layers;
+  const size_t n = g.num_elements() / planes;
+  const size_t padded = (n + kLanes - 1) / kLanes * kLanes;
+  absl::string_view in = payload;
+  for (size_t pl = 0; pl < planes; ++pl) {
+    irans::Table table;
+    if (auto s = irans::ReadTable(&in, &table); !s.ok()) {
+      return absl::DataLossError(absl::StrCat("plane ", pl, ": ", s.message()));
+    }
+    if (table.num_symbols > kTokens) {
+      return absl::DataLossError(absl::StrCat("plane ", pl, ": the table has ", table.num_symbols,
+                                              " symbols, at most 28"));
+    }
+    uint32_t seg = 0, raw = 0;
+    if (auto s = GetU32(&in, &seg, "truncated before a segment length"); !s.ok()) return s;
+    if (seg > in.size() || seg < 4u * kLanes || (seg - 4u * kLanes) % 2 != 0 ||
+        (seg - 4u * kLanes) / 2 > padded) {
+      return absl::DataLossError(absl::StrCat("plane ", pl, ": segment of ", seg, " bytes for ",
+                                              padded, " symbols and ", in.size(), " left"));
+    }
+    in.remove_prefix(seg);
+    if (auto s = GetU32(&in, &raw, "truncated before a raw length"); !s.ok()) return s;
+    if (raw > in.size() || raw > 2 * n) {  // at most 15 raw bits per element
+      return absl::DataLossError(
+          absl::StrCat("plane ", pl, ": ", raw, " raw bytes, ", in.size(), " left"));
+    }
+    in.remove_prefix(raw);
+  }
+  if (!in.empty()) {
+    return absl::DataLossError(absl::StrCat("payload: ", in.size(), " trailing bytes"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvtrie
