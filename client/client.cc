@@ -343,7 +343,7 @@ absl::StatusOr<v1::PutResponse> Client::PutOnce(const KvDump& kv, const BlockGeo
 absl::StatusOr<v1::PutResponse> Client::PutEncoded(const KvDump& kv, const BlockGeometry& g,
                                                    const PutOptions& options) {
   std::shared_ptr<const PredictorState> state;
-  if (options.encoding == v1::ENCODING_RESIDUAL) {
+  if (options.encoding == v1::ENCODING_RESIDUAL || options.encoding == v1::ENCODING_LOSSLESS) {
     absl::StatusOr<v1::InspectResponse> root = Inspect(kv.model_id, 0);
     if (!root.ok() && !absl::IsNotFound(root.status())) return root.status();
     for (int i = 0; root.ok() && i < root->predictors_size(); ++i) {

@@ -46,7 +46,7 @@ absl::StatusOr<EncodedBlock> EncodePutBlock(const KvDump& kv, const BlockGeometr
   const std::vector<int32_t> tokens(kv.token_ids.begin() + off,
                                     kv.token_ids.begin() + off + g.block_tokens);
   PredictionContext ctx;
-  if (o.encoding == Encoding::kResidual) ctx.learned = state;
+  if (o.encoding == Encoding::kResidual || o.encoding == Encoding::kLossless) ctx.learned = state;
   ctx.tokens = tokens;
   ctx.first_position = static_cast<uint32_t>(off);
   ctx.previous_token = off == 0 ? -1 : static_cast<int32_t>(kv.token_ids[off - 1]);
