@@ -379,9 +379,12 @@ void PrintLearnedSpeed(const std::string& dir, size_t nblocks, int repeats, doub
     std::vector<double> enc, dec, enc_cpu, dec_cpu;
     double bpc = 0, err = 0;
     uint64_t hash = 0;
-  } rows[2];
+  } rows[4];
   rows[0].name = "residual fast + learned, 1 thread";
   rows[1].name = "residual fast + learned, 2 threads";
+  // Fast LOSSLESS against the state (issue 22) and without it (the byte-plane mode), bit-exact.
+  rows[2].name = "lossless fast + learned, 1 thread";
+  rows[3].name = "lossless fast, no state, 1 thread";
   const double bytes = static_cast<double>(nblocks) * g.num_bytes();
   EncodeOptions o;
   o.encoding = Encoding::kResidual;
@@ -390,14 +393,17 @@ void PrintLearnedSpeed(const std::string& dir, size_t nblocks, int repeats, doub
   std::vector<EncodedBlock> enc(nblocks);
   std::vector<std::vector<uint8_t>> out(nblocks, std::vector<uint8_t>(g.num_bytes()));
   for (int rep = 0; rep < repeats; ++rep) {
-    for (int k = 0; k < 2; ++k) {
+    for (int k = 0; k < 4; ++k) {
       if (!g_only.empty() && rows[k].name.find(g_only) == std::string::npos) continue;
-      ThreadPool* pool = k == 0 ? &pool1 : &pool2;
+      ThreadPool* pool = k == 1 ? &pool2 : &pool1;
+      o.encoding = k < 2 ? Encoding::kResidual : Encoding::kLossless;
+      const PredictionContext none;
+      auto ctx_of = [&](size_t i) -> const PredictionContext& { return k == 3 ? none : ctx[i]; };
       bool ok = true;
       const double c0 = CpuSeconds();
       const auto t0 = Clock::now();
       pool->ParallelFor(nblocks, [&](size_t i) {
-        absl::StatusOr<EncodedBlock> e = EncodeBlock(g, eval[i].kv, o, ctx[i]);
+        absl::StatusOr<EncodedBlock> e = EncodeBlock(g, eval[i].kv, o, ctx_of(i));
         if (!e.ok())
           ok = false;
         else
@@ -406,8 +412,9 @@ void PrintLearnedSpeed(const std::string& dir, size_t nblocks, int repeats, doub
       const auto t1 = Clock::now();
       const double c1 = CpuSeconds();
       pool->ParallelFor(nblocks, [&](size_t i) {
-        if (!DecodeBlock(enc[i].bytes, absl::MakeSpan(out[i]), ctx[i]).ok()) ok = false;
+        if (!DecodeBlock(enc[i].bytes, absl::MakeSpan(out[i]), ctx_of(i)).ok()) ok = false;
       });
+      for (size_t i = 0; k >= 2 && i < nblocks; ++i) ok = ok && out[i] == eval[i].kv;
       const auto t2 = Clock::now();
       const double c2 = CpuSeconds();
       if (!ok) {

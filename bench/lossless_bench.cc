@@ -261,6 +261,74 @@ double PredictMBs(const BlockGeometry& g, const std::vector<Block>& blocks, cons
   return v[1];
 }
 
+// The codec itself (EncodeBlock / DecodeBlock, fast LOSSLESS, issue 22): bytes against the state
+// and without it per test text and pooled, every block checked bit-exact, and encode / decode
+// MB/s (one thread, median of 3 passes over every test block).
+void CodecSection(const BlockGeometry& g, const std::vector<Text>& test,
+                  const PredictorState& state) {
+  const std::string dt(DTypeName(g.dtype));
+  EncodeOptions o;
+  o.encoding = Encoding::kLossless;
+  o.profile = Profile::kFast;
+  std::printf(
+      "codec (fast LOSSLESS, EncodeBlock / DecodeBlock, every block bit-exact), ratio vs "
+      "%s:\n\n| text | blocks | no state | with state | blocks on the state |\n"
+      "|---|---|---|---|---|\n",
+      dt.c_str());
+  std::map<std::string, std::vector<const Block*>> by_text;
+  for (const Text& t : test)
+    for (const Block& b : t.blocks) by_text[TextOf(t.name)].push_back(&b);
+  by_text["(pooled)"];
+  for (const Text& t : test)
+    for (const Block& b : t.blocks) by_text["(pooled)"].push_back(&b);
+  std::vector<uint8_t> out(g.num_bytes());
+  for (const auto& [name, blocks] : by_text) {
+    double with = 0, without = 0, on_state = 0;
+    for (const Block* b : blocks) {
+      for (int w = 0; w < 2; ++w) {
+        const PredictionContext ctx = ContextOf(*b, w ? &state : nullptr);
+        auto e = EncodeBlock(g, b->kv, o, ctx);
+        if (!e.ok() || !DecodeBlock(e->bytes, absl::MakeSpan(out), ctx).ok() || out != b->kv) {
+          std::fprintf(stderr, "codec: not bit-exact\n");
+          std::exit(1);
+        }
+        (w ? with : without) += e->bytes.size();
+        if (w) on_state += e->predictor_version != 0;
+      }
+    }
+    const double logical = static_cast<double>(blocks.size()) * g.num_bytes();
+    std::printf("| %s | %zu | %.3fx | %.3fx | %.0f |\n", name.c_str(), blocks.size(),
+                logical / without, logical / with, on_state);
+  }
+  std::vector<const Block*> all = by_text["(pooled)"];
+  const double mb = all.size() * g.num_bytes() / 1e6;
+  std::printf("\n| path | encode MB/s | decode MB/s |\n|---|---|---|\n");
+  for (int w = 1; w >= 0; --w) {
+    std::vector<double> enc, dec;
+    std::vector<std::string> bytes(all.size());
+    for (int r = 0; r < 3; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (size_t i = 0; i < all.size(); ++i)
+        bytes[i] = EncodeBlock(g, all[i]->kv, o, ContextOf(*all[i], w ? &state : nullptr))->bytes;
+      const auto t1 = std::chrono::steady_clock::now();
+      for (size_t i = 0; i < all.size(); ++i) {
+        if (!DecodeBlock(bytes[i], absl::MakeSpan(out), ContextOf(*all[i], w ? &state : nullptr))
+                 .ok()) {
+          std::exit(1);
+        }
+      }
+      const auto t2 = std::chrono::steady_clock::now();
+      enc.push_back(mb / std::chrono::duration<double>(t1 - t0).count());
+      dec.push_back(mb / std::chrono::duration<double>(t2 - t1).count());
+    }
+    std::sort(enc.begin(), enc.end());
+    std::sort(dec.begin(), dec.end());
+    std::printf("| %s | %.0f [%.0f-%.0f] | %.0f [%.0f-%.0f] |\n", w ? "with the state" : "no state",
+                enc[1], enc[0], enc[2], dec[1], dec[0], dec[2]);
+  }
+  std::printf("\n");
+}
+
 std::string Flag(int argc, char** argv, const std::string& name, const std::string& def) {
   const std::string prefix = "--" + name + "=";
   for (int i = 1; i < argc; ++i) {
@@ -291,6 +359,7 @@ void Run(const BlockGeometry& g, const std::vector<Text>& train, const std::vect
   std::vector<Block> all;
   for (const Text& t : test) all.insert(all.end(), t.blocks.begin(), t.blocks.end());
   const Today today = TodayBytes(g, all);
+  CodecSection(g, test, *state);
   std::printf(
       "prediction alone (one thread, median of 3, MB/s of %s): Predict + rounding %.0f, "
       "+ PredictLinear %.0f\n\n",

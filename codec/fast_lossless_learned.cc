@@ -113,12 +113,13 @@ void CompressFastLosslessLearned(const BlockGeometry& g, absl::Span<const uint8_
   const size_t planes = 2 * g.num_layers;
   const size_t n = g.num_elements() / planes;
   const size_t padded = (n + kLanes - 1) / kLanes * kLanes;
-  std::vector<uint8_t> sym(padded);
+  std::vector<uint8_t> sym(planes * padded);
+  std::vector<irans::Table> tables(planes);
   std::string raw;
+  BitWriter bits(&raw);
   for (size_t pl = 0; pl < planes; ++pl) {
     uint32_t counts[kTokens] = {};
-    raw.clear();
-    BitWriter bits(&raw);
+    uint8_t* ps = sym.data() + pl * padded;
     for (size_t i = 0; i < n; ++i) {
       const size_t e = pl * n + i;
       uint16_t x;
@@ -127,29 +128,30 @@ void CompressFastLosslessLearned(const BlockGeometry& g, absl::Span<const uint8_
       const uint32_t z = (static_cast<uint32_t>(static_cast<uint16_t>(d)) << 1 & 0xffff) ^
                          static_cast<uint32_t>(static_cast<uint16_t>(d >> 15));
       if (z < 16) {
-        sym[i] = static_cast<uint8_t>(z);
+        ps[i] = static_cast<uint8_t>(z);
       } else {
         const int nb = BitLength(z);
-        sym[i] = static_cast<uint8_t>(11 + nb);
+        ps[i] = static_cast<uint8_t>(11 + nb);
         bits.Put(z & ((1u << (nb - 1)) - 1), nb - 1);
       }
-      ++counts[sym[i]];
+      ++counts[ps[i]];
     }
-    bits.Flush();
-    for (size_t i = n; i < padded; ++i) sym[i] = 0, ++counts[0];
+    for (size_t i = n; i < padded; ++i) ps[i] = 0, ++counts[0];
     int last = 0;
     for (int s = 0; s < kTokens; ++s)
       if (counts[s]) last = s;
-    const irans::Table table = irans::NormalizeCounts(counts, std::max(2, last + 1));
-    irans::WriteTable(table, out);
-    std::string segment;
-    const irans::Table* tables[1] = {&table};
-    irans::EncodeSegment(sym, kLanes, padded, tables, &segment);
-    PutU32(out, static_cast<uint32_t>(segment.size()));
-    out->append(segment);
-    PutU32(out, static_cast<uint32_t>(raw.size()));
-    out->append(raw);
+    tables[pl] = irans::NormalizeCounts(counts, std::max(2, last + 1));
+    irans::WriteTable(tables[pl], out);
   }
+  bits.Flush();
+  std::vector<const irans::Table*> table_ptrs(planes);
+  for (size_t pl = 0; pl < planes; ++pl) table_ptrs[pl] = &tables[pl];
+  std::string segment;
+  irans::EncodeSegment(sym, kLanes, padded, table_ptrs, &segment);
+  PutU32(out, static_cast<uint32_t>(segment.size()));
+  out->append(segment);
+  PutU32(out, static_cast<uint32_t>(raw.size()));
+  out->append(raw);
 }
 
 absl::Status DecompressFastLosslessLearned(const BlockGeometry& g, absl::string_view payload,
@@ -163,34 +165,43 @@ absl::Status DecompressFastLosslessLearned(const BlockGeometry& g, absl::string_
         "fast lossless learned: needs a 16-bit dtype, a state of the block's geometry and its "
         "token ids");
   }
-  std::vector<uint16_t> ph;
-  Prediction(g, state, tokens, first_position, previous_token, &ph);
   const size_t planes = 2 * g.num_layers;
   const size_t n = g.num_elements() / planes;
   const size_t padded = (n + kLanes - 1) / kLanes * kLanes;
-  std::vector<uint8_t> sym(padded);
-  auto dtable = std::make_unique<irans::DecodeTable>();
   absl::string_view in = payload;
+  std::vector<irans::DecodeTable> dtables(planes);
+  std::vector<const irans::DecodeTable*> table_ptrs(planes);
   for (size_t pl = 0; pl < planes; ++pl) {
     irans::Table table;
     if (auto s = irans::ReadTable(&in, &table); !s.ok()) return s;
-    irans::BuildDecodeTable(table, dtable.get());
-    uint32_t seg_bytes = 0, raw_bytes = 0;
-    if (auto s = GetU32(&in, &seg_bytes, "truncated before a segment length"); !s.ok()) return s;
-    if (seg_bytes > in.size()) return absl::DataLossError("fast lossless learned: segment length");
-    const absl::string_view segment = in.substr(0, seg_bytes);
-    in.remove_prefix(seg_bytes);
-    const irans::DecodeTable* tables[1] = {dtable.get()};
-    if (auto s = irans::DecodeSegment(segment, kLanes, padded, tables, absl::MakeSpan(sym));
-        !s.ok()) {
-      return s;
+    if (table.num_symbols > kTokens) {
+      return absl::DataLossError("fast lossless learned: a table with more than 28 symbols");
     }
-    if (auto s = GetU32(&in, &raw_bytes, "truncated before a raw length"); !s.ok()) return s;
-    if (raw_bytes > in.size()) return absl::DataLossError("fast lossless learned: raw length");
-    BitReader bits(in.substr(0, raw_bytes));
-    in.remove_prefix(raw_bytes);
+    irans::BuildDecodeTable(table, &dtables[pl]);
+    table_ptrs[pl] = &dtables[pl];
+  }
+  uint32_t seg_bytes = 0, raw_bytes = 0;
+  if (auto s = GetU32(&in, &seg_bytes, "truncated before the segment length"); !s.ok()) return s;
+  if (seg_bytes > in.size()) return absl::DataLossError("fast lossless learned: segment length");
+  const absl::string_view segment = in.substr(0, seg_bytes);
+  in.remove_prefix(seg_bytes);
+  std::vector<uint8_t> sym(planes * padded);
+  if (auto s = irans::DecodeSegment(segment, kLanes, padded, table_ptrs, absl::MakeSpan(sym));
+      !s.ok()) {
+    return s;
+  }
+  if (auto s = GetU32(&in, &raw_bytes, "truncated before the raw length"); !s.ok()) return s;
+  if (raw_bytes != in.size()) {
+    return absl::DataLossError(absl::StrCat("fast lossless learned: ", raw_bytes,
+                                            " raw bytes, the payload has ", in.size()));
+  }
+  std::vector<uint16_t> ph;
+  Prediction(g, state, tokens, first_position, previous_token, &ph);
+  BitReader bits(in);
+  for (size_t pl = 0; pl < planes; ++pl) {
+    const uint8_t* ps = sym.data() + pl * padded;
     for (size_t i = 0; i < n; ++i) {
-      const uint32_t t = sym[i];
+      const uint32_t t = ps[i];
       uint32_t z = t;
       if (t >= 16) {
         if (t >= kTokens) return absl::DataLossError("fast lossless learned: token out of range");
@@ -206,12 +217,8 @@ absl::Status DecompressFastLosslessLearned(const BlockGeometry& g, absl::string_
       const uint16_t x = Unord(static_cast<uint16_t>(Ord(ph[e]) + d));
       std::memcpy(out.data() + 2 * e, &x, 2);
     }
-    if (!bits.AtEnd()) return absl::DataLossError("fast lossless learned: trailing raw bits");
   }
-  if (!in.empty()) {
-    return absl::DataLossError(
-        absl::StrCat("fast lossless learned: ", in.size(), " trailing payload bytes"));
-  }
+  if (!bits.AtEnd()) return absl::DataLossError("fast lossless learned: trailing raw bits");
   return absl::OkStatus();
 }
 
@@ -232,23 +239,20 @@ absl::Status CheckFastLosslessLearnedLayout(const BlockGeometry& g, absl::string
       return absl::DataLossError(absl::StrCat("plane ", pl, ": the table has ", table.num_symbols,
                                               " symbols, at most 28"));
     }
-    uint32_t seg = 0, raw = 0;
-    if (auto s = GetU32(&in, &seg, "truncated before a segment length"); !s.ok()) return s;
-    if (seg > in.size() || seg < 4u * kLanes || (seg - 4u * kLanes) % 2 != 0 ||
-        (seg - 4u * kLanes) / 2 > padded) {
-      return absl::DataLossError(absl::StrCat("plane ", pl, ": segment of ", seg, " bytes for ",
-                                              padded, " symbols and ", in.size(), " left"));
-    }
-    in.remove_prefix(seg);
-    if (auto s = GetU32(&in, &raw, "truncated before a raw length"); !s.ok()) return s;
-    if (raw > in.size() || raw > 2 * n) {  // at most 15 raw bits per element
-      return absl::DataLossError(
-          absl::StrCat("plane ", pl, ": ", raw, " raw bytes, ", in.size(), " left"));
-    }
-    in.remove_prefix(raw);
   }
-  if (!in.empty()) {
-    return absl::DataLossError(absl::StrCat("payload: ", in.size(), " trailing bytes"));
+  uint32_t seg = 0, raw = 0;
+  if (auto s = GetU32(&in, &seg, "truncated before the segment length"); !s.ok()) return s;
+  if (seg > in.size() || seg < 4u * kLanes || (seg - 4u * kLanes) % 2 != 0 ||
+      (seg - 4u * kLanes) / 2 > planes * padded) {  // a symbol reads at most one word
+    return absl::DataLossError(absl::StrCat("payload: a segment of ", seg, " bytes for ",
+                                            planes * padded, " symbols and ", in.size(),
+                                            " bytes left"));
+  }
+  in.remove_prefix(seg);
+  if (auto s = GetU32(&in, &raw, "truncated before the raw length"); !s.ok()) return s;
+  if (raw != in.size() || raw > 2 * g.num_elements()) {  // at most 15 raw bits an element
+    return absl::DataLossError(
+        absl::StrCat("payload: ", raw, " raw bytes, ", in.size(), " bytes left"));
   }
   return absl::OkStatus();
 }

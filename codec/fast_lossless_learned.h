@@ -10,10 +10,12 @@
 // into a token (z < 16: z; else 11 + bit length of z, 16..27) coded with interleaved rANS
 // (codec/rans_interleaved.h, 32 lanes, one table per (layer, K/V) plane) and bit length - 1 raw
 // bits below the leading one, LSB first.
-// Payload: per plane in block order: the rANS table (irans::WriteTable), u32 segment bytes S, the
-// segment (the plane's H*T*D tokens padded to a multiple of 32 with the table's first symbol),
-// u32 raw bytes R, R bytes of raw bits. Params: one byte, kFastLosslessLearnedParamsVersion; the
-// envelope names the state's version (BlockHeader::predictor_version). See codec/FORMAT.md.
+// Payload: the 2L planes' rANS tables in block order (irans::WriteTable), u32 segment bytes S,
+// one segment of S bytes (32 lanes; plane after plane, each plane's H*T*D tokens padded with
+// token 0 to a multiple of 32, the table switching every padded plane), u32 raw bytes R, then R
+// bytes of raw bits (every element's, in block order, LSB first, zero-padded to a byte). Params:
+// one byte, kFastLosslessLearnedParamsVersion; the envelope names the state's version
+// (BlockHeader::predictor_version). See codec/FORMAT.md.
 // Thread-safe: pure functions.
 #ifndef KVTRIE_CODEC_FAST_LOSSLESS_LEARNED_H_
 #define KVTRIE_CODEC_FAST_LOSSLESS_LEARNED_H_
@@ -52,8 +54,8 @@ absl::Status DecompressFastLosslessLearned(const BlockGeometry& geometry, absl::
                                            absl::Span<uint8_t> out);
 
 // Checks the payload's layout without the state (block_verify.h): every table parses, every
-// length stays inside the payload, no segment has more words than symbols, nothing trails.
-// Errors: DATA_LOSS naming the plane and what is wrong.
+// length stays inside the payload, the segment has no more words than symbols, nothing trails.
+// Errors: DATA_LOSS naming what is wrong (and the plane, for a table).
 absl::Status CheckFastLosslessLearnedLayout(const BlockGeometry& geometry,
                                             absl::string_view payload);
 

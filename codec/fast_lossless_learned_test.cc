@@ -144,9 +144,9 @@ TEST_F(FastLosslessLearnedTest, EveryRealDumpRoundTripsBitExactWithAndWithoutSta
     }
     // The mode is chosen by cost: nearly every block is smaller against the state.
     EXPECT_GE(learned_blocks * 10, blocks * 9) << "bf16 " << bf16;
-    // Held out with a state learned from only ~800 tokens (two texts): 1.11x (fp16), 1.07x (bf16)
-    // smaller than the byte-plane mode; bench/lossless.md measures 1.43x / 1.48x with 75k tokens.
-    EXPECT_LT(held_out_v5 * 1.04, held_out_v4) << held_out_v5 << " vs " << held_out_v4;
+    // Held out with a state learned from only ~800 tokens (two texts): 1.26x (fp16), 1.24x (bf16)
+    // smaller than the byte-plane mode; bench/lossless.md measures more with 75k tokens.
+    EXPECT_LT(held_out_v5 * 1.15, held_out_v4) << held_out_v5 << " vs " << held_out_v4;
     std::printf("%s held-out Genesis: %zu bytes against the state, %zu byte-plane (%.3fx)\n",
                 bf16 ? "bf16" : "fp16", held_out_v5, held_out_v4,
                 static_cast<double>(held_out_v4) / held_out_v5);
