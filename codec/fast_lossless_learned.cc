@@ -14,13 +14,28 @@ namespace {
 constexpr int kLanes = 32;
 constexpr int kTokens = 28;
 
-// The monotone bijection of 16-bit patterns onto uint16 arithmetic (int16 order).
+// The monotone bijection of 16-bit patterns onto uint16 arithmetic (int16 order): a set sign bit
+// flips the 15 magnitude bits (0xffff - magnitude). Its own inverse. Branchless.
 inline uint16_t Ord(uint16_t h) {
-  return (h & 0x8000) ? static_cast<uint16_t>(0xffff - (h & 0x7fff)) : h;
+  return static_cast<uint16_t>(h ^ (static_cast<uint16_t>(static_cast<int16_t>(h) >> 15) & 0x7fff));
 }
-inline uint16_t Unord(uint16_t u) {
-  return (u & 0x8000) ? static_cast<uint16_t>(0x8000 | (0xffff - u)) : u;
+inline uint16_t Unord(uint16_t u) { return Ord(u); }
+
+// Token t -> the bits of z above the raw ones, and how many raw bits follow (t < kTokens).
+struct TokenCode {
+  uint16_t base;
+  uint8_t raw_bits;
+};
+constexpr TokenCode MakeCode(int t) {
+  return t < 16 ? TokenCode{static_cast<uint16_t>(t), 0}
+                : TokenCode{static_cast<uint16_t>(1u << (t - 12)), static_cast<uint8_t>(t - 12)};
 }
+constexpr TokenCode kCodes[kTokens] = {
+    MakeCode(0),  MakeCode(1),  MakeCode(2),  MakeCode(3),  MakeCode(4),  MakeCode(5),
+    MakeCode(6),  MakeCode(7),  MakeCode(8),  MakeCode(9),  MakeCode(10), MakeCode(11),
+    MakeCode(12), MakeCode(13), MakeCode(14), MakeCode(15), MakeCode(16), MakeCode(17),
+    MakeCode(18), MakeCode(19), MakeCode(20), MakeCode(21), MakeCode(22), MakeCode(23),
+    MakeCode(24), MakeCode(25), MakeCode(26), MakeCode(27)};
 
 inline int BitLength(uint32_t z) { return 32 - __builtin_clz(z); }
 
@@ -50,19 +65,25 @@ void Prediction(const BlockGeometry& g, const PredictorState& state,
 class BitWriter {
  public:
   explicit BitWriter(std::string* out) : out_(out) {}
-  void Put(uint32_t v, int n) {
+  void Put(uint32_t v, int n) {  // n <= 16
     acc_ |= static_cast<uint64_t>(v) << fill_;
     fill_ += n;
-    while (fill_ >= 8) {
-      out_->push_back(static_cast<char>(acc_ & 0xff));
-      acc_ >>= 8;
-      fill_ -= 8;
+    if (fill_ >= 32) {
+      char b[4];
+      const uint32_t w = static_cast<uint32_t>(acc_);
+      std::memcpy(b, &w, 4);
+      out_->append(b, 4);
+      acc_ >>= 32;
+      fill_ -= 32;
     }
   }
   void Flush() {
-    if (fill_ > 0) out_->push_back(static_cast<char>(acc_ & 0xff));
+    while (fill_ > 0) {
+      out_->push_back(static_cast<char>(acc_ & 0xff));
+      acc_ >>= 8;
+      fill_ = fill_ > 8 ? fill_ - 8 : 0;
+    }
     acc_ = 0;
-    fill_ = 0;
   }
 
  private:
@@ -74,12 +95,24 @@ class BitWriter {
 class BitReader {
  public:
   explicit BitReader(absl::string_view in) : in_(in) {}
-  // False if fewer than n bits are left.
+  // False if fewer than n (<= 16) bits are left.
   bool Get(int n, uint32_t* v) {
-    while (fill_ < n) {
-      if (pos_ >= in_.size()) return false;
-      acc_ |= static_cast<uint64_t>(static_cast<uint8_t>(in_[pos_++])) << fill_;
-      fill_ += 8;
+    if (fill_ < n) {
+      if (pos_ + 8 <= in_.size()) {
+        // Branchless refill (F. Giesen, "Reading bits in far too many ways", variant 4): the
+        // bytes past the ones counted are ORed in again, identically, by the next refill.
+        uint64_t w;
+        std::memcpy(&w, in_.data() + pos_, 8);
+        acc_ |= w << fill_;
+        pos_ += (63 - fill_) >> 3;
+        fill_ |= 56;
+      } else {
+        while (fill_ < n) {
+          if (pos_ >= in_.size()) return false;
+          acc_ |= static_cast<uint64_t>(static_cast<uint8_t>(in_[pos_++])) << fill_;
+          fill_ += 8;
+        }
+      }
     }
     *v = static_cast<uint32_t>(acc_ & ((1ull << n) - 1));
     acc_ >>= n;
@@ -201,17 +234,13 @@ absl::Status DecompressFastLosslessLearned(const BlockGeometry& g, absl::string_
   for (size_t pl = 0; pl < planes; ++pl) {
     const uint8_t* ps = sym.data() + pl * padded;
     for (size_t i = 0; i < n; ++i) {
-      const uint32_t t = ps[i];
-      uint32_t z = t;
-      if (t >= 16) {
-        if (t >= kTokens) return absl::DataLossError("fast lossless learned: token out of range");
-        const int nb = static_cast<int>(t) - 11;
-        uint32_t low = 0;
-        if (!bits.Get(nb - 1, &low)) {
-          return absl::DataLossError("fast lossless learned: raw bits truncated");
-        }
-        z = (1u << (nb - 1)) | low;
+      // ps[i] < kTokens: the segment only decodes symbols of its table (<= 28 symbols, checked).
+      const TokenCode c = kCodes[ps[i]];
+      uint32_t low = 0;
+      if (!bits.Get(c.raw_bits, &low)) {
+        return absl::DataLossError("fast lossless learned: raw bits truncated");
       }
+      const uint32_t z = c.base | low;
       const uint16_t d = static_cast<uint16_t>((z >> 1) ^ (0u - (z & 1)));
       const size_t e = pl * n + i;
       const uint16_t x = Unord(static_cast<uint16_t>(Ord(ph[e]) + d));
