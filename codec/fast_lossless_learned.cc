@@ -160,13 +160,12 @@ void CompressFastLosslessLearned(const BlockGeometry& g, absl::Span<const uint8_
       const int16_t d = static_cast<int16_t>(static_cast<uint16_t>(Ord(x) - Ord(ph[e])));
       const uint32_t z = (static_cast<uint32_t>(static_cast<uint16_t>(d)) << 1 & 0xffff) ^
                          static_cast<uint32_t>(static_cast<uint16_t>(d >> 15));
-      if (z < 16) {
-        ps[i] = static_cast<uint8_t>(z);
-      } else {
-        const int nb = BitLength(z);
-        ps[i] = static_cast<uint8_t>(11 + nb);
-        bits.Put(z & ((1u << (nb - 1)) - 1), nb - 1);
-      }
+      // Branchless: z < 16 is its own token, else 11 + bit length with bit length - 1 raw bits.
+      const int nb = BitLength(z | 1);
+      const bool small = z < 16;
+      const int raw_bits = small ? 0 : nb - 1;
+      ps[i] = static_cast<uint8_t>(small ? z : static_cast<uint32_t>(11 + nb));
+      bits.Put(z & ((1u << raw_bits) - 1), raw_bits);
       ++counts[ps[i]];
     }
     for (size_t i = n; i < padded; ++i) ps[i] = 0, ++counts[0];
