@@ -113,6 +113,7 @@ std::vector<v1::PutRequest> PutHeaderRequests(const std::string& ns, const KvDum
   h->mutable_encoding()->set_target_rel_rms(options.target_rel_rms);
   h->mutable_encoding()->set_profile(options.profile);
   h->mutable_encoding()->set_bits(options.bits);
+  h->mutable_encoding()->set_learned_lossless(options.learned_lossless);
   for (size_t begin = 0;
        begin == 0 || begin < kv.token_ids.size() || begin < kv.surprisal_bits.size();
        begin += kTokensPerMessage) {
@@ -368,7 +369,8 @@ absl::StatusOr<v1::PutResponse> Client::PutOnce(const KvDump& kv, const BlockGeo
 absl::StatusOr<v1::PutResponse> Client::PutEncoded(const KvDump& kv, const BlockGeometry& g,
                                                    const PutOptions& options) {
   std::shared_ptr<const PredictorState> state;
-  if (options.encoding == v1::ENCODING_RESIDUAL) {
+  if (options.encoding == v1::ENCODING_RESIDUAL ||
+      (options.encoding == v1::ENCODING_LOSSLESS && options.learned_lossless)) {
     absl::StatusOr<std::shared_ptr<const PredictorState>> latest =
         LatestPredictor(kv.model_id, /*refresh=*/false);
     if (!latest.ok()) return latest.status();

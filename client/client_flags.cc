@@ -30,6 +30,10 @@ ABSL_FLAG(bool, encode_on_client, true,
           "a target, of the fast profile); the server checks and stores them as they are. false: "
           "send them dense and let the server encode (thin clients). Compact-profile, baseline "
           "and layered puts are always sent dense");
+ABSL_FLAG(bool, learned_lossless, false,
+          "put: lossless of the fast profile also codes each block against the latest learned "
+          "predictor state, kept when smaller (~1.56x vs 1.12x on held-out fp16 text, but "
+          "~0.1-0.3 GB/s per core to encode instead of ~2; bench/lossless.md)");
 ABSL_FLAG(double, predictor_refresh_seconds, 10,
           "put: how long an encoding residual put uses the latest learned predictor state "
           "version it found before asking the server again (0 = before every put; a freed "
@@ -81,6 +85,7 @@ namespace kvtrie {
 
 void ApplyPutFlags(PutOptions* options) {
   options->encode_on_client = absl::GetFlag(FLAGS_encode_on_client);
+  options->learned_lossless = absl::GetFlag(FLAGS_learned_lossless);
 }
 
 }  // namespace kvtrie

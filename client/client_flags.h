@@ -13,6 +13,8 @@
 //   --predictor_refresh_seconds=S   ClientOptions::predictor_refresh (10)
 //   --encode_on_client (true)   PutOptions::encode_on_client; =false sends Puts dense (thin
 //                      clients: the server encodes)
+//   --learned_lossless (false)  PutOptions::learned_lossless: fast lossless against the learned
+//                      state (smaller, slower to encode)
 #ifndef KVTRIE_CLIENT_CLIENT_FLAGS_H_
 #define KVTRIE_CLIENT_CLIENT_FLAGS_H_
 
@@ -25,7 +27,8 @@ namespace kvtrie {
 // INVALID_ARGUMENT naming a retry flag out of range.
 absl::Status ApplyClientFlags(ClientOptions* options);
 
-// Fills options' encode_on_client from --encode_on_client.
+// Fills options' encode_on_client and learned_lossless from --encode_on_client and
+// --learned_lossless.
 void ApplyPutFlags(PutOptions* options);
 
 }  // namespace kvtrie

@@ -47,11 +47,12 @@ absl::StatusOr<EncodedBlock> EncodePutBlock(const KvDump& kv, const BlockGeometr
   o.encoding = static_cast<Encoding>(options.encoding);
   o.profile = Profile::kFast;
   o.target_rel_rms = options.target_rel_rms;
+  o.learned_lossless = options.learned_lossless;
   const size_t off = b * g.block_tokens;
   const std::vector<int32_t> tokens(kv.token_ids.begin() + off,
                                     kv.token_ids.begin() + off + g.block_tokens);
   PredictionContext ctx;
-  if (o.encoding == Encoding::kResidual) ctx.learned = state;
+  if (o.encoding == Encoding::kResidual || o.encoding == Encoding::kLossless) ctx.learned = state;
   ctx.tokens = tokens;
   ctx.first_position = static_cast<uint32_t>(off);
   ctx.previous_token = off == 0 ? -1 : static_cast<int32_t>(kv.token_ids[off - 1]);

@@ -157,6 +157,11 @@ struct EncodeOptions {
   // kResidual FAST with a learned state that has KLT bases (PredictorState::Klt): the encoder may
   // code a plane's learned heads in the basis (chosen per plane by its cost model; FORMAT.md).
   bool klt = true;
+  // kLossless FAST with PredictionContext::learned: also try coding every element against the
+  // learned prediction (params 5, codec/fast_lossless_learned.h: ~1.56x fp16 / 2.0x bf16 on
+  // held-out text vs 1.12x / 1.42x) and keep it when smaller. Off by default: it encodes at
+  // ~0.1-0.3 GB/s per core against ~2 GB/s (bench/lossless.md). Decoding needs no option.
+  bool learned_lossless = false;
 };
 
 // What the codec may need besides the encoded bytes. Spans are empty when absent. Blocks are in the

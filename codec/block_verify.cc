@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "codec/fast_lossless.h"
+#include "codec/fast_lossless_learned.h"
 #include "codec/fast_residual.h"
 #include "codec/fast_residual_format.h"
 #include "codec/fast_residual_kernels.h"
@@ -57,8 +58,17 @@ absl::Status CheckGeometry(const BlockGeometry& model, const BlockGeometry& bloc
 }
 
 absl::Status CheckFastLossless(const BlockGeometry& g, const BlockHeader& h) {
+  if (h.params.size() == 1 &&
+      static_cast<uint8_t>(h.params[0]) == kFastLosslessLearnedParamsVersion) {
+    if (h.predictor_version == 0) return Bad("params: the learned mode (5) names no state version");
+    absl::Status s = CheckFastLosslessLearnedLayout(g, h.payload);
+    return s.ok() ? s : Bad(s.message());
+  }
+  if (h.predictor_version != 0) {
+    return Bad("predictor_version: the fast LOSSLESS params (4) take no state");
+  }
   if (h.params.size() != 1 || static_cast<uint8_t>(h.params[0]) != kFastLosslessParamsVersion) {
-    return Bad("params: not the fast LOSSLESS params (one byte, 4)");
+    return Bad("params: not the fast LOSSLESS params (one byte, 4 or 5)");
   }
   const size_t eb = DTypeBytes(g.dtype), n = g.num_elements();
   if (h.payload.size() < 4) return Bad("payload: truncated before the zstd frame length");

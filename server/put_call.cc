@@ -107,6 +107,7 @@ grpc::Status ToEncodeOptions(const v1::EncodingSpec& e, const EncodeOptions& def
                                 " is not in [0, 4]"));
   }
   out->surprisal_step_strength = e.surprisal_step_strength();
+  out->learned_lossless = e.learned_lossless();
   if (e.bits() > 8) {
     return Invalid(absl::StrCat("encoding.bits: ", e.bits(), " is not in [1, 8]"));
   }

@@ -225,7 +225,12 @@ TEST_F(EncodedPutEndToEnd, AnEncodedPutStoresWhatADensePutStoresAndReadsBackTheS
     dense.push_back(Commit());
     put = testing::RawPut(c.client->stub(), dense);
     ASSERT_TRUE(put.ok()) << put.error_message();
-    EXPECT_EQ(StoredBytes(c.client, c.ns, genesis_, kBlocks), sent);
+    // Fast LOSSLESS is coded against the namespace's latest state (issue 22), which "b" may have
+    // published from the RESIDUAL case's dense Put by now: the bytes may differ, the values not
+    // (checked below).
+    if (c.encoding != Encoding::kLossless) {
+      EXPECT_EQ(StoredBytes(c.client, c.ns, genesis_, kBlocks), sent);
+    }
     absl::StatusOr<KvDump> dense_rec = c.client->Get(genesis_.model_id, tokens);
     absl::StatusOr<KvDump> dense_res =
         c.client->Get(genesis_.model_id, tokens, {.mode = v1::GET_MODE_RESIDUAL});
@@ -233,6 +238,9 @@ TEST_F(EncodedPutEndToEnd, AnEncodedPutStoresWhatADensePutStoresAndReadsBackTheS
     EXPECT_TRUE(dense_rec->k == encoded_rec->k && dense_rec->v == encoded_rec->v);
     EXPECT_TRUE(dense_res->k == encoded_res->k && dense_res->v == encoded_res->v);
     EXPECT_TRUE(dense_res->k == dense_rec->k && dense_res->v == dense_rec->v);
+    if (c.encoding == Encoding::kLossless) {
+      EXPECT_TRUE(dense_rec->k == genesis_.k && dense_rec->v == genesis_.v);  // bit-exact
+    }
     look = c.client->Lookup(genesis_.model_id, tokens);
     ASSERT_TRUE(look.ok() && look->node_ids_size() == static_cast<int>(kBlocks));
     node = c.client->Inspect(genesis_.model_id, look->node_ids(5));

@@ -222,6 +222,78 @@ TEST_F(PredictorEndToEnd, AResidualGetIsDecodedByTheClientWithTheFetchedState) {
               2.0);
 }
 
+// Fast LOSSLESS (issue 22): the server codes it against the latest learned state, the client
+// too (encode_on_client); both come back bit for bit, in both Get modes, smaller than without a
+// state, and still after a newer state is published.
+TEST_F(PredictorEndToEnd, FastLosslessIsCodedAgainstTheLatestStateAndComesBackBitExact) {
+  auto client = NewClient("a");
+  const PutOptions server_side{.encoding = v1::ENCODING_LOSSLESS,
+                               .profile = v1::EncodingSpec::PROFILE_FAST,
+                               .learned_lossless = true};
+  // Namespace "b" has no state: the byte-plane mode.
+  absl::StatusOr<v1::PutResponse> without = NewClient("b")->Put(genesis_, server_side);
+  ASSERT_TRUE(without.ok()) << without.status();
+  // Waits (up to 20 s) until `ns` keeps `versions` states.
+  auto wait_for_states = [&](Client* c, int versions) {
+    for (int i = 0; i < 400; ++i) {
+      absl::StatusOr<v1::InspectResponse> root = c->Inspect(genesis_.model_id, 0);
+      if (root.ok() && root->predictors_size() >= versions) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ADD_FAILURE() << "fewer than " << versions << " states";
+  };
+  for (const bool on_client : {false, true}) {
+    const std::string ns = on_client ? "c" : "a";
+    auto c = NewClient(ns);
+    ASSERT_TRUE(c->Put(gpl_, {.encoding = v1::ENCODING_RESIDUAL, .target_rel_rms = kTarget}).ok());
+    wait_for_states(c.get(), 1);
+    PutOptions lossless = server_side;
+    lossless.encode_on_client = on_client;
+    absl::StatusOr<v1::PutResponse> with = c->Put(genesis_, lossless);
+    ASSERT_TRUE(with.ok()) << with.status();
+    uint64_t bytes_with = 0, bytes_without = 0;
+    for (const v1::BlockResult& b : with->blocks()) bytes_with += b.bytes_stored();
+    for (const v1::BlockResult& b : without->blocks()) bytes_without += b.bytes_stored();
+    EXPECT_GT(bytes_without, 0u);
+    EXPECT_LT(bytes_with, bytes_without) << "on_client " << on_client;
+    // The blocks name the state in a RESIDUAL-mode Get (the stored bytes as they are).
+    v1::GetRequest req;
+    req.set_namespace_(ns);
+    req.set_model_id(genesis_.model_id);
+    req.mutable_token_ids()->Add(genesis_.token_ids.begin(), genesis_.token_ids.end());
+    req.set_mode(v1::GET_MODE_RESIDUAL);
+    grpc::ClientContext ctx;
+    auto reader = c->stub()->Get(&ctx, req);
+    v1::GetResponse msg;
+    int named = 0;
+    while (reader->Read(&msg)) {
+      named += msg.has_block() && msg.block().predictor_version() != 0 &&
+               msg.block().encoding() == v1::ENCODING_LOSSLESS;
+    }
+    ASSERT_TRUE(reader->Finish().ok());
+    EXPECT_GT(named, 0) << "on_client " << on_client;
+    for (const v1::GetMode mode : {v1::GET_MODE_RESIDUAL, v1::GET_MODE_RECONSTRUCTED}) {
+      absl::StatusOr<KvDump> got = c->Get(genesis_.model_id, genesis_.token_ids, {.mode = mode});
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(got->k, genesis_.k) << "on_client " << on_client << " mode " << mode;
+      EXPECT_EQ(got->v, genesis_.v) << "on_client " << on_client << " mode " << mode;
+    }
+  }
+  // Namespace "a" learns from Genesis too: a newer state; the blocks coded against the older one
+  // still come back bit for bit.
+  wait_for_states(client.get(), 2);
+  absl::StatusOr<v1::InspectResponse> root = client->Inspect(genesis_.model_id, 0);
+  ASSERT_TRUE(root.ok()) << root.status();
+  ASSERT_GE(root->predictors_size(), 2);
+  EXPECT_FALSE(root->predictors(0).latest());
+  auto fresh = NewClient("a");  // no cached state
+  absl::StatusOr<KvDump> got =
+      fresh->Get(genesis_.model_id, genesis_.token_ids, {.mode = v1::GET_MODE_RESIDUAL});
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->k, genesis_.k);
+  EXPECT_EQ(got->v, genesis_.v);
+}
+
 TEST_F(PredictorEndToEnd, BadRequestsNameTheFieldAndNamespacesAreIsolated) {
   auto a = NewClient("a");
   ASSERT_NO_FATAL_FAILURE(PutAndWaitForFits(a.get(), gpl_, 1));

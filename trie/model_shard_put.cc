@@ -44,7 +44,11 @@ absl::StatusOr<PutSummary> ModelShard::ApplyPut(PutPlan& plan) {
     // conditions on.
     std::shared_ptr<PredictorRegistry> registry = predictors();
     std::shared_ptr<const PredictorState> learned;
-    if (plan.encode.encoding == Encoding::kResidual) learned = registry->AcquireLatest();
+    if (plan.encode.encoding == Encoding::kResidual ||
+        (plan.encode.encoding == Encoding::kLossless && plan.encode.profile == Profile::kFast &&
+         plan.encode.learned_lossless)) {  // fast LOSSLESS against the state: issue 22
+      learned = registry->AcquireLatest();
+    }
     absl::Cleanup release = [&] {
       if (learned) registry->Release(learned->version());
     };

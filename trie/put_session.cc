@@ -51,7 +51,9 @@ PutSession::PutSession(ModelShard* shard, ShardContext* context, ModelInfo model
                                                     encode_.encoding == Encoding::kLossless))),
       stored_at_begin_(early_ ? static_cast<uint32_t>(shard_->Match(token_ids_).node_ids.size())
                               : 0) {
-  if (early_ && encode_.encoding == Encoding::kResidual) {
+  if (early_ && (encode_.encoding == Encoding::kResidual ||
+                 (encode_.encoding == Encoding::kLossless &&
+                  encode_.learned_lossless))) {  // fast LOSSLESS against the state: issue 22
     // Held (counted as pending) until this session ends, so it outlives the commit.
     early_registry_ = shard_->predictors();
     early_learned_ = early_registry_->AcquireLatest();
@@ -126,7 +128,7 @@ void PutSession::BlockComplete(uint32_t block_index, Pending* p) {
     const size_t off = static_cast<size_t>(block_index) * g.block_tokens;
     ctx.surprisal_bits = absl::MakeConstSpan(surprisal_bits_).subspan(off, g.block_tokens);
     std::vector<int32_t> block_tokens;
-    if (early_learned_) {  // fast-profile RESIDUAL: the learned state, as at Finish
+    if (early_learned_) {  // fast-profile RESIDUAL / LOSSLESS: the learned state, as at Finish
       block_tokens.assign(token_ids_.begin() + off, token_ids_.begin() + off + g.block_tokens);
       ctx.learned = early_learned_.get();
       ctx.tokens = block_tokens;

@@ -314,7 +314,8 @@ class PyClient {
   py::object Put(const Tokens& tokens, const py::array& k, const py::array& v,
                  const std::optional<Floats>& surprisal, int encoding, double target_rel_rms,
                  uint32_t bits, uint32_t block_tokens, uint32_t first_block,
-                 uint32_t layers_per_message, bool encode_on_client, int profile) {
+                 uint32_t layers_per_message, bool encode_on_client, int profile,
+                 bool learned_lossless) {
     const KvArrays kv = CheckKv(k, v);
     if (static_cast<ssize_t>(kv.dims[2]) != tokens.size()) {
       InvalidArgument(absl::StrCat("tokens: ", tokens.size(), " token ids, but k has ", kv.dims[2],
@@ -325,6 +326,7 @@ class PyClient {
     PutOptions options = MakePutOptions(encoding, target_rel_rms, bits, block_tokens, first_block,
                                         layers_per_message, profile);
     options.encode_on_client = encode_on_client;
+    options.learned_lossless = learned_lossless;
     absl::StatusOr<v1::PutResponse> r;
     {
       py::gil_scoped_release release;
@@ -490,7 +492,8 @@ PYBIND11_MODULE(_kvtrie, m) {
       .def("put", &PyClient::Put, py::arg("tokens"), py::arg("k"), py::arg("v"),
            py::arg("surprisal"), py::arg("encoding"), py::arg("target_rel_rms"), py::arg("bits"),
            py::arg("block_tokens"), py::arg("first_block"), py::arg("layers_per_message"),
-           py::arg("encode_on_client") = true, py::arg("profile") = 0)
+           py::arg("encode_on_client") = true, py::arg("profile") = 0,
+           py::arg("learned_lossless") = false)
       .def("open_put", &PyClient::OpenPut, py::arg("tokens"), py::arg("surprisal"),
            py::arg("layers"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("dtype"),
            py::arg("encoding"), py::arg("target_rel_rms"), py::arg("bits"), py::arg("block_tokens"),

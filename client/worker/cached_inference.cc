@@ -198,6 +198,7 @@ absl::StatusOr<std::vector<EvalRow>> EvalRoundTrip(const LlamaModel& model,
       put.bits = setting.bits;
       put.block_tokens = block_tokens;
       put.encode_on_client = setting.encode_on_client;
+      put.learned_lossless = setting.learned_lossless;
       absl::StatusOr<v1::PutResponse> resp = client->Put(contexts[w], put);
       if (!resp.ok()) return resp.status();
       for (const v1::BlockResult& b : resp->blocks()) {

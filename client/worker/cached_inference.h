@@ -70,6 +70,7 @@ struct EvalSetting {
   double target_rel_rms = 0;
   uint32_t bits = 0;
   bool encode_on_client = true;  // PutOptions::encode_on_client (kvtrie-worker --encode_on_client)
+  bool learned_lossless = false;  // PutOptions::learned_lossless (--learned_lossless)
 };
 
 // Parses "NAME[@REL_RMS][/BITS]" with NAME one of raw, lossless, residual, int8, kivi2,

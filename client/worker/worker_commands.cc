@@ -107,6 +107,7 @@ int Eval(const LlamaModel& model) {
     PutOptions put;
     ApplyPutFlags(&put);  // --encode_on_client
     setting->encode_on_client = put.encode_on_client;
+    setting->learned_lossless = put.learned_lossless;
     settings.push_back(*setting);
   }
   // The whole text (not --max_chars): windows are cut from it in order.
