@@ -113,9 +113,10 @@ struct PutOptions {
   // latest again, encodes the Put against it and sends it once more: the caller sees no error.
   bool encode_on_client = true;
   // LOSSLESS of PROFILE_FAST: also code each block against the latest learned state, kept when
-  // smaller (EncodingSpec.learned_lossless: ~1.56x vs 1.12x on held-out fp16 text, but ~0.1-0.3 GB/s
-  // per core to encode instead of ~2; bench/lossless.md). Here when encode_on_client, else asked
-  // of the server. CLI and worker: --learned_lossless; Python: put(..., learned_lossless=True).
+  // smaller (EncodingSpec.learned_lossless: ~1.56x vs 1.12x on held-out fp16 text, but ~0.1-0.3
+  // GB/s per core to encode instead of ~2; bench/lossless.md). Here when encode_on_client, else
+  // asked of the server. CLI and worker: --learned_lossless; Python: put(...,
+  // learned_lossless=True).
   bool learned_lossless = false;
 };
 

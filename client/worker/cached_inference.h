@@ -69,7 +69,7 @@ struct EvalSetting {
   v1::Encoding encoding = v1::ENCODING_LOSSLESS;
   double target_rel_rms = 0;
   uint32_t bits = 0;
-  bool encode_on_client = true;  // PutOptions::encode_on_client (kvtrie-worker --encode_on_client)
+  bool encode_on_client = true;   // PutOptions::encode_on_client (kvtrie-worker --encode_on_client)
   bool learned_lossless = false;  // PutOptions::learned_lossless (--learned_lossless)
 };
 
