@@ -244,7 +244,9 @@ TEST_F(PredictorEndToEnd, FastLosslessIsCodedAgainstTheLatestStateAndComesBackBi
   };
   for (const bool on_client : {false, true}) {
     const std::string ns = on_client ? "c" : "a";
-    auto c = NewClient(ns);
+    // predictor_refresh 0: the client sees the state published after its first Put at once.
+    auto c = Client::Create(
+        {.target = server_->target(), .ns = ns, .predictor_refresh = absl::ZeroDuration()});
     ASSERT_TRUE(c->Put(gpl_, {.encoding = v1::ENCODING_RESIDUAL, .target_rel_rms = kTarget}).ok());
     wait_for_states(c.get(), 1);
     PutOptions lossless = server_side;
