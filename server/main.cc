@@ -153,9 +153,10 @@ ABSL_FLAG(bool, predictor_cross_layer, kvtrie::PredictorOptions().cross_layer,
           "encode speed (bench/learned.md)");
 ABSL_FLAG(kvtrie::ByteSize, put_parent_cache_bytes,
           kvtrie::ByteSize{kvtrie::StoreOptions().put_parent_cache_bytes},
-          "per namespace and model: reconstructions of the last block of recent compact-profile "
-          "Puts kept in memory, so a Put that continues one predicts from it without decoding "
-          "(and reading from disk) the stored prefix again; 0 = none" KVTRIE_BYTE_UNITS_HELP);
+          "the whole server's bound on reconstructions of the last block of recent "
+          "compact-profile Puts kept in memory (on top of --memory_bytes), so a Put that "
+          "continues one predicts from it without decoding (and reading from disk) the stored "
+          "prefix again; 0 = none" KVTRIE_BYTE_UNITS_HELP);
 ABSL_FLAG(kvtrie::ByteSize, learn_queue_bytes,
           kvtrie::ByteSize{kvtrie::PredictorOptions().queue_bytes},
           "KV bytes waiting to be learned from, all models together (a block its client encoded "

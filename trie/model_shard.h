@@ -111,7 +111,10 @@ struct ShardContext {
   // RESOURCE_EXHAUSTED if pins and dependents hold it. Call with no shard lock held.
   std::function<absl::Status(uint64_t incoming)> make_disk_room;
   std::atomic<uint64_t> inflight_put_bytes{0};  // dense bytes buffered by unfinished Puts
-  LearnQueue* learn_queue = nullptr;            // null when learning is off
+  // Bytes of the reconstructions every shard keeps for continuing Puts (ModelShard::KeepPutParent),
+  // bounded by options->put_parent_cache_bytes across the store.
+  std::atomic<uint64_t> put_parent_bytes{0};
+  LearnQueue* learn_queue = nullptr;  // null when learning is off
   // Test seam (KvStoreTestPeer::SetDeleteHook): runs in every Delete after the near-duplicates
   // outside the prefix were re-encoded and before the prefix is removed, with the shard's
   // write_mu_ held (so it may read, not write). Set before the store serves.
@@ -358,7 +361,9 @@ class ModelShard {
              const std::vector<int32_t>& tokens, int32_t previous_token, const LearnBlock& block);
 
   // The reconstruction of node `node_id` kept by a compact-profile Put that ended with it (null:
-  // not kept), and keeping one (the oldest go past StoreOptions::put_parent_cache_bytes).
+  // not kept), and keeping one: this shard's oldest go while the store's kept reconstructions
+  // (ShardContext::put_parent_bytes) would pass StoreOptions::put_parent_cache_bytes; when the
+  // other shards' alone fill it, none is kept.
   std::shared_ptr<const std::vector<uint8_t>> FindPutParent(uint64_t node_id);
   void KeepPutParent(uint64_t node_id, absl::Span<const uint8_t> reconstruction);
 

@@ -195,13 +195,22 @@ void ModelShard::KeepPutParent(uint64_t node_id, absl::Span<const uint8_t> recon
   auto kept =
       std::make_shared<const std::vector<uint8_t>>(reconstruction.begin(), reconstruction.end());
   std::deque<std::pair<uint64_t, std::shared_ptr<const std::vector<uint8_t>>>> gone;
+  std::atomic<uint64_t>& total = context_->put_parent_bytes;
   absl::MutexLock lock(&parents_mu_);
-  put_parents_.emplace_back(node_id, std::move(kept));
-  // Every entry is one block of this model: the bound is a count.
-  while (put_parents_.size() > bound / reconstruction.size()) {
+  // The bound is the whole store's: this shard's oldest make room; when the other shards' alone
+  // fill it, this one keeps nothing new.
+  while (!put_parents_.empty() &&
+         total.load(std::memory_order_relaxed) + reconstruction.size() > bound) {
+    total.fetch_sub(put_parents_.front().second->size(), std::memory_order_relaxed);
     gone.push_back(std::move(put_parents_.front()));
     put_parents_.pop_front();
   }
+  if (total.fetch_add(reconstruction.size(), std::memory_order_relaxed) + reconstruction.size() >
+      bound) {
+    total.fetch_sub(reconstruction.size(), std::memory_order_relaxed);
+    return;
+  }
+  put_parents_.emplace_back(node_id, std::move(kept));
 }
 
 }  // namespace kvtrie

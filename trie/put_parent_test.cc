@@ -40,18 +40,18 @@ class PutParentTest : public testing::Test {
     return s.ok() ? *std::move(s) : nullptr;
   }
   // Puts blocks [0, blocks) of GPL-3 as compact RESIDUAL (those stored already are matched).
-  void Put(KvStore* store, uint32_t blocks) {
+  void Put(KvStore* store, uint32_t blocks, const std::string& ns = "ns") {
     const ModelInfo m = DumpModel(gpl_);
     const std::vector<uint32_t> tokens(gpl_.token_ids.begin(),
                                        gpl_.token_ids.begin() + blocks * 16);
     const std::vector<float> surprisal(gpl_.surprisal_bits.begin(),
                                        gpl_.surprisal_bits.begin() + blocks * 16);
     auto session = store->BeginPut(
-        "ns", m, tokens, surprisal,
+        ns, m, tokens, surprisal,
         {.encoding = Encoding::kResidual, .profile = Profile::kCompact, .target_rel_rms = 0.05});
     ASSERT_TRUE(session.ok()) << session.status();
     const uint32_t stored =
-        static_cast<uint32_t>(store->Lookup("ns", m.model_id, tokens).node_ids.size());
+        static_cast<uint32_t>(store->Lookup(ns, m.model_id, tokens).node_ids.size());
     std::vector<uint8_t> block(m.geometry.num_bytes());
     for (uint32_t b = stored; b < blocks; ++b) {
       GatherBlock(m.geometry, gpl_.num_tokens(), gpl_.k.data(), gpl_.v.data(), b,
@@ -117,6 +117,21 @@ TEST_F(PutParentTest, APutFromAnotherBlockDecodesItsParentAsBefore) {
   const std::vector<std::string> a = Payloads(kept.get());
   ASSERT_EQ(a.size(), 12u);
   EXPECT_EQ(a, Payloads(decoded.get()));
+}
+
+TEST_F(PutParentTest, TheBoundIsTheWholeStoresNotEachNamespaces) {
+  // Room for one block in the whole store: namespace "ns" keeps its last block; "other" (another
+  // shard) finds the bound full and keeps none, so its continuing Put decodes its path.
+  std::unique_ptr<KvStore> store = Open(DumpModel(gpl_).geometry.num_bytes());
+  ASSERT_TRUE(store);
+  ASSERT_NO_FATAL_FAILURE(Put(store.get(), 8, "ns"));
+  ASSERT_NO_FATAL_FAILURE(Put(store.get(), 8, "other"));
+  const uint64_t ns_reads = store->Stats("ns").cold_reads;
+  const uint64_t other_reads = store->Stats("other").cold_reads;
+  ASSERT_NO_FATAL_FAILURE(Put(store.get(), 20, "other"));
+  ASSERT_NO_FATAL_FAILURE(Put(store.get(), 20, "ns"));
+  EXPECT_GE(store->Stats("other").cold_reads, other_reads + 8);  // not kept: decoded from disk
+  EXPECT_EQ(store->Stats("ns").cold_reads, ns_reads);            // kept
 }
 
 }  // namespace

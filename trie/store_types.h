@@ -65,10 +65,10 @@ struct StoreOptions {
   // Threads that encode Put blocks as they arrive (trie/put_session.h); 0 = on each stream's
   // own thread.
   int codec_threads = 0;
-  // Per (namespace, model): the reconstructions of the last block of recent compact-profile Puts
-  // (a block each), kept so that a Put continuing one predicts from it without decoding (and
-  // reading from RocksDB) the stored prefix again. 0 = none kept. Server flag
-  // --put_parent_cache_bytes.
+  // The whole store's bound (bytes, on top of memory_bytes) on the reconstructions of the last
+  // block of recent compact-profile Puts, kept per (namespace, model) so that a Put continuing
+  // one predicts from it without decoding (and reading from RocksDB) the stored prefix again.
+  // 0 = none kept. Server flag --put_parent_cache_bytes.
   uint64_t put_parent_cache_bytes = 16ull << 20;
   BlockTrie::TokenHash token_hash = BlockTrie::DefaultTokenHash;  // a seam for collision tests
   NearDupOptions near_dup;  // near-duplicate clusters (trie/cluster_index.h)
