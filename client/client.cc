@@ -297,7 +297,9 @@ absl::StatusOr<v1::PutResponse> Client::Put(const KvDump& kv, const PutOptions& 
   PutOptions encoded = options;
   if (encoded.encoding == v1::ENCODING_UNSPECIFIED) {
     absl::MutexLock lock(&default_encoding_mu_);
-    encoded.encoding = default_encoding_;
+    if (absl::Now() - default_encoding_at_ < kDefaultEncodingTtl) {
+      encoded.encoding = default_encoding_;
+    }
   }
   const bool encode = options.encode_on_client && encoded.encoding != v1::ENCODING_UNSPECIFIED &&
                       CheckClientEncoding(encoded).ok();
@@ -312,6 +314,7 @@ absl::StatusOr<v1::PutResponse> Client::Put(const KvDump& kv, const PutOptions& 
         }
         absl::MutexLock lock(&default_encoding_mu_);
         default_encoding_ = b.encoding();
+        default_encoding_at_ = absl::Now();
         break;
       }
     }

@@ -84,7 +84,7 @@ absl::Status LoadTlsFiles(const std::string& ca, const std::string& cert, const 
 struct PutOptions {
   // ENCODING_UNSPECIFIED: the server's --default_encoding. The client learns which one it is from
   // the response of its first such Put (sent dense) and encodes the later ones itself when it can
-  // (see encode_on_client).
+  // (see encode_on_client), for a minute; then one Put goes dense again to learn it anew.
   v1::Encoding encoding = v1::ENCODING_UNSPECIFIED;
   double target_rel_rms = 0;  // lossy encodings; 0 = server default
   uint32_t bits = 0;          // baselines with a bit width; 0 = default
@@ -227,9 +227,12 @@ class Client {
   std::map<std::string, std::pair<uint32_t, absl::Time>> latest_predictor_
       ABSL_GUARDED_BY(predictors_mu_);
   // The server's --default_encoding as the response of a dense ENCODING_UNSPECIFIED Put showed it
-  // (ENCODING_UNSPECIFIED until then).
-  absl::Mutex default_encoding_mu_;  // guards default_encoding_
+  // (ENCODING_UNSPECIFIED until then), and when; used for kDefaultEncodingTtl, then learned again
+  // (a server restarted with another default is followed within that time).
+  static constexpr absl::Duration kDefaultEncodingTtl = absl::Minutes(1);
+  absl::Mutex default_encoding_mu_;  // guards default_encoding_ and default_encoding_at_
   v1::Encoding default_encoding_ ABSL_GUARDED_BY(default_encoding_mu_) = v1::ENCODING_UNSPECIFIED;
+  absl::Time default_encoding_at_ ABSL_GUARDED_BY(default_encoding_mu_) = absl::InfinitePast();
 };
 
 }  // namespace kvtrie
