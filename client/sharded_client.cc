@@ -353,12 +353,21 @@ absl::StatusOr<v1::DeleteResponse> ShardedClient::Delete(const std::string& mode
                                                          absl::Span<const uint32_t> token_ids) {
   const Shard owner = OwnerOf(model_id, token_ids);
   std::shared_ptr<Client> c = Acquire(owner);
-  if (c == nullptr) {
-    return absl::UnavailableError(absl::StrCat("shard ", owner.name, " is down; nothing deleted"));
+  absl::StatusOr<v1::DeleteResponse> r =
+      c == nullptr ? absl::StatusOr<v1::DeleteResponse>(absl::UnavailableError(
+                         absl::StrCat("shard ", owner.name, " is down; not deleted there")))
+                   : c->Delete(model_id, token_ids);
+  if (c != nullptr) Lost(owner, r.status(), Call::kAdmin);
+  // Inside the warm-up window the previous owner's copy must go too, or the next Get that
+  // misses on the new owner would copy the deleted KV back.
+  if (std::optional<Shard> prev =
+          router_->PreviousOwner(options_.client.ns, model_id, token_ids, options_.warmup_window)) {
+    if (std::shared_ptr<Client> p = Acquire(*prev)) {
+      absl::StatusOr<v1::DeleteResponse> d = p->Delete(model_id, token_ids);
+      Lost(*prev, d.status(), Call::kAdmin);
+    }
   }
-  absl::StatusOr<v1::DeleteResponse> r = c->Delete(model_id, token_ids);
-  Lost(owner, r.status(), Call::kAdmin);
-  Shard second;  // a replicated copy must not outlive its delete
+  Shard second;  // a replicated copy must not outlive its delete, even when the owner is down
   if (std::shared_ptr<Client> p = AcquireSecond(model_id, token_ids, &second)) {
     absl::StatusOr<v1::DeleteResponse> d = p->Delete(model_id, token_ids);
     Lost(second, d.status(), Call::kAdmin);

@@ -59,7 +59,15 @@ struct ShardedClientOptions {
   // is of what Get returned (reconstructed: a lossy encoding is encoded again), without
   // surprisal. CLI: --shard_warmup_seconds; Python: warmup_window=.
   absl::Duration warmup_window = absl::ZeroDuration();
-  PutOptions warmup_put = {};
+  // The copies' (warm-up and replica) Put: bit-exact by default (ENCODING_LOSSLESS,
+  // PROFILE_FAST), so a copy of a lossy (RESIDUAL) prefix reads back identical to the owner's
+  // reconstruction instead of being rounded a second time.
+  PutOptions warmup_put = [] {
+    PutOptions o;
+    o.encoding = v1::ENCODING_LOSSLESS;
+    o.profile = v1::EncodingSpec::PROFILE_FAST;
+    return o;
+  }();
   // Replication of pinned prefixes (1: off; 2: on). With 2, Pin also copies the prefix to its
   // second shard in rendezvous order (a Get from the owner Put there with `warmup_put`, then
   // pinned there), Delete and unpin reach both, and a Lookup or Get whose owner is lost or

@@ -106,8 +106,7 @@ class ShardE2E : public ::testing::Test {
 
   std::string Name(int i) { return "kvtrie-" + std::to_string(i); }
   // Starts shard i on its own data folder (on `port` when nonzero: a restart at its address).
-  void StartShard(int i, int port = 0) {
-    std::vector<std::string> flags;
+  void StartShard(int i, int port = 0, std::vector<std::string> flags = {}) {
     if (port != 0) flags.push_back("--listen=127.0.0.1:" + std::to_string(port));
     absl::StatusOr<std::unique_ptr<ServerProcess>> s =
         ServerProcess::Start(dir_ + "/" + Name(i), flags);
@@ -550,6 +549,97 @@ TEST_F(ShardE2E, PinnedPrefixesReplicatedTwiceSurviveAKilledShard) {
   ::testing::Test::RecordProperty("pinned_hit_rate_replicated", std::to_string(pinned_rate));
   ::testing::Test::RecordProperty("pinned_hit_rate_unreplicated",
                                   std::to_string(unreplicated_rate));
+}
+
+int ShardIndex(const Shard& s) { return std::stoi(s.name.substr(s.name.rfind('-') + 1)); }
+
+// A Delete (of a prefix's last block and its subtree) whose owner is down still deletes the
+// pinned replica's on the second shard (else a Get would fall back to it and serve the deleted
+// KV), and returns the owner's error.
+TEST_F(ShardE2E, DeleteWithItsOwnerDownStillDeletesTheReplica) {
+  for (int i = 0; i < 3; ++i) StartShard(i);
+  ShardedClientOptions o = Options();
+  o.shards = ShardList();
+  o.pin_replicas = 2;
+  o.down_initial_backoff = o.down_max_backoff = absl::Seconds(60);  // known down when deleting
+  std::unique_ptr<ShardedClient> c = *ShardedClient::Create(o);
+  const KvDump& p = Prefixes()[0];
+  ASSERT_TRUE(c->Put(p, Lossless()).ok());
+  ASSERT_TRUE(c->Pin(p.model_id, p.token_ids).ok());
+  ASSERT_EQ(c->counters().replica_copies, 1u);
+  const int owner = ShardIndex(c->OwnerOf(p.model_id, p.token_ids));
+  servers_[owner]->Kill();
+  ASSERT_TRUE(c->Lookup(p.model_id, p.token_ids).ok());  // the owner is lost: marked down
+  ASSERT_GE(c->counters().shard_failures, 1u);
+  EXPECT_EQ(c->Delete(p.model_id, p.token_ids).status().code(), absl::StatusCode::kUnavailable);
+  for (int i = 0; i < 3; ++i) {
+    if (i == owner) continue;
+    EXPECT_LT(Direct(i)->Lookup(p.model_id, p.token_ids)->matched_tokens(), p.num_tokens())
+        << "shard " << i;
+  }
+  absl::StatusOr<KvDump> g = c->Get(p.model_id, p.token_ids);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_LT(g->token_ids.size(), p.num_tokens());  // never the deleted block
+}
+
+// Inside the warm-up window a Delete also reaches the previous owner: the next Get misses
+// instead of copying the deleted KV back from there.
+TEST_F(ShardE2E, DeleteInTheWarmUpWindowReachesThePreviousOwner) {
+  for (int i = 0; i < 3; ++i) StartShard(i);
+  ShardedClientOptions o = Options();
+  o.shards = ShardList();
+  o.warmup_window = absl::Seconds(60);
+  std::unique_ptr<ShardedClient> c = *ShardedClient::Create(o);
+  PutAll(*c);
+  std::vector<int> before;
+  for (const KvDump& p : Prefixes())
+    before.push_back(ShardIndex(c->OwnerOf(p.model_id, p.token_ids)));
+  StartShard(3);
+  ASSERT_TRUE(c->SetShards(Membership()).ok());
+  int moved = 0;
+  for (size_t n = 0; n < Prefixes().size(); ++n) {
+    const KvDump& p = Prefixes()[n];
+    if (ShardIndex(c->OwnerOf(p.model_id, p.token_ids)) == before[n]) continue;
+    ++moved;
+    // The new owner stores nothing of it yet: its status (NOT_FOUND) is returned.
+    EXPECT_FALSE(c->Delete(p.model_id, p.token_ids).ok());
+    EXPECT_LT(Direct(before[n])->Lookup(p.model_id, p.token_ids)->matched_tokens(), p.num_tokens());
+    absl::StatusOr<KvDump> g = c->Get(p.model_id, p.token_ids);
+    ASSERT_TRUE(g.ok()) << g.status();
+    EXPECT_LT(g->token_ids.size(), p.num_tokens()) << "prefix " << n;
+  }
+  ASSERT_GT(moved, 0);
+}
+
+// The replica of a RESIDUAL (lossy) prefix is a bit-exact copy of the owner's reconstruction:
+// the default copy PutOptions are LOSSLESS, not the server's default (residual here).
+TEST_F(ShardE2E, ReplicaOfAResidualPrefixReadsBackAsTheOwnersReconstruction) {
+  for (int i = 0; i < 3; ++i) StartShard(i, 0, {"--default_encoding=residual"});
+  ShardedClientOptions o = Options();
+  o.shards = ShardList();
+  o.pin_replicas = 2;  // warmup_put left at its default
+  std::unique_ptr<ShardedClient> c = *ShardedClient::Create(o);
+  const KvDump& p = Prefixes()[0];
+  PutOptions residual;
+  residual.encoding = v1::ENCODING_RESIDUAL;
+  residual.target_rel_rms = 0.1;
+  ASSERT_TRUE(c->Put(p, residual).ok());
+  ASSERT_TRUE(c->Pin(p.model_id, p.token_ids).ok());
+  ASSERT_EQ(c->counters().replica_copies, 1u);
+  const int owner = ShardIndex(c->OwnerOf(p.model_id, p.token_ids));
+  absl::StatusOr<KvDump> want = Direct(owner)->Get(p.model_id, p.token_ids);
+  ASSERT_TRUE(want.ok()) << want.status();
+  ASSERT_FALSE(SameKv(*want, p));  // lossy at the owner
+  int replicas = 0;
+  for (int i = 0; i < 3; ++i) {
+    if (i == owner) continue;
+    absl::StatusOr<KvDump> got = Direct(i)->Get(p.model_id, p.token_ids);
+    ASSERT_TRUE(got.ok()) << got.status();
+    if (got->token_ids.empty()) continue;
+    ++replicas;
+    EXPECT_TRUE(SameKv(*got, *want)) << "shard " << i;
+  }
+  EXPECT_EQ(replicas, 1);
 }
 
 // The CLI's pin over shards with --pin_replicas=2: the pinned dump is on two shards, and after

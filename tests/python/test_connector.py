@@ -236,6 +236,43 @@ def test_a_prefix_evicted_after_the_lookup_is_recomputed(model, cold, server):
     assert worker.stats["save_errors"] == 0 and c.lookup(prompt(1)) == 512  # saved by the redo
 
 
+@pytest.mark.parametrize("how", ["raises", "skipped"])
+def test_a_save_missing_a_layer_stores_nothing(model, cold, server, how):
+    # One layer's save raises (or never runs): the request is not committed, so nothing of it
+    # is stored (no zero-filled layer served as KV) and the next prompt recomputes.
+    ns = f"layer-{how}"
+    engine, _, worker = make_engine(model, server.target, ns, encoding="lossless")
+    calls = {"n": 0}
+    if how == "raises":
+        slots = worker._slots
+
+        def failing_slots(*args):
+            calls["n"] += 1
+            if calls["n"] == 2:  # layer 1 of the one request
+                raise kvtrie.Error(kvtrie.StatusCode.INTERNAL, "gather failed")
+            return slots(*args)
+        worker._slots = failing_slots
+    else:
+        save_layer = worker._save_layer
+
+        def skipping(r, layer, kv_layer):
+            calls["n"] += 1
+            if layer != 1:  # layer 1 never written: the commit must refuse the zeros
+                save_layer(r, layer, kv_layer)
+        worker._save_layer = skipping
+    first = engine.run("s0", prompt(0))
+    assert first.loaded_tokens == 0 and calls["n"] >= 2  # layer 1 was reached
+    assert worker.stats["saved_blocks"] == 0 and worker.stats["save_errors"] >= 1
+    c = kvtrie.Client(server.target, "stories260K", namespace=ns)
+    assert c.lookup(prompt(0)) == 0 and c.lookup(prompt(1)) == 0
+    if how == "raises":
+        worker._slots = slots
+    else:
+        worker._save_layer = save_layer
+    warm = engine.run("s1", prompt(1))  # a miss: computed, same logits as cold
+    assert warm.loaded_tokens == 0 and np.array_equal(warm.logits, cold.logits)
+
+
 def test_the_server_going_away_falls_back_to_recompute(model, cold, tmp_path):
     srv = ServerProcess(tmp_path / "data")
     engine, _, worker = make_engine(model, srv.target, "", encoding="lossless")

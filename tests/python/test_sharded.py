@@ -162,3 +162,98 @@ def test_pinned_prefixes_replicated_twice_survive_a_killed_shard(shards):
         assert n == len(tokens) and np.array_equal(bits(k2), bits(k))
         assert np.array_equal(bits(v2), bits(v))
     assert victims > 0 and c.counters["replica_hits"] >= 2 * victims
+
+
+def test_delete_with_its_owner_down_still_deletes_the_replica(shards):
+    # Delete removes the prefix's last block (and its subtree): with the owner known down it
+    # still does so on the pinned replica, so a get falling back there never serves it.
+    c = kvtrie.ShardedClient("stories260K", shards=shard_list(shards), namespace="py",
+                             timeout=5.0, pin_replicas=2, down_backoff=60.0)
+    tokens, k, v = windows()[0]
+    c.put(tokens, k, v, encoding="lossless")
+    c.pin(tokens)
+    assert c.counters["replica_copies"] == 1
+    owner = int(c.owner(tokens).rsplit("-", 1)[1])
+    shards[owner].proc.kill()
+    shards[owner].proc.wait()
+    c.lookup(tokens)  # the owner is lost: marked down
+    assert c.counters["shard_failures"] >= 1
+    with pytest.raises(kvtrie.Error) as e:
+        c.delete(tokens)
+    assert e.value.code == kvtrie.StatusCode.UNAVAILABLE
+    for i, s in enumerate(shards):
+        if i != owner:
+            direct = kvtrie.Client(s.target, "stories260K", namespace="py")
+            assert direct.lookup(tokens) < len(tokens)
+    assert c.get(tokens)[2] < len(tokens) and c.lookup(tokens) < len(tokens)
+
+
+def test_delete_in_the_warm_up_window_reaches_the_previous_owner(shards, tmp_path):
+    c = kvtrie.ShardedClient("stories260K", shards=shard_list(shards), namespace="py",
+                             warmup_window=60.0)
+    prefixes = windows()
+    for tokens, k, v in prefixes:
+        c.put(tokens, k, v, encoding="lossless")
+    before = [c.owner(t) for t, _, _ in prefixes]
+    fourth = ServerProcess(tmp_path / "kvtrie-3")
+    try:
+        c.set_shards(shard_list(shards + [fourth]))
+        moved = 0
+        for (tokens, _, _), was in zip(prefixes, before):
+            if c.owner(tokens) == was:
+                continue
+            moved += 1
+            with pytest.raises(kvtrie.Error):  # the new owner's NOT_FOUND
+                c.delete(tokens)
+            prev = kvtrie.Client(shards[int(was.rsplit("-", 1)[1])].target, "stories260K",
+                                 namespace="py")
+            assert prev.lookup(tokens) < len(tokens)
+            assert c.get(tokens)[2] < len(tokens)  # not copied back from the previous owner
+        assert moved > 0
+    finally:
+        fourth.proc.kill()
+        fourth.proc.wait()
+
+
+def test_replica_of_a_residual_prefix_is_the_owners_reconstruction(tmp_path):
+    servers = [ServerProcess(tmp_path / f"kvtrie-{i}", ["--default_encoding=residual"])
+               for i in range(3)]
+    try:
+        c = kvtrie.ShardedClient("stories260K", shards=shard_list(servers), namespace="py",
+                                 pin_replicas=2)  # warmup_put: its bit-exact default
+        tokens, k, v = windows()[0]
+        c.put(tokens, k, v, encoding="residual", target_rel_rms=0.1)
+        c.pin(tokens)
+        assert c.counters["replica_copies"] == 1
+        owner = int(c.owner(tokens).rsplit("-", 1)[1])
+        direct = [kvtrie.Client(s.target, "stories260K", namespace="py") for s in servers]
+        k_o, v_o, n = direct[owner].get(tokens)
+        assert n == len(tokens) and not np.array_equal(bits(k_o), bits(k))  # lossy there
+        replicas = 0
+        for i, d in enumerate(direct):
+            if i == owner:
+                continue
+            k_r, v_r, m = d.get(tokens)
+            if m:
+                replicas += 1
+                assert m == n and np.array_equal(bits(k_r), bits(k_o))
+                assert np.array_equal(bits(v_r), bits(v_o))
+        assert replicas == 1
+    finally:
+        for s in servers:
+            s.proc.kill()
+            s.proc.wait()
+
+
+def test_an_empty_membership_is_a_miss_not_an_index_error(shards):
+    c = kvtrie.ShardedClient("stories260K", shards=shard_list(shards), namespace="py",
+                             pin_replicas=2, warmup_window=60.0)
+    tokens, k, v = windows()[0]
+    c._replace([])  # as a DNS answer with no shards
+    assert c.lookup(tokens) == 0 and c.get(tokens)[2] == 0
+    assert c.put(tokens, k, v).stored_tokens == 0
+    with pytest.raises(kvtrie.Error) as e:
+        c.owner(tokens)
+    assert e.value.code == kvtrie.StatusCode.UNAVAILABLE
+    with pytest.raises(kvtrie.Error):
+        c.delete(tokens)

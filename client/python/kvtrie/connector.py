@@ -172,6 +172,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self._failed_loads: Set[str] = set()  # req ids whose load failed this step (_lock)
         self._loaded_ok: Dict[str, int] = {}  # req id -> tokens its last load delivered (_lock)
         self._saves: Dict[str, Any] = {}  # req id -> PutStream (saver thread only)
+        self._save_failed: Set[str] = set()  # req ids with a failed layer save (saver thread)
         self._save_futures: List[concurrent.futures.Future] = []
         self.stats: Dict[str, int] = {"lookups": 0, "loaded_tokens": 0, "load_failed_tokens": 0,
                                       "saved_blocks": 0, "save_errors": 0}
@@ -346,6 +347,15 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         with self._lock:
             if r.req_id in self._failed_loads:
                 return  # computed over missing context this step: not saved
+        if r.req_id in self._save_failed:
+            return  # an earlier layer failed: the request is not committed
+        try:
+            self._save_layer_to(r, layer, kv_layer)
+        except BaseException:
+            self._save_failed.add(r.req_id)  # never commit a request with a layer missing
+            raise
+
+    def _save_layer_to(self, r: RequestMeta, layer: int, kv_layer: Any) -> None:
         s = self._saves.get(r.req_id)
         first = self._first_block(r)
         if s is None:
@@ -366,10 +376,11 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
 
     def _commit_all(self) -> None:
         saves, self._saves = self._saves, {}
+        save_failed, self._save_failed = self._save_failed, set()
         for req_id, s in saves.items():
             with self._lock:
                 failed = req_id in self._failed_loads
-            if failed:
+            if failed or req_id in save_failed:  # a failed layer is counted in save_errors
                 s.cancel()
                 continue
             try:
@@ -456,10 +467,12 @@ class _EncodedSave:
         self._tokens = list(tokens)
         self._layers = num_layers
         self._first_block = first_block
+        self._begin = min(first_block * block_tokens, len(self._tokens))  # first token sent
         self._encoding = encoding
         self._target_rel_rms = target_rel_rms
         self._k: Optional[np.ndarray] = None
         self._v: Optional[np.ndarray] = None
+        self._written = np.zeros((num_layers, len(self._tokens)), bool)  # [layer, token] written
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray, *, token_offset: int = 0) -> None:
         if self._k is None:  # [layers, kv_heads, tokens, head_dim]; blocks before first: unsent
@@ -468,10 +481,19 @@ class _EncodedSave:
         n = k.shape[1]
         self._k[layer, :, token_offset:token_offset + n] = k
         self._v[layer, :, token_offset:token_offset + n] = v
+        self._written[layer, token_offset:token_offset + n] = True
 
     def commit(self) -> Any:
+        """Puts the gathered layers. Raises FAILED_PRECONDITION (nothing stored) when any layer
+        lacks a token of the range sent: the zeros there must never be stored as KV."""
         if self._k is None:
             raise Error(StatusCode.FAILED_PRECONDITION, "put: no layer was written")
+        missing = [i for i in range(self._layers) if not self._written[i, self._begin:].all()]
+        if missing:
+            self.cancel()
+            raise Error(StatusCode.FAILED_PRECONDITION,
+                        f"put: layers {missing} not written for tokens [{self._begin}, "
+                        f"{len(self._tokens)}); nothing stored")
         k, v, self._k, self._v = self._k, self._v, None, None
         return self._client.put(self._tokens, k, v, encoding=self._encoding,
                                 target_rel_rms=self._target_rel_rms,

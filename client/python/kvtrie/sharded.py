@@ -61,7 +61,8 @@ class ShardedClient:
         warmup_window: seconds after the shard names change during which a lookup or get that
             misses on (or loses) a prefix's new owner asks its previous owner once; a get
             answered there is also put to the new owner (``warmup_put`` are its put keyword
-            arguments, e.g. ``{"encoding": "lossless"}``). 0 (the default): off.
+            arguments; None, the default, is bit-exact: ``{"encoding": "lossless", "profile":
+            "fast"}``, so a copy of a lossy prefix is not rounded again). 0 (the default): off.
         pin_replicas: 2: a pinned prefix is also copied to (``warmup_put`` are the copy's put
             arguments) and pinned on its second shard in rendezvous order, ``delete`` and unpin
             reach both, and a lookup or get whose owner is lost or misses asks that shard once,
@@ -99,7 +100,8 @@ class ShardedClient:
         self._refresh_interval = float(refresh_interval)
         self._down_backoff = float(down_backoff)
         self._warmup_window = float(warmup_window)
-        self._warmup_put = dict(warmup_put or {})
+        self._warmup_put = (dict(warmup_put) if warmup_put is not None else
+                            {"encoding": "lossless", "profile": "fast"})
         self._previous: List[Tuple[str, str]] = []  # the shards before the last change of names
         self._changed_at = float("-inf")
         client_kwargs.setdefault("retry_attempts", 1)
@@ -150,11 +152,23 @@ class ShardedClient:
         """The name of the shard that owns the prefix ``tokens``."""
         return self._owner(np.ascontiguousarray(tokens, dtype=np.uint32))[0]
 
-    def _owner(self, tokens: np.ndarray) -> Tuple[str, str]:
-        shards = self.shards
+    def _owner(self, tokens: np.ndarray,
+               shards: Optional[List[Tuple[str, str]]] = None) -> Tuple[str, str]:
+        """The owner in ``shards`` (None: the current membership). Raises UNAVAILABLE when the
+        membership is empty."""
+        shards = self.shards if shards is None else shards
+        if not shards:
+            raise Error(StatusCode.UNAVAILABLE, "no shards: the membership is empty")
         i = _kvtrie._shard_owner([n for n, _ in shards], self.namespace, self.model_id, tokens,
                                  self.route_tokens)
         return shards[i]
+
+    def _owner_or_none(self, tokens: np.ndarray) -> Optional[str]:
+        """The owner's name, or None when the membership is empty."""
+        try:
+            return self._owner(tokens)[0]
+        except Error:
+            return None
 
     def _second(self, tokens: np.ndarray) -> Optional[Tuple[str, str]]:
         """The prefix's second shard in rendezvous order (pin_replicas 2), else None."""
@@ -163,7 +177,7 @@ class ShardedClient:
         shards = self.shards
         if len(shards) < 2:
             return None
-        owner = self._owner(tokens)
+        owner = self._owner(tokens, shards)  # the same membership as the second's
         rest = [s for s in shards if s != owner]
         return rest[_kvtrie._shard_owner([n for n, _ in rest], self.namespace, self.model_id,
                                          tokens, self.route_tokens)]
@@ -260,7 +274,13 @@ class ShardedClient:
 
     def _call(self, tokens: Any, kind: str, fn, miss):
         tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
-        name, target = self._owner(tokens)
+        try:
+            name, target = self._owner(tokens)
+        except Error:
+            if kind == "admin":
+                raise
+            self._miss(kind)  # no shards: a miss
+            return miss()
         client = self._acquire((name, target))
         if client is None:
             if kind == "admin":
@@ -283,7 +303,8 @@ class ShardedClient:
         tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
         n = self._call(tokens, "read", lambda c, t: c.lookup(t), lambda: 0)
         if n == 0:
-            w = self._warm_up(tokens, self.owner(tokens), lambda c: c.lookup(tokens))
+            owner = self._owner_or_none(tokens)
+            w = owner and self._warm_up(tokens, owner, lambda c: c.lookup(tokens))
             if w:
                 with self._lock:
                     self.counters["warmup_hits"] += 1
@@ -307,7 +328,11 @@ class ShardedClient:
         stream is discarded and :meth:`commit` returns a result with 0 stored tokens (counted in
         ``counters["puts_skipped"]``)."""
         tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
-        name, target = self._owner(tokens)
+        try:
+            name, target = self._owner(tokens)
+        except Error:  # no shards: nothing stored
+            self._miss("put")
+            return _ShardedPutStream(self, "", None)
         client = self._acquire((name, target))
         stream = None if client is None else client.put_layers(tokens, num_layers, *args,
                                                                 **kwargs)
@@ -323,13 +348,14 @@ class ShardedClient:
         tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
         k, v, n = self._call(tokens, "read", lambda c, t: c.get(t, *args, **kwargs), miss)
         if n == 0:
-            owner = self.owner(tokens)
-            w = self._warm_up(tokens, owner, lambda c: c.get(tokens, *args, **kwargs))
+            owner = self._owner_or_none(tokens)
+            w = owner and self._warm_up(tokens, owner, lambda c: c.get(tokens, *args, **kwargs))
             if w and w[2] > 0:
                 k, v, n = w
                 with self._lock:
                     self.counters["warmup_hits"] += 1
-                new = self._acquire((owner, dict(self.shards)[owner]))
+                target = dict(self.shards).get(owner)
+                new = self._acquire((owner, target)) if target else None
                 try:
                     if new is not None:
                         new.put(tokens[:n], k, v, **self._warmup_put)
@@ -346,9 +372,17 @@ class ShardedClient:
 
     def delete(self, tokens: Any) -> dict:
         """As :meth:`kvtrie.Client.delete`, on the owner (raises when it is lost); with
-        ``pin_replicas=2`` also on the second shard (a copy must not outlive its delete)."""
-        result = self._call(tokens, "admin", lambda c, t: c.delete(t), None)
+        ``pin_replicas=2`` also on the second shard and, inside the warm-up window, on the
+        previous owner (a copy must not outlive its delete), even when the owner is lost."""
         t = np.ascontiguousarray(tokens, dtype=np.uint32)
+        error: Optional[Error] = None
+        try:
+            result = self._call(t, "admin", lambda c, t: c.delete(t), None)
+        except Error as e:
+            error = e
+        owner = self._owner_or_none(t) if self._warmup_window > 0 else None
+        if owner is not None:
+            self._warm_up(t, owner, lambda c: c.delete(t))
         second = self._second(t)
         if second is not None:
             client = self._acquire(second)
@@ -359,6 +393,8 @@ class ShardedClient:
             except Error as e:
                 self._lost(second[0], e, "admin")
                 self._count("replica_failures")
+        if error is not None:
+            raise error
         return result
 
     def pin(self, tokens: Any, ttl_seconds: int = 0, unpin: bool = False) -> int:
