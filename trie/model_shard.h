@@ -356,7 +356,8 @@ class ModelShard {
   // Reads a persisted version of this shard back (for the registry's non-resident versions).
   PredictorRegistry::Loader PredictorLoader();
   // The LearnQueue job of QueueLearning: decodes an encoded block (false: it did not decode,
-  // logged), then observes, refits when due, persists and publishes.
+  // logged), then observes (counting an encoded block as observed), refits when due, persists
+  // and publishes.
   bool Learn(const std::shared_ptr<PredictorRegistry>& registry, uint32_t block_index,
              const std::vector<int32_t>& tokens, int32_t previous_token, const LearnBlock& block);
 

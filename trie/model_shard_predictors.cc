@@ -130,11 +130,7 @@ void ModelShard::QueueLearning(absl::Span<const uint32_t> token_ids,
         b.encoded != nullptr ? registry->Hold(b.encoded->predictor_version) : nullptr;
     is_encoded.push_back(b.encoded != nullptr);
     auto job = [this, registry, tokens = std::move(tokens), previous, hold = std::move(hold),
-                b = std::move(b)] {
-      if (Learn(registry, b.block_index, tokens, previous, b) && b.encoded != nullptr) {
-        registry->CountEncodedObserved();
-      }
-    };
+                b = std::move(b)] { Learn(registry, b.block_index, tokens, previous, b); };
     // An encoded block counts at its dense size: that is what the learner decodes and reads.
     jobs.emplace_back(g.num_bytes(), std::move(job));
   }
@@ -182,6 +178,8 @@ bool ModelShard::Learn(const std::shared_ptr<PredictorRegistry>& registry, uint3
                  due.status().ToString());
     return false;
   }
+  // Counted before a refit publishes: Stats never shows a version without its observations.
+  if (block.encoded != nullptr) registry->CountEncodedObserved();
   if (!*due || !context_->records->health().ok()) return true;
   absl::StatusOr<std::shared_ptr<const PredictorState>> state = registry->Fit();
   if (!state.ok()) {
