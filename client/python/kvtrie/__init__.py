@@ -477,8 +477,7 @@ class Client:
                 can code the request — raw, lossless, residual with ``target_rel_rms > 0``, of
                 the fast profile, and the server's default encoding once a first put has shown
                 which it is; anything else is sent dense. False: dense KV, the server encodes.
-            profile: ``"fast"`` (None means fast, unless the server runs with
-                ``--default_profile=compact``) or ``"compact"`` (~15 % fewer bits, ~10x slower;
+            profile: ``"fast"`` (None means fast) or ``"compact"`` (~15 % fewer bits, ~10x slower;
                 only the server encodes it, so such puts travel dense).
             learned_lossless: lossless of the fast profile: also code each block against the
                 namespace's latest learned state, kept when smaller (bit-exact; ~1.56x smaller
