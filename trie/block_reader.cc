@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "codec/block_codec.h"
+#include "codec/decode_alone.h"
 #include "codec/predictor_state.h"
 #include "trie/model_shard.h"
 
@@ -52,7 +53,7 @@ absl::Status BlockReader::ReadSlot(size_t i, Slot* slot) {
         absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(h->payload.data()), h->payload.size());
     return absl::OkStatus();
   }
-  if (h->profile != Profile::kFast || h->reference_node_id != 0) return absl::OkStatus();
+  if (!DecodesAlone(*h)) return absl::OkStatus();  // the rule is the codec's (decode_alone.h)
   if (h->predictor_version == 0) {
     slot->independent = true;
     return absl::OkStatus();
