@@ -19,21 +19,10 @@ namespace {
 
 constexpr uint32_t kT = 16;
 
+// Learned from GPL-3 and story_prompt.
 std::shared_ptr<const PredictorState> TrainState(uint32_t version) {
   const TokenBlocks gpl = LoadTokenBlocks("GPL-3"), story = LoadTokenBlocks("story_prompt");
-  auto learner = PredictorLearner::Create(gpl.real.geometry, LearnerOptions{});
-  EXPECT_TRUE(learner.ok()) << learner.status();
-  for (const TokenBlocks* d : {&gpl, &story}) {
-    for (size_t b = 0; b < d->real.blocks.size(); ++b) {
-      EXPECT_TRUE((*learner)
-                      ->Observe(d->real.blocks[b], d->tokens[b], static_cast<uint32_t>(b * kT),
-                                b ? d->tokens[b - 1].back() : -1)
-                      .ok());
-    }
-  }
-  auto state = (*learner)->Fit(version);
-  EXPECT_TRUE(state.ok()) << state.status();
-  return *state;
+  return LearnState({&gpl, &story}, version);
 }
 
 AloneContext Alone(const TokenBlocks& d, size_t b, const PredictorState* state) {

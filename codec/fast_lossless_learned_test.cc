@@ -38,23 +38,6 @@ TokenBlocks ToBf16(TokenBlocks d) {
   return d;
 }
 
-std::shared_ptr<const PredictorState> Learn(const std::vector<const TokenBlocks*>& dumps,
-                                            uint32_t version) {
-  auto learner = PredictorLearner::Create(dumps[0]->real.geometry, {});
-  EXPECT_TRUE(learner.ok()) << learner.status();
-  for (const TokenBlocks* d : dumps) {
-    for (size_t b = 0; b < d->real.blocks.size(); ++b) {
-      EXPECT_TRUE((*learner)
-                      ->Observe(d->real.blocks[b], d->tokens[b], static_cast<uint32_t>(b * kT),
-                                b ? d->tokens[b - 1].back() : -1)
-                      .ok());
-    }
-  }
-  auto state = (*learner)->Fit(version);
-  EXPECT_TRUE(state.ok()) << state.status();
-  return *state;
-}
-
 PredictionContext Context(const TokenBlocks& d, size_t b, const PredictorState* state) {
   PredictionContext ctx;
   ctx.learned = state;
@@ -85,7 +68,7 @@ class FastLosslessLearnedTest : public ::testing::Test {
     gpl_ = new TokenBlocks(LoadTokenBlocks("GPL-3"));
     story_ = new TokenBlocks(LoadTokenBlocks("story_prompt"));
     gen_ = new TokenBlocks(LoadTokenBlocks("genesis_1-3"));
-    state_ = new std::shared_ptr<const PredictorState>(Learn({gpl_, story_}, 1));
+    state_ = new std::shared_ptr<const PredictorState>(LearnState({gpl_, story_}, 1));
   }
   static void TearDownTestSuite() {
     delete gpl_;
@@ -112,7 +95,7 @@ TEST_F(FastLosslessLearnedTest, EveryRealDumpRoundTripsBitExactWithAndWithoutSta
       dumps.push_back(bf16 ? ToBf16(LoadTokenBlocks(name)) : LoadTokenBlocks(name));
     }
     // Learned from GPL-3 and story_prompt (dumps 1, 2); Genesis (dump 0) is held out.
-    const auto state = bf16 ? Learn({&dumps[1], &dumps[2]}, 4) : *state_;
+    const auto state = bf16 ? LearnState({&dumps[1], &dumps[2]}, 4) : *state_;
     const BlockGeometry& g = dumps[0].real.geometry;
     size_t learned_blocks = 0, blocks = 0, held_out_v5 = 0, held_out_v4 = 0;
     for (size_t di = 0; di < dumps.size(); ++di) {
@@ -167,7 +150,7 @@ TEST_F(FastLosslessLearnedTest, EveryRealDumpRoundTripsBitExactWithAndWithoutSta
 TEST_F(FastLosslessLearnedTest, AdversarialBitPatternsRoundTrip) {
   for (bool bf16 : {false, true}) {
     const TokenBlocks d = bf16 ? ToBf16(*gen_) : *gen_;
-    const auto state = bf16 ? Learn({&d}, 9) : *state_;
+    const auto state = bf16 ? LearnState({&d}, 9) : *state_;
     const BlockGeometry& g = d.real.geometry;
     const uint16_t special[] = {0x0000, 0x8000, 0x0001, 0x8001, 0x03ff, 0x83ff, 0x7c00, 0xfc00,
                                 0x7c01, 0xfc01, 0x7e00, 0xfe00, 0x7fff, 0xffff, 0x7bff, 0xfbff,
@@ -215,7 +198,7 @@ TEST_F(FastLosslessLearnedTest, BlocksDecodeWithTheirStateAfterANewerOne) {
     EXPECT_EQ(e->predictor_version, 1u);
     encoded.push_back(e->bytes);
   }
-  const auto v2 = Learn({gpl_, story_, gen_}, 2);  // learned from more text, Genesis included
+  const auto v2 = LearnState({gpl_, story_, gen_}, 2);  // learned from more text, Genesis included
   std::vector<uint8_t> out(g.num_bytes());
   size_t smaller = 0;
   for (size_t b = 0; b < encoded.size(); ++b) {

@@ -5,11 +5,13 @@
 #ifndef KVTRIE_CODEC_TESTING_BLOCKS_H_
 #define KVTRIE_CODEC_TESTING_BLOCKS_H_
 
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "codec/kv_dump.h"
 #include "codec/kv_layout.h"
+#include "codec/predictor_state.h"
 #include "gtest/gtest.h"
 
 namespace kvtrie {
@@ -55,6 +57,27 @@ inline TokenBlocks LoadTokenBlocks(const std::string& dump, uint32_t block_token
                           m->token_ids.begin() + (b + 1) * block_tokens);
   }
   return r;
+}
+
+// A predictor state `version` learned (default LearnerOptions) from every block of `dumps`, each
+// a text from its first token (the geometry is the first dump's).
+inline std::shared_ptr<const PredictorState> LearnState(
+    const std::vector<const TokenBlocks*>& dumps, uint32_t version) {
+  auto learner = PredictorLearner::Create(dumps[0]->real.geometry, LearnerOptions{});
+  EXPECT_TRUE(learner.ok()) << learner.status();
+  if (!learner.ok()) return nullptr;
+  for (const TokenBlocks* d : dumps) {
+    const uint32_t bt = d->real.geometry.block_tokens;
+    for (size_t b = 0; b < d->real.blocks.size(); ++b) {
+      EXPECT_TRUE((*learner)
+                      ->Observe(d->real.blocks[b], d->tokens[b], static_cast<uint32_t>(b * bt),
+                                b ? d->tokens[b - 1].back() : -1)
+                      .ok());
+    }
+  }
+  auto state = (*learner)->Fit(version);
+  EXPECT_TRUE(state.ok()) << state.status();
+  return state.ok() ? *state : nullptr;
 }
 
 inline std::vector<float> AsFloat(const BlockGeometry& g, const std::vector<uint8_t>& block) {
