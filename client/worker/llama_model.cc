@@ -256,6 +256,17 @@ absl::Status Sequence::RecomputeLastLogits() {
   return absl::OkStatus();
 }
 
+absl::Status Sequence::Truncate(size_t num_tokens) {
+  if (num_tokens > tokens_.size()) {
+    return absl::OutOfRangeError(
+        absl::StrCat("Truncate: ", num_tokens, " > num_tokens ", tokens_.size()));
+  }
+  tokens_.resize(num_tokens);
+  surprisal_bits_.resize(num_tokens);
+  logits_.clear();
+  return absl::OkStatus();
+}
+
 uint32_t Sequence::Greedy() const {
   return static_cast<uint32_t>(std::max_element(logits_.begin(), logits_.end()) - logits_.begin());
 }

@@ -107,6 +107,12 @@ class Sequence {
   // Needed after LoadPrefix to score or generate the next token. REQUIRES: num_tokens() > 0.
   absl::Status RecomputeLastLogits();
 
+  // Drops the tokens from `num_tokens` on (their K/V and surprisal), so that another token can be
+  // run at that position (e.g. each candidate of a next-token distribution in turn). logits()
+  // are cleared: call RecomputeLastLogits or Extend before scoring. Errors: OUT_OF_RANGE if
+  // num_tokens > this->num_tokens().
+  absl::Status Truncate(size_t num_tokens);
+
   // Logits (vocab_size) for the next token; empty until Extend or RecomputeLastLogits ran.
   const std::vector<float>& logits() const { return logits_; }
   // argmax of logits() (lowest id on ties). REQUIRES: !logits().empty().

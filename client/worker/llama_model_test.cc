@@ -130,6 +130,30 @@ TEST(Sequence, Fp16KvCacheResumedFromItsFp16DumpIsBitIdentical) {
   EXPECT_EQ(resumed.ToKvDump(DType::kFp16).v, full.ToKvDump(DType::kFp16).v);
 }
 
+TEST(Sequence, TruncateThenExtendRunsAnotherTokenAtThatPosition) {
+  KVTRIE_LOAD_MODEL_OR_SKIP(model);
+  const std::vector<uint32_t> tokens =
+      model->tokenizer().Encode("The dog ran to the park and played with a red ball.", true, false);
+  ASSERT_GT(tokens.size(), 12u);
+  Sequence seq(model, 64, DType::kFp16);
+  ASSERT_TRUE(seq.Extend(absl::MakeConstSpan(tokens).subspan(0, 10)).ok());
+  const uint32_t other = tokens[10] == 5 ? 6 : 5;
+  ASSERT_TRUE(seq.Extend({other}).ok());  // a candidate at position 10
+  const std::vector<float> k_other(seq.k(2, 1, 10), seq.k(2, 1, 10) + 8);
+  ASSERT_TRUE(seq.Truncate(10).ok());
+  EXPECT_EQ(seq.num_tokens(), 10u);
+  EXPECT_TRUE(seq.logits().empty());
+  ASSERT_TRUE(seq.RecomputeLastLogits().ok());
+  ASSERT_TRUE(seq.Extend(absl::MakeConstSpan(tokens).subspan(10)).ok());
+  Sequence full(model, 64, DType::kFp16);
+  ASSERT_TRUE(full.Extend(tokens).ok());
+  EXPECT_EQ(seq.ToKvDump(DType::kFp16).k, full.ToKvDump(DType::kFp16).k);
+  EXPECT_EQ(seq.ToKvDump(DType::kFp16).v, full.ToKvDump(DType::kFp16).v);
+  EXPECT_EQ(seq.surprisal_bits(), full.surprisal_bits());
+  EXPECT_NE(k_other, std::vector<float>(full.k(2, 1, 10), full.k(2, 1, 10) + 8));
+  EXPECT_EQ(seq.Truncate(100).code(), absl::StatusCode::kOutOfRange);
+}
+
 TEST(Sequence, RejectsPrefixOfAnotherGeometry) {
   KVTRIE_LOAD_MODEL_OR_SKIP(model);
   KvDump bad;
