@@ -27,7 +27,8 @@
 namespace kvtrie {
 
 int RunWorkload(const worker::LlamaModel& model, const BlockGeometry& g,
-                const std::vector<Text>& train, const std::string& texts_dir);
+                const std::vector<Text>& train, const PredictorState* state,
+                const std::string& texts_dir);
 
 namespace {
 
@@ -416,7 +417,8 @@ int Main(int argc, char** argv) {
   if (sections.find('3') != std::string::npos) Section3(d, l2_context);
   if (sections.find('4') != std::string::npos) Section4(d);
   if (sections.find('5') != std::string::npos) {
-    return RunWorkload(*d.model, d.g, d.train, std::string(KVTRIE_SOURCE_DIR) + "/bench/texts");
+    return RunWorkload(*d.model, d.g, d.train, d.state.get(),
+                       std::string(KVTRIE_SOURCE_DIR) + "/bench/texts");
   }
   return 0;
 }
