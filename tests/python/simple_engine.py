@@ -1,4 +1,5 @@
-"""A small inference engine loop that drives a KV connector the way vLLM (v1) does.
+"""The simplest engine loop that drives a KV connector in vLLM's (v1) call order, over numpy fp16
+caches (a thin caller; engine.py is the one that schedules like vLLM).
 
 One request at a time: the scheduler asks the connector how many prompt tokens it can load
 (get_num_new_matched_tokens), allocates paged blocks (update_state_after_alloc), builds the step's
@@ -13,6 +14,7 @@ processes) and the metadata is pickled between them.
 from __future__ import annotations
 
 import pickle
+import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -124,7 +126,11 @@ class Engine:
             req.num_computed_tokens += 1
             decode.append(last)
         if self.sched is not None:
-            self.sched.request_finished(req, req.block_ids)
+            keep, _ = self.sched.request_finished(req, req.block_ids)
+            while keep:  # the save commits after the step: keep the blocks until it is done
+                done, _ = self.worker.get_finished({req.request_id})
+                keep = not (done and req.request_id in done)
+                time.sleep(0.001)
         self.free.extend(req.block_ids)
         return RunResult(logits, ext, recomputed_from, decode)
 
@@ -132,4 +138,4 @@ class Engine:
         if self.sched is None:
             return None
         return self.sched.build_connector_meta(
-            SchedulerOutput([req], {req.request_id: num_tokens}))
+            SchedulerOutput([], {req.request_id: num_tokens}))
