@@ -153,6 +153,7 @@ class _Tracked:  # scheduler side: a request between its first alloc and request
     load_begin: int = 0  # pending load [load_begin, load_end), consumed by build_connector_meta
     load_end: int = 0
     stored_blocks: int = 0
+    save_next_step: bool = False  # its prompt was completed in a step that also loaded
 
 
 def _block_ids(blocks: Any) -> List[int]:
@@ -407,7 +408,11 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         or replacing the list when it is in ``resumed_req_ids`` (``resumed_from_preemption`` in
         older vLLM). A request is saved in the step that computes the last token of its prompt's
         last full kvtrie block (a chunked prefill saves once, at the end; a recompute after a
-        load error or a preemption saves again). Resets the pending loads."""
+        load error or a preemption saves again), or, when that step also loaded, in the
+        request's next step unless that step was discarded: with TP a load that failed on one
+        rank makes the KV every rank computed in that step wrong, and no rank knows of the
+        others' failures (a request that loads and finishes in one step is not saved). Resets
+        the pending loads."""
         scheduled: Dict[str, int] = dict(getattr(scheduler_output, "num_scheduled_tokens", {}))
         computed: Dict[str, int] = {}
         for new in getattr(scheduler_output, "scheduled_new_reqs", None) or []:
@@ -438,7 +443,17 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
             full = len(prompt) // bt * bt
             begin = computed.get(req_id, int(t.request.num_computed_tokens))
             end = begin + scheduled.get(req_id, 0)
-            save = full if (full > t.stored_blocks * bt and begin < full <= end) else 0
+            save = 0
+            if t.save_next_step and req_id in scheduled:
+                # The step that completed the prompt also loaded: if any rank's load failed,
+                # the engine discarded that step (begin went back) and recomputes, saving then.
+                t.save_next_step = False
+                save = full if begin >= full else 0
+            if not save and full > t.stored_blocks * bt and begin < full <= end:
+                if t.load_end:  # another rank's load may fail: save once that is known
+                    t.save_next_step = True
+                else:
+                    save = full
             if t.load_end or save:
                 meta.requests.append(RequestMeta(req_id, prompt, list(t.block_ids), t.load_begin,
                                                  t.load_end, save, t.stored_blocks, t.identity))
