@@ -4,32 +4,61 @@ An inference engine with a paged KV cache calls it exactly as vLLM (v1) calls a 
 
 Scheduler side (one instance, ``role=KVConnectorRole.SCHEDULER``), per step:
     ``get_num_new_matched_tokens(request, num_computed_tokens)`` -> ``(tokens to load, False)``
-    (a Lookup: the longest stored prefix; never the whole prompt, the last token is computed);
-    ``update_state_after_alloc(request, blocks, num_external_tokens)`` once blocks are allocated;
+    (a Lookup: the longest stored prefix beyond the engine's local prefix-cache hit
+    ``num_computed_tokens``; never the whole prompt, the last token is computed);
+    ``update_state_after_alloc(request, blocks, num_external_tokens)`` once blocks are allocated
+    (again, with all its new blocks, when a preempted request resumes);
     ``build_connector_meta(scheduler_output)`` -> :class:`KvtrieConnectorMetadata` (what to load
-    into which blocks, what to save), handed to the workers; ``request_finished(request,
-    block_ids)`` -> ``(False, None)`` (saves finish inside the step, blocks may be freed).
+    into which blocks, what to save), handed to the workers; the page lists follow the
+    SchedulerOutput (new requests' ``block_ids``, running ones' ``new_block_ids`` per chunk,
+    replaced for ``resumed_req_ids``); ``request_finished(request, block_ids)`` -> ``(True,
+    None)`` when a save of the request was scheduled (its commit runs after the step: the engine
+    keeps the blocks until :meth:`get_finished` reports it), else ``(False, None)``.
 
 Worker side (``role=KVConnectorRole.WORKER``), per forward pass:
-    ``register_kv_caches({layer_name: cache})`` once; ``bind_connector_metadata(meta)``;
-    ``start_load_kv(forward_context)`` starts one Get per request on a loader thread and returns;
-    ``wait_for_layer_load(layer_name)`` inside each attention layer waits for that layer only
-    (the thread scatters the fetched KV into the paged cache layer by layer, so the first layers
-    compute while later ones are still being written); ``save_kv_layer(layer_name, kv_layer,
-    attn_metadata)`` after each layer wrote its KV hands the layer to a saver thread, which
-    gathers it from the paged cache (and, with ``encode_on_client`` off, sends it at once on a
-    layer-wise Put stream, :meth:`kvtrie.Client.put_layers`), overlapping with the next layers'
-    compute; ``wait_for_save()`` commits the Puts (by default encoding them on the worker first); ``get_block_ids_with_load_errors()`` returns the block
-    ids whose KV could not be loaded (the prefix was evicted or deleted after the lookup, or the
-    server is unreachable) — the engine recomputes from the first of them, as vLLM does.
-    A request whose load failed in a step is not saved in that step (its new KV was computed
-    over missing context); the recompute step saves it.
+    ``register_kv_caches({layer_name: cache})`` once (the layout detected per layer, see
+    below); ``bind_connector_metadata(meta)``; ``start_load_kv(forward_context)`` starts one
+    Get per request on a loader thread and returns; ``wait_for_layer_load(layer_name)`` inside
+    each attention layer waits for that layer only (the thread scatters the fetched KV of tokens
+    ``[L, L + loaded)`` into the paged cache layer by layer, so the first layers compute while
+    later ones are still being written); ``save_kv_layer(layer_name, kv_layer, attn_metadata)``
+    after each layer wrote its KV hands the layer to a saver thread, which gathers it from the
+    paged cache (and, with ``encode_on_client`` off, sends it at once on a layer-wise Put stream,
+    :meth:`kvtrie.Client.put_layers`), overlapping with the next layers' compute;
+    ``wait_for_save()`` waits until the step's saves are gathered (the pages may then be reused)
+    and hands their commits (encode on the worker, Put) to a commit thread, after the step;
+    ``get_finished(finished_req_ids)`` -> ``(saved, None)`` reports finished requests whose
+    commits are done; ``get_block_ids_with_load_errors()`` returns the block ids whose KV could
+    not be loaded (the prefix was evicted or deleted after the lookup, or the server is
+    unreachable): with vLLM's ``kv_load_failure_policy="recompute"`` the engine recomputes from
+    the first of them; with the default ``"fail"`` vLLM fails the request. A request whose load
+    failed in a step is not saved in that step (its new KV was computed over missing context);
+    the recompute step saves it. ``get_kv_connector_stats()`` returns the counters since the
+    last call. Loads are synchronous within their step (``is_async`` False), never across steps.
 
-Paged cache layout: each layer's array is ``[2, num_blocks, block_size, num_kv_heads,
-head_dim]`` (K then V; vLLM's FlashAttention layout), numpy (or anything numpy can index; torch
-tensors on the CPU through ``.numpy()`` views). Token ``t`` of a request lives at
-``block_ids[t // block_size]``, offset ``t % block_size``; the engine's block size need not equal
-kvtrie's ``block_tokens``.
+Keys: kvtrie keys are token ids. What else vLLM puts in a block hash (kv_cache_utils' extra
+keys: the LoRA adapter's name and id, multimodal hashes (``mm_features[i].identifier`` or
+``mm_hashes``), ``cache_salt``) is folded into the request's ``model_id`` as ``#`` + 16 hex
+digits of a SHA-256 of them (:func:`request_identity`): the model_id, not the namespace, because
+the namespace is the tenant and authorization boundary (tokens are granted per namespace), while
+an adapter is another model and a salt or image makes the same token ids mean other KV; such a
+request gets its own trie and predictor state. Multimodal hashes key the whole prompt (vLLM keys
+only the blocks from the image on), so text before an image is not shared across images: fewer
+hits, never wrong ones. A request with no token ids (``prompt_token_ids=None``, prompt
+embeddings) is a miss and is not saved. Tensor / pipeline parallel ranks hold different heads /
+layers, so each rank stores and loads under ``model_id@tp{rank}of{size}`` (``@pp{rank}of{size}``)
+when the size is above 1 (``tp_rank``, ``tp_size``, ``pp_rank``, ``pp_size`` in the config, else
+from vLLM's ``parallel_config``); the scheduler looks up rank 0's.
+
+Paged cache layouts (:class:`KvLayout`, detected from each layer's shape and, when given, the
+engine's ``num_blocks`` and ``block_size``; ``kv_layout`` forces one; an unknown or ambiguous
+shape is a ValueError naming it): FlashAttention ``[2, num_blocks, block_size, kv_heads,
+head_dim]``, FlashInfer / Triton ``[num_blocks, 2, block_size, kv_heads, head_dim]`` (NHD) and
+``[num_blocks, 2, kv_heads, block_size, head_dim]`` (HND), MLA ``[num_blocks, block_size,
+latent]`` (stored as one head of ``latent / 2``: K = the first half, V = the second). Torch
+tensors (fp16, bf16, fp32; bfloat16 travels as its uint16 bit patterns, reinterpreted, never
+converted) or numpy arrays. Token ``t`` of a request lives at ``block_ids[t // block_size]``,
+offset ``t % block_size``; the engine's block size need not equal kvtrie's ``block_tokens``.
 
 Configuration (a dict; under vLLM, ``kv_connector_extra_config``): ``target`` (HOST:PORT),
 ``model_id`` (default: vLLM's model name), ``namespace``, ``token``, ``tls`` (``true`` or
@@ -59,7 +88,10 @@ CLI's ``--shard_down_backoff_ms``, ``--shards_refresh_seconds`` and ``--shard_wa
 pinned with ``--pin_replicas=2`` (system prompts) are copied.
 
 With vLLM installed the class derives from its KVConnectorBase_V1; without it (as here) it
-stands alone. Tested with the engine loop in tests/python/test_connector.py, not against vLLM.
+stands alone. Tested with tests/python/engine.py (an engine that schedules like vLLM: chunked
+prefill, local prefix hits, preemption, torch layouts, bf16, two TP ranks;
+tests/python/test_connector_engine.py) and simple_engine.py (test_connector.py), not against
+vLLM.
 """
 
 from __future__ import annotations
