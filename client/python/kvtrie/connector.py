@@ -301,8 +301,15 @@ def _parallel_suffix(cfg: Dict[str, Any], vllm_config: Any, scheduler: bool) -> 
     tp = int(cfg.get("tp_size", getattr(par, "tensor_parallel_size", 1) or 1))
     pp = int(cfg.get("pp_size", getattr(par, "pipeline_parallel_size", 1) or 1))
     rank = int(getattr(par, "rank", 0) or 0) if par is not None else 0
-    tp_rank = int(cfg.get("tp_rank", rank % tp))
-    pp_rank = int(cfg.get("pp_rank", rank // tp % pp))
+    tp_rank, pp_rank = rank % tp, rank // tp % pp
+    if par is not None and not scheduler and (tp > 1 or pp > 1):  # pragma: no cover - vLLM
+        try:  # the worker's own ranks, as vLLM's parallel_state has them
+            from vllm.distributed import parallel_state as ps  # type: ignore
+            tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pp_group().rank_in_group
+        except Exception as e:  # noqa: BLE001 - fall back to parallel_config.rank
+            log.info("vLLM's parallel_state unavailable (%s): ranks from parallel_config.rank", e)
+    tp_rank = int(cfg.get("tp_rank", tp_rank))
+    pp_rank = int(cfg.get("pp_rank", pp_rank))
     if scheduler:
         tp_rank = pp_rank = 0
     for name, r, n in (("tp_rank", tp_rank, tp), ("pp_rank", pp_rank, pp)):
