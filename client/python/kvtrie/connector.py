@@ -720,6 +720,9 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         done: Set[str] = set()
         with self._lock:
             self._finishing.update(r for r in finished_req_ids if r in self._commits)
+            for r in finished_req_ids:
+                if r not in self._commits:
+                    self._loaded_ok.pop(r, None)
             for req_id in list(self._finishing):
                 if all(f.done() for f in self._commits[req_id]):
                     done.add(req_id)
