@@ -19,8 +19,9 @@ Where it matters for a connector's data path it behaves as vLLM's scheduler and 
 * Asynchronous saves: ``request_finished`` returning True keeps the pages until every rank's
   ``get_finished`` reported the request.
 * Torch tensors in vLLM's layouts (``flash_attn`` [2, blocks, block_size, heads, head_dim],
-  ``flash_infer`` [blocks, 2, ...], ``mla`` [blocks, block_size, latent] with the latent = K and
-  V of all heads), fp16 or bf16, ``tp`` ranks each holding its share of the KV heads: every rank
+  ``flash_infer`` [blocks, 2, block_size, heads, head_dim], ``flash_infer_hnd`` [blocks, 2,
+  heads, block_size, head_dim], ``mla`` [blocks, block_size, latent] with the latent = K and V of
+  all heads), fp16 or bf16, ``tp`` ranks each holding its share of the KV heads: every rank
   has its own caches and worker connector, and attention runs per rank on its heads.
 
 The model (llama_numpy.LlamaModel, stories260K) computes from the paged caches in float64, so a
@@ -117,6 +118,8 @@ def make_cache(layout: str, num_blocks: int, block_size: int, heads: int, head_d
         return torch.zeros(2, num_blocks, block_size, heads, head_dim, dtype=dtype)
     if layout == "flash_infer":
         return torch.zeros(num_blocks, 2, block_size, heads, head_dim, dtype=dtype)
+    if layout == "flash_infer_hnd":
+        return torch.zeros(num_blocks, 2, heads, block_size, head_dim, dtype=dtype)
     if layout == "mla":
         return torch.zeros(num_blocks, block_size, 2 * heads * head_dim, dtype=dtype)
     raise ValueError(f"layout: {layout!r}")
@@ -128,6 +131,8 @@ def kv_pages(cache: torch.Tensor, layout: str, heads: int, head_dim: int):
         return cache[0], cache[1]
     if layout == "flash_infer":
         return cache[:, 0], cache[:, 1]
+    if layout == "flash_infer_hnd":
+        return cache[:, 0].transpose(1, 2), cache[:, 1].transpose(1, 2)
     c = cache.view(cache.shape[0], cache.shape[1], 2, heads, head_dim)  # mla
     return c[:, :, 0], c[:, :, 1]
 

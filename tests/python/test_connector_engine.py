@@ -198,10 +198,13 @@ def test_tensor_parallel_ranks_store_their_own_heads(model, server):
 
 @pytest.mark.parametrize("layout,dtype", [("flash_infer", torch.float16),
                                           ("flash_infer", torch.bfloat16),
+                                          ("flash_infer_hnd", torch.bfloat16),
                                           ("mla", torch.bfloat16)])
 def test_every_layout(model, server, layout, dtype):
     ns = f"layout-{layout}-{str(dtype)[6:]}"
-    e = engine(model, server.target, ns, dtype=dtype, layout=layout, prefix_cache=False)
+    # The engine's declared block size tells HND ([blocks, 2, heads, block_size, ...]) apart.
+    e = engine(model, server.target, ns, dtype=dtype, layout=layout, prefix_cache=False,
+               cfg={"block_size": 16, "num_blocks": 96})
     assert e.workers[0]._layouts[e.names[0]] is KvLayout(layout)
     e.run([req("s0", session(0))])
     out = e.run([req("s1", session(1))])["s1"]
@@ -211,7 +214,9 @@ def test_every_layout(model, server, layout, dtype):
 
 def test_layout_detection_checks_shapes():
     assert detect_layout((2, 64, 16, 4, 8)) is KvLayout.FLASH_ATTN
-    assert detect_layout((64, 2, 16, 4, 8)) is KvLayout.FLASH_INFER
+    assert detect_layout((64, 2, 16, 4, 8), block_size=16) is KvLayout.FLASH_INFER
+    with pytest.raises(ValueError, match="more than one"):  # NHD or HND: needs the block size
+        detect_layout((64, 2, 16, 4, 8))
     assert detect_layout((64, 2, 4, 16, 8), 64, 16) is KvLayout.FLASH_INFER_HND
     assert detect_layout((64, 16, 576)) is KvLayout.MLA
     with pytest.raises(ValueError, match=r"kv cache shape \[2, 2, 16, 4, 8\]: more than one"):

@@ -51,8 +51,9 @@ when the size is above 1 (``tp_rank``, ``tp_size``, ``pp_rank``, ``pp_size`` in 
 from vLLM's ``parallel_config``); the scheduler looks up rank 0's.
 
 Paged cache layouts (:class:`KvLayout`, detected from each layer's shape and, when given, the
-engine's ``num_blocks`` and ``block_size``; ``kv_layout`` forces one; an unknown or ambiguous
-shape is a ValueError naming it): FlashAttention ``[2, num_blocks, block_size, kv_heads,
+engine's ``num_blocks`` and ``block_size``, which the ``[num_blocks, 2, ...]`` layouts need
+(vLLM's ``cache_config`` gives it); ``kv_layout`` forces one; an unknown or ambiguous shape is a
+ValueError naming it): FlashAttention ``[2, num_blocks, block_size, kv_heads,
 head_dim]``, FlashInfer / Triton ``[num_blocks, 2, block_size, kv_heads, head_dim]`` (NHD) and
 ``[num_blocks, 2, kv_heads, block_size, head_dim]`` (HND), MLA ``[num_blocks, block_size,
 latent]`` (stored as one head of ``latent / 2``: K = the first half, V = the second). Torch
@@ -261,7 +262,8 @@ def detect_layout(shape: Sequence[int], num_blocks: Optional[int] = None,
             found.append(KvLayout.FLASH_ATTN)
         if shape[1] == 2 and fits(shape[0], shape[2]):
             found.append(KvLayout.FLASH_INFER)
-        if shape[1] == 2 and block_size is not None and shape[2] != block_size and fits(
+        # Without the declared block_size, NHD and HND of [blocks, 2, ...] cannot be told apart.
+        if shape[1] == 2 and (block_size is None or shape[2] != block_size) and fits(
                 shape[0], shape[3]):
             found.append(KvLayout.FLASH_INFER_HND)
     elif len(shape) == 3 and shape[2] % 2 == 0 and fits(shape[0], shape[1]):
