@@ -325,7 +325,6 @@ class Engine:
             w.start_load_kv(None)
         logits = self._forward(batch)
         errors: Set[int] = set()
-        finished_saving: Dict[str, int] = {}
         for w in self.workers:
             w.wait_for_save()
             errors |= w.get_block_ids_with_load_errors()

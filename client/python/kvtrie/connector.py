@@ -110,6 +110,8 @@ import numpy as np
 
 from . import Client, Error, ShardedClient, StatusCode
 
+from ._layouts import KvLayout, canonical, check_dtype, detect_layout, read, write
+
 log = logging.getLogger("kvtrie.connector")
 
 try:  # Under vLLM: be a real KVConnectorBase_V1 (untested here: vLLM is not installed).
@@ -237,63 +239,6 @@ def request_identity(request: Any) -> str:
     return "#" + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-class KvLayout(enum.Enum):
-    """The paged KV layouts vLLM's attention backends hand to a connector (one tensor a layer)."""
-
-    FLASH_ATTN = "flash_attn"  #: [2, num_blocks, block_size, kv_heads, head_dim] (K then V)
-    FLASH_INFER = "flash_infer"  #: [num_blocks, 2, block_size, kv_heads, head_dim] (NHD)
-    FLASH_INFER_HND = "flash_infer_hnd"  #: [num_blocks, 2, kv_heads, block_size, head_dim]
-    MLA = "mla"  #: [num_blocks, block_size, latent]: one latent vector a token
-
-
-def detect_layout(shape: Sequence[int], num_blocks: Optional[int] = None,
-                  block_size: Optional[int] = None) -> KvLayout:
-    """The layout of a paged cache of ``shape``, checked against the engine's declared
-    ``num_blocks`` and ``block_size`` where given (``None``: not checked). Raises ValueError
-    naming the shape for a shape no layout fits or more than one fits (then set ``kv_layout``)."""
-    shape = tuple(int(d) for d in shape)
-
-    def fits(nb: int, bs: int) -> bool:
-        return (num_blocks is None or nb == num_blocks) and (block_size is None or bs == block_size)
-
-    found = []
-    if len(shape) == 5:
-        if shape[0] == 2 and fits(shape[1], shape[2]):
-            found.append(KvLayout.FLASH_ATTN)
-        if shape[1] == 2 and fits(shape[0], shape[2]):
-            found.append(KvLayout.FLASH_INFER)
-        # Without the declared block_size, NHD and HND of [blocks, 2, ...] cannot be told apart.
-        if shape[1] == 2 and (block_size is None or shape[2] != block_size) and fits(
-                shape[0], shape[3]):
-            found.append(KvLayout.FLASH_INFER_HND)
-    elif len(shape) == 3 and shape[2] % 2 == 0 and fits(shape[0], shape[1]):
-        found.append(KvLayout.MLA)
-    if len(found) != 1:
-        raise ValueError(
-            f"kv cache shape {list(shape)}: {'no' if not found else 'more than one'} known layout "
-            f"fits (num_blocks={num_blocks}, block_size={block_size}; known: "
-            "[2, blocks, block_size, heads, head_dim], [blocks, 2, block_size, heads, head_dim], "
-            "[blocks, 2, heads, block_size, head_dim], [blocks, block_size, latent]); "
-            "set kv_layout, num_blocks or block_size")
-    return found[0]
-
-
-def _canonical(cache: Any, layout: KvLayout) -> Any:
-    """A view of ``cache`` shaped [2, num_blocks, block_size, kv_heads, head_dim] sharing its
-    memory (writes through). MLA's latent is split in halves: K = the first, V = the second."""
-    is_np = isinstance(cache, np.ndarray)
-    if layout is KvLayout.FLASH_ATTN:
-        return cache
-    if layout is KvLayout.FLASH_INFER:
-        return cache.transpose(1, 0, 2, 3, 4) if is_np else cache.transpose(0, 1)
-    if layout is KvLayout.FLASH_INFER_HND:
-        return cache.transpose(1, 0, 3, 2, 4) if is_np else cache.permute(1, 0, 3, 2, 4)
-    nb, bs, latent = cache.shape
-    split = (nb, bs, 1, 2, latent // 2)
-    return (cache.reshape(split).transpose(3, 0, 1, 2, 4) if is_np else
-            cache.view(split).permute(3, 0, 1, 2, 4))
-
-
 def _parallel_suffix(cfg: Dict[str, Any], vllm_config: Any, scheduler: bool) -> str:
     """``@tp{rank}of{size}`` (and ``@pp{rank}of{size}``) when the model is split: each rank
     holds its own heads (layers), so it stores and loads under its own model_id. The scheduler
@@ -338,6 +283,8 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
             cache = getattr(vllm_config, "cache_config", None)
             if getattr(cache, "block_size", None):
                 cfg.setdefault("block_size", int(cache.block_size))
+            if getattr(cache, "num_gpu_blocks", None):
+                cfg.setdefault("num_blocks", int(cache.num_gpu_blocks))
         self._role_value = role if role is not None else KVConnectorRole.WORKER
         scheduler = self._role_value == KVConnectorRole.SCHEDULER
         self._base_model = str(cfg.get("model_id", ""))
@@ -527,7 +474,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
             layout = self._kv_layout or detect_layout(cache.shape, self._num_blocks,
                                                       self._engine_block_size)
             self._layouts[name] = layout
-            self._caches[name] = _canonical(cache, layout)
+            self._caches[name] = canonical(cache, layout)
         self._layer_index = {name: i for i, name in enumerate(self._caches)}
         self._names = list(self._caches)
 
@@ -575,7 +522,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
                 try:
                     k, v, n = self._client_for(r.identity).get(r.token_ids[:want],
                                                                mode=self._get_mode)
-                    _check_dtype(k, next(iter(self._caches.values())))
+                    check_dtype(k, next(iter(self._caches.values())))
                 except (Error, ValueError) as e:
                     log.warning("kvtrie load of %s failed, recomputing: %s", r.req_id, e)
                     k = v = None
@@ -589,8 +536,8 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
                     if n <= r.load_begin:
                         continue
                     b, o = self._slots(r.block_ids, r.load_begin, n)
-                    _write(cache, 0, b, o, k[layer, :, r.load_begin:n].transpose(1, 0, 2))
-                    _write(cache, 1, b, o, v[layer, :, r.load_begin:n].transpose(1, 0, 2))
+                    write(cache, 0, b, o, k[layer, :, r.load_begin:n].transpose(1, 0, 2))
+                    write(cache, 1, b, o, v[layer, :, r.load_begin:n].transpose(1, 0, 2))
                 events[layer].set()
         finally:
             for e in events:  # never leave a layer waiting, whatever happened
@@ -656,8 +603,8 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
             self._saves[r.req_id] = s
         begin = first * self._block_tokens
         b, o = self._slots(r.block_ids, begin, r.save_tokens)
-        k = np.ascontiguousarray(_read(kv_layer, 0, b, o).transpose(1, 0, 2))
-        v = np.ascontiguousarray(_read(kv_layer, 1, b, o).transpose(1, 0, 2))
+        k = np.ascontiguousarray(read(kv_layer, 0, b, o).transpose(1, 0, 2))
+        v = np.ascontiguousarray(read(kv_layer, 1, b, o).transpose(1, 0, 2))
         s.write(layer, k, v, token_offset=begin)
 
     def _commit(self, req_id: str, s: Any) -> None:
@@ -828,39 +775,3 @@ class _EncodedSave:
 
     def cancel(self) -> None:
         self._k = self._v = None
-
-
-def _check_dtype(k: np.ndarray, cache: Any) -> None:
-    """ValueError unless KV of numpy dtype ``k.dtype`` (uint16 = bfloat16) fits ``cache``."""
-    if isinstance(cache, np.ndarray):
-        ok = k.dtype == cache.dtype
-    else:
-        import torch  # type: ignore
-        want = {torch.bfloat16: np.uint16, torch.float16: np.float16, torch.float32: np.float32}
-        ok = want.get(cache.dtype) == k.dtype
-    if not ok:
-        raise ValueError(f"stored KV is {k.dtype} (uint16 = bfloat16), the cache {cache.dtype}")
-
-
-def _write(cache: Any, kv: int, blocks: np.ndarray, offsets: np.ndarray, data: np.ndarray) -> None:
-    """cache[kv, blocks, offsets] = data, bit for bit (bfloat16 travels as uint16 patterns and
-    is reinterpreted, never converted)."""
-    if isinstance(cache, np.ndarray):
-        cache[kv, blocks, offsets] = data
-        return
-    import torch  # type: ignore
-    src = np.ascontiguousarray(data)
-    if src.dtype == np.uint16:
-        t = torch.from_numpy(src.view(np.int16)).view(torch.bfloat16)
-    else:
-        t = torch.from_numpy(src)
-    cache[kv, torch.from_numpy(blocks), torch.from_numpy(offsets)] = t.to(cache.device)
-
-
-def _read(cache: Any, kv: int, blocks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """cache[kv, blocks, offsets] as numpy (bfloat16 as its uint16 bit patterns)."""
-    if isinstance(cache, np.ndarray):
-        return cache[kv, blocks, offsets]
-    import torch  # type: ignore
-    t = cache[kv, torch.from_numpy(blocks), torch.from_numpy(offsets)].cpu()
-    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
