@@ -283,8 +283,8 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
             cache = getattr(vllm_config, "cache_config", None)
             if getattr(cache, "block_size", None):
                 cfg.setdefault("block_size", int(cache.block_size))
-            if getattr(cache, "num_gpu_blocks", None):
-                cfg.setdefault("num_blocks", int(cache.num_gpu_blocks))
+            # num_blocks only when configured: a tensor sized otherwise (hybrid allocators)
+            # must not stop the worker; block_size alone tells the layouts apart.
         self._role_value = role if role is not None else KVConnectorRole.WORKER
         scheduler = self._role_value == KVConnectorRole.SCHEDULER
         self._base_model = str(cfg.get("model_id", ""))
