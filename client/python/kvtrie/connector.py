@@ -239,6 +239,9 @@ def request_identity(request: Any) -> str:
     return "#" + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
+_MAX_IDENTITIES = 64  # clients kept for adapters / salts / images (one per model_id)
+
+
 def _parallel_suffix(cfg: Dict[str, Any], vllm_config: Any, scheduler: bool) -> str:
     """``@tp{rank}of{size}`` (and ``@pp{rank}of{size}``) when the model is split: each rank
     holds its own heads (layers), so it stores and loads under its own model_id. The scheduler
@@ -335,11 +338,13 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
     def _client_for(self, identity: str) -> Any:
         """The client of the model_id ``model_id + identity + rank suffix`` (created once)."""
         with self._lock:
-            c = self._clients.get(identity)
+            c = self._clients.pop(identity, None)
             if c is None:
+                if len(self._clients) >= _MAX_IDENTITIES:  # drop the least recently used
+                    del self._clients[next(k for k in self._clients if k)]
                 model = self._base_model + identity + self._model_suffix
-                c = self._clients[identity] = _make_client({**self._cfg, "model_id": model},
-                                                           self._block_tokens)
+                c = _make_client({**self._cfg, "model_id": model}, self._block_tokens)
+            self._clients[identity] = c  # most recently used last
             return c
 
     # ---------------- scheduler side ----------------
