@@ -274,9 +274,31 @@ def test_load_failures_are_reported_per_block_and_recomputed(model, server):
     assert e.workers[1].stats["loaded_tokens"] == 160
     assert min(out.logits) == 160  # recomputed from the first failed block on
     assert_cold(model, out)
+    # Rank 0 loaded fine but computed the failed step over rank 1's missing heads: that KV must
+    # not have been stored. A fresh engine loads s1 whole, on both ranks: the cold logits.
+    again = engine(model, server.target, "failure", tp=2, prefix_cache=False).run(
+        [req("s1-again", session(1))])["s1-again"]
+    assert again.external_tokens == [511]
+    assert_cold(model, again)
     stats = e.workers[1].get_kv_connector_stats()
     assert stats.data["load_failed_tokens"] == PREFIX - 160
     assert e.workers[1].get_kv_connector_stats() is None  # nothing new since
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_request_that_loads_and_finishes_in_one_step(model, server, tp):
+    # One rank saves it in that step; with two, the save waits for the request's next step
+    # (another rank's failed load would make this step's KV wrong), which never comes.
+    ns = f"one-step-tp{tp}"
+    e = engine(model, server.target, ns, tp=tp, prefix_cache=False)
+    e.run([req("s0", session(0))])
+    out = e.run([req("s1", session(1), max_tokens=1)])["s1"]
+    assert out.external_tokens == [PREFIX]
+    assert_cold(model, out)
+    model_id = "stories260K" + ("@tp0of2" if tp == 2 else "")
+    assert lookup(server.target, ns, session(1), model_id) == (512 if tp == 1 else PREFIX)
+    e.run([req("s2", session(2), max_tokens=2)])  # a next step: saved there
+    assert lookup(server.target, ns, session(2), model_id) == 512
 
 
 # ---------------- the long mixed run ----------------

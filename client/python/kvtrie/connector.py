@@ -292,6 +292,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         scheduler = self._role_value == KVConnectorRole.SCHEDULER
         self._base_model = str(cfg.get("model_id", ""))
         self._model_suffix = _parallel_suffix(cfg, vllm_config, scheduler)
+        self._split = "@" in self._model_suffix  # more than one rank computes each step
         self._cfg = cfg
         self._block_tokens = int(cfg.get("block_tokens", 16))
         self._num_blocks = int(cfg["num_blocks"]) if cfg.get("num_blocks") else None
@@ -401,11 +402,11 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         or replacing the list when it is in ``resumed_req_ids`` (``resumed_from_preemption`` in
         older vLLM). A request is saved in the step that computes the last token of its prompt's
         last full kvtrie block (a chunked prefill saves once, at the end; a recompute after a
-        load error or a preemption saves again), or, when that step also loaded, in the
-        request's next step unless that step was discarded: with TP a load that failed on one
-        rank makes the KV every rank computed in that step wrong, and no rank knows of the
-        others' failures (a request that loads and finishes in one step is not saved). Resets
-        the pending loads."""
+        load error or a preemption saves again). With more than one rank (TP / PP), when that
+        step also loaded, the save moves to the request's next step unless that step was
+        discarded: a load that failed on one rank makes the KV every rank computed in that step
+        wrong, and no rank knows of the others' failures (so there a request that loads and
+        finishes in one step is not saved). Resets the pending loads."""
         scheduled: Dict[str, int] = dict(getattr(scheduler_output, "num_scheduled_tokens", {}))
         computed: Dict[str, int] = {}
         for new in getattr(scheduler_output, "scheduled_new_reqs", None) or []:
@@ -443,7 +444,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
                 t.save_next_step = False
                 save = full if begin >= full else 0
             if not save and full > t.stored_blocks * bt and begin < full <= end:
-                if t.load_end:  # another rank's load may fail: save once that is known
+                if t.load_end and self._split:  # another rank's load may fail: save later
                     t.save_next_step = True
                 else:
                     save = full
