@@ -17,7 +17,10 @@ Where it matters for a connector's data path it behaves as vLLM's scheduler and 
 * Load errors under ``kv_load_failure_policy="recompute"``: a request with a failed block
   computes again from that block; its step's output is discarded.
 * Asynchronous saves: ``request_finished`` returning True keeps the pages until every rank's
-  ``get_finished`` reported the request.
+  ``get_finished`` reported the request. Asynchronous loads: when ``get_num_new_matched_tokens``
+  returns True the request gets pages for the loaded tokens and waits (vLLM's
+  WAITING_FOR_REMOTE_KVS) until every rank's ``get_finished`` reports it loaded, then is
+  scheduled from its loaded tokens (from its first failed page, if any).
 * Torch tensors in vLLM's layouts (``flash_attn`` [2, blocks, block_size, heads, head_dim],
   ``flash_infer`` [blocks, 2, block_size, heads, head_dim], ``flash_infer_hnd`` [blocks, 2,
   heads, block_size, head_dim], ``mla`` [blocks, block_size, latent] with the latent = K and V of
@@ -66,6 +69,7 @@ class Request:
     output_token_ids: List[int] = field(default_factory=list)
     block_ids: List[int] = field(default_factory=list)
     preempted: bool = False
+    loaded_async: int = -1  # tokens an asynchronous load brought (-1: none pending)
     num_preemptions: int = 0
     local_hit_tokens: List[int] = field(default_factory=list)  # per admission
     external_tokens: List[int] = field(default_factory=list)  # per admission
@@ -170,6 +174,9 @@ class Engine:
         self.waiting: "collections.deque[Request]" = collections.deque()
         self.running: List[Request] = []
         self.held: Dict[str, Request] = {}  # finished, pages kept until get_finished
+        self.remote: Dict[str, Request] = {}  # waiting for an asynchronous load (vLLM's
+        self.received: Dict[str, int] = {}  # WAITING_FOR_REMOTE_KVS): ranks that reported it
+        self.failed_pages: Set[int] = set()  # load errors not yet matched to a request
         self.reported: Dict[str, int] = {}  # req -> ranks that reported it finished saving
         self.finished_ids: Set[str] = set()  # finished since the last step (to get_finished)
         self.requests: Dict[str, Request] = {}
@@ -274,27 +281,50 @@ class Engine:
             budget -= n
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            hit = self._local_hit(req)
-            local = len(hit) * self.block_size
-            ext = 0
-            if self.sched is not None:
-                ext, is_async = self.sched.get_num_new_matched_tokens(req, local)
-                assert not is_async
-            computed = local + ext
+            loaded = req.loaded_async >= 0
+            if loaded:  # its asynchronous load is done: schedule it
+                computed, req.loaded_async = req.loaded_async, -1
+                hit, local, ext = list(req.block_ids), 0, 0
+            else:
+                hit = self._local_hit(req)
+                local = len(hit) * self.block_size
+                ext, is_async = 0, False
+                if self.sched is not None:
+                    ext, is_async = self.sched.get_num_new_matched_tokens(req, local)
+                computed = local + ext
+                if is_async:  # pages for the loaded tokens only; not scheduled until loaded
+                    req.block_ids = hit
+                    new = self._alloc(self._pages_for(req, computed))
+                    if new is None:
+                        req.block_ids = []
+                        self._release(hit)
+                        break
+                    self.waiting.popleft()
+                    req.block_ids = hit + new
+                    self.sched.update_state_after_alloc(req, KVCacheBlocks(req.block_ids), ext)
+                    req.local_hit_tokens.append(local)
+                    req.external_tokens.append(ext)
+                    req.loaded_async = computed  # until get_finished reports it
+                    self.remote[req.request_id] = req
+                    continue
             n = min(len(req.all_token_ids) - computed, budget, self.max_chunk)
             req.block_ids = hit
             new = self._alloc(self._pages_for(req, computed + n))
             if new is None:
-                self._release(hit)
-                req.block_ids = []
+                if loaded:  # the pages its load filled stay the request's
+                    req.loaded_async = computed
+                else:
+                    self._release(hit)
+                    req.block_ids = []
                 break
             self.waiting.popleft()
             req.block_ids = hit + new
             if self.sched is not None:  # vLLM: all the request's blocks, before it counts them
                 self.sched.update_state_after_alloc(req, KVCacheBlocks(req.block_ids), ext)
             req.num_computed_tokens = computed
-            req.local_hit_tokens.append(local)
-            req.external_tokens.append(ext)
+            if not loaded:
+                req.local_hit_tokens.append(local)
+                req.external_tokens.append(ext)
             if req.preempted:
                 c = so.scheduled_cached_reqs
                 c.req_ids.append(req.request_id)
@@ -327,12 +357,23 @@ class Engine:
         errors: Set[int] = set()
         for w in self.workers:
             w.wait_for_save()
+            done, received = w.get_finished(so.finished_req_ids)
             errors |= w.get_block_ids_with_load_errors()
-            done, _ = w.get_finished(so.finished_req_ids)
             for r in done or ():
                 self.reported[r] = self.reported.get(r, 0) + 1
+            for r in received or ():
+                self.received[r] = self.received.get(r, 0) + 1
             w.clear_connector_metadata()
         self._release_reported()
+        self.failed_pages |= errors
+        for r in [r for r, n in self.received.items() if n == len(self.workers)]:
+            del self.received[r]  # loaded: back to the queue's head, from its first failed page
+            req = self.remote.pop(r)
+            bad = [i for i, p in enumerate(req.block_ids) if p in self.failed_pages]
+            self.failed_pages -= set(req.block_ids)
+            if bad:
+                req.loaded_async = min(req.loaded_async, bad[0] * self.block_size)
+            self.waiting.appendleft(req)
         now = time.perf_counter()
         for (req, n), rows in zip(batch, logits):
             bad = [i for i, p in enumerate(req.block_ids) if p in errors]
@@ -375,10 +416,12 @@ class Engine:
         """Adds ``requests`` and steps until every request finished and its pages came back."""
         for r in requests:
             self.add_request(r)
-        while self.waiting or self.running:
+        while self.waiting or self.running or self.remote:
             assert max_steps > 0, "the engine made no progress"
             max_steps -= 1
             self.step()
+            if self.remote and not self.running and not self.waiting:
+                time.sleep(0.001)  # only asynchronous loads in flight
         while self.held:  # saves still committing: ask the workers until they report
             for w in self.workers:
                 done, _ = w.get_finished(self.finished_ids)

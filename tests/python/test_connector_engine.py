@@ -301,6 +301,31 @@ def test_a_request_that_loads_and_finishes_in_one_step(model, server, tp):
     assert lookup(server.target, ns, session(2), model_id) == 512
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_asynchronous_loads_are_reported_through_get_finished(model, server, tp):
+    # async_load: the request waits for its load (vLLM's WAITING_FOR_REMOTE_KVS) and is
+    # scheduled once every rank's get_finished reported it; a block lost after the lookup is
+    # reported no later than that and recomputed.
+    ns = f"async-load-tp{tp}"
+    e = engine(model, server.target, ns, tp=tp, prefix_cache=False, cfg={"async_load": True})
+    e.run([req("s0", session(0))])
+    answers = []
+    orig = e.sched.get_num_new_matched_tokens
+    e.sched.get_num_new_matched_tokens = lambda r, n: (lambda a: (answers.append(a), a)[1])(
+        orig(r, n))
+    out = e.run([req("s1", session(1))])["s1"]
+    assert answers == [(PREFIX, True)]
+    assert out.external_tokens == [PREFIX] and min(out.logits) == PREFIX
+    assert_cold(model, out)
+    model_id = "stories260K" + (f"@tp{tp - 1}of{tp}" if tp > 1 else "")
+    deleter = kvtrie.Client(server.target, model_id, namespace=ns)
+    e.hook_before_execute = lambda so: (deleter.delete(session(2)[:11 * 16]),
+                                        setattr(e, "hook_before_execute", None))
+    lost = e.run([req("s2", session(2))])["s2"]
+    assert lost.external_tokens == [PREFIX] and min(lost.logits) == 160
+    assert_cold(model, lost)
+
+
 # ---------------- the long mixed run ----------------
 
 

@@ -34,7 +34,9 @@ Worker side (``role=KVConnectorRole.WORKER``), per forward pass:
     the first of them; with the default ``"fail"`` vLLM fails the request. A request whose load
     failed in a step is not saved in that step (its new KV was computed over missing context);
     the recompute step saves it. ``get_kv_connector_stats()`` returns the counters since the
-    last call. Loads are synchronous within their step (``is_async`` False), never across steps.
+    last call. Loads run within their step, layer by layer; with ``async_load`` on they run in
+    the background instead (``get_num_new_matched_tokens`` returns True, the request waits for
+    :meth:`get_finished` to report it loaded, as vLLM's WAITING_FOR_REMOTE_KVS).
 
 Keys: kvtrie keys are token ids. What else vLLM puts in a block hash (kv_cache_utils' extra
 keys: the LoRA adapter's name and id, multimodal hashes (``mm_features[i].identifier`` or
@@ -76,6 +78,9 @@ the bytes: the layers of a request are gathered during the forward pass and put 
 :meth:`wait_for_save` (encoding needs whole blocks). ``false`` (thin workers): each layer is sent
 dense as it is saved (:meth:`kvtrie.Client.put_layers`), overlapping with the next layers'
 compute, and the server encodes. ``predictor_refresh`` (10 s): see :class:`kvtrie.Client`.
+``async_load`` (false): loads run in the background across steps, reported by ``get_finished``.
+``tp_rank``, ``tp_size``, ``pp_rank``, ``pp_size``: see Keys. ``block_size``, ``num_blocks``,
+``kv_layout``: see the layouts.
 
 More than one server: ``shards`` (``"kvtrie-0=host:port,kvtrie-1=host:port,..."``) or
 ``shards_dns`` (an SRV name of the headless Service, or ``host:port`` for A records) instead of
@@ -144,6 +149,7 @@ class RequestMeta:
     save_tokens: int = 0  #: save the full kvtrie blocks of tokens [0, save_tokens) (0 = no save)
     stored_blocks: int = 0  #: kvtrie blocks the lookup found stored (not sent again)
     identity: str = ""  #: the request's key beyond its tokens, folded into the model_id
+    async_load: bool = False  #: load in the background, reported by get_finished (not computed)
 
     @property
     def load_tokens(self) -> int:  # tokens to load (0 = none)
@@ -189,6 +195,7 @@ class _Tracked:  # scheduler side: a request between its first alloc and request
     load_end: int = 0
     stored_blocks: int = 0
     save_next_step: bool = False  # its prompt was completed in a step that also loaded
+    async_load: bool = False  # the pending load is asynchronous
 
 
 def _block_ids(blocks: Any) -> List[int]:
@@ -305,6 +312,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self._encode_on_client = _bool(cfg.get("encode_on_client", True), "encode_on_client")
         self._target_rel_rms = float(cfg.get("target_rel_rms", 0.0))
         self._get_mode = cfg.get("get_mode", "reconstructed")
+        self._async_load = _bool(cfg.get("async_load", False), "async_load")
         # Scheduler side.
         self._tracked: Dict[str, _Tracked] = {}
         self._matched: Dict[str, Tuple[int, int, int]] = {}  # req -> (local hit, ext, stored)
@@ -328,6 +336,8 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self._save_futures: List[concurrent.futures.Future] = []
         self._commits: Dict[str, List[concurrent.futures.Future]] = {}  # req -> commits in flight
         self._finishing: Set[str] = set()  # finished requests with saves, not yet reported
+        self._async_loader = concurrent.futures.ThreadPoolExecutor(1, "kvtrie-async-load")
+        self._received: Set[str] = set()  # asynchronous loads done, not yet reported (_lock)
         self.stats: Dict[str, int] = {"lookups": 0, "loaded_tokens": 0, "load_failed_tokens": 0,
                                       "saved_blocks": 0, "save_errors": 0}  # updated under _lock
         self._reported: Dict[str, int] = dict(self.stats)  # stats at the last get_kv_connector_stats
@@ -356,8 +366,10 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         kvtrie holds under the request's identity (block-aligned, at most all but the last prompt
         token, which the engine computes for its logits). ``(0, False)`` when the server cannot
         be reached or the request has no token ids (``prompt_token_ids=None``, prompt
-        embeddings): a miss, never an error. Loads are synchronous within the step, layer by
-        layer, so the second value is always False."""
+        embeddings): a miss, never an error. The second value is True for a load with
+        ``async_load`` on: the engine waits for the request's id in :meth:`get_finished`'s
+        second set before it schedules it; off (the default) loads run within the step, layer by
+        layer, overlapping the forward pass."""
         prompt = _prompt(request)
         if prompt is None:
             return 0, False
@@ -373,27 +385,31 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         matched = min(matched, len(prompt) - 1)
         ext = max(0, matched - int(num_computed_tokens))
         self._matched[str(request.request_id)] = (int(num_computed_tokens), ext, stored)
-        return ext, False
+        return ext, self._async_load and ext > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
         """Remembers the request's blocks (vLLM passes all of them: the local hit's and the new
         ones) and the tokens to load into them: ``[L, L + num_external_tokens)`` where L is the
         local hit given to :meth:`get_num_new_matched_tokens`. Called again when a preempted
-        request is resumed: its page list is replaced, not appended to."""
+        request is resumed: its page list is replaced, not appended to; and after an
+        asynchronous load, with ``num_external_tokens`` 0."""
         prompt = _prompt(request)
         if prompt is None:
             return
         req_id = str(request.request_id)
-        local, _, stored = self._matched.pop(req_id, (int(request.num_computed_tokens), 0, 0))
+        matched = self._matched.pop(req_id, None)
         t = self._tracked.get(req_id)
         if t is None:
             t = self._tracked[req_id] = _Tracked(request, request_identity(request))
         t.request = request
         t.block_ids = _block_ids(blocks)
-        t.stored_blocks = stored
+        local = int(request.num_computed_tokens)
+        if matched is not None:
+            local, _, t.stored_blocks = matched
         ext = int(num_external_tokens)
         t.load_begin, t.load_end = (local, local + ext) if ext > 0 else (0, 0)
+        t.async_load = self._async_load and ext > 0
 
     def build_connector_meta(self, scheduler_output: Any) -> KvtrieConnectorMetadata:
         """This step's loads (from update_state_after_alloc) and saves. The page lists follow
@@ -450,7 +466,8 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
                     save = full
             if t.load_end or save:
                 meta.requests.append(RequestMeta(req_id, prompt, list(t.block_ids), t.load_begin,
-                                                 t.load_end, save, t.stored_blocks, t.identity))
+                                                 t.load_end, save, t.stored_blocks, t.identity,
+                                                 t.async_load))
             if save:
                 self._saving.add(req_id)
             t.load_begin = t.load_end = 0
@@ -506,9 +523,13 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         return np.asarray(block_ids, dtype=np.int64)[t // bs], t % bs
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Starts this step's loads on the loader thread and returns at once."""
+        """Starts this step's loads on the loader thread and returns at once (asynchronous
+        loads on their own thread, for requests this step does not compute)."""
         meta = self._get_connector_metadata()
-        loads = [r for r in meta.requests if r.load_tokens > 0]
+        for r in meta.requests:
+            if r.load_tokens > 0 and r.async_load:
+                self._async_loader.submit(self._load_async, r)
+        loads = [r for r in meta.requests if r.load_tokens > 0 and not r.async_load]
         self._layer_loaded = [threading.Event() for _ in self._names]
         with self._lock:
             self._failed_loads = set()
@@ -548,6 +569,13 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         finally:
             for e in events:  # never leave a layer waiting, whatever happened
                 e.set()
+
+    def _load_async(self, r: RequestMeta) -> None:
+        try:
+            self._load([r], [threading.Event() for _ in self._names])
+        finally:  # its failed blocks are recorded before the id is reported
+            with self._lock:
+                self._received.add(r.req_id)
 
     def _account_load(self, r: RequestMeta, n: int) -> None:
         bs = self._page_size()
@@ -668,12 +696,14 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
 
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]],
                                                                    Optional[Set[str]]]:
-        """``(finished saving, None)``: the requests of ``finished_req_ids`` (this call's or an
-        earlier one's) a save was scheduled for, once all their commits are done (the engine then
-        frees their blocks: :meth:`request_finished` returned True for exactly these). Loads
-        finish within their step, so none are reported."""
+        """``(finished saving, finished loading)``: the requests of ``finished_req_ids`` (this
+        call's or an earlier one's) a save was scheduled for, once all their commits are done
+        (the engine then frees their blocks: :meth:`request_finished` returned True for exactly
+        these); and the requests whose asynchronous load is done (its failed blocks are in
+        :meth:`get_block_ids_with_load_errors` by then). ``None`` for an empty set."""
         done: Set[str] = set()
         with self._lock:
+            received, self._received = self._received, set()
             self._finishing.update(r for r in finished_req_ids if r in self._commits)
             for r in finished_req_ids:
                 if r not in self._commits:
@@ -684,7 +714,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
                     self._finishing.discard(req_id)
                     del self._commits[req_id]
                     self._loaded_ok.pop(req_id, None)
-        return (done or None), None
+        return (done or None), (received or None)
 
     def get_kv_connector_stats(self) -> Optional[KvtrieConnectorStats]:
         """The counters since the last call (lookups on the scheduler; tokens loaded, tokens
@@ -700,6 +730,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self._loader.shutdown(wait=True)
         self._saver.shutdown(wait=True)
         self._committer.shutdown(wait=True)
+        self._async_loader.shutdown(wait=True)
 
 
 def _make_client(cfg: Dict[str, Any], block_tokens: int) -> Any:
