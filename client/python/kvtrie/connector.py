@@ -144,8 +144,8 @@ class RequestMeta:
     req_id: str
     token_ids: List[int]  #: the prompt
     block_ids: List[int]  #: the request's engine blocks, in token order (all of them, this step)
-    load_begin: int = 0  #: load tokens [load_begin, load_end) (the local prefix-cache hit ends at
-    load_end: int = 0  #: load_begin; load_end == 0: no load)
+    load_begin: int = 0  #: load tokens [load_begin, load_end): the engine's local hit ends at
+    load_end: int = 0  #: load_begin (0 = no load)
     save_tokens: int = 0  #: save the full kvtrie blocks of tokens [0, save_tokens) (0 = no save)
     stored_blocks: int = 0  #: kvtrie blocks the lookup found stored (not sent again)
     identity: str = ""  #: the request's key beyond its tokens, folded into the model_id
