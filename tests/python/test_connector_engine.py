@@ -283,6 +283,10 @@ def test_load_failures_are_reported_per_block_and_recomputed(model, server):
     stats = e.workers[1].get_kv_connector_stats()
     assert stats.data["load_failed_tokens"] == PREFIX - 160
     assert e.workers[1].get_kv_connector_stats() is None  # nothing new since
+    # As vLLM aggregates the ranks' stats: rebuilt from their data, summed.
+    total = KvtrieConnector.build_kv_connector_stats(dict(stats.data))
+    total.aggregate(KvtrieConnector.build_kv_connector_stats({"load_failed_tokens": 8}))
+    assert total.reduce()["load_failed_tokens"] == PREFIX - 160 + 8
 
 
 @pytest.mark.parametrize("tp", [1, 2])

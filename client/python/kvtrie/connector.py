@@ -726,6 +726,13 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         stats = KvtrieConnectorStats(delta)
         return None if stats.is_empty() else stats
 
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None
+                                 ) -> Optional[KvtrieConnectorStats]:
+        """The stats object of ``data`` (a :class:`KvtrieConnectorStats`'s ``data``, as vLLM
+        ships it from the workers to be aggregated)."""
+        return KvtrieConnectorStats(dict(data)) if data is not None else KvtrieConnectorStats()
+
     def shutdown(self) -> None:
         self._loader.shutdown(wait=True)
         self._saver.shutdown(wait=True)
