@@ -1,32 +1,85 @@
-"""A small inference engine loop that drives a KV connector the way vLLM (v1) does.
+"""A test engine that schedules, allocates pages and calls a KV connector the way vLLM (v1) does.
 
-One request at a time: the scheduler asks the connector how many prompt tokens it can load
-(get_num_new_matched_tokens), allocates paged blocks (update_state_after_alloc), builds the step's
-connector metadata (build_connector_meta); the worker binds it, starts the loads (start_load_kv),
-runs the model's forward pass, which waits for each layer's load (wait_for_layer_load) and saves
-each layer after writing it (save_kv_layer), then waits for the saves (wait_for_save) and asks
-for load errors (get_block_ids_with_load_errors): on errors it recomputes from the first failed
-block, as vLLM does. The scheduler and worker connectors are separate objects (as in vLLM's
-processes) and the metadata is pickled between them.
+Where it matters for a connector's data path it behaves as vLLM's scheduler and model runner:
+
+* Several requests a step under a token budget (``max_tokens_per_step``): running requests
+  first (a decode is one token, a prefill its next chunk of at most ``max_chunk`` tokens), then
+  waiting ones (FCFS). Chunked
+  prefill: pages are allocated per chunk, and a running request's new pages reach the connector
+  only in ``scheduled_cached_reqs.new_block_ids`` (vLLM's CachedRequestData).
+* A local prefix cache: a chained hash of each full page's tokens and the request's extra keys
+  (LoRA adapter, multimodal hashes, cache_salt, as vLLM's kv_cache_utils) -> page. A request
+  reuses another's pages and asks the connector only beyond that hit (``num_computed_tokens`` of
+  ``get_num_new_matched_tokens``); freed pages keep their hash until they are reallocated.
+* Preemption: when pages run out, the last running request is preempted (its pages freed, its
+  computed tokens forgotten) and later resumed with new pages: ``update_state_after_alloc`` with
+  all its pages again, and ``scheduled_cached_reqs.resumed_req_ids`` (its new_block_ids replace).
+* Load errors under ``kv_load_failure_policy="recompute"``: a request with a failed block
+  computes again from that block; its step's output is discarded.
+* Asynchronous saves: ``request_finished`` returning True keeps the pages until every rank's
+  ``get_finished`` reported the request. Asynchronous loads: when ``get_num_new_matched_tokens``
+  returns True the request gets pages for the loaded tokens and waits (vLLM's
+  WAITING_FOR_REMOTE_KVS) until every rank's ``get_finished`` reports it loaded, then is
+  scheduled from its loaded tokens (from its first failed page, if any).
+* Torch tensors in vLLM's layouts (``flash_attn`` [2, blocks, block_size, heads, head_dim],
+  ``flash_infer`` [blocks, 2, block_size, heads, head_dim], ``flash_infer_hnd`` [blocks, 2,
+  heads, block_size, head_dim], ``mla`` [blocks, block_size, latent] with the latent = K and V of
+  all heads), fp16 or bf16, ``tp`` ranks each holding its share of the KV heads: every rank
+  has its own caches and worker connector, and attention runs per rank on its heads.
+
+The model (llama_numpy.LlamaModel, stories260K) computes from the paged caches in float64, so a
+token's logits do not depend on the batch or the chunk, and wrong KV shows as wrong logits.
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import pickle
+import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import numpy as np
+import torch
 
-from llama_numpy import LlamaModel, make_caches
+
+@dataclass
+class LoRARequest:  # the fields of vLLM's LoRARequest a connector may key on
+    lora_name: str
+    lora_int_id: int
+
+
+@dataclass
+class MultiModalFeature:  # vLLM's MultiModalFeatureSpec: its hash is `identifier`
+    identifier: str
 
 
 @dataclass
 class Request:
     request_id: str
-    prompt_token_ids: List[int]
+    prompt_token_ids: Optional[List[int]]
+    max_tokens: int = 4
+    lora_request: Optional[LoRARequest] = None
+    mm_features: List[MultiModalFeature] = field(default_factory=list)
+    cache_salt: Optional[str] = None
+    prompt_embeds: Any = None
+    # Engine state.
     num_computed_tokens: int = 0
+    output_token_ids: List[int] = field(default_factory=list)
     block_ids: List[int] = field(default_factory=list)
+    preempted: bool = False
+    loaded_async: int = -1  # tokens an asynchronous load brought (-1: none pending)
+    num_preemptions: int = 0
+    local_hit_tokens: List[int] = field(default_factory=list)  # per admission
+    external_tokens: List[int] = field(default_factory=list)  # per admission
+    logits: Dict[int, np.ndarray] = field(default_factory=dict)  # position -> row
+    first_token_time: Optional[float] = None
+    finished: bool = False
+
+    @property
+    def all_token_ids(self) -> List[int]:
+        return list(self.prompt_token_ids) + self.output_token_ids
 
 
 class KVCacheBlocks:
@@ -38,98 +91,398 @@ class KVCacheBlocks:
 
 
 @dataclass
-class SchedulerOutput:
-    scheduled_new_reqs: list
-    num_scheduled_tokens: Dict[str, int]
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: Optional[List[int]]
+    block_ids: tuple
+    num_computed_tokens: int
+    lora_request: Any = None
+    mm_features: list = field(default_factory=list)
 
 
 @dataclass
-class RunResult:
-    logits: np.ndarray  # [prompt tokens, vocab]: row i = logits after token i (NaN if not computed)
-    loaded_tokens: int  # tokens the connector was asked to load
-    recomputed_from: Optional[int]  # first token recomputed after a load error, or None
-    decode_logits: List[np.ndarray]  # greedy decode steps after the prompt
+class CachedRequestData:
+    req_ids: List[str] = field(default_factory=list)
+    resumed_req_ids: Set[str] = field(default_factory=set)
+    new_block_ids: list = field(default_factory=list)  # tuple of lists, or None
+    num_computed_tokens: List[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: List[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: Dict[str, int]
+    finished_req_ids: Set[str]
+
+
+def make_cache(layout: str, num_blocks: int, block_size: int, heads: int, head_dim: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    if layout == "flash_attn":
+        return torch.zeros(2, num_blocks, block_size, heads, head_dim, dtype=dtype)
+    if layout == "flash_infer":
+        return torch.zeros(num_blocks, 2, block_size, heads, head_dim, dtype=dtype)
+    if layout == "flash_infer_hnd":
+        return torch.zeros(num_blocks, 2, heads, block_size, head_dim, dtype=dtype)
+    if layout == "mla":
+        return torch.zeros(num_blocks, block_size, 2 * heads * head_dim, dtype=dtype)
+    raise ValueError(f"layout: {layout!r}")
+
+
+def kv_pages(cache: torch.Tensor, layout: str, heads: int, head_dim: int):
+    """(K, V) views [num_blocks, block_size, heads, head_dim] of a layer's cache."""
+    if layout == "flash_attn":
+        return cache[0], cache[1]
+    if layout == "flash_infer":
+        return cache[:, 0], cache[:, 1]
+    if layout == "flash_infer_hnd":
+        return cache[:, 0].transpose(1, 2), cache[:, 1].transpose(1, 2)
+    c = cache.view(cache.shape[0], cache.shape[1], 2, heads, head_dim)  # mla
+    return c[:, :, 0], c[:, :, 1]
+
+
+def _extra_keys(req: Request) -> tuple:
+    lora = (req.lora_request.lora_name, req.lora_request.lora_int_id) if req.lora_request else None
+    return (lora, tuple(f.identifier for f in req.mm_features), req.cache_salt)
 
 
 class Engine:
-    def __init__(self, model: LlamaModel, scheduler_connector=None, worker_connector=None,
-                 num_blocks: int = 128, block_size: int = 16, seed: int = 0):
-        self.model = model
-        self.sched = scheduler_connector
-        self.worker = worker_connector
-        self.block_size = block_size
-        self.kv_caches = make_caches(model, num_blocks, block_size)
-        self.names = list(self.kv_caches)
-        self.free = list(np.random.RandomState(seed).permutation(num_blocks))  # scattered pages
-        if self.worker is not None:
-            self.worker.register_kv_caches(self.kv_caches)
-        self.hook_between_schedule_and_load = None  # test hook: e.g. evict after the lookup
+    def __init__(self, model, sched=None, workers=(), *, tp: int = 1,
+                 dtype: torch.dtype = torch.float16, layout: str = "flash_attn",
+                 num_blocks: int = 96, block_size: int = 16, max_tokens_per_step: int = 1024,
+                 max_chunk: Optional[int] = None, prefix_cache: bool = True, seed: int = 0):
+        self.model, self.sched, self.workers = model, sched, list(workers)
+        assert not self.workers or len(self.workers) == tp
+        assert model.num_kv_heads % tp == 0 and model.num_heads % tp == 0
+        self.tp, self.layout, self.dtype = tp, layout, dtype
+        self.block_size, self.budget, self.prefix_cache = block_size, max_tokens_per_step, prefix_cache
+        self.max_chunk = max_chunk or max_tokens_per_step  # vLLM's long_prefill_token_threshold
+        self.kv_heads = model.num_kv_heads // tp  # per rank
+        self.names = [f"model.layers.{l}.self_attn.attn" for l in range(model.num_layers)]
+        self.caches = [{n: make_cache(layout, num_blocks, block_size, self.kv_heads,
+                                      model.head_dim, dtype) for n in self.names}
+                       for _ in range(tp)]
+        for w, caches in zip(self.workers, self.caches):
+            w.register_kv_caches(caches)
+        # Pages: free ones in LRU order (scattered at first), reference counts, prefix cache.
+        order = np.random.RandomState(seed).permutation(num_blocks)
+        self.free: "collections.OrderedDict[int, None]" = collections.OrderedDict(
+            (int(p), None) for p in order)
+        self.refs: Dict[int, int] = {}
+        self.page_hash: Dict[int, int] = {}
+        self.cached: Dict[int, int] = {}  # hash -> page
+        self.waiting: "collections.deque[Request]" = collections.deque()
+        self.running: List[Request] = []
+        self.held: Dict[str, Request] = {}  # finished, pages kept until get_finished
+        self.remote: Dict[str, Request] = {}  # waiting for an asynchronous load (vLLM's
+        self.received: Dict[str, int] = {}  # WAITING_FOR_REMOTE_KVS): ranks that reported it
+        self.failed_pages: Set[int] = set()  # load errors not yet matched to a request
+        self.reported: Dict[str, int] = {}  # req -> ranks that reported it finished saving
+        self.finished_ids: Set[str] = set()  # finished since the last step (to get_finished)
+        self.requests: Dict[str, Request] = {}
+        self.steps = 0
+        self.preemptions = 0
+        self.hook_before_execute: Optional[Callable[[SchedulerOutput], None]] = None
+        self.step_times: List[float] = []
 
-    def _step(self, req: Request, tokens: List[int], start: int, meta) -> np.ndarray:
-        w = self.worker
-        if w is not None:
+    # ---------------- pages ----------------
+
+    def _alloc(self, n: int) -> Optional[List[int]]:
+        if len(self.free) < n:
+            return None
+        pages = []
+        for _ in range(n):
+            p, _ = self.free.popitem(last=False)
+            h = self.page_hash.pop(p, None)
+            if h is not None and self.cached.get(h) == p:
+                del self.cached[h]
+            self.refs[p] = 1
+            pages.append(p)
+        return pages
+
+    def _release(self, pages: List[int]) -> None:
+        for p in pages:
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self.free[p] = None
+
+    def _page_hashes(self, req: Request, n_pages: int) -> List[int]:
+        out, h, toks = [], 0, req.all_token_ids
+        extra = _extra_keys(req)
+        for i in range(n_pages):
+            h = int.from_bytes(hashlib.sha256(pickle.dumps(
+                (h, tuple(toks[i * self.block_size:(i + 1) * self.block_size]), extra))).digest()[:8],
+                "little")
+            out.append(h)
+        return out
+
+    def _local_hit(self, req: Request) -> List[int]:
+        if not self.prefix_cache:
+            return []
+        pages = []
+        for h in self._page_hashes(req, (len(req.prompt_token_ids) - 1) // self.block_size):
+            p = self.cached.get(h)
+            if p is None:
+                break
+            pages.append(p)
+        for p in pages:
+            if self.refs.get(p, 0) == 0:
+                del self.free[p]
+            self.refs[p] = self.refs.get(p, 0) + 1
+        return pages
+
+    def _register(self, req: Request) -> None:
+        full = min(req.num_computed_tokens, len(req.all_token_ids)) // self.block_size
+        for p, h in zip(req.block_ids[:full], self._page_hashes(req, full)):
+            if p not in self.page_hash and h not in self.cached:
+                self.page_hash[p], self.cached[h] = h, p
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req.block_ids)
+        req.block_ids, req.num_computed_tokens = [], 0
+        req.preempted = True
+        req.num_preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---------------- scheduling ----------------
+
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def _pages_for(self, req: Request, tokens: int) -> int:
+        return max(0, -(-tokens // self.block_size) - len(req.block_ids))
+
+    def _schedule(self) -> SchedulerOutput:
+        budget = self.budget
+        so = SchedulerOutput([], CachedRequestData(), {}, self.finished_ids)
+        self.finished_ids = set()
+        for req in list(self.running):
+            if budget == 0 or req not in self.running:
+                continue
+            n = min(len(req.all_token_ids) - req.num_computed_tokens, budget, self.max_chunk)
+            new = None
+            while new is None:
+                new = self._alloc(self._pages_for(req, req.num_computed_tokens + n))
+                if new is None:
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    if victim is req:
+                        break
+            if new is None:
+                continue
+            req.block_ids += new
+            so.scheduled_cached_reqs.req_ids.append(req.request_id)
+            so.scheduled_cached_reqs.new_block_ids.append((new,) if new else None)
+            so.scheduled_cached_reqs.num_computed_tokens.append(req.num_computed_tokens)
+            so.num_scheduled_tokens[req.request_id] = n
+            budget -= n
+        while self.waiting and budget > 0:
+            req = self.waiting[0]
+            loaded = req.loaded_async >= 0
+            if loaded:  # its asynchronous load is done: schedule it
+                computed, req.loaded_async = req.loaded_async, -1
+                hit, local, ext = list(req.block_ids), 0, 0
+            else:
+                hit = self._local_hit(req)
+                local = len(hit) * self.block_size
+                ext, is_async = 0, False
+                if self.sched is not None:
+                    ext, is_async = self.sched.get_num_new_matched_tokens(req, local)
+                computed = local + ext
+                if is_async:  # pages for the loaded tokens only; not scheduled until loaded
+                    req.block_ids = hit
+                    new = self._alloc(self._pages_for(req, computed))
+                    if new is None:
+                        req.block_ids = []
+                        self._release(hit)
+                        break
+                    self.waiting.popleft()
+                    req.block_ids = hit + new
+                    self.sched.update_state_after_alloc(req, KVCacheBlocks(req.block_ids), ext)
+                    req.local_hit_tokens.append(local)
+                    req.external_tokens.append(ext)
+                    req.loaded_async = computed  # until get_finished reports it
+                    self.remote[req.request_id] = req
+                    continue
+            n = min(len(req.all_token_ids) - computed, budget, self.max_chunk)
+            req.block_ids = hit
+            new = self._alloc(self._pages_for(req, computed + n))
+            if new is None:
+                if loaded:  # the pages its load filled stay the request's
+                    req.loaded_async = computed
+                else:
+                    self._release(hit)
+                    req.block_ids = []
+                break
+            self.waiting.popleft()
+            req.block_ids = hit + new
+            if self.sched is not None:  # vLLM: all the request's blocks, before it counts them
+                self.sched.update_state_after_alloc(req, KVCacheBlocks(req.block_ids), ext)
+            req.num_computed_tokens = computed
+            if not loaded:
+                req.local_hit_tokens.append(local)
+                req.external_tokens.append(ext)
+            if req.preempted:
+                c = so.scheduled_cached_reqs
+                c.req_ids.append(req.request_id)
+                c.resumed_req_ids.add(req.request_id)
+                c.new_block_ids.append((list(req.block_ids),))
+                c.num_computed_tokens.append(computed)
+                req.preempted = False
+            else:
+                so.scheduled_new_reqs.append(NewRequestData(
+                    req.request_id, req.prompt_token_ids, (list(req.block_ids),), computed,
+                    req.lora_request, req.mm_features))
+            self.running.append(req)
+            so.num_scheduled_tokens[req.request_id] = n
+            budget -= n
+        return so
+
+    # ---------------- one step ----------------
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        so = self._schedule()
+        meta = self.sched.build_connector_meta(so) if self.sched is not None else None
+        if self.hook_before_execute:
+            self.hook_before_execute(so)
+        batch = [(self.requests[r], n) for r, n in so.num_scheduled_tokens.items()]
+        for w in self.workers:  # the metadata travels pickled, as to vLLM's workers
             w.bind_connector_metadata(pickle.loads(pickle.dumps(meta)))
             w.start_load_kv(None)
-        caches = [self.kv_caches[n] for n in self.names]
-        logits = self.model.forward(
-            tokens, start, caches, req.block_ids, self.block_size,
-            before_layer=(lambda l: w.wait_for_layer_load(self.names[l])) if w else None,
-            after_layer=(lambda l: w.save_kv_layer(self.names[l], self.kv_caches[self.names[l]],
-                                                   None)) if w else None)
-        if w is not None:
+        logits = self._forward(batch)
+        errors: Set[int] = set()
+        for w in self.workers:
             w.wait_for_save()
-        return logits
+            done, received = w.get_finished(so.finished_req_ids)
+            errors |= w.get_block_ids_with_load_errors()
+            for r in done or ():
+                self.reported[r] = self.reported.get(r, 0) + 1
+            for r in received or ():
+                self.received[r] = self.received.get(r, 0) + 1
+            w.clear_connector_metadata()
+        self._release_reported()
+        self.failed_pages |= errors
+        for r in [r for r, n in self.received.items() if n == len(self.workers)]:
+            del self.received[r]  # loaded: back to the queue's head, from its first failed page
+            req = self.remote.pop(r)
+            bad = [i for i, p in enumerate(req.block_ids) if p in self.failed_pages]
+            self.failed_pages -= set(req.block_ids)
+            if bad:
+                req.loaded_async = min(req.loaded_async, bad[0] * self.block_size)
+            self.waiting.appendleft(req)
+        now = time.perf_counter()
+        for (req, n), rows in zip(batch, logits):
+            bad = [i for i, p in enumerate(req.block_ids) if p in errors]
+            if bad:  # kv_load_failure_policy="recompute": again from the first failed block
+                req.num_computed_tokens = min(req.num_computed_tokens, bad[0] * self.block_size)
+                continue
+            start = req.num_computed_tokens
+            for i in range(n):
+                req.logits[start + i] = rows[i]
+            req.num_computed_tokens += n
+            self._register(req)
+            if req.num_computed_tokens == len(req.all_token_ids):  # sample the next token
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                req.output_token_ids.append(int(np.argmax(rows[-1])))
+                if len(req.output_token_ids) >= req.max_tokens:
+                    self._finish(req)
+        self.steps += 1
+        self.step_times.append(time.perf_counter() - t0)
 
-    def run(self, request_id: str, prompt: List[int], decode_steps: int = 4) -> RunResult:
-        req = Request(request_id, [int(t) for t in prompt])
-        n = len(req.prompt_token_ids)
-        # Scheduler: external match, allocation, metadata.
-        ext = 0
+    def _finish(self, req: Request) -> None:
+        self.running.remove(req)
+        req.finished = True
+        keep = False
         if self.sched is not None:
-            ext, is_async = self.sched.get_num_new_matched_tokens(req, req.num_computed_tokens)
-            assert not is_async
-        need = (n + decode_steps + self.block_size - 1) // self.block_size
-        req.block_ids = [int(self.free.pop()) for _ in range(need)]
-        if self.sched is not None:
-            self.sched.update_state_after_alloc(req, KVCacheBlocks(req.block_ids), ext)
-        req.num_computed_tokens = ext
-        meta = self._schedule(req, n - ext)
-        if self.hook_between_schedule_and_load:
-            self.hook_between_schedule_and_load()
-        logits = np.full((n, self.model.vocab_size), np.nan, np.float32)
-        logits[ext:] = self._step(req, req.prompt_token_ids[ext:], ext, meta)
-        recomputed_from = None
-        failed = self.worker.get_block_ids_with_load_errors() if self.worker else set()
-        if self.worker is not None:
-            self.worker.clear_connector_metadata()
-        if failed:  # recompute from the first block that did not load
-            first = min(req.block_ids.index(b) for b in failed) * self.block_size
-            recomputed_from = first
-            req.num_computed_tokens = first
-            meta = self._schedule(req, n - first)
-            logits[:] = np.nan
-            logits[first:] = self._step(req, req.prompt_token_ids[first:], first, meta)
-            assert not self.worker.get_block_ids_with_load_errors()
-            self.worker.clear_connector_metadata()
-        req.num_computed_tokens = n
-        # Greedy decode: the connector is called each step but has nothing to do.
-        tokens = list(req.prompt_token_ids)
-        decode, last = [], logits[-1]
-        for _ in range(decode_steps):
-            tokens.append(int(np.argmax(last)))
-            meta = self._schedule(req, 1)
-            last = self._step(req, tokens[-1:], len(tokens) - 1, meta)[0]
-            if self.worker is not None:
-                self.worker.clear_connector_metadata()
-            req.num_computed_tokens += 1
-            decode.append(last)
-        if self.sched is not None:
-            self.sched.request_finished(req, req.block_ids)
-        self.free.extend(req.block_ids)
-        return RunResult(logits, ext, recomputed_from, decode)
+            keep, _ = self.sched.request_finished(req, req.block_ids)
+        self.finished_ids.add(req.request_id)
+        if keep:
+            self.held[req.request_id] = req
+        else:
+            self._release(req.block_ids)
 
-    def _schedule(self, req: Request, num_tokens: int):
-        if self.sched is None:
-            return None
-        return self.sched.build_connector_meta(
-            SchedulerOutput([req], {req.request_id: num_tokens}))
+    def _release_reported(self) -> None:
+        for r in [r for r, n in self.reported.items() if n == len(self.workers)]:
+            del self.reported[r]
+            req = self.held.pop(r)
+            self._release(req.block_ids)
+
+    def run(self, requests=(), max_steps: int = 10000) -> Dict[str, Request]:
+        """Adds ``requests`` and steps until every request finished and its pages came back."""
+        for r in requests:
+            self.add_request(r)
+        while self.waiting or self.running or self.remote:
+            assert max_steps > 0, "the engine made no progress"
+            max_steps -= 1
+            self.step()
+            if self.remote and not self.running and not self.waiting:
+                time.sleep(0.001)  # only asynchronous loads in flight
+        while self.held:  # saves still committing: ask the workers until they report
+            for w in self.workers:
+                done, _ = w.get_finished(self.finished_ids)
+                for r in done or ():
+                    self.reported[r] = self.reported.get(r, 0) + 1
+            self.finished_ids = set()
+            self._release_reported()
+            time.sleep(0.001)
+        return self.requests
+
+    # ---------------- the model, per rank on its heads ----------------
+
+    def _forward(self, batch) -> List[np.ndarray]:
+        m, bs = self.model, self.block_size
+        hq, hk = m.num_heads // self.tp, self.kv_heads  # per rank
+        rep = m.num_heads // m.num_kv_heads
+        xs, plans = [], []
+        for req, n in batch:
+            start = req.num_computed_tokens
+            toks = req.all_token_ids[start:start + n]
+            pos = np.arange(start, start + n)
+            blocks = torch.as_tensor(req.block_ids, dtype=torch.int64)
+            all_pos = torch.arange(start + n)
+            plans.append((pos, blocks[pos // bs], torch.as_tensor(pos % bs),
+                          blocks[all_pos // bs], all_pos % bs, all_pos.numpy()[None, :] > pos[:, None]))
+            xs.append(m.embd[np.asarray(toks, dtype=np.int64)].astype(np.float64))
+        for l, L in enumerate(m.layers):
+            name = self.names[l]
+            for w in self.workers:
+                w.wait_for_layer_load(name)
+            qs = []
+            for x, (pos, nb, no, _, _, _) in zip(xs, plans):
+                xb = m._rmsnorm(x, L.attn_norm)
+                T = len(pos)
+                q = m._rope((xb @ L.wq.T).reshape(T, m.num_heads, m.head_dim), pos)
+                k = m._rope((xb @ L.wk.T).reshape(T, m.num_kv_heads, m.head_dim), pos)
+                v = (xb @ L.wv.T).reshape(T, m.num_kv_heads, m.head_dim)
+                qs.append(q)
+                for r in range(self.tp):
+                    K, V = kv_pages(self.caches[r][name], self.layout, hk, m.head_dim)
+                    K[nb, no] = torch.from_numpy(k[:, r * hk:(r + 1) * hk].copy()).to(self.dtype)
+                    V[nb, no] = torch.from_numpy(v[:, r * hk:(r + 1) * hk].copy()).to(self.dtype)
+            for r, w in enumerate(self.workers):
+                w.save_kv_layer(name, self.caches[r][name], None)
+            for i, (q, (pos, _, _, ab, ao, mask)) in enumerate(zip(qs, plans)):
+                T = len(pos)
+                att = np.empty((T, m.num_heads, m.head_dim), np.float64)
+                for r in range(self.tp):
+                    K, V = kv_pages(self.caches[r][name], self.layout, hk, m.head_dim)
+                    Ks = K[ab, ao].double().numpy()
+                    Vs = V[ab, ao].double().numpy()
+                    for h in range(r * hq, (r + 1) * hq):
+                        kh = h // rep - r * hk
+                        s = (q[:, h, :] @ Ks[:, kh, :].T) / np.sqrt(m.head_dim)
+                        s[mask] = -np.inf
+                        s -= s.max(axis=-1, keepdims=True)
+                        p = np.exp(s)
+                        p /= p.sum(axis=-1, keepdims=True)
+                        att[:, h, :] = p @ Vs[:, kh, :]
+                x = xs[i] + att.reshape(T, m.dim) @ L.wo.T
+                xb = m._rmsnorm(x, L.ffn_norm)
+                h1, h3 = xb @ L.w1.T, xb @ L.w3.T
+                xs[i] = x + ((h1 / (1.0 + np.exp(-h1))) * h3) @ L.w2.T
+        return [(m._rmsnorm(x, m.out_norm) @ m.out.T).astype(np.float32) for x in xs]

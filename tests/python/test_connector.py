@@ -36,7 +36,7 @@ def model():
 @pytest.fixture(scope="module")
 def cold(model):
     """Cold runs (no connector) of s1, computed once."""
-    from engine import Engine
+    from simple_engine import Engine
     return Engine(model).run("cold-s1", prompt(1))
 
 
@@ -87,7 +87,7 @@ class Recorder:
 
 
 def make_engine(model, target, namespace, block_size=16, **cfg):
-    from engine import Engine
+    from simple_engine import Engine
     config = {"target": target, "model_id": "stories260K", "namespace": namespace, **cfg}
     sched = KvtrieConnector(role=KVConnectorRole.SCHEDULER, config=config)
     worker = KvtrieConnector(role=KVConnectorRole.WORKER, config=config,
@@ -122,9 +122,9 @@ def test_saves_are_encoded_on_the_worker_and_give_the_cold_logits(model, cold, s
     new_blocks = 32 - PREFIX // 16
     assert worker.stats["saved_blocks"] == 32 + new_blocks and worker.stats["save_errors"] == 0
     assert client_encoded(server.target, "encoded") == 32 + new_blocks
-    # One encoded put on the saver thread, no dense layer stream.
+    # One encoded put on the commit thread (after the step), no dense layer stream.
     saves = [(w, t) for w, t in rec.events if w != "get"]
-    assert len(saves) == 1 and saves[0][0] == "put" and saves[0][1].startswith("kvtrie-save")
+    assert len(saves) == 1 and saves[0][0] == "put" and saves[0][1].startswith("kvtrie-commit")
     c = kvtrie.Client(server.target, "stories260K", namespace="encoded")
     assert c.lookup(prompt(1)) == 512
     k, v, n = c.get(prompt(1))
@@ -185,7 +185,7 @@ def test_shared_prefix_is_loaded_and_gives_the_cold_logits_lossless(model, cold,
     assert threads["get"].startswith("kvtrie-load")
     assert [w for w, _ in rec.events if w != "get"] == [f"write{l}" for l in range(5)] + ["commit"]
     assert all(threads[f"write{l}"].startswith("kvtrie-save") for l in range(5))
-    assert threads["commit"].startswith("kvtrie-save")
+    assert threads["commit"].startswith("kvtrie-commit")  # after the step
     # A full hit loads all but the last token, which is computed for its logits.
     again = engine.run("s1-again", prompt(1))
     assert again.loaded_tokens == 511
@@ -298,7 +298,7 @@ def three_shards(tmp_path):
 def test_three_shards_route_by_prompt_and_a_killed_shard_is_recomputed(model, cold, three_shards,
                                                                       encode_on_client):
     # The connector given `shards` (no `target`): its own kvtrie.ShardedClient on both sides.
-    from engine import Engine
+    from simple_engine import Engine
     shards = ",".join(f"kvtrie-{i}={s.target}" for i, s in enumerate(three_shards))
     config = {"shards": shards, "model_id": "stories260K", "namespace": "sharded",
               "encoding": "lossless", "timeout": 5, "shard_down_backoff": 0.2,

@@ -131,5 +131,8 @@ def test_the_connectors_save_is_sent_again_and_the_worker_sees_no_error(server, 
         worker.save_kv_layer(name, cache, None)
     worker.wait_for_save()
     worker.clear_connector_metadata()
+    deadline = time.monotonic() + 30  # the commit runs after the step: wait for get_finished
+    while worker.get_finished({"r0"})[0] != {"r0"} and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert worker.stats["save_errors"] == 0 and worker.stats["saved_blocks"] == 32
     expect_stored(server, "retry_connector")

@@ -4,32 +4,64 @@ An inference engine with a paged KV cache calls it exactly as vLLM (v1) calls a 
 
 Scheduler side (one instance, ``role=KVConnectorRole.SCHEDULER``), per step:
     ``get_num_new_matched_tokens(request, num_computed_tokens)`` -> ``(tokens to load, False)``
-    (a Lookup: the longest stored prefix; never the whole prompt, the last token is computed);
-    ``update_state_after_alloc(request, blocks, num_external_tokens)`` once blocks are allocated;
+    (a Lookup: the longest stored prefix beyond the engine's local prefix-cache hit
+    ``num_computed_tokens``; never the whole prompt, the last token is computed);
+    ``update_state_after_alloc(request, blocks, num_external_tokens)`` once blocks are allocated
+    (again, with all its new blocks, when a preempted request resumes);
     ``build_connector_meta(scheduler_output)`` -> :class:`KvtrieConnectorMetadata` (what to load
-    into which blocks, what to save), handed to the workers; ``request_finished(request,
-    block_ids)`` -> ``(False, None)`` (saves finish inside the step, blocks may be freed).
+    into which blocks, what to save), handed to the workers; the page lists follow the
+    SchedulerOutput (new requests' ``block_ids``, running ones' ``new_block_ids`` per chunk,
+    replaced for ``resumed_req_ids``); ``request_finished(request, block_ids)`` -> ``(True,
+    None)`` when a save of the request was scheduled (its commit runs after the step: the engine
+    keeps the blocks until :meth:`get_finished` reports it), else ``(False, None)``.
 
 Worker side (``role=KVConnectorRole.WORKER``), per forward pass:
-    ``register_kv_caches({layer_name: cache})`` once; ``bind_connector_metadata(meta)``;
-    ``start_load_kv(forward_context)`` starts one Get per request on a loader thread and returns;
-    ``wait_for_layer_load(layer_name)`` inside each attention layer waits for that layer only
-    (the thread scatters the fetched KV into the paged cache layer by layer, so the first layers
-    compute while later ones are still being written); ``save_kv_layer(layer_name, kv_layer,
-    attn_metadata)`` after each layer wrote its KV hands the layer to a saver thread, which
-    gathers it from the paged cache (and, with ``encode_on_client`` off, sends it at once on a
-    layer-wise Put stream, :meth:`kvtrie.Client.put_layers`), overlapping with the next layers'
-    compute; ``wait_for_save()`` commits the Puts (by default encoding them on the worker first); ``get_block_ids_with_load_errors()`` returns the block
-    ids whose KV could not be loaded (the prefix was evicted or deleted after the lookup, or the
-    server is unreachable) — the engine recomputes from the first of them, as vLLM does.
-    A request whose load failed in a step is not saved in that step (its new KV was computed
-    over missing context); the recompute step saves it.
+    ``register_kv_caches({layer_name: cache})`` once (the layout detected per layer, see
+    below); ``bind_connector_metadata(meta)``; ``start_load_kv(forward_context)`` starts one
+    Get per request on a loader thread and returns; ``wait_for_layer_load(layer_name)`` inside
+    each attention layer waits for that layer only (the thread scatters the fetched KV of tokens
+    ``[L, L + loaded)`` into the paged cache layer by layer, so the first layers compute while
+    later ones are still being written); ``save_kv_layer(layer_name, kv_layer, attn_metadata)``
+    after each layer wrote its KV hands the layer to a saver thread, which gathers it from the
+    paged cache (and, with ``encode_on_client`` off, sends it at once on a layer-wise Put stream,
+    :meth:`kvtrie.Client.put_layers`), overlapping with the next layers' compute;
+    ``wait_for_save()`` waits until the step's saves are gathered (the pages may then be reused)
+    and hands their commits (encode on the worker, Put) to a commit thread, after the step;
+    ``get_finished(finished_req_ids)`` -> ``(saved, None)`` reports finished requests whose
+    commits are done; ``get_block_ids_with_load_errors()`` returns the block ids whose KV could
+    not be loaded (the prefix was evicted or deleted after the lookup, or the server is
+    unreachable): with vLLM's ``kv_load_failure_policy="recompute"`` the engine recomputes from
+    the first of them; with the default ``"fail"`` vLLM fails the request. A request whose load
+    failed in a step is not saved in that step (its new KV was computed over missing context);
+    the recompute step saves it. ``get_kv_connector_stats()`` returns the counters since the
+    last call. Loads run within their step, layer by layer; with ``async_load`` on they run in
+    the background instead (``get_num_new_matched_tokens`` returns True, the request waits for
+    :meth:`get_finished` to report it loaded, as vLLM's WAITING_FOR_REMOTE_KVS).
 
-Paged cache layout: each layer's array is ``[2, num_blocks, block_size, num_kv_heads,
-head_dim]`` (K then V; vLLM's FlashAttention layout), numpy (or anything numpy can index; torch
-tensors on the CPU through ``.numpy()`` views). Token ``t`` of a request lives at
-``block_ids[t // block_size]``, offset ``t % block_size``; the engine's block size need not equal
-kvtrie's ``block_tokens``.
+Keys: kvtrie keys are token ids. What else vLLM puts in a block hash (kv_cache_utils' extra
+keys: the LoRA adapter's name and id, multimodal hashes (``mm_features[i].identifier`` or
+``mm_hashes``), ``cache_salt``) is folded into the request's ``model_id`` as ``#`` + 16 hex
+digits of a SHA-256 of them (:func:`request_identity`): the model_id, not the namespace, because
+the namespace is the tenant and authorization boundary (tokens are granted per namespace), while
+an adapter is another model and a salt or image makes the same token ids mean other KV; such a
+request gets its own trie and predictor state. Multimodal hashes key the whole prompt (vLLM keys
+only the blocks from the image on), so text before an image is not shared across images: fewer
+hits, never wrong ones. A request with no token ids (``prompt_token_ids=None``, prompt
+embeddings) is a miss and is not saved. Tensor / pipeline parallel ranks hold different heads /
+layers, so each rank stores and loads under ``model_id@tp{rank}of{size}`` (``@pp{rank}of{size}``)
+when the size is above 1 (``tp_rank``, ``tp_size``, ``pp_rank``, ``pp_size`` in the config, else
+from vLLM's ``parallel_config``); the scheduler looks up rank 0's.
+
+Paged cache layouts (:class:`KvLayout`, detected from each layer's shape and, when given, the
+engine's ``num_blocks`` and ``block_size``, which the ``[num_blocks, 2, ...]`` layouts need
+(vLLM's ``cache_config`` gives it); ``kv_layout`` forces one; an unknown or ambiguous shape is a
+ValueError naming it): FlashAttention ``[2, num_blocks, block_size, kv_heads,
+head_dim]``, FlashInfer / Triton ``[num_blocks, 2, block_size, kv_heads, head_dim]`` (NHD) and
+``[num_blocks, 2, kv_heads, block_size, head_dim]`` (HND), MLA ``[num_blocks, block_size,
+latent]`` (stored as one head of ``latent / 2``: K = the first half, V = the second). Torch
+tensors (fp16, bf16, fp32; bfloat16 travels as its uint16 bit patterns, reinterpreted, never
+converted) or numpy arrays. Token ``t`` of a request lives at ``block_ids[t // block_size]``,
+offset ``t % block_size``; the engine's block size need not equal kvtrie's ``block_tokens``.
 
 Configuration (a dict; under vLLM, ``kv_connector_extra_config``): ``target`` (HOST:PORT),
 ``model_id`` (default: vLLM's model name), ``namespace``, ``token``, ``tls`` (``true`` or
@@ -46,6 +78,9 @@ the bytes: the layers of a request are gathered during the forward pass and put 
 :meth:`wait_for_save` (encoding needs whole blocks). ``false`` (thin workers): each layer is sent
 dense as it is saved (:meth:`kvtrie.Client.put_layers`), overlapping with the next layers'
 compute, and the server encodes. ``predictor_refresh`` (10 s): see :class:`kvtrie.Client`.
+``async_load`` (false): loads run in the background across steps, reported by ``get_finished``.
+``tp_rank``, ``tp_size``, ``pp_rank``, ``pp_size``: see Keys. ``block_size``, ``num_blocks``,
+``kv_layout``: see the layouts.
 
 More than one server: ``shards`` (``"kvtrie-0=host:port,kvtrie-1=host:port,..."``) or
 ``shards_dns`` (an SRV name of the headless Service, or ``host:port`` for A records) instead of
@@ -59,13 +94,17 @@ CLI's ``--shard_down_backoff_ms``, ``--shards_refresh_seconds`` and ``--shard_wa
 pinned with ``--pin_replicas=2`` (system prompts) are copied.
 
 With vLLM installed the class derives from its KVConnectorBase_V1; without it (as here) it
-stands alone. Tested with the engine loop in tests/python/test_connector.py, not against vLLM.
+stands alone. Tested with tests/python/engine.py (an engine that schedules like vLLM: chunked
+prefill, local prefix hits, preemption, torch layouts, bf16, two TP ranks;
+tests/python/test_connector_engine.py) and simple_engine.py (test_connector.py), not against
+vLLM.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import enum
+import hashlib
 import logging
 import re
 import threading
@@ -75,6 +114,8 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import numpy as np
 
 from . import Client, Error, ShardedClient, StatusCode
+
+from ._layouts import KvLayout, canonical, check_dtype, detect_layout, read, write
 
 log = logging.getLogger("kvtrie.connector")
 
@@ -92,7 +133,8 @@ except ImportError:  # pragma: no cover - the path taken in this repository's te
         WORKER = 1
 
 
-__all__ = ["KvtrieConnector", "KvtrieConnectorMetadata", "RequestMeta", "KVConnectorRole"]
+__all__ = ["KvtrieConnector", "KvtrieConnectorMetadata", "KvtrieConnectorStats", "RequestMeta",
+           "KVConnectorRole", "KvLayout", "detect_layout"]
 
 
 @dataclass
@@ -101,10 +143,17 @@ class RequestMeta:
 
     req_id: str
     token_ids: List[int]  #: the prompt
-    block_ids: List[int]  #: the request's engine blocks, in token order
-    load_tokens: int = 0  #: load tokens [0, load_tokens) from kvtrie (0 = no load)
+    block_ids: List[int]  #: the request's engine blocks, in token order (all of them, this step)
+    load_begin: int = 0  #: load tokens [load_begin, load_end): the engine's local hit ends at
+    load_end: int = 0  #: load_begin (0 = no load)
     save_tokens: int = 0  #: save the full kvtrie blocks of tokens [0, save_tokens) (0 = no save)
     stored_blocks: int = 0  #: kvtrie blocks the lookup found stored (not sent again)
+    identity: str = ""  #: the request's key beyond its tokens, folded into the model_id
+    async_load: bool = False  #: load in the background, reported by get_finished (not computed)
+
+    @property
+    def load_tokens(self) -> int:  # tokens to load (0 = none)
+        return max(0, self.load_end - self.load_begin)
 
 
 @dataclass
@@ -115,23 +164,115 @@ class KvtrieConnectorMetadata(_MetaBase):  # type: ignore[misc, valid-type]
 
 
 @dataclass
-class _Tracked:  # scheduler side: a request between alloc and finish
+class KvtrieConnectorStats:
+    """The worker's counters since the last :meth:`KvtrieConnector.get_kv_connector_stats`
+    (vLLM's KVConnectorStats shape: ``data``, ``reset``, ``aggregate``, ``reduce``,
+    ``is_empty``)."""
+
+    data: Dict[str, int] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: "KvtrieConnectorStats") -> "KvtrieConnectorStats":
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> Dict[str, int]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+@dataclass
+class _Tracked:  # scheduler side: a request between its first alloc and request_finished
     request: Any
-    block_ids: List[int]
-    load_tokens: int  # pending load, consumed by the next build_connector_meta
-    stored_blocks: int
+    identity: str
+    block_ids: List[int] = field(default_factory=list)
+    load_begin: int = 0  # pending load [load_begin, load_end), consumed by build_connector_meta
+    load_end: int = 0
+    stored_blocks: int = 0
+    save_next_step: bool = False  # its prompt was completed in a step that also loaded
+    async_load: bool = False  # the pending load is asynchronous
 
 
 def _block_ids(blocks: Any) -> List[int]:
-    # vLLM's KVCacheBlocks.get_block_ids() -> tuple of lists (one per KV cache group).
+    # vLLM's KVCacheBlocks.get_block_ids() -> tuple of lists (one per KV cache group); the
+    # SchedulerOutput's block_ids are such a tuple too (or None: no new blocks).
+    if blocks is None:
+        return []
     ids = blocks.get_block_ids() if hasattr(blocks, "get_block_ids") else blocks
     if isinstance(ids, tuple):
         ids = ids[0] if ids else []
     return [int(b) for b in ids]
 
 
-def _prompt(request: Any) -> List[int]:
-    return list(request.prompt_token_ids)
+def _prompt(request: Any) -> Optional[List[int]]:
+    """The prompt's token ids, or None when the request has none kvtrie can key on (prompt
+    embeddings instead of tokens: a miss, never saved)."""
+    ids = getattr(request, "prompt_token_ids", None)
+    if ids is None or getattr(request, "prompt_embeds", None) is not None:
+        return None
+    return [int(t) for t in ids]
+
+
+def request_identity(request: Any) -> str:
+    """What, besides its token ids, vLLM puts in a request's block hashes (kv_cache_utils'
+    extra keys): the LoRA adapter, the multimodal inputs' hashes and ``cache_salt``. ``""``
+    for a plain request, else ``"#"`` + 16 hex digits of a SHA-256 of them."""
+    parts = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        name = getattr(lora, "lora_name", None) or getattr(lora, "name", None)
+        lid = getattr(lora, "lora_int_id", None)
+        if lid is None:
+            lid = getattr(lora, "adapter_id", None)
+        parts.append(f"lora={name}:{lid}")
+    mm = []
+    for f in getattr(request, "mm_features", None) or []:
+        ident = getattr(f, "identifier", None) or getattr(f, "mm_hash", None)
+        pos = getattr(f, "mm_position", None)
+        mm.append(f"{ident}@{getattr(pos, 'offset', '')}")
+    mm += [str(h) for h in getattr(request, "mm_hashes", None) or []]
+    if mm:
+        parts.append("mm=" + ",".join(mm))
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append(f"salt={salt}")
+    if not parts:
+        return ""
+    return "#" + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+_MAX_IDENTITIES = 64  # clients kept for adapters / salts / images (one per model_id)
+
+
+def _parallel_suffix(cfg: Dict[str, Any], vllm_config: Any, scheduler: bool) -> str:
+    """``@tp{rank}of{size}`` (and ``@pp{rank}of{size}``) when the model is split: each rank
+    holds its own heads (layers), so it stores and loads under its own model_id. The scheduler
+    asks rank 0's model_id (every rank saves the same prompts; a rank that misses reports a
+    load error and the engine recomputes)."""
+    par = getattr(vllm_config, "parallel_config", None) if vllm_config is not None else None
+    tp = int(cfg.get("tp_size", getattr(par, "tensor_parallel_size", 1) or 1))
+    pp = int(cfg.get("pp_size", getattr(par, "pipeline_parallel_size", 1) or 1))
+    rank = int(getattr(par, "rank", 0) or 0) if par is not None else 0
+    tp_rank, pp_rank = rank % tp, rank // tp % pp
+    if par is not None and not scheduler and (tp > 1 or pp > 1):  # pragma: no cover - vLLM
+        try:  # the worker's own ranks, as vLLM's parallel_state has them
+            from vllm.distributed import parallel_state as ps  # type: ignore
+            tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pp_group().rank_in_group
+        except Exception as e:  # noqa: BLE001 - fall back to parallel_config.rank
+            log.info("vLLM's parallel_state unavailable (%s): ranks from parallel_config.rank", e)
+    tp_rank = int(cfg.get("tp_rank", tp_rank))
+    pp_rank = int(cfg.get("pp_rank", pp_rank))
+    if scheduler:
+        tp_rank = pp_rank = 0
+    for name, r, n in (("tp_rank", tp_rank, tp), ("pp_rank", pp_rank, pp)):
+        if not 0 <= r < n:
+            raise ValueError(f"{name}: {r} is not in [0, {n})")
+    return (f"@tp{tp_rank}of{tp}" if tp > 1 else "") + (f"@pp{pp_rank}of{pp}" if pp > 1 else "")
 
 
 class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
@@ -149,104 +290,214 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
             kt = getattr(vllm_config, "kv_transfer_config", None)
             cfg = {**dict(getattr(kt, "kv_connector_extra_config", None) or {}), **cfg}
             cfg.setdefault("model_id", str(vllm_config.model_config.model).replace("/", "_"))
+            cache = getattr(vllm_config, "cache_config", None)
+            if getattr(cache, "block_size", None):
+                cfg.setdefault("block_size", int(cache.block_size))
+            # num_blocks only when configured: a tensor sized otherwise (hybrid allocators)
+            # must not stop the worker; block_size alone tells the layouts apart.
         self._role_value = role if role is not None else KVConnectorRole.WORKER
+        scheduler = self._role_value == KVConnectorRole.SCHEDULER
+        self._base_model = str(cfg.get("model_id", ""))
+        self._model_suffix = _parallel_suffix(cfg, vllm_config, scheduler)
+        self._split = "@" in self._model_suffix  # more than one rank computes each step
         self._cfg = cfg
         self._block_tokens = int(cfg.get("block_tokens", 16))
-        self._client = client or _make_client(cfg, self._block_tokens)
+        self._num_blocks = int(cfg["num_blocks"]) if cfg.get("num_blocks") else None
+        self._engine_block_size = int(cfg["block_size"]) if cfg.get("block_size") else None
+        self._kv_layout = KvLayout(cfg["kv_layout"]) if cfg.get("kv_layout") else None
+        self._client = client or _make_client(
+            {**cfg, "model_id": self._base_model + self._model_suffix}, self._block_tokens)
+        self._clients: Dict[str, Any] = {"": self._client}  # identity -> client (_lock)
         self._encoding = cfg.get("encoding", "lossless")
         self._encode_on_client = _bool(cfg.get("encode_on_client", True), "encode_on_client")
         self._target_rel_rms = float(cfg.get("target_rel_rms", 0.0))
         self._get_mode = cfg.get("get_mode", "reconstructed")
+        self._async_load = _bool(cfg.get("async_load", False), "async_load")
         # Scheduler side.
         self._tracked: Dict[str, _Tracked] = {}
+        self._matched: Dict[str, Tuple[int, int, int]] = {}  # req -> (local hit, ext, stored)
+        self._saving: Set[str] = set()  # requests a save was scheduled for (request_finished)
         # Worker side.
         self._meta: Optional[KvtrieConnectorMetadata] = None
-        self._caches: Dict[str, Any] = {}
+        self._caches: Dict[str, Any] = {}  # layer name -> canonical view (register_kv_caches)
         self._layer_index: Dict[str, int] = {}
+        self._names: List[str] = []
         self._loader = concurrent.futures.ThreadPoolExecutor(1, "kvtrie-load")
         self._saver = concurrent.futures.ThreadPoolExecutor(1, "kvtrie-save")
+        self._committer = concurrent.futures.ThreadPoolExecutor(1, "kvtrie-commit")
         self._layer_loaded: List[threading.Event] = []
         self._load_future: Optional[concurrent.futures.Future] = None
         self._lock = threading.Lock()
         self._load_errors: Set[int] = set()  # guarded by _lock
         self._failed_loads: Set[str] = set()  # req ids whose load failed this step (_lock)
-        self._loaded_ok: Dict[str, int] = {}  # req id -> tokens its last load delivered (_lock)
+        self._loaded_ok: Dict[str, int] = {}  # req id -> end of its last load's KV (_lock)
         self._saves: Dict[str, Any] = {}  # req id -> PutStream (saver thread only)
         self._save_failed: Set[str] = set()  # req ids with a failed layer save (saver thread)
         self._save_futures: List[concurrent.futures.Future] = []
+        self._commits: Dict[str, List[concurrent.futures.Future]] = {}  # req -> commits in flight
+        self._finishing: Set[str] = set()  # finished requests with saves, not yet reported
+        self._async_loader = concurrent.futures.ThreadPoolExecutor(1, "kvtrie-async-load")
+        self._received: Set[str] = set()  # asynchronous loads done, not yet reported (_lock)
         self.stats: Dict[str, int] = {"lookups": 0, "loaded_tokens": 0, "load_failed_tokens": 0,
-                                      "saved_blocks": 0, "save_errors": 0}
+                                      "saved_blocks": 0, "save_errors": 0}  # updated under _lock
+        self._reported: Dict[str, int] = dict(self.stats)  # stats at the last get_kv_connector_stats
 
     @property
     def role(self) -> Any:
         return self._role_value
 
+    def _client_for(self, identity: str) -> Any:
+        """The client of the model_id ``model_id + identity + rank suffix`` (created once)."""
+        with self._lock:
+            c = self._clients.pop(identity, None)
+            if c is None:
+                if len(self._clients) >= _MAX_IDENTITIES:  # drop the least recently used
+                    del self._clients[next(k for k in self._clients if k)]
+                model = self._base_model + identity + self._model_suffix
+                c = _make_client({**self._cfg, "model_id": model}, self._block_tokens)
+            self._clients[identity] = c  # most recently used last
+            return c
+
     # ---------------- scheduler side ----------------
 
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> Tuple[int, bool]:
-        """Tokens beyond ``num_computed_tokens`` that kvtrie holds (block-aligned, at most all
-        but the last prompt token, which the engine computes for its logits). Side-effect free;
-        ``(0, False)`` when the server cannot be reached."""
+        """Tokens beyond ``num_computed_tokens`` (the engine's local prefix-cache hit) that
+        kvtrie holds under the request's identity (block-aligned, at most all but the last prompt
+        token, which the engine computes for its logits). ``(0, False)`` when the server cannot
+        be reached or the request has no token ids (``prompt_token_ids=None``, prompt
+        embeddings): a miss, never an error. The second value is True for a load with
+        ``async_load`` on: the engine waits for the request's id in :meth:`get_finished`'s
+        second set before it schedules it; off (the default) loads run within the step, layer by
+        layer, overlapping the forward pass."""
         prompt = _prompt(request)
+        if prompt is None:
+            return 0, False
+        identity = request_identity(request)
         try:
-            matched = self._client.lookup(prompt)
+            matched = self._client_for(identity).lookup(prompt)
         except Error as e:
             log.warning("kvtrie lookup failed, computing instead: %s", e)
             return 0, False
-        self.stats["lookups"] += 1
+        with self._lock:
+            self.stats["lookups"] += 1
+        stored = matched // self._block_tokens
         matched = min(matched, len(prompt) - 1)
-        return max(0, matched - num_computed_tokens), False
+        ext = max(0, matched - int(num_computed_tokens))
+        self._matched[str(request.request_id)] = (int(num_computed_tokens), ext, stored)
+        return ext, self._async_load and ext > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
-        """Remembers the request's blocks and the tokens to load into them."""
+        """Remembers the request's blocks (vLLM passes all of them: the local hit's and the new
+        ones) and the tokens to load into them: ``[L, L + num_external_tokens)`` where L is the
+        local hit given to :meth:`get_num_new_matched_tokens`. Called again when a preempted
+        request is resumed: its page list is replaced, not appended to; and after an
+        asynchronous load, with ``num_external_tokens`` 0."""
+        prompt = _prompt(request)
+        if prompt is None:
+            return
         req_id = str(request.request_id)
-        ids = _block_ids(blocks)
+        matched = self._matched.pop(req_id, None)
         t = self._tracked.get(req_id)
         if t is None:
-            load_end = int(request.num_computed_tokens) + int(num_external_tokens)
-            self._tracked[req_id] = _Tracked(
-                request, ids, load_end if num_external_tokens > 0 else 0,
-                load_end // self._block_tokens if num_external_tokens > 0 else 0)
-        else:  # a second allocation for the same request: more blocks
-            t.block_ids = t.block_ids + [b for b in ids if b not in t.block_ids]
-            if num_external_tokens > 0:
-                t.load_tokens = int(request.num_computed_tokens) + int(num_external_tokens)
+            t = self._tracked[req_id] = _Tracked(request, request_identity(request))
+        t.request = request
+        t.block_ids = _block_ids(blocks)
+        local = int(request.num_computed_tokens)
+        if matched is not None:
+            local, _, t.stored_blocks = matched
+        ext = int(num_external_tokens)
+        t.load_begin, t.load_end = (local, local + ext) if ext > 0 else (0, 0)
+        t.async_load = self._async_load and ext > 0
 
     def build_connector_meta(self, scheduler_output: Any) -> KvtrieConnectorMetadata:
-        """This step's loads (from update_state_after_alloc) and saves: a request is saved in
-        the step that computes the last token of its prompt's last full kvtrie block (so a
-        chunked prefill saves once, at the end, and a recompute after a load error saves
-        again). Resets the pending loads."""
+        """This step's loads (from update_state_after_alloc) and saves. The page lists follow
+        the SchedulerOutput: a new request's ``block_ids``, a running one's
+        ``scheduled_cached_reqs.new_block_ids`` appended (chunked prefill allocates per chunk),
+        or replacing the list when it is in ``resumed_req_ids`` (``resumed_from_preemption`` in
+        older vLLM). A request is saved in the step that computes the last token of its prompt's
+        last full kvtrie block (a chunked prefill saves once, at the end; a recompute after a
+        load error or a preemption saves again). With more than one rank (TP / PP), when that
+        step also loaded, the save moves to the request's next step unless that step was
+        discarded: a load that failed on one rank makes the KV every rank computed in that step
+        wrong, and no rank knows of the others' failures (so there a request that loads and
+        finishes in one step is not saved). Resets the pending loads."""
         scheduled: Dict[str, int] = dict(getattr(scheduler_output, "num_scheduled_tokens", {}))
+        computed: Dict[str, int] = {}
+        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or []:
+            t = self._tracked.get(str(new.req_id))
+            if t is not None:
+                t.block_ids = _block_ids(new.block_ids)
+                computed[t.request.request_id] = int(new.num_computed_tokens)
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        if cached is not None:
+            resumed = set(getattr(cached, "resumed_req_ids", None) or ())
+            flags = getattr(cached, "resumed_from_preemption", None) or []
+            for i, req_id in enumerate(cached.req_ids):
+                t = self._tracked.get(str(req_id))
+                if t is None:
+                    continue
+                ids = _block_ids(cached.new_block_ids[i])
+                if req_id in resumed or (i < len(flags) and flags[i]):
+                    t.block_ids = ids
+                else:
+                    t.block_ids = t.block_ids + ids
+                computed[str(req_id)] = int(cached.num_computed_tokens[i])
         meta = KvtrieConnectorMetadata()
+        bt = self._block_tokens
         for req_id, t in self._tracked.items():
-            if req_id not in scheduled and t.load_tokens == 0:
+            if req_id not in scheduled and t.load_end == 0:
                 continue
             prompt = _prompt(t.request)
-            full = len(prompt) // self._block_tokens * self._block_tokens
-            computed = int(t.request.num_computed_tokens)
-            end = computed + scheduled.get(req_id, 0)
-            save = full if (full > t.stored_blocks * self._block_tokens and computed < full <= end) else 0
-            if t.load_tokens or save:
-                meta.requests.append(RequestMeta(req_id, prompt, list(t.block_ids),
-                                                 t.load_tokens, save, t.stored_blocks))
-            t.load_tokens = 0
+            full = len(prompt) // bt * bt
+            begin = computed.get(req_id, int(t.request.num_computed_tokens))
+            end = begin + scheduled.get(req_id, 0)
+            save = 0
+            if t.save_next_step and req_id in scheduled:
+                # The step that completed the prompt also loaded: if any rank's load failed,
+                # the engine discarded that step (begin went back) and recomputes, saving then.
+                t.save_next_step = False
+                save = full if begin >= full else 0
+            if not save and full > t.stored_blocks * bt and begin < full <= end:
+                if t.load_end and self._split:  # another rank's load may fail: save later
+                    t.save_next_step = True
+                else:
+                    save = full
+            if t.load_end or save:
+                meta.requests.append(RequestMeta(req_id, prompt, list(t.block_ids), t.load_begin,
+                                                 t.load_end, save, t.stored_blocks, t.identity,
+                                                 t.async_load))
+            if save:
+                self._saving.add(req_id)
+            t.load_begin = t.load_end = 0
         return meta
 
     def request_finished(self, request: Any,
                          block_ids: Sequence[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
-        """Forgets the request. Returns ``(False, None)``: nothing is sent after the step, so
-        its blocks may be freed now."""
-        self._tracked.pop(str(request.request_id), None)
-        return False, None
+        """Forgets the request. Returns ``(True, None)`` when a save of it was scheduled: the
+        workers commit saves after the step, so the engine keeps its blocks until
+        :meth:`get_finished` reports the request; else ``(False, None)``."""
+        req_id = str(request.request_id)
+        self._tracked.pop(req_id, None)
+        self._matched.pop(req_id, None)
+        saving = req_id in self._saving
+        self._saving.discard(req_id)
+        return saving, None
 
     # ---------------- worker side ----------------
 
     def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
-        """The engine's paged caches by layer name, in model order (layer i = kvtrie layer i)."""
-        self._caches = dict(kv_caches)
+        """The engine's paged caches by layer name, in model order (layer i = kvtrie layer i),
+        torch tensors (fp16, bf16, fp32) or numpy arrays in any :class:`KvLayout`, detected from
+        the shape and the declared ``num_blocks`` / ``block_size`` (ValueError otherwise)."""
+        self._layouts: Dict[str, KvLayout] = {}
+        self._caches = {}
+        for name, cache in kv_caches.items():
+            layout = self._kv_layout or detect_layout(cache.shape, self._num_blocks,
+                                                      self._engine_block_size)
+            self._layouts[name] = layout
+            self._caches[name] = canonical(cache, layout)
         self._layer_index = {name: i for i, name in enumerate(self._caches)}
         self._names = list(self._caches)
 
@@ -263,16 +514,22 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         assert self._meta is not None, "bind_connector_metadata was not called"
         return self._meta
 
+    def _page_size(self) -> int:
+        return int(next(iter(self._caches.values())).shape[2])
+
     def _slots(self, block_ids: Sequence[int], begin: int, end: int):
-        cache = next(iter(self._caches.values()))
-        bs = cache.shape[2]
+        bs = self._page_size()
         t = np.arange(begin, end)
         return np.asarray(block_ids, dtype=np.int64)[t // bs], t % bs
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Starts this step's loads on the loader thread and returns at once."""
+        """Starts this step's loads on the loader thread and returns at once (asynchronous
+        loads on their own thread, for requests this step does not compute)."""
         meta = self._get_connector_metadata()
-        loads = [r for r in meta.requests if r.load_tokens > 0]
+        for r in meta.requests:
+            if r.load_tokens > 0 and r.async_load:
+                self._async_loader.submit(self._load_async, r)
+        loads = [r for r in meta.requests if r.load_tokens > 0 and not r.async_load]
         self._layer_loaded = [threading.Event() for _ in self._names]
         with self._lock:
             self._failed_loads = set()
@@ -284,43 +541,52 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self._load_future = self._loader.submit(self._load, loads, self._layer_loaded)
 
     def _load(self, loads: List[RequestMeta], events: List[threading.Event]) -> None:
-        fetched = []  # (request, k, v, tokens delivered)
+        fetched = []  # (request, k, v, end of the KV delivered)
         try:
             for r in loads:
                 bt = self._block_tokens
-                want = (r.load_tokens + bt - 1) // bt * bt
+                want = (r.load_end + bt - 1) // bt * bt
                 try:
-                    k, v, n = self._client.get(r.token_ids[:want], mode=self._get_mode)
-                except Error as e:
+                    k, v, n = self._client_for(r.identity).get(r.token_ids[:want],
+                                                               mode=self._get_mode)
+                    check_dtype(k, next(iter(self._caches.values())))
+                except (Error, ValueError) as e:
                     log.warning("kvtrie load of %s failed, recomputing: %s", r.req_id, e)
                     k = v = None
                     n = 0
-                n = min(n, r.load_tokens)
+                n = max(r.load_begin, min(n, r.load_end))
                 fetched.append((r, k, v, n))
                 self._account_load(r, n)
             for layer, name in enumerate(self._names):
                 cache = self._caches[name]
                 for r, k, v, n in fetched:
-                    if n == 0:
+                    if n <= r.load_begin:
                         continue
-                    b, o = self._slots(r.block_ids, 0, n)
-                    _write(cache, 0, b, o, k[layer, :, :n].transpose(1, 0, 2))
-                    _write(cache, 1, b, o, v[layer, :, :n].transpose(1, 0, 2))
+                    b, o = self._slots(r.block_ids, r.load_begin, n)
+                    write(cache, 0, b, o, k[layer, :, r.load_begin:n].transpose(1, 0, 2))
+                    write(cache, 1, b, o, v[layer, :, r.load_begin:n].transpose(1, 0, 2))
                 events[layer].set()
         finally:
             for e in events:  # never leave a layer waiting, whatever happened
                 e.set()
 
+    def _load_async(self, r: RequestMeta) -> None:
+        try:
+            self._load([r], [threading.Event() for _ in self._names])
+        finally:  # its failed blocks are recorded before the id is reported
+            with self._lock:
+                self._received.add(r.req_id)
+
     def _account_load(self, r: RequestMeta, n: int) -> None:
-        bs = next(iter(self._caches.values())).shape[2]
+        bs = self._page_size()
         with self._lock:
             self._loaded_ok[r.req_id] = n
-            if n < r.load_tokens:
-                first, last = n // bs, (r.load_tokens - 1) // bs
+            if n < r.load_end:
+                first, last = n // bs, (r.load_end - 1) // bs
                 self._load_errors.update(int(b) for b in r.block_ids[first:last + 1])
                 self._failed_loads.add(r.req_id)
-        self.stats["loaded_tokens"] += n
-        self.stats["load_failed_tokens"] += r.load_tokens - n
+            self.stats["loaded_tokens"] += n - r.load_begin
+            self.stats["load_failed_tokens"] += r.load_end - n
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Blocks until this layer's KV of this step's loads is in the paged cache."""
@@ -329,19 +595,20 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """Queues this layer of this step's saves; the saver thread gathers it from
-        ``kv_layer`` and sends it while the engine computes the next layer."""
+        """Queues this layer of this step's saves; the saver thread gathers it from the paged
+        cache (the layer registered under ``layer_name``; ``kv_layer`` is the same tensor) and,
+        with ``encode_on_client`` off, sends it while the engine computes the next layer."""
         meta = self._get_connector_metadata()
         layer = self._layer_index[layer_name]
+        cache = self._caches[layer_name]
         for r in meta.requests:
             if r.save_tokens > 0:
-                self._save_futures.append(self._saver.submit(self._save_layer, r, layer, kv_layer))
+                self._save_futures.append(self._saver.submit(self._save_layer, r, layer, cache))
 
     def _first_block(self, r: RequestMeta) -> int:
         with self._lock:
             ok = self._loaded_ok.get(r.req_id)
-        stored = r.stored_blocks if ok is None else min(r.stored_blocks, ok // self._block_tokens)
-        return stored
+        return r.stored_blocks if ok is None else min(r.stored_blocks, ok // self._block_tokens)
 
     def _save_layer(self, r: RequestMeta, layer: int, kv_layer: Any) -> None:
         with self._lock:
@@ -359,22 +626,47 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         s = self._saves.get(r.req_id)
         first = self._first_block(r)
         if s is None:
+            client = self._client_for(r.identity)
             if self._encode_on_client:
-                s = _EncodedSave(self._client, r.token_ids[:r.save_tokens], len(self._names),
+                s = _EncodedSave(client, r.token_ids[:r.save_tokens], len(self._names),
                                  first, self._block_tokens, self._encoding, self._target_rel_rms)
             else:
-                s = self._client.put_layers(r.token_ids[:r.save_tokens], len(self._names),
-                                            encoding=self._encoding,
-                                            target_rel_rms=self._target_rel_rms,
-                                            first_block=first)
+                s = client.put_layers(r.token_ids[:r.save_tokens], len(self._names),
+                                      encoding=self._encoding,
+                                      target_rel_rms=self._target_rel_rms, first_block=first)
             self._saves[r.req_id] = s
         begin = first * self._block_tokens
         b, o = self._slots(r.block_ids, begin, r.save_tokens)
-        k = np.ascontiguousarray(_read(kv_layer, 0, b, o).transpose(1, 0, 2))
-        v = np.ascontiguousarray(_read(kv_layer, 1, b, o).transpose(1, 0, 2))
+        k = np.ascontiguousarray(read(kv_layer, 0, b, o).transpose(1, 0, 2))
+        v = np.ascontiguousarray(read(kv_layer, 1, b, o).transpose(1, 0, 2))
         s.write(layer, k, v, token_offset=begin)
 
-    def _commit_all(self) -> None:
+    def _commit(self, req_id: str, s: Any) -> None:
+        try:
+            result = s.commit()
+            with self._lock:
+                self.stats["saved_blocks"] += result.blocks_stored
+        except Error as e:
+            with self._lock:
+                self.stats["save_errors"] += 1
+            log.warning("kvtrie save of %s failed (a future miss, nothing else): %s", req_id, e)
+
+    def wait_for_save(self) -> None:
+        """Blocks until this step's saves are gathered out of the paged cache (so its pages may
+        be reused after the step), then commits them (encode, send, store) on the commit thread
+        after the step: :meth:`get_finished` reports a finished request once its commits are
+        done. A failed save is logged and counted (``stats["save_errors"]``), never raised: it
+        only costs a future cache miss."""
+        if self._load_future is not None:
+            self._load_future.result()  # the save decision needs the load outcome
+        futures, self._save_futures = self._save_futures, []
+        for f in futures:
+            try:
+                f.result()
+            except Error as e:
+                with self._lock:
+                    self.stats["save_errors"] += 1
+                log.warning("kvtrie save failed: %s", e)
         saves, self._saves = self._saves, {}
         save_failed, self._save_failed = self._save_failed, set()
         for req_id, s in saves.items():
@@ -383,29 +675,19 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
             if failed or req_id in save_failed:  # a failed layer is counted in save_errors
                 s.cancel()
                 continue
-            try:
-                result = s.commit()
-                self.stats["saved_blocks"] += result.blocks_stored
-            except Error as e:
-                self.stats["save_errors"] += 1
-                log.warning("kvtrie save of %s failed (a future miss, nothing else): %s", req_id, e)
-
-    def wait_for_save(self) -> None:
-        """Blocks until this step's saves are committed. A failed save is logged and counted
-        (``stats["save_errors"]``), never raised: it only costs a future cache miss."""
-        if self._load_future is not None:
-            self._load_future.result()  # the save decision needs the load outcome
-        futures, self._save_futures = self._save_futures, []
-        for f in futures:
-            try:
-                f.result()
-            except Error as e:
-                self.stats["save_errors"] += 1
-                log.warning("kvtrie save failed: %s", e)
-        self._saver.submit(self._commit_all).result()
+            fut = self._committer.submit(self._commit, req_id, s)
+            with self._lock:
+                self._commits.setdefault(req_id, []).append(fut)
+        meta = self._meta
+        for r in meta.requests if meta is not None else []:
+            if r.save_tokens > 0:
+                with self._lock:
+                    self._commits.setdefault(r.req_id, [])
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
-        """Block ids whose KV could not be loaded since the last call (then cleared)."""
+        """Block ids whose KV could not be loaded since the last call (then cleared): under
+        vLLM's ``kv_load_failure_policy="recompute"`` the engine recomputes from the first of
+        them; under the default ``"fail"`` vLLM fails those requests."""
         if self._load_future is not None:
             self._load_future.result()
         with self._lock:
@@ -414,12 +696,48 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
 
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]],
                                                                    Optional[Set[str]]]:
-        """No asynchronous transfers outlive a step: ``(None, None)``."""
-        return None, None
+        """``(finished saving, finished loading)``: the requests of ``finished_req_ids`` (this
+        call's or an earlier one's) a save was scheduled for, once all their commits are done
+        (the engine then frees their blocks: :meth:`request_finished` returned True for exactly
+        these); and the requests whose asynchronous load is done (its failed blocks are in
+        :meth:`get_block_ids_with_load_errors` by then). ``None`` for an empty set."""
+        done: Set[str] = set()
+        with self._lock:
+            received, self._received = self._received, set()
+            self._finishing.update(r for r in finished_req_ids if r in self._commits)
+            for r in finished_req_ids:
+                if r not in self._commits:
+                    self._loaded_ok.pop(r, None)
+            for req_id in list(self._finishing):
+                if all(f.done() for f in self._commits[req_id]):
+                    done.add(req_id)
+                    self._finishing.discard(req_id)
+                    del self._commits[req_id]
+                    self._loaded_ok.pop(req_id, None)
+        return (done or None), (received or None)
+
+    def get_kv_connector_stats(self) -> Optional[KvtrieConnectorStats]:
+        """The counters since the last call (lookups on the scheduler; tokens loaded, tokens
+        whose load failed, blocks saved, failed saves on a worker), or None when all are 0."""
+        with self._lock:
+            now = dict(self.stats)
+        delta = {k: now[k] - self._reported.get(k, 0) for k in now}
+        self._reported = now
+        stats = KvtrieConnectorStats(delta)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None
+                                 ) -> Optional[KvtrieConnectorStats]:
+        """The stats object of ``data`` (a :class:`KvtrieConnectorStats`'s ``data``, as vLLM
+        ships it from the workers to be aggregated)."""
+        return KvtrieConnectorStats(dict(data)) if data is not None else KvtrieConnectorStats()
 
     def shutdown(self) -> None:
         self._loader.shutdown(wait=True)
         self._saver.shutdown(wait=True)
+        self._committer.shutdown(wait=True)
+        self._async_loader.shutdown(wait=True)
 
 
 def _make_client(cfg: Dict[str, Any], block_tokens: int) -> Any:
@@ -501,20 +819,3 @@ class _EncodedSave:
 
     def cancel(self) -> None:
         self._k = self._v = None
-
-
-def _write(cache: Any, kv: int, blocks: np.ndarray, offsets: np.ndarray, data: np.ndarray) -> None:
-    if isinstance(cache, np.ndarray):
-        cache[kv, blocks, offsets] = data
-    else:  # pragma: no cover - torch under vLLM (untested here)
-        import torch  # type: ignore
-        cache[kv, torch.from_numpy(blocks), torch.from_numpy(offsets)] = (
-            torch.from_numpy(np.ascontiguousarray(data)).to(cache.device, cache.dtype))
-
-
-def _read(cache: Any, kv: int, blocks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    if isinstance(cache, np.ndarray):
-        return cache[kv, blocks, offsets]
-    import torch  # type: ignore  # pragma: no cover - torch under vLLM (untested here)
-    t = cache[kv, torch.from_numpy(blocks), torch.from_numpy(offsets)].cpu()  # pragma: no cover
-    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
