@@ -10,6 +10,10 @@ Regenerate from a vLLM checkout (any Python >= 3.9; vLLM need not be installable
         > tests/python/data/vllm_kv_connector_v1.json
 
 The commit is `git rev-parse HEAD` of the checkout, or --commit when it is not a git checkout.
+The committed JSON (vLLM 003df2961dd8830c317a61f9745ccd557da9fa06) was made with --commit from a
+signatures-only transcription of that commit's base.py, read through a source index (the whole
+vLLM snapshot, 1.1 GB, could not be fetched here); regenerating it from a real checkout of that
+commit must give the same file.
 """
 
 from __future__ import annotations
