@@ -7,7 +7,7 @@
 The extension module _kvtrie is built by the project's CMake for *that* interpreter
 (sys.executable, passed as -DPython3_EXECUTABLE) into a build directory of its own per ABI,
 build-py-<SOABI> beside build/ (e.g. build-py-cpython-311-x86_64-linux-gnu; $KVTRIE_PY_BUILD_DIR
-overrides), so one checkout installs into several Pythons and a rebuild reuses the objects. At
+overrides, but not with build/ itself: its cache would be reconfigured without tests), so one checkout installs into several Pythons and a rebuild reuses the objects. At
 the same depth as build/ on purpose: ccache (with base_dir set) then hits on build/'s objects.
 pybind11: the one installed in that Python (`pip install pybind11`) when importable, else
 Debian's pybind11-dev (its CMake config). The interpreter needs its headers (python3-dev, or a

@@ -58,3 +58,18 @@ def test_pip_install_into_a_venv_builds_for_its_python(tmp_path, server):
     prefix, *_ = r.stdout.split()
     assert Path(prefix) == venv, r.stdout
     assert str(venv) in r.stdout and "_kvtrie" in r.stdout
+
+
+def test_package_sources_parse_as_python_3_9():
+    """Only Python 3.11 is here: at least the grammar of every installed file is 3.9's (no
+    `match`, no parenthesized context managers; annotations are strings by `from __future__
+    import annotations`, which each module must have)."""
+    import ast
+    package = REPO / "client" / "python"
+    files = sorted((package / "kvtrie").glob("*.py")) + [package / "setup.py"]
+    assert len(files) >= 5
+    for f in files:
+        text = f.read_text()
+        ast.parse(text, filename=str(f), feature_version=(3, 9))
+        if f.parent.name == "kvtrie":
+            assert "from __future__ import annotations" in text, f
