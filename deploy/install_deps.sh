@@ -10,10 +10,11 @@ PACKAGES=(
   libgtest-dev libgmock-dev
   prometheus-cpp-dev openssl
   # The Python package (client/python) and its tests: pybind11, Debian's python, numpy, pytest,
-  # and pip for `pip3 install --break-system-packages ./client/python`; torch (CPU) for the
-  # connector's test engine (tests/python/engine.py: vLLM's tensors and layouts).
+  # pip for `pip3 install --break-system-packages ./client/python`, venv for installing it into
+  # a venv (tests/python/test_install.py); torch (CPU) for the connector's test engine
+  # (tests/python/engine.py: vLLM's tensors and layouts).
   pybind11-dev python3-dev python3-numpy python3-pytest python3-pip python3-setuptools
-  python3-wheel python3-torch
+  python3-wheel python3-venv python3-torch
 )
 # The sanitizer stages of tests/run_tests.sh (ASan + UBSan, TSan, libFuzzer): clang 14.
 if [[ "${1:-}" == "--with-node" || "${1:-}" == "--with-sanitizers" ]]; then

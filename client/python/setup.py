@@ -1,20 +1,28 @@
-"""Installs the Python package kvtrie:
+"""Installs the Python package kvtrie into the Python that runs pip (3.9 or newer):
 
-    sudo /usr/bin/pip3 install --break-system-packages ./client/python
+    python3 -m venv --system-site-packages /opt/kv && /opt/kv/bin/pip install \
+        --no-build-isolation ./client/python                # a venv (vLLM's, for instance)
+    sudo /usr/bin/pip3 install --break-system-packages ./client/python  # Debian's python3
 
-(Debian 12's pip, python3-pip; --break-system-packages because Debian marks its Python as
-externally managed; the package lands in /usr/local/lib/python3.11/dist-packages and
-`pip3 uninstall --break-system-packages kvtrie` removes it.) The extension module is built by the
-project's CMake build: this runs deploy/install_deps.sh (installs only what is missing) and
-deploy/build.sh kvtrie_python (into the repository's build/), then packages kvtrie/ with the
-module. Without pyproject.toml on purpose: pip then builds with the system setuptools and needs
-no network.
+The extension module _kvtrie is built by the project's CMake for *that* interpreter
+(sys.executable, passed as -DPython3_EXECUTABLE) into a build directory of its own per ABI,
+build-py-<SOABI> beside build/ (e.g. build-py-cpython-311-x86_64-linux-gnu; $KVTRIE_PY_BUILD_DIR
+overrides, but not with build/ itself: its cache would be reconfigured without tests), so one checkout installs into several Pythons and a rebuild reuses the objects. At
+the same depth as build/ on purpose: ccache (with base_dir set) then hits on build/'s objects.
+pybind11: the one installed in that Python (`pip install pybind11`) when importable, else
+Debian's pybind11-dev (its CMake config). The interpreter needs its headers (python3-dev, or a
+Python built with them). Before building, this runs deploy/install_deps.sh (installs only the
+Debian packages that are missing; root or sudo); KVTRIE_SKIP_DEPS=1 skips it. KVTRIE_BUILD_JOBS=N caps the build's parallel jobs.
+
+Without pyproject.toml on purpose: with --no-build-isolation (or Debian's pip3, which builds with
+the system setuptools) pip needs no network. numpy is the only runtime dependency.
 """
 
 import glob
 import os
 import shutil
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -24,7 +32,29 @@ from setuptools.dist import Distribution
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-BUILD = Path(os.environ.get("KVTRIE_BUILD_DIR", REPO / "build"))
+
+
+def build_dir() -> Path:
+    """Where the extension for this interpreter is built: one directory per ABI."""
+    if os.environ.get("KVTRIE_PY_BUILD_DIR"):
+        return Path(os.environ["KVTRIE_PY_BUILD_DIR"])
+    tag = sysconfig.get_config_var("SOABI") or "py%d%d" % sys.version_info[:2]
+    return REPO / f"build-py-{tag}"
+
+
+def cmake_args(build: Path):
+    args = ["cmake", "-S", str(REPO), "-B", str(build), "-G", "Ninja",
+            "-DCMAKE_BUILD_TYPE=" + os.environ.get("CMAKE_BUILD_TYPE", "RelWithDebInfo"),
+            "-DPython3_EXECUTABLE=" + sys.executable, "-DKVTRIE_BUILD_PYTHON=ON",
+            "-DKVTRIE_BUILD_TESTS=OFF", "-DKVTRIE_BUILD_BENCH=OFF"]
+    if shutil.which("ccache"):
+        args.append("-DCMAKE_CXX_COMPILER_LAUNCHER=ccache")
+    try:  # pybind11 from pip in this interpreter, else CMake finds Debian's pybind11-dev
+        import pybind11  # noqa: PLC0415
+        args.append("-Dpybind11_DIR=" + pybind11.get_cmake_dir())
+    except ImportError:
+        pass
+    return args
 
 
 class BinaryDistribution(Distribution):
@@ -36,13 +66,18 @@ class BuildWithCMake(build_py):
     def run(self):
         if not os.environ.get("KVTRIE_SKIP_DEPS"):
             subprocess.check_call([str(REPO / "deploy" / "install_deps.sh")])
-        subprocess.check_call([str(REPO / "deploy" / "build.sh"), "kvtrie_python"])
+        build = build_dir()
+        subprocess.check_call(cmake_args(build))
+        cmd = ["cmake", "--build", str(build), "--target", "kvtrie_python"]
+        if os.environ.get("KVTRIE_BUILD_JOBS"):
+            cmd += ["-j", os.environ["KVTRIE_BUILD_JOBS"]]
+        subprocess.check_call(cmd)
         super().run()
         suffix = sysconfig.get_config_var("EXT_SUFFIX")
-        built = glob.glob(str(BUILD / "client" / "python" / "kvtrie" / f"_kvtrie{suffix}"))
+        built = glob.glob(str(build / "client" / "python" / "kvtrie" / f"_kvtrie{suffix}"))
         if not built:
-            raise RuntimeError(f"no _kvtrie{suffix} in {BUILD}/client/python/kvtrie: the module "
-                               "is built for /usr/bin/python3; run this pip with that Python")
+            raise RuntimeError(f"no _kvtrie{suffix} in {build}/client/python/kvtrie after "
+                               f"building for {sys.executable}")
         out = Path(self.build_lib) / "kvtrie"
         out.mkdir(parents=True, exist_ok=True)
         shutil.copy2(built[0], out)
@@ -52,7 +87,7 @@ setup(
     name="kvtrie",
     version="0.1.0",
     description="Python client of kvtrie (a KV-cache store for LLM inference workers) and a "
-                "vLLM-shaped KV connector",
+                "vLLM KV connector",
     packages=["kvtrie"],
     package_data={"kvtrie": ["py.typed"]},
     python_requires=">=3.9",

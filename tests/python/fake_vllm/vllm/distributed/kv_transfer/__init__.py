@@ -1,0 +1,1 @@
+"""Fake vllm (see vllm/__init__.py)."""
