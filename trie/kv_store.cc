@@ -437,4 +437,12 @@ void KvStoreTestPeer::FreeUnusedPredictors(KvStore* store, const std::string& ns
   if (ModelShard* shard = store->impl_->Find(ns, model_id)) shard->FreeUnusedPredictors();
 }
 
+absl::StatusOr<uint64_t> KvStoreTestPeer::Evict(KvStore* store, const std::string& ns,
+                                                const std::string& model_id,
+                                                const std::vector<uint64_t>& node_ids) {
+  ModelShard* shard = store->impl_->Find(ns, model_id);
+  if (shard == nullptr) return absl::NotFoundError("model_id: no such model");
+  return shard->Evict(node_ids);
+}
+
 }  // namespace kvtrie

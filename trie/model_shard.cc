@@ -148,7 +148,8 @@ NodeMeta ModelShard::MetaOf(const TrieNode& n) const {
 }
 
 bool ModelShard::EvictableLocked(const TrieNode& n) const {
-  return n.depth > 0 && n.children.empty() && !n.removing && !clusters_.HasDependents(n.id);
+  // A centroid is evictable like any leaf: Evict re-elects one of its members first.
+  return n.depth > 0 && n.children.empty() && !n.removing;
 }
 
 void ModelShard::UpdateEvictableLocked(TrieNode* n) {
@@ -580,6 +581,7 @@ void ModelShard::AddStats(StoreStats* s) {
   s->evicted_bytes += get(evicted_bytes_);
   s->evictions_data_loss += get(evictions_data_loss_);
   s->evictions_deleted += get(evictions_deleted_);
+  s->centroids_reelected += get(centroids_reelected_);
 }
 
 }  // namespace kvtrie
