@@ -445,4 +445,14 @@ absl::StatusOr<uint64_t> KvStoreTestPeer::Evict(KvStore* store, const std::strin
   return shard->Evict(node_ids);
 }
 
+absl::StatusOr<uint64_t> KvStoreTestPeer::RecodeAgainstCentroid(KvStore* store,
+                                                                const std::string& ns,
+                                                                const std::string& model_id,
+                                                                uint64_t node_id,
+                                                                uint64_t centroid_id) {
+  ModelShard* shard = store->impl_->Find(ns, model_id);
+  if (shard == nullptr) return absl::NotFoundError("model_id: no such model");
+  return shard->RecodeAgainstCentroid(node_id, centroid_id);
+}
+
 }  // namespace kvtrie

@@ -362,6 +362,55 @@ TEST_F(ClusterStoreTest, EvictingACentroidReelectsAndMembersStillReadBack) {
   EXPECT_EQ(got->blocks.size(), n0.num_tokens() / kBlockTokens - 1);
 }
 
+// The background pass's hook: a member stored standalone (here: clusters off when it was Put) is
+// re-encoded against a centroid and stays bit-exact, smaller; a re-election still works after.
+TEST_F(ClusterStoreTest, RecodeAgainstCentroidMakesAStandaloneMemberAResidual) {
+  store_.reset();
+  StoreOptions o;
+  o.data_dir = dir_.string();
+  o.near_dup.enabled = false;
+  auto opened = KvStore::Open(o);
+  ASSERT_TRUE(opened.ok());
+  store_ = *std::move(opened);
+  const KvDump n0 = Load("neardup/n0"), n1 = Load("neardup/n1");
+  const EncodeOptions enc{.encoding = Encoding::kLossless};
+  auto s0 = Put("ns", n0, enc);
+  auto s1 = Put("ns", n1, enc);
+  ASSERT_TRUE(s0.ok() && s1.ok());
+  const uint64_t before = store_->Stats("ns").bytes_stored;
+  const size_t div = DivergenceBlock(n0, n1);
+  uint64_t saved = 0;
+  for (size_t b = div + 1; b < s1->blocks.size(); ++b) {
+    auto r = KvStoreTestPeer::RecodeAgainstCentroid(store_.get(), "ns", n0.model_id,
+                                                    s1->blocks[b].node_id, s0->blocks[b].node_id);
+    ASSERT_TRUE(r.ok()) << r.status();
+    saved += *r;
+  }
+  const StoreStats st = store_->Stats("ns");
+  EXPECT_GT(saved, before / 4);
+  EXPECT_EQ(st.bytes_stored, before - saved);
+  EXPECT_EQ(st.cluster.residual_nodes, s1->blocks.size() - div - 1);
+  ExpectReadable("ns", n1, 0);
+  // Not twice, and never against itself or another depth.
+  const uint64_t member = s1->blocks.back().node_id, centroid = s0->blocks.back().node_id;
+  EXPECT_EQ(
+      KvStoreTestPeer::RecodeAgainstCentroid(store_.get(), "ns", n0.model_id, member, centroid)
+          .status()
+          .code(),
+      absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(KvStoreTestPeer::RecodeAgainstCentroid(store_.get(), "ns", n0.model_id, centroid,
+                                                   s1->blocks[div + 1].node_id)
+                .status()
+                .code(),
+            absl::StatusCode::kFailedPrecondition);
+  std::vector<uint32_t> n0_branch(n0.token_ids.begin(),
+                                  n0.token_ids.begin() + (div + 1) * kBlockTokens);
+  auto del = store_->Delete("ns", n0.model_id, n0_branch);
+  ASSERT_TRUE(del.ok()) << del.status();
+  EXPECT_GT(del->centroids_reelected, 20u);
+  ExpectReadable("ns", n1, 0);
+}
+
 }  // namespace
 }  // namespace kvtrie
 

@@ -35,6 +35,10 @@ class KvStoreTestPeer {
   static absl::StatusOr<uint64_t> Evict(KvStore* store, const std::string& ns,
                                         const std::string& model_id,
                                         const std::vector<uint64_t>& node_ids);
+  // ModelShard::RecodeAgainstCentroid of (ns, model_id).
+  static absl::StatusOr<uint64_t> RecodeAgainstCentroid(KvStore* store, const std::string& ns,
+                                                        const std::string& model_id,
+                                                        uint64_t node_id, uint64_t centroid_id);
 };
 
 }  // namespace kvtrie

@@ -270,6 +270,14 @@ class ModelShard {
   std::vector<PredictorVersionView> PredictorVersions() const;
 
   // --- Near-duplicate clusters (model_shard_cluster.cc) ---
+  // The background pass's hook: re-encodes standalone node `node_id` (its exact reconstruction,
+  // losslessly: a lossless block stays bit-exact, a lossy one keeps its error) as a residual of
+  // `centroid_id`, a standalone node with the same tokens at the same depth, and publishes it in
+  // one batch when smaller than what node_id stores now. Returns the payload bytes saved (0: not
+  // smaller, left as it was). Errors: NOT_FOUND naming node_id or centroid_id;
+  // FAILED_PRECONDITION when node_id is not standalone or is a centroid itself, centroid_id is not
+  // standalone, or their depths or tokens differ; the store's write errors.
+  absl::StatusOr<uint64_t> RecodeAgainstCentroid(uint64_t node_id, uint64_t centroid_id);
   // Encodes block `block_index` of a Put whose stored prefix ends at `anchor_id`: standalone, or
   // as a residual of the candidate centroid that makes it smallest, when smaller.
   absl::StatusOr<NearDupEncoded> EncodeNewBlock(

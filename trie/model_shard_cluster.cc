@@ -311,6 +311,55 @@ absl::Status ModelShard::RecodeMemberLocked(uint64_t node_id, uint64_t centroid_
   return absl::OkStatus();
 }
 
+absl::StatusOr<uint64_t> ModelShard::RecodeAgainstCentroid(uint64_t node_id, uint64_t centroid_id) {
+  absl::MutexLock writer(&write_mu_);
+  BlockGeometry g;
+  uint64_t current = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    const TrieNode* n = FindLive(node_id);
+    const TrieNode* c = FindLive(centroid_id);
+    if (n == nullptr) return absl::NotFoundError(absl::StrCat("node_id: no node ", node_id));
+    if (c == nullptr)
+      return absl::NotFoundError(absl::StrCat("centroid_id: no node ", centroid_id));
+    if (n->reference_node_id != 0 || clusters_.HasDependents(node_id)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("node_id: ", node_id, " is not a standalone block without dependents"));
+    }
+    if (c->reference_node_id != 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("centroid_id: ", centroid_id, " is itself a residual"));
+    }
+    if (n == c || n->depth != c->depth || n->token_ids != c->token_ids) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "centroid_id: ", centroid_id, " does not hold node ", node_id, "'s tokens at its depth"));
+    }
+    g = model_.geometry;
+    current = n->bytes_stored;
+  }
+  std::vector<uint8_t> recon(g.num_bytes());
+  std::vector<Corrupt> corrupt;
+  absl::Status s = ReconstructInternal(node_id, absl::MakeSpan(recon), &corrupt);
+  DropCorruptLocked(corrupt);
+  corrupt.clear();
+  if (!s.ok()) return s;
+  NearDupEncoded out;
+  out.encoded.bytes.assign(current, '\0');  // only an encoding smaller than the stored one wins
+  absl::StatusOr<bool> found =
+      EncodeAgainstCandidates(g, recon, {.encoding = Encoding::kLossless}, PredictionContext{},
+                              {{.node_id = centroid_id}}, &out, &corrupt);
+  DropCorruptLocked(corrupt);
+  if (!found.ok()) return found.status();
+  if (!*found) return 0;
+  uint64_t replaced = 0;
+  if (auto st =
+          ReplaceEncodingLocked(node_id, out.encoded, Encoding::kLossless, centroid_id, &replaced);
+      !st.ok()) {
+    return st;
+  }
+  return replaced - std::min(replaced, out.encoded.bytes.size());
+}
+
 absl::Status ModelShard::ReplaceEncodingLocked(uint64_t node_id, const EncodedBlock& encoded,
                                                Encoding encoding, uint64_t reference_node_id,
                                                uint64_t* replaced_bytes) {
