@@ -253,7 +253,7 @@ TEST_F(ClusterStoreTest, ResidualsSurviveARestart) {
   ExpectReadable("ns", n1, 0.1);
 }
 
-TEST_F(ClusterStoreTest, DiskEvictionNeverTakesACentroidThatMembersNeed) {
+TEST_F(ClusterStoreTest, DiskEvictionNeverLeavesAMemberWithoutItsCentroid) {
   store_.reset();
   StoreOptions o;
   o.data_dir = dir_.string();
