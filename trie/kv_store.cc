@@ -157,6 +157,7 @@ absl::Status KvStore::Impl::Open() {
                             &recovery_, &drop);
       });
   if (!s.ok()) return s;
+  for (auto& [id, shard] : by_id) shard->FinishRecovery(&recovery_, &drop);
   if (auto st = records_->Write(drop); !st.ok()) return st;
   if (recovery_.dropped_missing_parent + recovery_.dropped_bad_payload > 0) {
     spdlog::warn("recovery: dropped {} nodes with a missing parent and {} with a bad payload",

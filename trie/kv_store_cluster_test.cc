@@ -253,6 +253,41 @@ TEST_F(ClusterStoreTest, ResidualsSurviveARestart) {
   ExpectReadable("ns", n1, 0.1);
 }
 
+// A re-elected centroid can be newer than a member coded against it: recovery, which reads nodes
+// by id, still finds it (here n0's blocks are re-coded against n1's, which came later).
+TEST_F(ClusterStoreTest, AMemberOlderThanItsCentroidSurvivesARestart) {
+  store_.reset();
+  StoreOptions o;
+  o.data_dir = dir_.string();
+  o.near_dup.enabled = false;
+  auto opened = KvStore::Open(o);
+  ASSERT_TRUE(opened.ok());
+  store_ = *std::move(opened);
+  const KvDump n0 = Load("neardup/n0"), n1 = Load("neardup/n1");
+  const EncodeOptions enc{.encoding = Encoding::kLossless};
+  auto s0 = Put("ns", n0, enc);
+  auto s1 = Put("ns", n1, enc);
+  ASSERT_TRUE(s0.ok() && s1.ok());
+  const size_t div = DivergenceBlock(n0, n1);
+  for (size_t b = div + 1; b < s0->blocks.size(); ++b) {
+    ASSERT_LT(s0->blocks[b].node_id, s1->blocks[b].node_id);
+    auto r = KvStoreTestPeer::RecodeAgainstCentroid(store_.get(), "ns", n0.model_id,
+                                                    s0->blocks[b].node_id, s1->blocks[b].node_id);
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_GT(*r, 0u);
+  }
+  const uint64_t residuals = store_->Stats("ns").cluster.residual_nodes;
+  EXPECT_EQ(residuals, s0->blocks.size() - div - 1);
+  store_.reset();
+  opened = KvStore::Open(o);
+  ASSERT_TRUE(opened.ok());
+  store_ = *std::move(opened);
+  EXPECT_EQ(store_->recovery().dropped_missing_parent, 0u);
+  EXPECT_EQ(store_->Stats("ns").cluster.residual_nodes, residuals);
+  ExpectReadable("ns", n0, 0);
+  ExpectReadable("ns", n1, 0);
+}
+
 TEST_F(ClusterStoreTest, DiskEvictionNeverLeavesAMemberWithoutItsCentroid) {
   store_.reset();
   StoreOptions o;

@@ -162,6 +162,10 @@ class ModelShard {
   // Recovery (before the store serves): adds a node read from disk, or adds its deletes to `drop`.
   void Recover(uint64_t id, absl::StatusOr<NodeMeta> meta, const std::string* payload,
                bool verified, RecoveryStats* stats, RecordBatch* drop);
+  // Recovery, once every node was read: drops (adding their deletes to `drop`) the members whose
+  // centroid is not there, with their subtrees. A re-elected centroid may be newer (a larger id)
+  // than a member coded against it, so this is checked only once all nodes are in.
+  void FinishRecovery(RecoveryStats* stats, RecordBatch* drop);
 
   // --- Reads ---
   MatchResult Lookup(absl::Span<const uint32_t> token_ids);  // counted in Stats
