@@ -164,6 +164,9 @@ class Metrics::StoreCollector final : public prometheus::Collectable {
     counter("kvtrie_promotions_total", "Cold payloads brought back into memory.", total.promotions);
     counter("kvtrie_cold_reads_total", "Payloads read from RocksDB.", total.cold_reads);
     counter("kvtrie_pins_expired_total", "Pins whose TTL ran out.", total.pins_expired);
+    counter("kvtrie_centroids_reelected_total",
+            "Centroids deleted or evicted whose members elected a new centroid among them.",
+            total.centroids_reelected);
     counter("kvtrie_predictor_fits_total", "Learned predictor state versions published.",
             total.predictor_fits);
     counter("kvtrie_predictor_observations_dropped_total",

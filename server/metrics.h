@@ -20,7 +20,8 @@
 //   kvtrie_demotions_total, kvtrie_promotions_total, kvtrie_cold_reads_total,
 //   kvtrie_evictions_total{reason=disk|data_loss|deleted}, kvtrie_pins_expired_total,
 //   kvtrie_puts_rejected_total{reason=disk_full}, kvtrie_predictor_fits_total,
-//   kvtrie_predictor_observations_dropped_total  (server-wide counters of the store).
+//   kvtrie_predictor_observations_dropped_total, kvtrie_centroids_reelected_total
+//   (server-wide counters of the store).
 // Cardinality: at most `max_namespaces` namespace label values (the tokens file's namespaces
 // first, then the first ones seen); the rest are counted under namespace="other". The empty
 // namespace is labelled "(default)". Store gauges of "other" are the total minus the named ones.

@@ -156,8 +156,11 @@ TEST_F(ClusterEndToEnd, LosslessNearDuplicatesAreCentroidResidualsAndReadBackBit
     EXPECT_EQ(got->k, d->k);
     EXPECT_EQ(got->v, d->v);
   }
-  // Left: n1's blocks coded against n0 blocks that n2 still shares (n0 and n2 part at block d2).
-  EXPECT_EQ(client->Stats()->residual_nodes(), d2 - d1 - 1);
+  // Left: n1's blocks coded against n0 blocks that n2 still shares (n0 and n2 part at block d2),
+  // and after d2 one of n1's and n2's blocks per deleted centroid: its cluster re-elected the
+  // other (issue 20).
+  const size_t blocks = n0_.num_tokens() / kBlockTokens;
+  EXPECT_EQ(client->Stats()->residual_nodes(), (d2 - d1 - 1) + (blocks - d2 - 1));
 }
 
 TEST_F(ClusterEndToEnd, LossyNearDuplicatesMeetTheDefaultTargetInBothGetModes) {

@@ -239,6 +239,7 @@ TEST_F(Ops, MetricsScrapedAfterTrafficParseStrictlyAndMoved) {
   EXPECT_EQ(v(R"(kvtrie_tier_budget_bytes{tier="hot"})"), 1 << 30);
   EXPECT_TRUE(after->Has(R"(kvtrie_evictions_total{reason="disk"})"));
   EXPECT_TRUE(after->Has(R"(kvtrie_centroids{namespace="m"})"));
+  EXPECT_TRUE(after->Has("kvtrie_centroids_reelected_total"));
   EXPECT_EQ(after->type.at("kvtrie_rpc_duration_seconds"), "histogram");
   EXPECT_EQ(after->type.at("kvtrie_rpc_requests_total"), "counter");
   // Every metric the example Grafana dashboard plots is one the server exports.

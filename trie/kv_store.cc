@@ -157,6 +157,7 @@ absl::Status KvStore::Impl::Open() {
                             &recovery_, &drop);
       });
   if (!s.ok()) return s;
+  for (auto& [id, shard] : by_id) shard->FinishRecovery(&recovery_, &drop);
   if (auto st = records_->Write(drop); !st.ok()) return st;
   if (recovery_.dropped_missing_parent + recovery_.dropped_bad_payload > 0) {
     spdlog::warn("recovery: dropped {} nodes with a missing parent and {} with a bad payload",
@@ -435,6 +436,24 @@ void KvStoreTestPeer::SetDeleteHook(KvStore* store, std::function<void()> hook) 
 void KvStoreTestPeer::FreeUnusedPredictors(KvStore* store, const std::string& ns,
                                            const std::string& model_id) {
   if (ModelShard* shard = store->impl_->Find(ns, model_id)) shard->FreeUnusedPredictors();
+}
+
+absl::StatusOr<uint64_t> KvStoreTestPeer::Evict(KvStore* store, const std::string& ns,
+                                                const std::string& model_id,
+                                                const std::vector<uint64_t>& node_ids) {
+  ModelShard* shard = store->impl_->Find(ns, model_id);
+  if (shard == nullptr) return absl::NotFoundError("model_id: no such model");
+  return shard->Evict(node_ids);
+}
+
+absl::StatusOr<uint64_t> KvStoreTestPeer::RecodeAgainstCentroid(KvStore* store,
+                                                                const std::string& ns,
+                                                                const std::string& model_id,
+                                                                uint64_t node_id,
+                                                                uint64_t centroid_id) {
+  ModelShard* shard = store->impl_->Find(ns, model_id);
+  if (shard == nullptr) return absl::NotFoundError("model_id: no such model");
+  return shard->RecodeAgainstCentroid(node_id, centroid_id);
 }
 
 }  // namespace kvtrie

@@ -38,8 +38,8 @@
 //
 // Tiers. Payloads are written through: every acknowledged block is in RocksDB, and the hot tier
 // is a bounded in-memory copy (memory_bytes, never exceeded). Past disk_bytes the lowest-GDSF
-// evictable leaves (unpinned, no dependents) are deleted before a Put is written, no more;
-// RESOURCE_EXHAUSTED if pins prevent that.
+// evictable leaves (unpinned; a centroid's members re-elect first) are deleted before a Put is
+// written, no more; RESOURCE_EXHAUSTED if pins prevent that.
 //
 // Thread-safe.
 #ifndef KVTRIE_TRIE_KV_STORE_H_
@@ -125,9 +125,10 @@ class KvStore {
                                   absl::Span<uint8_t> out);
 
   // Deletes the node at the end of `token_ids` (block-aligned, stored) and its subtree, after
-  // re-encoding (bit-exact, standalone) the near-duplicates outside it that are coded against
-  // it. Returns the nodes deleted and the payload bytes freed and rewritten (DeleteSummary: the
-  // store changed by freed - rewritten). Gets that started before still read what they listed.
+  // the near-duplicates outside it coded against a centroid inside it re-elected a centroid
+  // among them (each reconstruction bit-exact; ModelShard::ReelectLocked). Returns the nodes
+  // deleted, the payload bytes freed and rewritten (DeleteSummary: the store changed by freed -
+  // rewritten) and the centroids re-elected. Gets that started before still read what they listed.
   // Errors: NOT_FOUND naming `token_ids` or `model_id`; INVALID_ARGUMENT if not block-aligned;
   // the write's (then nothing is deleted).
   absl::StatusOr<DeleteSummary> Delete(const std::string& ns, const std::string& model_id,

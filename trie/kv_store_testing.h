@@ -5,7 +5,9 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
+#include "absl/status/statusor.h"
 #include "trie/kv_store.h"
 
 namespace kvtrie {
@@ -28,6 +30,15 @@ class KvStoreTestPeer {
   // Frees the learned states nothing needs any more, as the learner does after each refit.
   static void FreeUnusedPredictors(KvStore* store, const std::string& ns,
                                    const std::string& model_id);
+  // Evicts those of `node_ids` that are evictable leaves, as the disk budget does (a centroid's
+  // members re-elect first). Returns the bytes freed net of the members' growth.
+  static absl::StatusOr<uint64_t> Evict(KvStore* store, const std::string& ns,
+                                        const std::string& model_id,
+                                        const std::vector<uint64_t>& node_ids);
+  // ModelShard::RecodeAgainstCentroid of (ns, model_id).
+  static absl::StatusOr<uint64_t> RecodeAgainstCentroid(KvStore* store, const std::string& ns,
+                                                        const std::string& model_id,
+                                                        uint64_t node_id, uint64_t centroid_id);
 };
 
 }  // namespace kvtrie

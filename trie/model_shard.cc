@@ -148,7 +148,8 @@ NodeMeta ModelShard::MetaOf(const TrieNode& n) const {
 }
 
 bool ModelShard::EvictableLocked(const TrieNode& n) const {
-  return n.depth > 0 && n.children.empty() && !n.removing && !clusters_.HasDependents(n.id);
+  // A centroid is evictable like any leaf: Evict re-elects one of its members first.
+  return n.depth > 0 && n.children.empty() && !n.removing;
 }
 
 void ModelShard::UpdateEvictableLocked(TrieNode* n) {
@@ -197,14 +198,34 @@ TrieNode* ModelShard::PublishLocked(TrieNode* parent, uint64_t id, const NodeMet
   return n;
 }
 
+void ModelShard::FinishRecovery(RecoveryStats* stats, RecordBatch* drop) {
+  absl::MutexLock lock(&mu_);
+  for (;;) {  // until no member lacks its centroid (a dropped subtree may hold centroids)
+    std::vector<TrieNode*> roots;
+    absl::flat_hash_set<const TrieNode*> dropped;
+    for (TrieNode* n : SubtreeLocked(trie_->root())) {  // parents before children
+      if (n->depth == 0) continue;
+      if (dropped.contains(n->parent)) {
+        dropped.insert(n);
+      } else if (n->reference_node_id != 0 && trie_->Find(n->reference_node_id) == nullptr) {
+        roots.push_back(n);
+        dropped.insert(n);
+      }
+    }
+    if (roots.empty()) return;
+    for (const TrieNode* n : dropped) drop->DeleteNode(shard_id_, n->id);
+    stats->dropped_missing_parent += dropped.size();
+    RemoveLocked(roots, DropReason::kDataLoss);
+  }
+}
+
 void ModelShard::Recover(uint64_t id, absl::StatusOr<NodeMeta> meta, const std::string* payload,
                          bool verified, RecoveryStats* stats, RecordBatch* drop) {
   absl::MutexLock lock(&mu_);
   next_id_ = std::max(next_id_, id + 1);
   TrieNode* parent = meta.ok() ? trie_->Find(meta->parent_id) : nullptr;
   if (!meta.ok() || parent == nullptr || meta->token_ids.size() != trie_->block_tokens() ||
-      trie_->FindChild(parent, meta->token_ids) != nullptr ||
-      (meta->reference_node_id != 0 && trie_->Find(meta->reference_node_id) == nullptr)) {
+      trie_->FindChild(parent, meta->token_ids) != nullptr) {
     ++stats->dropped_missing_parent;
     drop->DeleteNode(shard_id_, id);
     return;
@@ -580,6 +601,7 @@ void ModelShard::AddStats(StoreStats* s) {
   s->evicted_bytes += get(evicted_bytes_);
   s->evictions_data_loss += get(evictions_data_loss_);
   s->evictions_deleted += get(evictions_deleted_);
+  s->centroids_reelected += get(centroids_reelected_);
 }
 
 }  // namespace kvtrie

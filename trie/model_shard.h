@@ -162,6 +162,10 @@ class ModelShard {
   // Recovery (before the store serves): adds a node read from disk, or adds its deletes to `drop`.
   void Recover(uint64_t id, absl::StatusOr<NodeMeta> meta, const std::string* payload,
                bool verified, RecoveryStats* stats, RecordBatch* drop);
+  // Recovery, once every node was read: drops (adding their deletes to `drop`) the members whose
+  // centroid is not there, with their subtrees. A re-elected centroid may be newer (a larger id)
+  // than a member coded against it, so this is checked only once all nodes are in.
+  void FinishRecovery(RecoveryStats* stats, RecordBatch* drop);
 
   // --- Reads ---
   MatchResult Lookup(absl::Span<const uint32_t> token_ids);  // counted in Stats
@@ -270,6 +274,14 @@ class ModelShard {
   std::vector<PredictorVersionView> PredictorVersions() const;
 
   // --- Near-duplicate clusters (model_shard_cluster.cc) ---
+  // The background pass's hook: re-encodes standalone node `node_id` (its exact reconstruction,
+  // losslessly: a lossless block stays bit-exact, a lossy one keeps its error) as a residual of
+  // `centroid_id`, a standalone node with the same tokens at the same depth, and publishes it in
+  // one batch when smaller than what node_id stores now. Returns the payload bytes saved (0: not
+  // smaller, left as it was). Errors: NOT_FOUND naming node_id or centroid_id;
+  // FAILED_PRECONDITION when node_id is not standalone or is a centroid itself, centroid_id is not
+  // standalone, or their depths or tokens differ; the store's write errors.
+  absl::StatusOr<uint64_t> RecodeAgainstCentroid(uint64_t node_id, uint64_t centroid_id);
   // Encodes block `block_index` of a Put whose stored prefix ends at `anchor_id`: standalone, or
   // as a residual of the candidate centroid that makes it smallest, when smaller.
   absl::StatusOr<NearDupEncoded> EncodeNewBlock(
@@ -326,18 +338,44 @@ class ModelShard {
   void DropCorrupt(const std::vector<Corrupt>& corrupt);
   void DropCorruptLocked(const std::vector<Corrupt>& corrupt)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
-  // Near-duplicates (model_shard_cluster.cc): re-encodes, bit-exact and standalone, every block
-  // outside node_id's subtree coded against a node inside it, so the subtree can go.
   // Before a Delete removes node_id's subtree: when reads hold the current RetiredReferences,
   // puts in it the reconstructions of the subtree's centroids (and of their parents inside it).
   // Returns whether it added any (the Delete then starts a new epoch once the subtree is gone).
   bool RetireReferencesLocked(uint64_t node_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
-  // Counts the bytes replaced and written in *summary.
+  // Near-duplicates (model_shard_cluster.cc): for every centroid inside node_id's subtree with
+  // members outside it, re-elects (ReelectLocked), so the subtree can go. Every member's
+  // reconstruction stays bit-exact. Counts the bytes replaced and written, the nodes re-encoded
+  // and the centroids re-elected in *summary.
   absl::Status ReleaseDependentsLocked(uint64_t node_id, DeleteSummary* summary)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
+  // Elects among `members` (of centroid_id, which goes; ascending ids) the one whose path is most
+  // probable (lowest path surprisal), then most hit, then with most dependents (preferring those
+  // at centroid_id's own position over position-shifted ones), re-encodes it
+  // standalone, then each other member against it (or another candidate outside `leaving`, or
+  // standalone, whichever is smallest). Each member is published alone (one RecordBatch): a crash
+  // leaves each one either old, its old centroid still stored, or new.
+  absl::Status ReelectLocked(uint64_t centroid_id, const std::vector<uint64_t>& members,
+                             const absl::flat_hash_set<uint64_t>& leaving, DeleteSummary* summary)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
+  // Re-encodes node_id's exact reconstruction losslessly: standalone when centroid_id is 0, else
+  // as a residual of centroid_id or of another candidate not in `leaving` when smaller than
+  // standalone. *replaced: false when the node went meanwhile.
+  absl::Status RecodeMemberLocked(uint64_t node_id, uint64_t centroid_id,
+                                  const absl::flat_hash_set<uint64_t>& leaving,
+                                  DeleteSummary* summary, bool* replaced)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
+  // Encodes `kv` against each of `candidates` (their reconstructions read here) and keeps in *out
+  // the smallest encoding that is smaller than out->encoded. Returns whether one was. `corrupt`:
+  // null to drop a candidate that fails its check here, else where to list it (write_mu_ held).
+  absl::StatusOr<bool> EncodeAgainstCandidates(
+      const BlockGeometry& g, absl::Span<const uint8_t> kv, const EncodeOptions& options,
+      const PredictionContext& context, const std::vector<ClusterIndex::Candidate>& candidates,
+      NearDupEncoded* out, std::vector<Corrupt>* corrupt);
   // *replaced_bytes: the payload bytes of the encoding replaced (0 if the node went meanwhile).
+  // reference_node_id: the centroid `encoded` is a residual of (0 = standalone).
   absl::Status ReplaceEncodingLocked(uint64_t node_id, const EncodedBlock& encoded,
-                                     Encoding encoding, uint64_t* replaced_bytes)
+                                     Encoding encoding, uint64_t reference_node_id,
+                                     uint64_t* replaced_bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
   bool SubtreeHasOutsideDependentsLocked(TrieNode* root) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ClusterViewLocked(const TrieNode& node, NodeView* view) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -406,7 +444,7 @@ class ModelShard {
   // Counters since start (relaxed atomics: statistics only).
   std::atomic<uint64_t> blocks_stored_{0}, blocks_deduplicated_{0}, lookups_{0}, lookup_hits_{0},
       gets_{0}, puts_{0}, deletes_{0}, evictions_disk_{0}, evicted_bytes_{0},
-      evictions_data_loss_{0}, evictions_deleted_{0};
+      evictions_data_loss_{0}, evictions_deleted_{0}, centroids_reelected_{0};
 };
 
 }  // namespace kvtrie

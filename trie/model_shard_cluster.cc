@@ -2,6 +2,7 @@
 // against a centroid, re-encoding a centroid's dependents before it leaves, and the cluster part
 // of Inspect.
 #include <algorithm>
+#include <map>
 
 #include "absl/strings/str_cat.h"
 #include "trie/model_shard.h"
@@ -63,11 +64,29 @@ absl::StatusOr<ModelShard::NearDupEncoded> ModelShard::EncodeNewBlock(
   }
   if (candidates.empty()) return out;
 
+  absl::StatusOr<bool> found =
+      EncodeAgainstCandidates(g, kv, options, context, candidates, &out, nullptr);
+  if (!found.ok()) return found.status();
+  absl::MutexLock lock(&mu_);
+  if (!*found) clusters_.CountNotSmaller();
+  if (candidates.front().shifted) clusters_.CountShifted(*found);
+  return out;
+}
+
+absl::StatusOr<bool> ModelShard::EncodeAgainstCandidates(
+    const BlockGeometry& g, absl::Span<const uint8_t> kv, const EncodeOptions& options,
+    const PredictionContext& context, const std::vector<ClusterIndex::Candidate>& candidates,
+    NearDupEncoded* out, std::vector<Corrupt>* corrupt) {
+  // With write_mu_ held (corrupt set) a bad block is left for the caller to drop.
+  const auto reconstruct = [&](uint64_t id, absl::Span<uint8_t> block) {
+    return corrupt != nullptr ? ReconstructInternal(id, block, corrupt)
+                              : ReconstructNode(id, block);
+  };
   bool found = false;
   std::vector<uint8_t> reference(g.num_bytes());
   std::vector<uint8_t> reference_parent;
   for (const ClusterIndex::Candidate& c : candidates) {
-    absl::Status s = ReconstructNode(c.node_id, absl::MakeSpan(reference));
+    absl::Status s = reconstruct(c.node_id, absl::MakeSpan(reference));
     if (!s.ok()) continue;  // gone meanwhile: not a candidate any more
     PredictionContext ctx = context;
     ctx.reference = reference;
@@ -75,8 +94,7 @@ absl::StatusOr<ModelShard::NearDupEncoded> ModelShard::EncodeNewBlock(
     o.reference_node_id = c.node_id;
     if (c.shifted) {  // the centroid's window at a position offset (codec/reference_shift.h)
       reference_parent.resize(g.num_bytes());
-      if (!c.tail &&
-          !ReconstructNode(c.reference_parent_id, absl::MakeSpan(reference_parent)).ok()) {
+      if (!c.tail && !reconstruct(c.reference_parent_id, absl::MakeSpan(reference_parent)).ok()) {
         continue;
       }
       ctx.reference_parent = reference_parent;
@@ -91,19 +109,16 @@ absl::StatusOr<ModelShard::NearDupEncoded> ModelShard::EncodeNewBlock(
     if (!e.ok()) return e.status();
     absl::StatusOr<BlockHeader> h = ParseBlock(e->bytes);
     if (!h.ok() || h->reference_node_id != c.node_id) continue;  // did not use the centroid
-    if (e->bytes.size() < out.encoded.bytes.size()) {
-      out.encoded = *std::move(e);
-      out.reference_node_id = c.node_id;
-      out.reference = reference;
-      out.reference_parent_id = h->reference_shift.reference_parent_node_id;
-      out.reference_parent = out.reference_parent_id ? reference_parent : std::vector<uint8_t>();
+    if (e->bytes.size() < out->encoded.bytes.size()) {
+      out->encoded = *std::move(e);
+      out->reference_node_id = c.node_id;
+      out->reference = reference;
+      out->reference_parent_id = h->reference_shift.reference_parent_node_id;
+      out->reference_parent = out->reference_parent_id ? reference_parent : std::vector<uint8_t>();
       found = true;
     }
   }
-  absl::MutexLock lock(&mu_);
-  if (!found) clusters_.CountNotSmaller();
-  if (candidates.front().shifted) clusters_.CountShifted(found);
-  return out;
+  return found;
 }
 
 void ModelShard::ClusterViewLocked(const TrieNode& node, NodeView* view) {
@@ -151,53 +166,203 @@ bool ModelShard::RetireReferencesLocked(uint64_t node_id) {
 }
 
 absl::Status ModelShard::ReleaseDependentsLocked(uint64_t node_id, DeleteSummary* summary) {
-  // Dependents outside node_id's subtree of any node inside it, parents first.
-  std::vector<uint64_t> outside;
-  BlockGeometry g;
+  // The clusters whose centroid is inside node_id's subtree, with their members outside it.
+  std::map<uint64_t, std::vector<uint64_t>> clusters;  // centroid -> members outside, by id
+  absl::flat_hash_set<uint64_t> leaving;               // the subtree: never a new centroid
   {
     absl::MutexLock lock(&mu_);
     TrieNode* root = FindLive(node_id);
     if (root == nullptr) return absl::OkStatus();  // nothing left to protect
-    g = model_.geometry;
-    for (TrieNode* n : SubtreeLocked(root)) {
+    const std::vector<TrieNode*> subtree = SubtreeLocked(root);
+    for (TrieNode* n : subtree) leaving.insert(n->id);
+    for (TrieNode* n : subtree) {
       for (uint64_t d : clusters_.Dependents(n->id)) {
-        const TrieNode* dn = FindLive(d);
-        if (dn == nullptr) continue;
-        const TrieNode* a = dn;
-        while (a != nullptr && a != root) a = a->parent;
-        if (a == nullptr) outside.push_back(d);
+        if (FindLive(d) != nullptr && !leaving.contains(d)) clusters[n->id].push_back(d);
       }
     }
   }
-  std::sort(outside.begin(), outside.end());  // ids grow with depth along a path
-  for (uint64_t d : outside) {
-    // Store the dependent's exact current reconstruction bit-exact and standalone: every value a
-    // reader gets (and every descendant's prediction context) stays the same, so the error
-    // target it met still holds and nothing below it needs re-encoding. The learned state it was
-    // coded against loses a dependent only once the new encoding is published, and stays while
-    // a reader that listed the old encoding holds it (PredictorRegistry::Hold).
-    std::vector<uint8_t> recon(g.num_bytes());
-    std::vector<Corrupt> corrupt;
-    absl::Status s = ReconstructInternal(d, absl::MakeSpan(recon), &corrupt);
-    DropCorruptLocked(corrupt);
-    if (absl::IsAborted(s)) continue;  // dropped meanwhile
-    if (!s.ok()) return s;
-    absl::StatusOr<EncodedBlock> e = EncodeBlock(g, recon, {.encoding = Encoding::kLossless});
-    if (!e.ok()) return e.status();
-    uint64_t replaced = 0;
-    if (auto st = ReplaceEncodingLocked(d, *e, Encoding::kLossless, &replaced); !st.ok()) {
-      return st;
-    }
-    if (replaced == 0) continue;  // deleted meanwhile
-    summary->bytes_freed += replaced;
-    summary->bytes_rewritten += e->bytes.size();
-    ++summary->nodes_rewritten;
+  for (auto& [centroid, members] : clusters) {
+    std::sort(members.begin(), members.end());  // ids grow with depth along a path
+    if (auto s = ReelectLocked(centroid, members, leaving, summary); !s.ok()) return s;
   }
   return absl::OkStatus();
 }
 
+absl::Status ModelShard::ReelectLocked(uint64_t centroid_id, const std::vector<uint64_t>& members,
+                                       const absl::flat_hash_set<uint64_t>& leaving,
+                                       DeleteSummary* summary) {
+  // The election: among the members at the old centroid's position (if any: the others found it
+  // at a position offset), the one whose path is most probable (the paper's "most probable
+  // prefix"), then the most read, then the one with the most dependents of its own, the oldest.
+  struct Vote {
+    bool shifted;  // not at the old centroid's position: its members would need a shifted window
+    double path_bits;
+    uint64_t hits;
+    size_t dependents;
+    uint64_t id;
+  };
+  std::vector<Vote> votes;
+  {
+    absl::MutexLock lock(&mu_);
+    const TrieNode* old = FindLive(centroid_id);
+    for (uint64_t id : members) {
+      const TrieNode* n = FindLive(id);
+      if (n == nullptr) continue;
+      const bool aligned =
+          old != nullptr && n->depth == old->depth && n->token_ids == old->token_ids;
+      votes.push_back({!aligned, n->path_surprisal_bits, n->hits, clusters_.NumDependents(id), id});
+    }
+  }
+  std::sort(votes.begin(), votes.end(), [](const Vote& a, const Vote& b) {
+    if (a.shifted != b.shifted) return b.shifted;
+    if (a.path_bits != b.path_bits) return a.path_bits < b.path_bits;
+    if (a.hits != b.hits) return a.hits > b.hits;
+    if (a.dependents != b.dependents) return a.dependents > b.dependents;
+    return a.id < b.id;
+  });
+  uint64_t elected = 0;
+  for (const Vote& v : votes) {  // the first still there
+    bool replaced = false;
+    if (auto s = RecodeMemberLocked(v.id, 0, leaving, summary, &replaced); !s.ok()) return s;
+    if (replaced) {
+      elected = v.id;
+      break;
+    }
+  }
+  if (elected == 0) return absl::OkStatus();  // every member went meanwhile
+  ++summary->centroids_reelected;
+  centroids_reelected_.fetch_add(1, std::memory_order_relaxed);
+  for (uint64_t id : members) {
+    if (id == elected) continue;
+    bool replaced = false;
+    if (auto s = RecodeMemberLocked(id, elected, leaving, summary, &replaced); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ModelShard::RecodeMemberLocked(uint64_t node_id, uint64_t centroid_id,
+                                            const absl::flat_hash_set<uint64_t>& leaving,
+                                            DeleteSummary* summary, bool* replaced) {
+  *replaced = false;
+  // The member's exact current reconstruction is what is stored again, bit-exact (lossless),
+  // standalone or against a centroid: every value a reader gets (and every descendant's
+  // prediction context, and a kept Put parent) stays the same, so the error target it met still
+  // holds and nothing below it needs re-encoding. The learned state it was coded against loses a
+  // dependent only once the new encoding is published, and stays while a reader that listed the
+  // old encoding holds it (PredictorRegistry::Hold).
+  BlockGeometry g;
+  {
+    absl::MutexLock lock(&mu_);
+    g = model_.geometry;
+  }
+  std::vector<uint8_t> recon(g.num_bytes());
+  std::vector<Corrupt> corrupt;
+  absl::Status s = ReconstructInternal(node_id, absl::MakeSpan(recon), &corrupt);
+  DropCorruptLocked(corrupt);
+  corrupt.clear();
+  if (absl::IsAborted(s)) return absl::OkStatus();  // dropped meanwhile
+  if (!s.ok()) return s;
+  const EncodeOptions lossless{.encoding = Encoding::kLossless};
+  NearDupEncoded out;
+  absl::StatusOr<EncodedBlock> standalone = EncodeBlock(g, recon, lossless);
+  if (!standalone.ok()) return standalone.status();
+  out.encoded = *std::move(standalone);
+  if (centroid_id != 0) {
+    // The candidates the Put path would try now (the new centroid is indexed standalone), none
+    // inside the subtree that goes, and the new centroid itself at the same position.
+    std::vector<ClusterIndex::Candidate> candidates;
+    {
+      absl::MutexLock lock(&mu_);
+      const NearDupOptions& nd = context_->options->near_dup;
+      TrieNode* n = FindLive(node_id);
+      if (n == nullptr) return absl::OkStatus();
+      for (const ClusterIndex::Candidate& c : clusters_.FindCandidates(
+               trie_.get(), n->parent, n->depth, n->token_ids, n->path_surprisal_bits,
+               nd.max_distance_bits, nd.max_candidates)) {
+        if (c.node_id == node_id || leaving.contains(c.node_id) ||
+            leaving.contains(c.reference_parent_id) || (c.shifted && !nd.position_shifted)) {
+          continue;
+        }
+        candidates.push_back(c);
+      }
+      const TrieNode* c = FindLive(centroid_id);
+      const bool listed = std::any_of(candidates.begin(), candidates.end(),
+                                      [&](const auto& x) { return x.node_id == centroid_id; });
+      if (c != nullptr && !listed && c->depth == n->depth && c->token_ids == n->token_ids) {
+        candidates.insert(candidates.begin(), {.node_id = centroid_id});
+      }
+    }
+    absl::StatusOr<bool> found = EncodeAgainstCandidates(g, recon, lossless, PredictionContext{},
+                                                         candidates, &out, &corrupt);
+    DropCorruptLocked(corrupt);
+    if (!found.ok()) return found.status();
+  }
+  uint64_t bytes = 0;
+  if (auto st = ReplaceEncodingLocked(node_id, out.encoded, Encoding::kLossless,
+                                      out.reference_node_id, &bytes);
+      !st.ok()) {
+    return st;
+  }
+  if (bytes == 0) return absl::OkStatus();  // deleted meanwhile
+  *replaced = true;
+  summary->bytes_freed += bytes;
+  summary->bytes_rewritten += out.encoded.bytes.size();
+  ++summary->nodes_rewritten;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> ModelShard::RecodeAgainstCentroid(uint64_t node_id, uint64_t centroid_id) {
+  absl::MutexLock writer(&write_mu_);
+  BlockGeometry g;
+  uint64_t current = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    const TrieNode* n = FindLive(node_id);
+    const TrieNode* c = FindLive(centroid_id);
+    if (n == nullptr) return absl::NotFoundError(absl::StrCat("node_id: no node ", node_id));
+    if (c == nullptr)
+      return absl::NotFoundError(absl::StrCat("centroid_id: no node ", centroid_id));
+    if (n->reference_node_id != 0 || clusters_.HasDependents(node_id)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("node_id: ", node_id, " is not a standalone block without dependents"));
+    }
+    if (c->reference_node_id != 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("centroid_id: ", centroid_id, " is itself a residual"));
+    }
+    if (n == c || n->depth != c->depth || n->token_ids != c->token_ids) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "centroid_id: ", centroid_id, " does not hold node ", node_id, "'s tokens at its depth"));
+    }
+    g = model_.geometry;
+    current = n->bytes_stored;
+  }
+  std::vector<uint8_t> recon(g.num_bytes());
+  std::vector<Corrupt> corrupt;
+  absl::Status s = ReconstructInternal(node_id, absl::MakeSpan(recon), &corrupt);
+  DropCorruptLocked(corrupt);
+  corrupt.clear();
+  if (!s.ok()) return s;
+  NearDupEncoded out;
+  out.encoded.bytes.assign(current, '\0');  // only an encoding smaller than the stored one wins
+  absl::StatusOr<bool> found =
+      EncodeAgainstCandidates(g, recon, {.encoding = Encoding::kLossless}, PredictionContext{},
+                              {{.node_id = centroid_id}}, &out, &corrupt);
+  DropCorruptLocked(corrupt);
+  if (!found.ok()) return found.status();
+  if (!*found) return 0;
+  uint64_t replaced = 0;
+  if (auto st =
+          ReplaceEncodingLocked(node_id, out.encoded, Encoding::kLossless, centroid_id, &replaced);
+      !st.ok()) {
+    return st;
+  }
+  return replaced - std::min(replaced, out.encoded.bytes.size());
+}
+
 absl::Status ModelShard::ReplaceEncodingLocked(uint64_t node_id, const EncodedBlock& encoded,
-                                               Encoding encoding, uint64_t* replaced_bytes) {
+                                               Encoding encoding, uint64_t reference_node_id,
+                                               uint64_t* replaced_bytes) {
   *replaced_bytes = 0;
   RecordBatch batch(context_->records);
   {
@@ -209,8 +374,8 @@ absl::Status ModelShard::ReplaceEncodingLocked(uint64_t node_id, const EncodedBl
     m.bytes_stored = encoded.bytes.size();
     m.rel_rms_error_k = n->rel_rms_error_k;
     m.rel_rms_error_v = n->rel_rms_error_v;
-    m.reference_node_id = 0;
-    m.predictor_version = 0;  // re-encoded standalone and bit-exact
+    m.reference_node_id = reference_node_id;
+    m.predictor_version = 0;  // re-encoded bit-exact, with no learned state
     batch.PutNode(shard_id_, node_id, m, &encoded.bytes);
   }
   // The disk budget may be passed by the growth of a re-encoded block until the Delete that
@@ -224,7 +389,7 @@ absl::Status ModelShard::ReplaceEncodingLocked(uint64_t node_id, const EncodedBl
   CountNodeLocked(*n, -1);
   n->bytes_stored = encoded.bytes.size();
   n->encoding = encoding;
-  n->reference_node_id = 0;
+  n->reference_node_id = reference_node_id;
   predictors_->AddDependent(n->predictor_version, -1);
   n->predictor_version = 0;
   CountNodeLocked(*n, +1);
@@ -232,6 +397,7 @@ absl::Status ModelShard::ReplaceEncodingLocked(uint64_t node_id, const EncodedBl
   // Hot copy swapped (making room like a Put: the memory bound holds); disk bytes follow.
   context_->tiers->Replace(Ref(node_id), std::make_shared<const std::string>(encoded.bytes));
   UpdateEvictableLocked(FindLive(old_centroid));
+  UpdateEvictableLocked(FindLive(reference_node_id));
   return absl::OkStatus();
 }
 

@@ -316,9 +316,28 @@ absl::StatusOr<uint64_t> ModelShard::Evict(const std::vector<uint64_t>& ids) {
       }
     }
   }
+  // A centroid goes like any leaf once its members elected a new one (ReleaseDependentsLocked);
+  // reads listed before keep its reconstruction (RetiredReferences).
+  bool retired = false;
+  uint64_t grown = 0;
+  for (uint64_t id : victims) {
+    if (!HasDependents(id)) continue;
+    retired |= RetireReferencesLocked(id);
+    DeleteSummary summary;
+    absl::Status s = ReleaseDependentsLocked(id, &summary);
+    if (summary.bytes_rewritten > summary.bytes_freed) {
+      grown += summary.bytes_rewritten - summary.bytes_freed;
+    }
+    if (!s.ok()) return s;
+  }
+  auto new_epoch = absl::MakeCleanup([this, retired] {
+    if (!retired) return;
+    absl::MutexLock lock(&mu_);
+    retired_ = std::make_shared<RetiredReferences>();
+  });
   uint64_t bytes = 0;
   if (auto s = RemoveSubtrees(victims, DropReason::kDisk, nullptr, &bytes); !s.ok()) return s;
-  return bytes;
+  return bytes - std::min(bytes, grown);  // net of the members' growth
 }
 
 void ModelShard::CountPut(uint64_t stored, uint64_t deduplicated, uint64_t touched_node) {

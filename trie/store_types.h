@@ -152,6 +152,9 @@ struct DeleteSummary {
   uint64_t bytes_freed = 0;
   uint64_t bytes_rewritten = 0;  // payload bytes written for those re-encoded near-duplicates
   uint64_t nodes_rewritten = 0;  // how many were re-encoded
+  // Centroids removed with surviving members for which one member was elected the new centroid
+  // (re-encoded standalone) and the others re-encoded against it (ModelShard::Delete).
+  uint64_t centroids_reelected = 0;
 };
 
 enum class BlockOutcome { kStored, kDeduplicated, kResidualOfCentroid };
@@ -261,6 +264,8 @@ struct StoreStats {
   uint64_t evicted_bytes = 0;
   uint64_t evictions_data_loss = 0;  // nodes dropped because a payload failed its check
   uint64_t evictions_deleted = 0;    // nodes removed by Delete
+  // Centroids deleted or evicted whose members elected a new centroid among them.
+  uint64_t centroids_reelected = 0;
   uint64_t pins_expired = 0;
   uint64_t puts_rejected_disk_full = 0;  // RESOURCE_EXHAUSTED: pins hold the disk budget
   ClusterStats cluster;  // near-duplicate clusters and the surprisal / distance histograms

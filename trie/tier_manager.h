@@ -7,8 +7,8 @@
 //
 // A node is named by (owner, node id); the owner is its ModelShard, opaque here. The shard
 // registers a node when it is published (Add) and forgets it before it leaves (Remove); it says
-// whether the node is structurally evictable (a leaf with no dependents, SetEvictable); a pinned
-// node is never evictable.
+// whether the node is structurally evictable (a leaf; a centroid's members re-elect before it
+// goes, SetEvictable); a pinned node is never evictable.
 //
 // Memory bound: every way a hot copy appears (Add, a promotion after promote_after_cold_reads
 // cold reads, Replace) first demotes the lowest-GDSF hot copies (a pointer drop; payloads are
