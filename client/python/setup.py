@@ -71,7 +71,12 @@ class BuildWithCMake(build_py):
         cmd = ["cmake", "--build", str(build), "--target", "kvtrie_python"]
         if os.environ.get("KVTRIE_BUILD_JOBS"):
             cmd += ["-j", os.environ["KVTRIE_BUILD_JOBS"]]
-        subprocess.check_call(cmd)
+        # As deploy/build.sh: ccache hashes paths relative to the build directory, so the objects
+        # deploy/build.sh compiled into build/ are reused here (build-py-* is also one level down).
+        env = dict(os.environ)
+        env.setdefault("CCACHE_BASEDIR", str(REPO))
+        env.setdefault("CCACHE_NOHASHDIR", "1")
+        subprocess.check_call(cmd, env=env)
         super().run()
         suffix = sysconfig.get_config_var("EXT_SUFFIX")
         built = glob.glob(str(build / "client" / "python" / "kvtrie" / f"_kvtrie{suffix}"))
