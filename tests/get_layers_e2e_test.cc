@@ -150,5 +150,28 @@ TEST_F(GetLayers, BadRangesAreInvalidArgumentNamingTheField) {
   EXPECT_TRUE(absl::StartsWith(past.status().message(), "layer_end")) << past.status();
 }
 
+TEST_F(GetLayers, TheCliGetsARangeWithLayers) {
+  const std::string cli = testing::BinaryPath("client/kvtrie");
+  const std::string out_dir = dir_ + "/out";
+  std::string out, err;
+  ASSERT_EQ(testing::RunCommand(
+                {cli, "--target=" + server_->target(), "--namespace=layers", "--layers=1:3", "get",
+                 std::string(KVTRIE_TESTDATA_DIR) + "/sessions/s0", out_dir},
+                &out, &err),
+            0)
+      << err;
+  absl::StatusOr<KvDump> got = ReadKvDump(out_dir);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->num_layers, 2u);
+  EXPECT_EQ(got->k, Slice(s0_, s0_.k, 1, 3));  // lossless
+  EXPECT_EQ(got->v, Slice(s0_, s0_.v, 1, 3));
+  EXPECT_NE(
+      testing::RunCommand({cli, "--target=" + server_->target(), "--namespace=layers", "--layers=3",
+                           "get", std::string(KVTRIE_TESTDATA_DIR) + "/sessions/s0", out_dir},
+                          &out, &err),
+      0);
+  EXPECT_NE(err.find("--layers"), std::string::npos) << err;
+}
+
 }  // namespace
 }  // namespace kvtrie
