@@ -477,6 +477,12 @@ absl::StatusOr<KvDump> Client::Get(const std::string& model_id,
 absl::Status Client::GetInto(const std::string& model_id, absl::Span<const uint32_t> token_ids,
                              const GetOptions& options, KvDump* out_dump) {
   if (auto s = CheckNames(options_.ns, model_id); !s.ok()) return s;
+  if (options.mode == v1::GET_MODE_RESIDUAL &&
+      (options.layer_begin != 0 || options.layer_end != 0)) {
+    return absl::InvalidArgumentError(
+        "layer_begin: a layer range needs GET_MODE_RECONSTRUCTED (a RESIDUAL block is one whole "
+        "encoding)");
+  }
   // A Get changes nothing, so it is sent again after UNAVAILABLE and after ABORTED: the server's
   // (its blocks were deleted while it streamed them) and this client's (a centroid or learned
   // state that a RESIDUAL block names was deleted after the Get listed it; the server re-encoded
@@ -503,6 +509,8 @@ absl::Status Client::GetOnce(const std::string& model_id, absl::Span<const uint3
   }
   req.set_mode(options.mode);
   req.set_max_blocks(options.max_blocks);
+  req.set_layer_begin(options.layer_begin);
+  req.set_layer_end(options.layer_end);
   auto ctx = NewContext();
   // The responses as gRPC received them: kv is scattered from the slices (client/get_wire.h).
   const grpc::internal::RpcMethod method("/kvtrie.v1.KVCache/Get",
@@ -543,17 +551,25 @@ absl::Status Client::GetOnce(const std::string& model_id, absl::Span<const uint3
     return absl::DataLossError("get: the stream did not start with a header");
   }
   size_t seq_bytes = 0;
+  // The layers requested: [lb, le) of the model's (all of them by default).
+  uint32_t lb = 0, le = 0;
+  BlockGeometry rg;  // the range's geometry: num_layers = le - lb (the result's layers)
   if (msg.header().matched_blocks() > 0) {
     g = GeometryOf(msg.header().model());
     if (auto s = g.Validate(); !s.ok()) return bad(absl::StrCat("header: ", s.message()));
     tokens = static_cast<size_t>(msg.header().matched_blocks()) * g.block_tokens;
     if (tokens > token_ids.size()) return bad("header: matched more tokens than asked for");
-    out.num_layers = g.num_layers;
+    lb = options.layer_begin;
+    le = options.layer_end != 0 ? options.layer_end : g.num_layers;
+    if (lb >= le || le > g.num_layers) return bad("the server ignored the layer range");
+    rg = g;
+    rg.num_layers = le - lb;
+    out.num_layers = rg.num_layers;
     out.num_kv_heads = g.num_kv_heads;
     out.head_dim = g.head_dim;
     out.dtype = g.dtype;
     out.token_ids.assign(token_ids.begin(), token_ids.begin() + static_cast<ptrdiff_t>(tokens));
-    seq_bytes = g.num_layers * g.num_kv_heads * tokens * g.head_dim * DTypeBytes(g.dtype);
+    seq_bytes = rg.num_layers * g.num_kv_heads * tokens * g.head_dim * DTypeBytes(g.dtype);
     block.resize(g.num_bytes());
     layers_seen.assign(msg.header().matched_blocks(), 0);
     // What a block names and is gone now was deleted after the server listed the block (which
@@ -647,20 +663,20 @@ absl::Status Client::GetOnce(const std::string& model_id, absl::Span<const uint3
     const uint32_t end = b.layer_end();
     size_t kv_bytes = 0;
     for (auto piece : kv) kv_bytes += piece.size();
-    if (b.layer_begin() >= end || end > g.num_layers ||
+    if (b.layer_begin() >= end || b.layer_begin() < lb || end > le ||
         kv_bytes != g.layer_range_bytes(b.layer_begin(), end)) {
       return bad(absl::StrCat("block ", b.block_index(), ": malformed layer range"));
     }
     // Straight from the received slices into the sequence layout: the one copy of the bytes.
-    ScatterLayerPieces(g, tokens, b.layer_begin(), end, kv, b.block_index(), out.k.data(),
-                       out.v.data());
+    ScatterLayerPieces(rg, tokens, b.layer_begin() - lb, end - lb, kv, b.block_index(),
+                       out.k.data(), out.v.data());
     layers_seen[b.block_index()] += end - b.layer_begin();
   }
   if (parse_failed) return bad("a message that does not parse");
   if (auto s = FromGrpc(reader->Finish()); !s.ok()) return s;
   if (absl::Status s = flush(); !s.ok()) return s;
   for (size_t i = 0; i < layers_seen.size(); ++i) {
-    if (layers_seen[i] != g.num_layers) {
+    if (layers_seen[i] != rg.num_layers) {
       return absl::DataLossError(absl::StrCat("get: block ", i, " arrived incomplete"));
     }
   }

@@ -123,6 +123,12 @@ struct PutOptions {
 struct GetOptions {
   v1::GetMode mode = v1::GET_MODE_RECONSTRUCTED;  // RESIDUAL: the client decodes (client → codec)
   uint32_t max_blocks = 0;                        // 0 = all matched blocks
+  // RECONSTRUCTED only: fetch layers [layer_begin, layer_end) of each block (0/0 = all; layer_end
+  // 0 = num_layers). The result's num_layers is then layer_end - layer_begin and its k / v hold
+  // only those layers (layer_begin first). Errors: the server's INVALID_ARGUMENT naming
+  // layer_begin (a range in RESIDUAL mode, an empty range) or layer_end (past num_layers).
+  uint32_t layer_begin = 0;
+  uint32_t layer_end = 0;
 };
 
 class Client {

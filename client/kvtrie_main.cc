@@ -55,6 +55,9 @@ ABSL_FLAG(std::string, profile, "",
           "put: coder of residual and lossless: fast (the default: encoded here, see "
           "--encode_on_client) or compact (~15 % fewer bits, ~10x slower; the server encodes it)");
 ABSL_FLAG(std::string, mode, "reconstructed", "get: reconstructed or residual");
+ABSL_FLAG(std::string, layers, "",
+          "get: BEGIN:END fetches only layers [BEGIN, END) of each block (reconstructed mode; OUT "
+          "then holds END - BEGIN layers); empty = all");
 ABSL_FLAG(bool, verbose, false, "put: print every block's result");
 ABSL_FLAG(int, timeout_seconds, 60, "deadline of each call");
 ABSL_FLAG(int, pin_ttl_seconds, 0, "pin: the pin's time to live (0 = until unpinned)");
@@ -163,6 +166,14 @@ int Run(const std::vector<char*>& args) {
       get.mode = v1::GET_MODE_RESIDUAL;
     } else if (mode != "reconstructed") {
       return Usage("--mode: reconstructed or residual");
+    }
+    if (const std::string layers = absl::GetFlag(FLAGS_layers); !layers.empty()) {
+      const size_t colon = layers.find(':');
+      if (colon == std::string::npos ||
+          !absl::SimpleAtoi(layers.substr(0, colon), &get.layer_begin) ||
+          !absl::SimpleAtoi(layers.substr(colon + 1), &get.layer_end)) {
+        return Usage("--layers: BEGIN:END, e.g. 0:4");
+      }
     }
     absl::StatusOr<KvDump> kv = sharded ? sharded->Get(ModelId(*d), d->token_ids, get)
                                         : client->Get(ModelId(*d), d->token_ids, get);

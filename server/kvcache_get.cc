@@ -48,6 +48,17 @@ grpc::Status KvCacheService::GetCall::Start(v1::GetResponse* header) {
     return Invalid(absl::StrCat("mode: unknown value ", static_cast<int>(request->mode())));
   }
   residual_ = request->mode() == v1::GET_MODE_RESIDUAL;
+  const bool ranged = request->layer_begin() != 0 || request->layer_end() != 0;
+  if (residual_ && ranged) {
+    return Invalid(absl::StrCat("layer_begin: a layer range [", request->layer_begin(), ", ",
+                                request->layer_end(),
+                                ") needs GET_MODE_RECONSTRUCTED (a RESIDUAL block is one whole "
+                                "encoding)"));
+  }
+  if (request->layer_end() != 0 && request->layer_begin() >= request->layer_end()) {
+    return Invalid(absl::StrCat("layer_begin: ", request->layer_begin(), " is not below layer_end ",
+                                request->layer_end()));
+  }
   if (auto s = TokensOf(*request, &scratch_, &tokens_); !s.ok()) return s;
   if (request->node_id() != 0) {  // the path to a node (a centroid): its tokens, root first
     absl::StatusOr<std::vector<uint32_t>> path =
@@ -70,6 +81,16 @@ grpc::Status KvCacheService::GetCall::Start(v1::GetResponse* header) {
   header->mutable_header()->set_matched_blocks(static_cast<uint32_t>(got.blocks.size()));
   header->mutable_header()->set_matched_tokens(static_cast<uint32_t>(got.blocks.size()) * bt);
   const BlockGeometry& g = got.model.geometry;
+  if (request->layer_end() > g.num_layers && !got.model.model_id.empty()) {
+    return Invalid(absl::StrCat("layer_end: ", request->layer_end(), " is past the model's ",
+                                g.num_layers, " layers"));
+  }
+  layer_begin_ = request->layer_begin();
+  layer_end_ = request->layer_end() != 0 ? request->layer_end() : g.num_layers;
+  if (!got.blocks.empty() && layer_begin_ >= layer_end_) {
+    return Invalid(absl::StrCat("layer_begin: ", layer_begin_, " is not below the model's ",
+                                g.num_layers, " layers"));
+  }
   const size_t layer_bytes = g.num_layers ? g.layer_range_bytes(0, 1) : 1;
   layers_per_message_ =
       static_cast<uint32_t>(std::max<uint64_t>(1, options.max_get_message_bytes / layer_bytes));
@@ -100,7 +121,7 @@ grpc::Status KvCacheService::GetCall::Next(Message* out, bool* end) {
       return grpc::Status::OK;
     }
     sending_ = true;
-    layer_ = 0;
+    layer_ = layer_begin_;
   }
   out->block = MetaOf(block_.index);
   if (residual_) {  // the stored payload as it is, without a copy
@@ -112,9 +133,9 @@ grpc::Status KvCacheService::GetCall::Next(Message* out, bool* end) {
     sending_ = false;
     return grpc::Status::OK;
   }
-  // RECONSTRUCTED: the dense block, split by layers above max_get_message_bytes.
+  // RECONSTRUCTED: the dense block's requested layers, split above max_get_message_bytes.
   const uint32_t l = layer_;
-  const uint32_t l_end = std::min(g.num_layers, l + layers_per_message_);
+  const uint32_t l_end = std::min(layer_end_, l + layers_per_message_);
   const size_t begin = g.layer_range_bytes(0, l), size = g.layer_range_bytes(l, l_end);
   out->block.set_layer_begin(l);
   out->block.set_layer_end(l_end);
@@ -122,7 +143,7 @@ grpc::Status KvCacheService::GetCall::Next(Message* out, bool* end) {
   out->bytes = block_.bytes.substr(begin, size);
   out->owner = block_.owner;
   layer_ = l_end;
-  if (layer_ >= g.num_layers) {
+  if (layer_ >= layer_end_) {
     block_ = BlockReader::Block();  // release this call's hold on the buffer
     sending_ = false;
   }

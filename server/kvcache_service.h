@@ -153,6 +153,10 @@ class KvCacheService::GetCall {
   std::vector<uint32_t> scratch_;
   absl::Span<const uint32_t> tokens_;
   bool residual_ = false;
+  // RECONSTRUCTED: the layers [layer_begin_, layer_end_) of each block are sent (the request's
+  // range; all layers by default).
+  uint32_t layer_begin_ = 0;
+  uint32_t layer_end_ = 0;
   uint32_t layers_per_message_ = 1;
   std::unique_ptr<BlockReader> reader_;
   // RECONSTRUCTED: the block being sent, while `sending_` (layer layer_ next).

@@ -374,10 +374,13 @@ class PyClient {
 
   // (k, v, matched_tokens, spec): spec = (layers, kv_heads, head_dim, numpy dtype) on a hit,
   // None on a miss (then k and v are empty).
-  py::tuple Get(const Tokens& tokens, int mode, uint32_t max_blocks) {
+  py::tuple Get(const Tokens& tokens, int mode, uint32_t max_blocks, uint32_t layer_begin,
+                uint32_t layer_end) {
     GetOptions o;
     o.mode = static_cast<v1::GetMode>(mode);
     o.max_blocks = max_blocks;
+    o.layer_begin = layer_begin;
+    o.layer_end = layer_end;
     absl::StatusOr<KvDump> r;
     {
       py::gil_scoped_release release;
@@ -498,7 +501,8 @@ PYBIND11_MODULE(_kvtrie, m) {
            py::arg("layers"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("dtype"),
            py::arg("encoding"), py::arg("target_rel_rms"), py::arg("bits"), py::arg("block_tokens"),
            py::arg("first_block"), py::arg("layers_per_message"), py::arg("profile") = 0)
-      .def("get", &PyClient::Get, py::arg("tokens"), py::arg("mode"), py::arg("max_blocks"))
+      .def("get", &PyClient::Get, py::arg("tokens"), py::arg("mode"), py::arg("max_blocks"),
+           py::arg("layer_begin") = 0, py::arg("layer_end") = 0)
       .def("stats", &PyClient::Stats, py::arg("namespace"))
       .def("inspect", &PyClient::Inspect, py::arg("node_id"))
       .def("delete", &PyClient::Delete, py::arg("tokens"))

@@ -242,6 +242,74 @@ class GatedPuts:
         return self.client.put(*a, **kw)
 
 
+class GatedLastGroup:
+    """A kvtrie.Client whose Get of the last layer group (all layers when not grouped) waits for
+    `gate` (5 s at most), which the engine opens when it reaches the last layer: layer 0 can only
+    compute before then if it did not wait for the last group. `log` records the order."""
+
+    LAYERS = 5
+
+    def __init__(self, client):
+        self.client, self.gate, self.log = client, threading.Event(), []
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def get(self, tokens, *a, layers=None, **kw):
+        if layers is None or layers[1] == self.LAYERS:
+            self.log.append(("last group sent", self.gate.wait(5)))
+        return self.client.get(tokens, *a, **kw, **({} if layers is None else {"layers": layers}))
+
+
+@pytest.mark.parametrize("groups", [4, 1])
+def test_layer_zero_computes_while_later_layer_groups_stream(model, server, groups):
+    ns = f"groups-{groups}"
+    engine(model, server.target, ns, prefix_cache=False).run([req("s0", session(0))])
+    e = engine(model, server.target, ns, client_wrap=GatedLastGroup, prefix_cache=False,
+               cfg={"load_layer_groups": groups})
+    w = e.workers[0]
+    gated, wait = w._client, w.wait_for_layer_load
+
+    def wait_and_log(name):
+        layer = w._layer_index[name]
+        if layer == GatedLastGroup.LAYERS - 1:
+            gated.gate.set()
+        wait(name)
+        gated.log.append(("layer", layer))
+
+    w.wait_for_layer_load = wait_and_log
+    out = e.run([req("s1", session(1))])["s1"]
+    assert out.external_tokens == [PREFIX]
+    assert_cold(model, out)  # loaded group by group: still bit for bit
+    log = gated.log[:gated.log.index(("layer", 0)) + 1]
+    if groups > 1:  # layer 0 computed before the last group was even asked for
+        assert log == [("layer", 0)], gated.log
+        assert ("last group sent", True) in gated.log
+    else:  # one Get of all layers: layer 0 waited for it (the gate timed out)
+        assert log == [("last group sent", False), ("layer", 0)], gated.log
+    assert w.stats["loaded_tokens"] == PREFIX and w.stats["load_failed_tokens"] == 0
+
+
+def test_a_range_get_equals_the_slice_of_the_whole_get(server):
+    c = kvtrie.Client(server.target, "stories260K", namespace="range")
+    tokens_, _, k, v = read_dump(TESTDATA / "sessions" / "s0")
+    c.put(tokens_, k, v, encoding="lossless")
+    fk, fv, n = c.get(tokens_)
+    assert n == 512
+    for lb, le in [(0, 1), (1, 3), (2, 5), (4, 5)]:
+        rk, rv, rn = c.get(tokens_, layers=(lb, le))
+        assert rn == n and rk.shape == (le - lb,) + fk.shape[1:]
+        assert np.array_equal(rk, fk[lb:le]) and np.array_equal(rv, fv[lb:le])
+    for bad, field in [((0, 6), "layer_end"), ((3, 3), "layer_begin")]:
+        with pytest.raises(kvtrie.Error) as e:
+            c.get(tokens_, layers=bad)
+        assert e.value.code == kvtrie.StatusCode.INVALID_ARGUMENT
+        assert e.value.message.startswith(field), e.value.message
+    with pytest.raises(kvtrie.Error) as e:
+        c.get(tokens_, mode="residual", layers=(0, 2))
+    assert e.value.message.startswith("layer_begin"), e.value.message
+
+
 def test_saves_commit_after_the_step_and_hold_pages_until_get_finished(model, server):
     e = engine(model, server.target, "async", client_wrap=GatedPuts, max_tokens_per_step=1024)
     gated = e.workers[0]._client

@@ -292,7 +292,10 @@ def test_factory_loads_it_and_return_contracts_hold(vllm_mode, server):
     assert type(sched) is mod.KvtrieConnector and isinstance(sched, base.KVConnectorBase_V1)
     assert sched.role is base.KVConnectorRole.SCHEDULER
     assert worker.role is base.KVConnectorRole.WORKER
-    assert isinstance(mod.KvtrieConnector.requires_piecewise_for_cudagraph({}), bool)
+    # Per-layer hooks run inside attention: piecewise CUDA graphs; a cache never holds a
+    # request back for delivery.
+    assert mod.KvtrieConnector.requires_piecewise_for_cudagraph({}) is True
+    assert worker.requires_kv_delivery is False and sched.requires_kv_delivery is False
 
     tokens, _, k, v = read_dump(TESTDATA / "sessions" / "s0")
     n, bs = 48, 16
@@ -365,8 +368,43 @@ def test_factory_loads_it_and_return_contracts_hold(vllm_mode, server):
             assert np.array_equal(caches[nm][0, blocks2[t // bs], t % bs], k[l, :, t]), (l, t)
             assert np.array_equal(caches[nm][1, blocks2[t // bs], t % bs], v[l, :, t]), (l, t)
     finish(second, blocks2)
+
+    # The counters of both sides reach vLLM's Prometheus metrics (the fake's recording
+    # counters), per engine: what the two requests did, no more.
+    metrics = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.metrics")
+    types = {metrics.Gauge: metrics.Gauge, metrics.Counter: metrics.Counter,
+             metrics.Histogram: metrics.Histogram}
+    prom = mod.KvtrieConnector.build_prom_metrics(cfg, types, ["model_name", "engine"],
+                                                  {0: ["stories260K", "0"], 1: ["x", "1"]})
+    assert isinstance(prom, metrics.KVConnectorPromMetrics)
+    data = dict(sched.get_kv_connector_stats().data)
+    w = mod.KvtrieConnector.build_kv_connector_stats(worker.get_kv_connector_stats().data)
+    for key, value in w.data.items():
+        data[key] = data.get(key, 0) + value
+    prom.observe(data, engine_idx=0)
+    got = {key: c[0].value for key, c in prom.counters.items()}
+    token_bytes = 2 * layers * heads * hd * 2  # K and V, fp16
+    assert got["lookups"] == 2 and got["lookup_hits"] == 1
+    assert got["loaded_tokens"] == matched and got["loaded_bytes"] == matched * token_bytes
+    assert got["load_failed_tokens"] == 0 and got["load_failures"] == 0
+    assert got["saved_blocks"] == 3 and got["saved_bytes"] == n * token_bytes
+    assert got["save_errors"] == 0
+    assert all(c[1].value == 0 for c in prom.counters.values())  # the other engine: untouched
     worker.shutdown()
     sched.shutdown()
+
+
+def test_prom_metrics_none_without_vllm():
+    env = dict(os.environ)  # a fresh interpreter: the module's fake vllm stays out of it
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and Path(p) != FAKE)
+    code = ("import kvtrie.connector as c; C = c.KvtrieConnector; "
+            "print(C.build_prom_metrics(None, {}, [], {}), "
+            "C.requires_piecewise_for_cudagraph({}), "
+            "C(config={'model_id': 'm'}).requires_kv_delivery)")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["None", "True", "False"]
 
 
 # ---------------- import: absent vs broken vLLM ----------------

@@ -526,7 +526,8 @@ class Client:
                           int(first_block), int(layers_per_message)))
 
     def get(self, tokens: TokenIds, mode: Union[str, GetMode] = "reconstructed",
-            max_blocks: int = 0) -> Tuple[np.ndarray, np.ndarray, int]:
+            max_blocks: int = 0, layers: Optional[Tuple[int, int]] = None
+            ) -> Tuple[np.ndarray, np.ndarray, int]:
         """KV of the longest stored prefix of ``tokens``.
 
         Args:
@@ -534,6 +535,10 @@ class Client:
             mode: ``"reconstructed"`` (the server decodes) or ``"residual"`` (the stored
                 encoding travels and this client decodes it, in C++, GIL released).
             max_blocks: at most this many blocks (0 = all matched).
+            layers: ``(begin, end)``: only layers ``[begin, end)`` of each block travel (the
+                server sends no other; ``"reconstructed"`` mode only), e.g. to load a model
+                layer group by layer group. The arrays' first axis is then ``end - begin``.
+                None (default): all layers.
 
         Returns:
             ``(k, v, matched_tokens)``: k and v ``[layers, kv_heads, matched_tokens, head_dim]``
@@ -542,12 +547,21 @@ class Client:
             model is not stored at all).
 
         Raises:
-            Error: DATA_LOSS for a stored block that failed its checksum, UNAVAILABLE, ...
+            Error: DATA_LOSS for a stored block that failed its checksum, UNAVAILABLE,
+                INVALID_ARGUMENT naming ``layer_begin`` (a range in ``"residual"`` mode, an empty
+                range) or ``layer_end`` (past the model's layers), ...
         """
-        k, v, n, spec = self._c.get(_tokens(tokens), _mode(mode), int(max_blocks))
+        lb, le = (0, 0) if layers is None else (int(layers[0]), int(layers[1]))
+        if layers is not None and (lb < 0 or le <= lb):
+            raise _invalid(f"layer_begin: layers {tuple(layers)} is not a range "
+                           "(begin, end > begin)")
+        k, v, n, spec = self._c.get(_tokens(tokens), _mode(mode), int(max_blocks), lb, le)
         if spec is not None:
-            self._learn(ModelSpec(*spec))
+            if layers is None:  # a range's spec holds only its layers
+                self._learn(ModelSpec(*spec))
             return k, v, int(n)
+        if layers is not None:
+            return k, v, 0
         s = self._spec or self._stored_spec()
         if s is None:
             return k, v, 0

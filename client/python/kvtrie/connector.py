@@ -17,12 +17,14 @@ Scheduler side (one instance, ``role=KVConnectorRole.SCHEDULER``), per step:
 
 Worker side (``role=KVConnectorRole.WORKER``), per forward pass:
     ``register_kv_caches({layer_name: cache})`` once (the layout detected per layer, see
-    below); ``bind_connector_metadata(meta)``; ``start_load_kv(forward_context)`` starts one
-    Get per request on a loader thread and returns; ``wait_for_layer_load(layer_name)`` inside
-    each attention layer waits for that layer only (the thread scatters the fetched KV of tokens
-    ``[L, L + loaded)`` into the paged cache layer by layer, so the first layers compute while
-    later ones are still being written); ``save_kv_layer(layer_name, kv_layer, attn_metadata)``
-    after each layer wrote its KV hands the layer to a saver thread, which gathers it from the
+    below); ``bind_connector_metadata(meta)``; ``start_load_kv(forward_context)`` starts the
+    loads on a loader thread and returns: per request one Get per layer group
+    (``load_layer_groups``, :meth:`kvtrie.Client.get` ``layers=``), in layer order;
+    ``wait_for_layer_load(layer_name)`` inside each attention layer waits for that layer only
+    (the thread scatters each group's KV of tokens ``[L, L + loaded)`` into the paged cache as
+    soon as it arrived, so layer 0 computes while later groups are still on the wire);
+    ``save_kv_layer(layer_name, kv_layer, attn_metadata)`` after each layer wrote its KV hands
+    the layer to a saver thread, which gathers it from the
     paged cache (and, with ``encode_on_client`` off, sends it at once on a layer-wise Put stream,
     :meth:`kvtrie.Client.put_layers`), overlapping with the next layers' compute;
     ``wait_for_save()`` waits until the step's saves are gathered (the pages may then be reused)
@@ -79,6 +81,8 @@ the bytes: the layers of a request are gathered during the forward pass and put 
 dense as it is saved (:meth:`kvtrie.Client.put_layers`), overlapping with the next layers'
 compute, and the server encodes. ``predictor_refresh`` (10 s): see :class:`kvtrie.Client`.
 ``async_load`` (false): loads run in the background across steps, reported by ``get_finished``.
+``load_layer_groups`` (4): a load is that many Gets of consecutive layers (at most one per layer;
+1 = one Get of all layers; ``"residual"`` get_mode always 1: its blocks travel whole).
 ``tp_rank``, ``tp_size``, ``pp_rank``, ``pp_size``: see Keys. ``block_size``, ``num_blocks``,
 ``kv_layout``: see the layouts.
 
@@ -114,8 +118,9 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from . import Client, Error, ShardedClient, StatusCode
+from . import Error
 
+from ._connector_io import _bool, _EncodedSave, _make_client
 from ._layouts import KvLayout, canonical, check_dtype, detect_layout, read, write
 
 log = logging.getLogger("kvtrie.connector")
@@ -318,6 +323,9 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self._target_rel_rms = float(cfg.get("target_rel_rms", 0.0))
         self._get_mode = cfg.get("get_mode", "reconstructed")
         self._async_load = _bool(cfg.get("async_load", False), "async_load")
+        self._load_layer_groups = int(cfg.get("load_layer_groups", 4))
+        if self._load_layer_groups < 1:
+            raise ValueError(f"load_layer_groups: {self._load_layer_groups} is not >= 1")
         # Scheduler side.
         self._tracked: Dict[str, _Tracked] = {}
         self._matched: Dict[str, Tuple[int, int, int]] = {}  # req -> (local hit, ext, stored)
@@ -338,13 +346,16 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self._loaded_ok: Dict[str, int] = {}  # req id -> end of its last load's KV (_lock)
         self._saves: Dict[str, Any] = {}  # req id -> PutStream (saver thread only)
         self._save_failed: Set[str] = set()  # req ids with a failed layer save (saver thread)
+        self._save_bytes: Dict[str, int] = {}  # req id -> dense bytes gathered (saver thread)
         self._save_futures: List[concurrent.futures.Future] = []
         self._commits: Dict[str, List[concurrent.futures.Future]] = {}  # req -> commits in flight
         self._finishing: Set[str] = set()  # finished requests with saves, not yet reported
         self._async_loader = concurrent.futures.ThreadPoolExecutor(1, "kvtrie-async-load")
         self._received: Set[str] = set()  # asynchronous loads done, not yet reported (_lock)
-        self.stats: Dict[str, int] = {"lookups": 0, "loaded_tokens": 0, "load_failed_tokens": 0,
-                                      "saved_blocks": 0, "save_errors": 0}  # updated under _lock
+        self.stats: Dict[str, int] = {  # updated under _lock; see get_kv_connector_stats
+            "lookups": 0, "lookup_hits": 0, "loaded_tokens": 0, "loaded_bytes": 0,
+            "load_failed_tokens": 0, "load_failures": 0, "saved_blocks": 0, "saved_bytes": 0,
+            "save_errors": 0}
         self._reported: Dict[str, int] = dict(self.stats)  # stats at the last get_kv_connector_stats
 
     @property
@@ -389,6 +400,9 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         stored = matched // self._block_tokens
         matched = min(matched, len(prompt) - 1)
         ext = max(0, matched - int(num_computed_tokens))
+        if ext > 0:
+            with self._lock:
+                self.stats["lookup_hits"] += 1
         self._matched[str(request.request_id)] = (int(num_computed_tokens), ext, stored)
         return ext, self._async_load and ext > 0
 
@@ -545,35 +559,71 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
             return
         self._load_future = self._loader.submit(self._load, loads, self._layer_loaded)
 
+    def _layer_groups(self) -> List[Tuple[int, int]]:
+        """The layer ranges a load is fetched in, in layer order (``load_layer_groups``)."""
+        n = len(self._names)
+        g = 1 if self._get_mode == "residual" else max(1, min(self._load_layer_groups, n))
+        bounds = [round(i * n / g) for i in range(g + 1)]
+        return [(bounds[i], bounds[i + 1]) for i in range(g)]
+
     def _load(self, loads: List[RequestMeta], events: List[threading.Event]) -> None:
-        fetched = []  # (request, k, v, end of the KV delivered)
+        # Per request: tokens delivered by every group so far (None: no group yet), and whether
+        # the Gets went wrong. A later group may find fewer blocks (evicted meanwhile): the load
+        # ends where the shortest group ended; the longer groups' extra tokens are written but
+        # reported failed, so the engine recomputes (overwrites) them.
+        got: Dict[int, Optional[int]] = {i: None for i in range(len(loads))}
+        groups = self._layer_groups()
+        whole = len(groups) == 1
         try:
-            for r in loads:
-                bt = self._block_tokens
-                want = (r.load_end + bt - 1) // bt * bt
-                try:
-                    k, v, n = self._client_for(r.identity).get(r.token_ids[:want],
-                                                               mode=self._get_mode)
-                    check_dtype(k, next(iter(self._caches.values())))
-                except (Error, ValueError) as e:
-                    log.warning("kvtrie load of %s failed, recomputing: %s", r.req_id, e)
+            for lb, le in groups:
+                fetched = []  # (request, k, v, end of the KV delivered) of this group
+                for i, r in enumerate(loads):
+                    bt = self._block_tokens
+                    want = (r.load_end + bt - 1) // bt * bt
+                    if got[i] is not None:
+                        want = min(want, got[i])  # no more than the earlier groups delivered
                     k = v = None
                     n = 0
-                n = max(r.load_begin, min(n, r.load_end))
-                fetched.append((r, k, v, n))
-                self._account_load(r, n)
-            for layer, name in enumerate(self._names):
-                cache = self._caches[name]
-                for r, k, v, n in fetched:
-                    if n <= r.load_begin:
-                        continue
-                    b, o = self._slots(r.block_ids, r.load_begin, n)
-                    write(cache, 0, b, o, k[layer, :, r.load_begin:n].transpose(1, 0, 2))
-                    write(cache, 1, b, o, v[layer, :, r.load_begin:n].transpose(1, 0, 2))
-                events[layer].set()
+                    if want > r.load_begin:
+                        try:
+                            k, v, n = self._client_for(r.identity).get(
+                                r.token_ids[:want], mode=self._get_mode,
+                                **({} if whole else {"layers": (lb, le)}))
+                            check_dtype(k, next(iter(self._caches.values())))
+                        except (Error, ValueError) as e:
+                            log.warning("kvtrie load of %s failed, recomputing: %s", r.req_id, e)
+                            k = v = None
+                            n = 0
+                    got[i] = n if got[i] is None else min(got[i], n)  # block-aligned
+                    fetched.append((r, k, v, max(r.load_begin, min(n, r.load_end))))
+                for layer in range(lb, le):
+                    cache = self._caches[self._names[layer]]
+                    for r, k, v, n in fetched:
+                        if n <= r.load_begin:
+                            continue
+                        b, o = self._slots(r.block_ids, r.load_begin, n)
+                        kl = 0 if whole else lb
+                        write(cache, 0, b, o, k[layer - kl, :, r.load_begin:n].transpose(1, 0, 2))
+                        write(cache, 1, b, o, v[layer - kl, :, r.load_begin:n].transpose(1, 0, 2))
+                    events[layer].set()
+            for i, r in enumerate(loads):
+                n = max(r.load_begin, min(got[i] or 0, r.load_end))
+                self._account_load(r, n, self._token_bytes() * (n - r.load_begin))
+        except BaseException:
+            for i, r in enumerate(loads):  # whatever was written is reported failed
+                self._account_load(r, r.load_begin, 0)
+            raise
         finally:
             for e in events:  # never leave a layer waiting, whatever happened
                 e.set()
+
+    def _token_bytes(self) -> int:
+        """Bytes of one token's K and V over all layers of the registered caches."""
+        total = 0
+        for c in self._caches.values():
+            heads, dim = int(c.shape[3]), int(c.shape[4])
+            total += 2 * heads * dim * int(getattr(c, "itemsize", 0) or c.element_size())
+        return total
 
     def _load_async(self, r: RequestMeta) -> None:
         try:
@@ -582,7 +632,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
             with self._lock:
                 self._received.add(r.req_id)
 
-    def _account_load(self, r: RequestMeta, n: int) -> None:
+    def _account_load(self, r: RequestMeta, n: int, nbytes: int) -> None:
         bs = self._page_size()
         with self._lock:
             self._loaded_ok[r.req_id] = n
@@ -590,7 +640,9 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
                 first, last = n // bs, (r.load_end - 1) // bs
                 self._load_errors.update(int(b) for b in r.block_ids[first:last + 1])
                 self._failed_loads.add(r.req_id)
+                self.stats["load_failures"] += 1
             self.stats["loaded_tokens"] += n - r.load_begin
+            self.stats["loaded_bytes"] += nbytes
             self.stats["load_failed_tokens"] += r.load_end - n
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -645,12 +697,14 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         k = np.ascontiguousarray(read(kv_layer, 0, b, o).transpose(1, 0, 2))
         v = np.ascontiguousarray(read(kv_layer, 1, b, o).transpose(1, 0, 2))
         s.write(layer, k, v, token_offset=begin)
+        self._save_bytes[r.req_id] = self._save_bytes.get(r.req_id, 0) + k.nbytes + v.nbytes
 
-    def _commit(self, req_id: str, s: Any) -> None:
+    def _commit(self, req_id: str, s: Any, nbytes: int) -> None:
         try:
             result = s.commit()
             with self._lock:
                 self.stats["saved_blocks"] += result.blocks_stored
+                self.stats["saved_bytes"] += nbytes
         except Error as e:
             with self._lock:
                 self.stats["save_errors"] += 1
@@ -674,13 +728,14 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
                 log.warning("kvtrie save failed: %s", e)
         saves, self._saves = self._saves, {}
         save_failed, self._save_failed = self._save_failed, set()
+        save_bytes, self._save_bytes = self._save_bytes, {}
         for req_id, s in saves.items():
             with self._lock:
                 failed = req_id in self._failed_loads
             if failed or req_id in save_failed:  # a failed layer is counted in save_errors
                 s.cancel()
                 continue
-            fut = self._committer.submit(self._commit, req_id, s)
+            fut = self._committer.submit(self._commit, req_id, s, save_bytes.get(req_id, 0))
             with self._lock:
                 self._commits.setdefault(req_id, []).append(fut)
         meta = self._meta
@@ -722,8 +777,12 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         return (done or None), (received or None)
 
     def get_kv_connector_stats(self) -> Optional[KvtrieConnectorStats]:
-        """The counters since the last call (lookups on the scheduler; tokens loaded, tokens
-        whose load failed, blocks saved, failed saves on a worker), or None when all are 0."""
+        """The counters since the last call, or None when all are 0: on the scheduler
+        ``lookups`` and ``lookup_hits`` (an external hit beyond the local one); on a worker
+        ``loaded_tokens`` / ``loaded_bytes`` (dense KV written into the paged cache),
+        ``load_failed_tokens`` / ``load_failures`` (requests), ``saved_blocks`` (stored, not
+        deduplicated), ``saved_bytes`` (dense KV gathered for committed saves), ``save_errors``.
+        """
         with self._lock:
             now = dict(self.stats)
         delta = {k: now[k] - self._reported.get(k, 0) for k in now}
@@ -738,89 +797,31 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         ships it from the workers to be aggregated)."""
         return KvtrieConnectorStats(dict(data)) if data is not None else KvtrieConnectorStats()
 
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: Any,
+                           per_engine_labelvalues: Any) -> Any:
+        """vLLM's Prometheus counters of :meth:`get_kv_connector_stats` (``vllm:kvtrie_*``,
+        e.g. ``vllm:kvtrie_lookup_hits``, ``vllm:kvtrie_loaded_bytes``; see
+        :mod:`kvtrie._metrics`), a subclass of vLLM's ``KVConnectorPromMetrics``; None without
+        vLLM (or a vLLM without that class)."""
+        from ._metrics import build_prom_metrics
+        return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
+        """True: the per-layer hooks (``wait_for_layer_load``, ``save_kv_layer``) run inside
+        the attention layers, which a full CUDA graph replays without calling them, so vLLM must
+        capture piecewise graphs (attention outside the graph)."""
+        return True
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: kvtrie is a best-effort cache; a request never waits for its KV to be
+        delivered anywhere (a failed save is a future miss)."""
+        return False
+
     def shutdown(self) -> None:
         self._loader.shutdown(wait=True)
         self._saver.shutdown(wait=True)
         self._committer.shutdown(wait=True)
         self._async_loader.shutdown(wait=True)
-
-
-def _make_client(cfg: Dict[str, Any], block_tokens: int) -> Any:
-    """A :class:`kvtrie.Client` on ``target``, or with ``shards`` / ``shards_dns`` a
-    :class:`kvtrie.ShardedClient` (every call to the prompt's owner; a lost shard is a miss)."""
-    sharded = bool(cfg.get("shards") or cfg.get("shards_dns"))
-    kwargs: Dict[str, Any] = dict(
-        token=cfg.get("token"), tls=cfg.get("tls"), timeout=float(cfg.get("timeout", 60)),
-        namespace=cfg.get("namespace", ""), block_tokens=block_tokens,
-        # Over shards a lost shard is a miss at once (the engine recomputes), not retried.
-        retry_attempts=int(cfg.get("retry_attempts", 1 if sharded else 5)),
-        retry_initial_backoff=float(cfg.get("retry_initial_backoff", 0.1)),
-        retry_max_backoff=float(cfg.get("retry_max_backoff", 2.0)),
-        codec_threads=int(cfg.get("codec_threads", 0)),
-        predictor_refresh=float(cfg.get("predictor_refresh", 10.0)))
-    if not sharded:
-        return Client(cfg.get("target", "127.0.0.1:50051"), cfg["model_id"], **kwargs)
-    return ShardedClient(cfg["model_id"], shards=cfg.get("shards") or None,
-                         shards_dns=cfg.get("shards_dns") or None,
-                         route_tokens=int(cfg.get("route_tokens", 16)),
-                         refresh_interval=float(cfg.get("shards_refresh_seconds", 30.0)),
-                         down_backoff=float(cfg.get("shard_down_backoff", 1.0)),
-                         warmup_window=float(cfg.get("shard_warmup_seconds", 0.0)),
-                         pin_replicas=int(cfg.get("pin_replicas", 1)), **kwargs)
-
-
-def _bool(value: Any, key: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-        return value.lower() in ("true", "1")
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    raise ValueError(f"{key}: {value!r} is not a boolean")
-
-
-class _EncodedSave:
-    """A save encoded on the worker: the layers written during the forward pass are gathered
-    here and put whole at commit (``kvtrie.Client.put``, which encodes on ``codec_threads``).
-    The same write/commit/cancel calls as a :class:`kvtrie.PutStream`."""
-
-    def __init__(self, client: Any, tokens: Sequence[int], num_layers: int, first_block: int,
-                 block_tokens: int, encoding: Any, target_rel_rms: float) -> None:
-        self._client = client
-        self._tokens = list(tokens)
-        self._layers = num_layers
-        self._first_block = first_block
-        self._begin = min(first_block * block_tokens, len(self._tokens))  # first token sent
-        self._encoding = encoding
-        self._target_rel_rms = target_rel_rms
-        self._k: Optional[np.ndarray] = None
-        self._v: Optional[np.ndarray] = None
-        self._written = np.zeros((num_layers, len(self._tokens)), bool)  # [layer, token] written
-
-    def write(self, layer: int, k: np.ndarray, v: np.ndarray, *, token_offset: int = 0) -> None:
-        if self._k is None:  # [layers, kv_heads, tokens, head_dim]; blocks before first: unsent
-            shape = (self._layers, k.shape[0], len(self._tokens), k.shape[2])
-            self._k, self._v = np.zeros(shape, k.dtype), np.zeros(shape, v.dtype)
-        n = k.shape[1]
-        self._k[layer, :, token_offset:token_offset + n] = k
-        self._v[layer, :, token_offset:token_offset + n] = v
-        self._written[layer, token_offset:token_offset + n] = True
-
-    def commit(self) -> Any:
-        """Puts the gathered layers. Raises FAILED_PRECONDITION (nothing stored) when any layer
-        lacks a token of the range sent: the zeros there must never be stored as KV."""
-        if self._k is None:
-            raise Error(StatusCode.FAILED_PRECONDITION, "put: no layer was written")
-        missing = [i for i in range(self._layers) if not self._written[i, self._begin:].all()]
-        if missing:
-            self.cancel()
-            raise Error(StatusCode.FAILED_PRECONDITION,
-                        f"put: layers {missing} not written for tokens [{self._begin}, "
-                        f"{len(self._tokens)}); nothing stored")
-        k, v, self._k, self._v = self._k, self._v, None, None
-        return self._client.put(self._tokens, k, v, encoding=self._encoding,
-                                target_rel_rms=self._target_rel_rms,
-                                first_block=self._first_block, encode_on_client=True)
-
-    def cancel(self) -> None:
-        self._k = self._v = None
