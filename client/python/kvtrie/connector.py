@@ -81,8 +81,11 @@ the bytes: the layers of a request are gathered during the forward pass and put 
 dense as it is saved (:meth:`kvtrie.Client.put_layers`), overlapping with the next layers'
 compute, and the server encodes. ``predictor_refresh`` (10 s): see :class:`kvtrie.Client`.
 ``async_load`` (false): loads run in the background across steps, reported by ``get_finished``.
-``load_layer_groups`` (4): a load is that many Gets of consecutive layers (at most one per layer;
-1 = one Get of all layers; ``"residual"`` get_mode always 1: its blocks travel whole).
+``load_layer_groups`` (1): a load is that many Gets of consecutive layers (at most one per layer;
+``"residual"`` get_mode always 1: its blocks travel whole), so layer 0 computes while later groups
+stream. The server reads and decodes whole blocks for every group (a range saves wire bytes, not
+server CPU), so more than 1 pays that many decodes for the overlap: worth it across a network,
+not to a loopback sidecar, where decoding dominates; hence 1 by default.
 ``tp_rank``, ``tp_size``, ``pp_rank``, ``pp_size``: see Keys. ``block_size``, ``num_blocks``,
 ``kv_layout``: see the layouts.
 
@@ -323,7 +326,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self._target_rel_rms = float(cfg.get("target_rel_rms", 0.0))
         self._get_mode = cfg.get("get_mode", "reconstructed")
         self._async_load = _bool(cfg.get("async_load", False), "async_load")
-        self._load_layer_groups = int(cfg.get("load_layer_groups", 4))
+        self._load_layer_groups = int(cfg.get("load_layer_groups", 1))
         if self._load_layer_groups < 1:
             raise ValueError(f"load_layer_groups: {self._load_layer_groups} is not >= 1")
         # Scheduler side.
