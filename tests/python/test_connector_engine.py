@@ -412,8 +412,8 @@ def mixed_prompts():
 @pytest.mark.parametrize("encoding", ["lossless", "residual"])
 def test_long_mixed_run(model, server, encoding):
     # Many requests, 3 arriving per wave, 96 tokens a step in chunks of 48, 64 pages (preemptions),
-    # local hits, two TP ranks, bf16, loads in 2 layer groups; every continuation gives the cold logits (lossless) or
-    # stays within the dNLL budget (residual, decoded on the worker).
+    # local hits, two TP ranks, bf16, loads in 2 layer groups (lossless); every continuation gives
+    # the cold logits (lossless) or stays within the dNLL budget (residual, decoded on the worker).
     from llama_numpy import nll_bits
     cfg = {"encoding": encoding, "load_layer_groups": 2}  # loads in layer groups too
     if encoding == "residual":
