@@ -75,7 +75,7 @@ absl::StatusOr<ModelShard::NearDupEncoded> ModelShard::EncodeNewBlock(
     o.reference_node_id = c.node_id;
     if (c.shifted) {  // the centroid's window at a position offset (codec/reference_shift.h)
       reference_parent.resize(g.num_bytes());
-      if (!c.tail &&
+      if (c.reference_parent_id != 0 &&
           !ReconstructNode(c.reference_parent_id, absl::MakeSpan(reference_parent)).ok()) {
         continue;
       }
@@ -84,7 +84,7 @@ absl::StatusOr<ModelShard::NearDupEncoded> ModelShard::EncodeNewBlock(
                            .token_shift = c.token_shift,
                            .rotation = c.rotation,
                            .log_rope_base = -1,  // detected from the block and the window
-                           .reference_parent_node_id = c.tail ? 0 : c.reference_parent_id,
+                           .reference_parent_node_id = c.reference_parent_id,
                            .tail = c.tail};
     }
     absl::StatusOr<EncodedBlock> e = EncodeBlock(g, kv, o, ctx);
