@@ -164,7 +164,7 @@ ABSL_FLAG(kvtrie::ByteSize, learn_queue_bytes,
           "across the whole Put, as many as fit, the rest not learned from (Stats "
           "predictor_observations_dropped)" KVTRIE_BYTE_UNITS_HELP);
 ABSL_FLAG(bool, cluster_position_shifted, true,
-          "store position-shifted near-duplicates (the same text a few tokens later or earlier) "
+          "store position-shifted near-duplicates (the same text at another position) "
           "as residuals of a centroid whose keys are turned by RoPE to the offset, when smaller");
 ABSL_FLAG(bool, cluster_ngram_index, kvtrie::NearDupOptions().ngram_index,
           "find position-shifted near-duplicates at any shift (an inserted clause, sentence or "
