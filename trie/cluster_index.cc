@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 
 #include "codec/reference_shift.h"
@@ -140,24 +141,33 @@ std::vector<ClusterIndex::Candidate> ClusterIndex::FindCandidates(
   const int64_t p = static_cast<int64_t>(depth - 1) * bt;
   bool detected = false;
   absl::flat_hash_set<std::pair<uint64_t, uint32_t>> seen;  // (centroid, token_shift)
+  // Beyond half a block only a whole-block repeat is a near-duplicate: a shorter one there is
+  // mostly a phrase the text repeats (which would cost a centroid read per try and pin the
+  // centroid), not a shifted copy of the stored text. Within half a block, as before.
+  auto far = [&](int32_t rotation) { return static_cast<uint32_t>(std::abs(rotation)) > half; };
   // a may be null when s is 0 (the window is b).
   auto consider = [&](const TrieNode* a, const TrieNode* b, uint32_t s, int32_t rotation) {
+    if (s > 0 && a->depth == 0) return;
+    uint32_t matched = 0;
+    for (uint32_t j = 0; j < bt; ++j) {
+      matched += block[j] == (j < s ? a->token_ids[bt - s + j] : b->token_ids[j - s]);
+    }
+    if (far(rotation) && matched < bt) return;
+    detected = true;
     if (b->reference_node_id != 0 || b->removing) return;
-    if (s > 0 && (a->removing || a->depth == 0)) return;
+    if (s > 0 && a->removing) return;
     if (!seen.insert({b->id, s}).second) return;
     const double d = distance_to(b);
     if (d > max_distance_bits) {
       ++counters_.gated_by_distance;
       return;
     }
-    uint32_t matched = 0;
-    for (uint32_t j = 0; j < bt; ++j) {
-      matched += block[j] == (j < s ? a->token_ids[bt - s + j] : b->token_ids[j - s]);
-    }
     out.push_back({b->id, d, true, s, rotation, s > 0 ? a->id : 0, matched});
   };
-  // A tail window: a's last s tokens, the rest of the block past the stored text.
+  // A tail window: a's last s tokens, the rest of the block past the stored text (never a
+  // whole-block repeat: within half a block only).
   auto consider_tail = [&](const TrieNode* a, uint32_t s, int32_t rotation) {
+    if (far(rotation)) return;
     if (a->reference_node_id != 0 || a->removing || a->depth == 0) return;
     if (!seen.insert({a->id, s | 0x80000000u}).second) return;
     const double d = distance_to(a);
@@ -184,7 +194,7 @@ std::vector<ClusterIndex::Candidate> ClusterIndex::FindCandidates(
                       n->token_ids.begin() + hit.offset)) {
         continue;  // a hash collision
       }
-      detected = true;
+      if (std::llabs(shift) <= half) detected = true;  // far: when the whole block repeats
       if (!windows_seen.insert({n->id, start}).second) continue;  // another window, same place
       const int32_t rotation = static_cast<int32_t>(shift);
       if (start < q) {  // the window ends in n: A = n's parent, B = n

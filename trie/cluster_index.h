@@ -22,7 +22,9 @@
 // detects one. The windows are an n-gram index (trie/ngram_index.h, flags --cluster_ngram_index,
 // --cluster_ngram_tokens, --cluster_ngram_stride, --cluster_ngram_max_per_hash): windows of
 // ngram_tokens (at most block_tokens / 2) sampled every ngram_stride offsets in each node, found at
-// any shift (a clause, a sentence or whole blocks inserted or removed). Without it (the index
+// any shift (a clause, a sentence or whole blocks inserted or removed); beyond block_tokens / 2
+// only a block that repeats all its tokens is one (a shorter repeat there is mostly a phrase the
+// text repeats: trying it costs a centroid read and pins the centroid). Without it (the index
 // off), half-block windows at every offset, at shifts within block_tokens / 2 only (as before
 // issue 20). The stored path's tokens at the block's positions minus the shift span two
 // consecutive nodes A -> B (parent, child), or exactly one node B when the shift is a multiple of
