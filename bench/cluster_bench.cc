@@ -10,6 +10,9 @@
 //       position-shifted branches stored standalone (--cluster_position_shifted=false: before
 //       they were coded against a centroid at the offset, codec/reference_shift.h).
 // Puts go in order n0, n1, n2, n3, s0, s1, s2, s3 into one namespace.
+// Then the insertion rows (issue 20, any offset): Genesis 1-3 and the same text after an insertion
+// of 4..64 tokens (made by the reference worker's model, tests/insertion_dumps.h), each pair in its
+// own store, with the n-gram index off (before) and on.
 // Then the centroid Delete (issue 20): n0..n3 alone, n0's own blocks deleted, bytes before/after.
 // Run: build/bench/cluster_bench [--target=0.1] > bench/cluster_bench.md
 #include <algorithm>
@@ -21,8 +24,10 @@
 #include <string>
 #include <vector>
 
+#include "client/worker/test_model.h"
 #include "codec/kv_dump.h"
 #include "codec/kv_layout.h"
+#include "tests/insertion_dumps.h"
 #include "trie/kv_store.h"
 
 namespace kvtrie {
@@ -142,6 +147,98 @@ size_t DivergenceBlock(const KvDump& a, const KvDump& b) {
   size_t i = 0;
   while (i < a.num_tokens() && i < b.num_tokens() && a.token_ids[i] == b.token_ids[i]) ++i;
   return i / kBlockTokens;
+}
+
+// Any offset (issue 20): Genesis 1-3 stored, then the same text after an insertion of n tokens
+// (tests/insertion_dumps.h); the bytes of the variant's blocks wholly after the insertion, with
+// the centroid search `mode`: 0 = no centroids (standalone), 1 = half-block windows within
+// block_tokens / 2 (--cluster_ngram_index=false, before), 2 = the n-gram index (after).
+struct InsertionRun {
+  uint64_t after = 0;  // bytes of blocks [first, 32)
+  int residuals = 0;   // of those, stored against a centroid
+  uint64_t ngram_entries = 0;
+  uint64_t gated = 0;  // candidates over the distance limit
+};
+
+InsertionRun StoreInsertion(const KvDump& base, const KvDump& ins, size_t first,
+                            const EncodeOptions& enc, int mode) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("kvtrie_cluster_bench_ins_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  StoreOptions o;
+  o.data_dir = dir.string();
+  o.near_dup.enabled = mode != 0;
+  o.near_dup.ngram_index = mode == 2;
+  auto store = KvStore::Open(o);
+  if (!store.ok()) std::exit(1);
+  InsertionRun run;
+  for (const KvDump* d : {&base, &ins}) {
+    ModelInfo m{d->model_id, {d->num_layers, d->num_kv_heads, kBlockTokens, d->head_dim, d->dtype}};
+    auto session = (*store)->BeginPut("bench", m, d->token_ids, d->surprisal_bits, enc);
+    std::vector<uint8_t> block(m.geometry.num_bytes());
+    for (size_t b = 0; session.ok() && b < d->num_tokens() / kBlockTokens; ++b) {
+      GatherBlock(m.geometry, d->num_tokens(), d->k.data(), d->v.data(), b, absl::MakeSpan(block));
+      if (!(*session)->AddLayers(b, 0, 0, block).ok()) std::exit(1);
+    }
+    if (!session.ok()) std::exit(1);
+    auto s = (*session)->Finish();
+    if (!s.ok()) {
+      std::fprintf(stderr, "insertion put: %s\n", std::string(s.status().message()).c_str());
+      std::exit(1);
+    }
+    if (d != &ins) continue;
+    for (const BlockReport& r : s->blocks) {
+      if (r.block_index < first) continue;
+      run.after += r.bytes_stored;
+      run.residuals += r.outcome == BlockOutcome::kResidualOfCentroid;
+    }
+  }
+  const ClusterStats cs = (*store)->Stats("bench").cluster;
+  run.ngram_entries = cs.ngram_entries;
+  run.gated = cs.gated_by_distance;
+  store->reset();
+  std::filesystem::remove_all(dir);
+  return run;
+}
+
+void PrintInsertionRows(double target) {
+  const worker::LlamaModel* model = worker::testing::TestModel();
+  if (model == nullptr) {
+    std::printf("\n(insertion rows skipped: no model at %s)\n",
+                worker::testing::TestModelPath().c_str());
+    return;
+  }
+  absl::StatusOr<KvDump> base = testing_insertion::BaseDump(*model);
+  if (!base.ok()) std::exit(1);
+  std::printf(
+      "\nAny offset (issue 20): Genesis 1-3 (512 tokens) stored, then the same text with n tokens "
+      "of a later passage inserted before token %zu (tests/insertion_dumps.h, the reference "
+      "worker's model). Bytes of the variant's blocks wholly after the insertion (`first`..31) as "
+      "a share of the same blocks standalone (c); before = half-block windows at shifts within 8 "
+      "tokens (--cluster_ngram_index=false), after = the n-gram index (default: windows of 8 "
+      "tokens every 4, any shift). Target: <= 15 %% lossy.\n\n",
+      testing_insertion::kInsertAt);
+  std::printf(
+      "| inserted tokens | first | lossless before | lossless after | lossy before | lossy after "
+      "| residual blocks after (lossless / lossy) | gated by distance | n-gram entries |\n");
+  std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  const EncodeOptions lossless{.encoding = Encoding::kLossless};
+  const EncodeOptions lossy{.encoding = Encoding::kResidual, .target_rel_rms = target};
+  for (size_t n : {4, 8, 9, 12, 16, 64}) {
+    absl::StatusOr<KvDump> ins = testing_insertion::InsertionDump(*model, n);
+    if (!ins.ok()) std::exit(1);
+    const size_t first = (testing_insertion::kInsertAt + n + kBlockTokens - 1) / kBlockTokens;
+    InsertionRun r[2][3];
+    for (int mode = 0; mode < 3; ++mode) {
+      r[0][mode] = StoreInsertion(*base, *ins, first, lossless, mode);
+      r[1][mode] = StoreInsertion(*base, *ins, first, lossy, mode);
+    }
+    auto pct = [&](int e, int mode) { return 100.0 * r[e][mode].after / r[e][0].after; };
+    std::printf(
+        "| %zu | %zu | %.2f%% | %.2f%% | %.2f%% | %.2f%% | %d / %d of %zu | %llu | %llu |\n", n,
+        first, pct(0, 1), pct(0, 2), pct(1, 1), pct(1, 2), r[0][2].residuals, r[1][2].residuals,
+        32 - first, (unsigned long long)r[1][2].gated, (unsigned long long)r[1][2].ngram_entries);
+  }
 }
 
 int Main(int argc, char** argv) {
@@ -336,6 +433,7 @@ int Main(int argc, char** argv) {
                 (unsigned long long)cs.branch_distance_histogram[i]);
   }
   std::printf("\n");
+  PrintInsertionRows(target);
   return 0;
 }
 

@@ -164,8 +164,20 @@ ABSL_FLAG(kvtrie::ByteSize, learn_queue_bytes,
           "across the whole Put, as many as fit, the rest not learned from (Stats "
           "predictor_observations_dropped)" KVTRIE_BYTE_UNITS_HELP);
 ABSL_FLAG(bool, cluster_position_shifted, true,
-          "store position-shifted near-duplicates (the same text a few tokens later or earlier) "
+          "store position-shifted near-duplicates (the same text at another position) "
           "as residuals of a centroid whose keys are turned by RoPE to the offset, when smaller");
+ABSL_FLAG(bool, cluster_ngram_index, kvtrie::NearDupOptions().ngram_index,
+          "find position-shifted near-duplicates at any shift (an inserted clause, sentence or "
+          "block) through an index of token n-gram hashes per model; false: only shifts within "
+          "half a block");
+ABSL_FLAG(uint32_t, cluster_ngram_tokens, kvtrie::NearDupOptions().ngram_tokens,
+          "tokens per window of the n-gram index (at most half a block is used)");
+ABSL_FLAG(uint32_t, cluster_ngram_stride, kvtrie::NearDupOptions().ngram_stride,
+          "the n-gram index keeps a node's windows every this many offsets (fewer entries; "
+          "lowered where a larger one could miss a block that repeats stored text)");
+ABSL_FLAG(uint32_t, cluster_ngram_max_per_hash, kvtrie::NearDupOptions().ngram_max_per_hash,
+          "entries kept per n-gram hash, the oldest (0 = no cap): bounds the index on "
+          "repetitive text");
 
 namespace kvtrie {
 namespace {
@@ -249,6 +261,15 @@ int Run() {
   store_options.predictors.queue_bytes = absl::GetFlag(FLAGS_learn_queue_bytes).bytes;
   store_options.put_parent_cache_bytes = absl::GetFlag(FLAGS_put_parent_cache_bytes).bytes;
   store_options.near_dup.position_shifted = absl::GetFlag(FLAGS_cluster_position_shifted);
+  store_options.near_dup.ngram_index = absl::GetFlag(FLAGS_cluster_ngram_index);
+  store_options.near_dup.ngram_tokens = absl::GetFlag(FLAGS_cluster_ngram_tokens);
+  store_options.near_dup.ngram_stride = absl::GetFlag(FLAGS_cluster_ngram_stride);
+  store_options.near_dup.ngram_max_per_hash = absl::GetFlag(FLAGS_cluster_ngram_max_per_hash);
+  if (store_options.near_dup.ngram_tokens == 0 || store_options.near_dup.ngram_stride == 0) {
+    spdlog::critical("--cluster_ngram_tokens ({}) and --cluster_ngram_stride ({}) must be >= 1",
+                     store_options.near_dup.ngram_tokens, store_options.near_dup.ngram_stride);
+    return 2;
+  }
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<std::unique_ptr<KvStore>> store = KvStore::Open(store_options);
   if (!store.ok()) {

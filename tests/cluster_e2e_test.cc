@@ -11,8 +11,10 @@
 #include <vector>
 
 #include "client/client.h"
+#include "client/worker/test_model.h"
 #include "codec/kv_dump.h"
 #include "gtest/gtest.h"
+#include "tests/insertion_dumps.h"
 #include "tests/server_process.h"
 
 namespace kvtrie {
@@ -215,6 +217,44 @@ TEST_F(ClusterEndToEnd, PositionShiftedBranchReadsBackTheSameInBothGetModes) {
     absl::StatusOr<v1::StatsResponse> st = client->Stats(v1::Encoding_Name(enc));
     ASSERT_TRUE(st.ok());
     EXPECT_EQ(st->position_shifted_coded(), static_cast<uint64_t>(Residuals(*r3)));
+  }
+}
+
+// Any offset (issue 20): Genesis 1-3, then the same text after an insertion of 16 tokens (a whole
+// block: each block after it repeats one stored node, token_shift 0, no parent) and of 9 (the end
+// of one node and the start of the next), made by the reference worker's model
+// (tests/insertion_dumps.h). Through the server's default flags (the n-gram index on), every
+// block after the insertion is a residual of the stored text, and a RESIDUAL Get decoded by the
+// client gives the server's bytes.
+TEST_F(ClusterEndToEnd, InsertionAtAnyShiftIsCodedAgainstTheStoredTextInBothGetModes) {
+  KVTRIE_LOAD_MODEL_OR_SKIP(model);
+  absl::StatusOr<KvDump> base = testing_insertion::BaseDump(*model);
+  ASSERT_TRUE(base.ok()) << base.status();
+  for (size_t n : {16, 9}) {
+    absl::StatusOr<KvDump> ins = testing_insertion::InsertionDump(*model, n);
+    ASSERT_TRUE(ins.ok()) << ins.status();
+    const std::string ns = "insert" + std::to_string(n);
+    auto client = NewClient(ns);
+    const PutOptions lossy{.encoding = v1::ENCODING_RESIDUAL,
+                           .profile = v1::EncodingSpec::PROFILE_COMPACT};
+    ASSERT_TRUE(client->Put(*base, lossy).ok());
+    absl::StatusOr<v1::PutResponse> r = client->Put(*ins, lossy);
+    ASSERT_TRUE(r.ok()) << r.status();
+    const int first = static_cast<int>((testing_insertion::kInsertAt + n + 15) / 16);
+    // The blocks after it (and the one it ends in when its repeated part is long enough).
+    EXPECT_GE(Residuals(*r), 32 - first) << n;
+    absl::StatusOr<KvDump> dense = client->Get(ins->model_id, ins->token_ids);
+    absl::StatusOr<KvDump> here =
+        client->Get(ins->model_id, ins->token_ids, {.mode = v1::GET_MODE_RESIDUAL});
+    ASSERT_TRUE(dense.ok()) << dense.status();
+    ASSERT_TRUE(here.ok()) << here.status();
+    EXPECT_EQ(dense->k, here->k);
+    EXPECT_EQ(dense->v, here->v);
+    EXPECT_LE(RelRms(*dense, *ins, false), 0.1);
+    EXPECT_LE(RelRms(*dense, *ins, true), 0.1);
+    absl::StatusOr<v1::StatsResponse> st = client->Stats(ns);
+    ASSERT_TRUE(st.ok());
+    EXPECT_GE(st->position_shifted_coded(), static_cast<uint64_t>(32 - first));
   }
 }
 

@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+
+#include "codec/reference_shift.h"
 
 namespace kvtrie {
 
@@ -26,6 +29,7 @@ void ClusterStats::Merge(const ClusterStats& o) {
   residual_not_smaller += o.residual_not_smaller;
   position_shifted_coded += o.position_shifted_coded;
   position_shifted_skipped += o.position_shifted_skipped;
+  ngram_entries += o.ngram_entries;
   for (int i = 0; i < kHistogramBuckets; ++i) {
     path_surprisal_histogram[i] += o.path_surprisal_histogram[i];
     branch_distance_histogram[i] += o.branch_distance_histogram[i];
@@ -51,9 +55,18 @@ uint64_t ClusterIndex::GroupKey(uint32_t depth, absl::Span<const uint32_t> block
   return BlockTrie::DefaultTokenHash(block) ^ (0x9e3779b97f4a7c15ull * (depth + 1));
 }
 
-uint64_t ClusterIndex::WindowKey(absl::Span<const uint32_t> window) {
-  return BlockTrie::DefaultTokenHash(window);
+namespace {
+
+NgramIndexOptions WindowOptions(const NearDupOptions& o) {
+  if (o.ngram_index) return {o.ngram_tokens, o.ngram_stride, o.ngram_max_per_hash};
+  // Before the n-gram index: half-block windows at every offset, uncapped.
+  return {std::numeric_limits<uint32_t>::max(), 1, 0};
 }
+
+}  // namespace
+
+ClusterIndex::ClusterIndex(const NearDupOptions& options)
+    : any_shift_(options.ngram_index), windows_(WindowOptions(options)) {}
 
 void ClusterIndex::Add(const TrieNode& node) {
   const uint64_t group = GroupKey(node.depth, node.token_ids);
@@ -61,12 +74,7 @@ void ClusterIndex::Add(const TrieNode& node) {
   members.push_back(node.id);
   if (members.size() == 2) multi_groups_.insert(group);
   ++path_surprisal_histogram_[HistogramBucket(node.path_surprisal_bits)];
-  const uint32_t half = static_cast<uint32_t>(node.token_ids.size() / 2);
-  if (half > 0) {
-    const absl::Span<const uint32_t> t(node.token_ids);
-    for (uint32_t o = 0; o <= half; ++o)
-      windows_[WindowKey(t.subspan(o, half))].push_back({node.id, o});
-  }
+  if (node.depth > 0) windows_.Add(node.id, node.token_ids);
   if (node.reference_node_id != 0) dependents_[node.reference_node_id].insert(node.id);
 }
 
@@ -84,14 +92,7 @@ void ClusterIndex::Remove(const TrieNode& node) {
     multi_groups_.erase(group);
   }
   --path_surprisal_histogram_[HistogramBucket(node.path_surprisal_bits)];
-  const uint32_t half = static_cast<uint32_t>(node.token_ids.size() / 2);
-  if (half > 0) {
-    const absl::Span<const uint32_t> t(node.token_ids);
-    for (uint32_t o = 0; o <= half; ++o) {
-      erase_from(windows_, WindowKey(t.subspan(o, half)),
-                 [&](const std::pair<uint64_t, uint32_t>& e) { return e.first == node.id; });
-    }
-  }
+  if (node.depth > 0) windows_.Remove(node.id, node.token_ids);
   if (node.reference_node_id != 0) {
     auto it = dependents_.find(node.reference_node_id);
     if (it != dependents_.end()) {
@@ -140,22 +141,33 @@ std::vector<ClusterIndex::Candidate> ClusterIndex::FindCandidates(
   const int64_t p = static_cast<int64_t>(depth - 1) * bt;
   bool detected = false;
   absl::flat_hash_set<std::pair<uint64_t, uint32_t>> seen;  // (centroid, token_shift)
+  // Beyond half a block only a whole-block repeat is a near-duplicate: a shorter one there is
+  // mostly a phrase the text repeats (which would cost a centroid read per try and pin the
+  // centroid), not a shifted copy of the stored text. Within half a block, as before.
+  auto far = [&](int32_t rotation) { return static_cast<uint32_t>(std::abs(rotation)) > half; };
+  // a may be null when s is 0 (the window is b).
   auto consider = [&](const TrieNode* a, const TrieNode* b, uint32_t s, int32_t rotation) {
-    if (b->reference_node_id != 0 || b->removing || a->removing || a->depth == 0) return;
+    if (s > 0 && a->depth == 0) return;
+    uint32_t matched = 0;
+    for (uint32_t j = 0; j < bt; ++j) {
+      matched += block[j] == (j < s ? a->token_ids[bt - s + j] : b->token_ids[j - s]);
+    }
+    if (far(rotation) && matched < bt) return;
+    detected = true;
+    if (b->reference_node_id != 0 || b->removing) return;
+    if (s > 0 && a->removing) return;
     if (!seen.insert({b->id, s}).second) return;
     const double d = distance_to(b);
     if (d > max_distance_bits) {
       ++counters_.gated_by_distance;
       return;
     }
-    uint32_t matched = 0;
-    for (uint32_t j = 0; j < bt; ++j) {
-      matched += block[j] == (j < s ? a->token_ids[bt - s + j] : b->token_ids[j - s]);
-    }
-    out.push_back({b->id, d, true, s, rotation, a->id, matched});
+    out.push_back({b->id, d, true, s, rotation, s > 0 ? a->id : 0, matched});
   };
-  // A tail window: a's last s tokens, the rest of the block past the stored text.
+  // A tail window: a's last s tokens, the rest of the block past the stored text (never a
+  // whole-block repeat: within half a block only).
   auto consider_tail = [&](const TrieNode* a, uint32_t s, int32_t rotation) {
+    if (far(rotation)) return;
     if (a->reference_node_id != 0 || a->removing || a->depth == 0) return;
     if (!seen.insert({a->id, s | 0x80000000u}).second) return;
     const double d = distance_to(a);
@@ -167,25 +179,30 @@ std::vector<ClusterIndex::Candidate> ClusterIndex::FindCandidates(
     for (uint32_t j = 0; j < s; ++j) matched += block[j] == a->token_ids[bt - s + j];
     out.push_back({a->id, d, true, s, rotation, 0, matched, true});
   };
-  for (uint32_t o = 0; half > 0 && o <= half; ++o) {
-    auto it = windows_.find(WindowKey(block.subspan(o, half)));
-    if (it == windows_.end()) continue;
-    for (const auto& [id, old_o] : it->second) {
-      const TrieNode* n = trie->Find(id);
-      if (n == nullptr || n->depth == 0) continue;
+  const uint32_t w = windows_.WindowFor(bt);
+  absl::flat_hash_set<std::pair<uint64_t, int64_t>> windows_seen;  // (node, start) looked at
+  for (uint32_t o = 0; w <= bt && o + w <= bt; ++o) {
+    for (const NgramIndex::Hit& hit : windows_.Lookup(block.subspan(o, w))) {
+      const TrieNode* n = trie->Find(hit.node_id);
+      if (n == nullptr || n->depth == 0 || n->token_ids.size() != bt) continue;
       const int64_t q = n->token_offset();
-      const int64_t start = q + old_o - o;
+      const int64_t start = q + hit.offset - o;
       const int64_t shift = p - start;
-      if (shift == 0 || std::llabs(shift) > half) continue;
-      if (!std::equal(block.begin() + o, block.begin() + o + half, n->token_ids.begin() + old_o)) {
-        continue;
+      if (shift == 0 || (!any_shift_ && std::llabs(shift) > half)) continue;
+      if (shift > kMaxShiftRotation || shift < -kMaxShiftRotation) continue;
+      if (!std::equal(block.begin() + o, block.begin() + o + w,
+                      n->token_ids.begin() + hit.offset)) {
+        continue;  // a hash collision
       }
-      detected = true;
+      if (std::llabs(shift) <= half) detected = true;  // far: when the whole block repeats
+      if (!windows_seen.insert({n->id, start}).second) continue;  // another window, same place
       const int32_t rotation = static_cast<int32_t>(shift);
       if (start < q) {  // the window ends in n: A = n's parent, B = n
         if (start >= 0 && n->parent != nullptr) {
           consider(n->parent, n, static_cast<uint32_t>(q - start), rotation);
         }
+      } else if (start == q) {  // the window is n (a whole number of blocks away): B = n alone
+        consider(nullptr, n, 0, rotation);
       } else {  // the window starts in n: A = n, B = a child of n that continues it
         const uint32_t s = static_cast<uint32_t>(bt - (start - q));
         bool continued = false;
@@ -227,6 +244,7 @@ size_t ClusterIndex::NumDependents(uint64_t node_id) const {
 
 void ClusterIndex::AddStats(BlockTrie* trie, ClusterStats* out) const {
   ClusterStats s = counters_;
+  s.ngram_entries = windows_.num_entries();
   s.centroids = dependents_.size();
   for (const auto& [c, members] : dependents_) s.residual_nodes += members.size();
   for (int i = 0; i < kHistogramBuckets; ++i) {

@@ -18,12 +18,20 @@
 //
 // Position-shifted near-duplicates (tokens inserted or removed before repeated text, so the same
 // tokens sit at other positions and keys after RoPE are rotated differently): when a new block has
-// no aligned candidate, a half-block window of its tokens that a stored node holds at a position
-// within block_tokens / 2 of the block's (and not the same position) detects one. The stored
-// path's tokens at the block's positions minus that offset span two consecutive nodes A -> B
-// (parent, child); B becomes the candidate centroid (it must be standalone and within the distance
-// limit), A its window's first tokens, and the codec predicts the block from them with B's keys
-// turned by RoPE to the new positions (codec/reference_shift.h). Where A has no child that
+// no aligned candidate, a window of its tokens that a stored node holds at another position
+// detects one. The windows are an n-gram index (trie/ngram_index.h, flags --cluster_ngram_index,
+// --cluster_ngram_tokens, --cluster_ngram_stride, --cluster_ngram_max_per_hash): windows of
+// ngram_tokens (at most block_tokens / 2) sampled every ngram_stride offsets in each node, found at
+// any shift (a clause, a sentence or whole blocks inserted or removed); beyond block_tokens / 2
+// only a block that repeats all its tokens is one (a shorter repeat there is mostly a phrase the
+// text repeats: trying it costs a centroid read and pins the centroid). Without it (the index
+// off), half-block windows at every offset, at shifts within block_tokens / 2 only (as before
+// issue 20). The stored path's tokens at the block's positions minus the shift span two
+// consecutive nodes A -> B (parent, child), or exactly one node B when the shift is a multiple of
+// block_tokens (token_shift 0, no parent); B becomes the candidate centroid (it must be
+// standalone and within the distance limit), A its window's first tokens, and the codec predicts
+// the block from them with B's keys turned by RoPE to the new positions
+// (codec/reference_shift.h). Where A has no child that
 // continues the window (the stored text ends there), A itself is the candidate with a tail
 // window (its last tokens, then its last token repeated). Candidates are ranked by how many
 // of the block's tokens the window repeats, then by distance. Stats: `position_shifted_coded`
@@ -46,11 +54,12 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/types/span.h"
 #include "trie/block_trie.h"
+#include "trie/ngram_index.h"
 
 namespace kvtrie {
 
 // Server options of the near-duplicate index (flags --near_dup_clusters,
-// --cluster_max_distance_bits, --cluster_position_shifted).
+// --cluster_max_distance_bits, --cluster_position_shifted, --cluster_ngram_*).
 struct NearDupOptions {
   bool enabled = true;
   // Candidates farther than this trie distance (bits) are not tried. Two branches that differ by
@@ -62,6 +71,12 @@ struct NearDupOptions {
   // Code position-shifted near-duplicates against their centroid at the offset (see below);
   // false stores them standalone (counted as skipped), as before.
   bool position_shifted = true;
+  // Find position-shifted near-duplicates at any shift through an n-gram index (see above);
+  // false: half-block windows at shifts within block_tokens / 2 only.
+  bool ngram_index = true;
+  uint32_t ngram_tokens = 8;        // window length (at most block_tokens / 2 is used)
+  uint32_t ngram_stride = 4;        // a node's windows are indexed every ngram_stride offsets
+  uint32_t ngram_max_per_hash = 8;  // entries kept per n-gram hash, oldest (0 = no cap)
 };
 
 // Log2 histogram over bits: bucket 0 = [0, 1), bucket i >= 1 = [2^(i-1), 2^i), the last bucket is
@@ -82,6 +97,7 @@ struct ClusterStats {
   // offset, and stored standalone (see above for why).
   uint64_t position_shifted_coded = 0;
   uint64_t position_shifted_skipped = 0;
+  uint64_t ngram_entries = 0;  // (node, offset) entries of the n-gram index (its memory bound)
   // Histograms (HistogramBucket): path surprisal of every node; trie distance of every node in a
   // near-duplicate group to the group's oldest node (the branch distances).
   uint64_t path_surprisal_histogram[kHistogramBuckets] = {};
@@ -100,7 +116,8 @@ class ClusterIndex {
     uint64_t node_id = 0;
     double distance_bits = 0;
     // Position-shifted (codec/reference_shift.h): the window's first token_shift tokens are
-    // reference_parent_id's last ones (node_id's parent), the rest node_id's first ones; keys
+    // reference_parent_id's last ones (node_id's parent; 0 when token_shift is 0: the window is
+    // node_id, a whole number of blocks away), the rest node_id's first ones; keys
     // turn by `rotation` positions; matched_tokens of the block's tokens equal the window's.
     bool shifted = false;
     uint32_t token_shift = 0;
@@ -110,6 +127,8 @@ class ClusterIndex {
     // The window's end is not stored: node_id holds its start (reference_parent_id is 0).
     bool tail = false;
   };
+
+  explicit ClusterIndex(const NearDupOptions& options = {});
 
   // Indexes `node` (already in the trie, reference_node_id set: a dependent of that centroid).
   void Add(const TrieNode& node);
@@ -143,13 +162,12 @@ class ClusterIndex {
 
  private:
   static uint64_t GroupKey(uint32_t depth, absl::Span<const uint32_t> block);
-  static uint64_t WindowKey(absl::Span<const uint32_t> window);
 
   // (depth, tokens) -> every node with them (standalone or not), oldest first.
   absl::flat_hash_map<uint64_t, std::vector<uint64_t>> groups_;
-  // Half-block token windows at offsets [0, block_tokens / 2] -> (node, offset), for detecting
-  // position-shifted near-duplicates.
-  absl::flat_hash_map<uint64_t, std::vector<std::pair<uint64_t, uint32_t>>> windows_;
+  // Token windows -> (node, offset), for detecting position-shifted near-duplicates.
+  bool any_shift_;  // NearDupOptions::ngram_index: shifts beyond block_tokens / 2 are searched
+  NgramIndex windows_;
   absl::flat_hash_map<uint64_t, absl::flat_hash_set<uint64_t>> dependents_;  // centroid -> members
   absl::flat_hash_set<uint64_t> multi_groups_;  // groups_ keys holding two or more nodes
   uint64_t path_surprisal_histogram_[kHistogramBuckets] = {};  // over indexed nodes

@@ -58,10 +58,20 @@ TEST(ClusterIndex, SameTokensSameDepthAreCandidatesGatedByDistance) {
   auto gated = index.FindCandidates(&t.trie, t.d, 3, block, 21, 20, 10);
   ASSERT_EQ(gated.size(), 1u);
   EXPECT_EQ(gated[0].node_id, t.e->id);
-  // Other depth or other tokens: nothing.
-  EXPECT_TRUE(index.FindCandidates(&t.trie, t.d, 2, block, 21, 1e9, 10).empty());
+  // Other depth or other tokens: no aligned candidate (the n-gram index, one-token windows here,
+  // may find the tokens at another position: shifted candidates only).
+  for (const auto& c : index.FindCandidates(&t.trie, t.d, 2, block, 21, 1e9, 10)) {
+    EXPECT_TRUE(c.shifted);
+  }
+  for (const auto& c :
+       index.FindCandidates(&t.trie, t.d, 3, std::vector<uint32_t>{5, 7}, 21, 1e9, 10)) {
+    EXPECT_TRUE(c.shifted);
+  }
+  ClusterIndex half_block({.ngram_index = false});  // shifts within a block / 2 only: nothing
+  t.trie.ForEach([&](const TrieNode& n) { half_block.Add(n); });
+  EXPECT_TRUE(half_block.FindCandidates(&t.trie, t.d, 2, block, 21, 1e9, 10).empty());
   EXPECT_TRUE(
-      index.FindCandidates(&t.trie, t.d, 3, std::vector<uint32_t>{5, 7}, 21, 1e9, 10).empty());
+      half_block.FindCandidates(&t.trie, t.d, 3, std::vector<uint32_t>{5, 7}, 21, 1e9, 10).empty());
   ClusterStats s;
   index.AddStats(&t.trie, &s);
   EXPECT_EQ(s.near_dup_groups, 1u);  // {c, e}
@@ -171,6 +181,56 @@ TEST(ClusterIndex, ShiftedWindowNeedsAStandaloneContinuation) {
   index.AddStats(&trie, &s);
   EXPECT_EQ(s.position_shifted_skipped, 2u);  // c a residual; over the distance limit
   EXPECT_GE(s.gated_by_distance, 1u);
+}
+
+// Any shift (the n-gram index, NearDupOptions::ngram_index). Block tokens 4 (windows of 2).
+// Stored: a [1 2 3 4] -> b [5 6 7 8] -> c [9 10 11 12]; another branch x -> y, and a new block at
+// depth 3 (positions 8..11) that repeats the stored text 3 positions later (positions 5..8: the
+// end of b and the start of c), or 4 later (b exactly: token_shift 0, no parent). Before the
+// n-gram index (ngram_index = false) shifts beyond 2 were not searched.
+TEST(ClusterIndex, AnyShiftIsFoundThroughTheNgramIndex) {
+  BlockTrie trie(4);
+  ClusterIndex index;
+  ClusterIndex half_block({.ngram_index = false});
+  TrieNode* a = trie.AddChild(trie.root(), 1, std::vector<uint32_t>{1, 2, 3, 4}, {});
+  TrieNode* b = trie.AddChild(a, 2, std::vector<uint32_t>{5, 6, 7, 8}, {});
+  TrieNode* c = trie.AddChild(b, 3, std::vector<uint32_t>{9, 10, 11, 12}, {});
+  TrieNode* x = trie.AddChild(trie.root(), 4, std::vector<uint32_t>{20, 21, 22, 23}, {});
+  TrieNode* y = trie.AddChild(x, 5, std::vector<uint32_t>{24, 25, 26, 27}, {});
+  for (TrieNode* n : {a, b, c, x, y}) {
+    index.Add(*n);
+    half_block.Add(*n);
+  }
+  const std::vector<uint32_t> later3{6, 7, 8, 9};
+  auto cands = index.FindCandidates(&trie, y, 3, later3, 0, 1e9, 4);
+  ASSERT_EQ(cands.size(), 1u);
+  EXPECT_TRUE(cands[0].shifted);
+  EXPECT_FALSE(cands[0].tail);
+  EXPECT_EQ(cands[0].node_id, c->id);
+  EXPECT_EQ(cands[0].reference_parent_id, b->id);
+  EXPECT_EQ(cands[0].token_shift, 3u);
+  EXPECT_EQ(cands[0].rotation, 3);
+  EXPECT_EQ(cands[0].matched_tokens, 4u);
+  EXPECT_TRUE(half_block.FindCandidates(&trie, y, 3, later3, 0, 1e9, 4).empty());
+
+  const std::vector<uint32_t> later4{5, 6, 7, 8};
+  cands = index.FindCandidates(&trie, y, 3, later4, 0, 1e9, 4);
+  ASSERT_EQ(cands.size(), 1u);
+  EXPECT_EQ(cands[0].node_id, b->id);
+  EXPECT_EQ(cands[0].reference_parent_id, 0u);
+  EXPECT_EQ(cands[0].token_shift, 0u);
+  EXPECT_EQ(cands[0].rotation, 4);
+  EXPECT_EQ(cands[0].matched_tokens, 4u);
+  EXPECT_TRUE(half_block.FindCandidates(&trie, y, 3, later4, 0, 1e9, 4).empty());
+
+  // The index forgets removed nodes; entries are bounded by the sampling (stride 2 here).
+  ClusterStats s;
+  index.AddStats(&trie, &s);
+  EXPECT_EQ(s.ngram_entries, 5u * 2);
+  index.Remove(*c);
+  ClusterStats after;
+  index.AddStats(&trie, &after);
+  EXPECT_EQ(after.ngram_entries, 4u * 2);
 }
 
 }  // namespace

@@ -71,6 +71,9 @@ class RaceTest : public testing::Test {
     o.predictors.learn = true;
     o.predictors.refit_every_tokens = 512;
     o.predictors.resident_versions = 0;
+    // Genesis repeats n0's Genesis text at another position: with the n-gram index (issue 20) its
+    // blocks would be members of n0's too, and these rows are about n1's members only.
+    o.near_dup.ngram_index = false;
     auto s = KvStore::Open(o);
     ASSERT_TRUE(s.ok()) << s.status();
     store_ = *std::move(s);

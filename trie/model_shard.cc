@@ -77,6 +77,7 @@ ModelShard::ModelShard(ShardContext* context, std::string ns, ModelInfo model, u
       committed_(committed),
       trie_(
           std::make_unique<BlockTrie>(model_.geometry.block_tokens, context->options->token_hash)),
+      clusters_(context->options->near_dup),
       predictors_(std::make_shared<PredictorRegistry>(model_.geometry, context->options->predictors,
                                                       PredictorLoader())) {}
 

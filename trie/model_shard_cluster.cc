@@ -94,7 +94,8 @@ absl::StatusOr<bool> ModelShard::EncodeAgainstCandidates(
     o.reference_node_id = c.node_id;
     if (c.shifted) {  // the centroid's window at a position offset (codec/reference_shift.h)
       reference_parent.resize(g.num_bytes());
-      if (!c.tail && !reconstruct(c.reference_parent_id, absl::MakeSpan(reference_parent)).ok()) {
+      if (c.reference_parent_id != 0 &&
+          !reconstruct(c.reference_parent_id, absl::MakeSpan(reference_parent)).ok()) {
         continue;
       }
       ctx.reference_parent = reference_parent;
@@ -102,7 +103,7 @@ absl::StatusOr<bool> ModelShard::EncodeAgainstCandidates(
                            .token_shift = c.token_shift,
                            .rotation = c.rotation,
                            .log_rope_base = -1,  // detected from the block and the window
-                           .reference_parent_node_id = c.tail ? 0 : c.reference_parent_id,
+                           .reference_parent_node_id = c.reference_parent_id,
                            .tail = c.tail};
     }
     absl::StatusOr<EncodedBlock> e = EncodeBlock(g, kv, o, ctx);
