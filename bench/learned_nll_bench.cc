@@ -19,57 +19,11 @@
 #include <vector>
 
 #include "bench/learned_data.h"
+#include "bench/paper_eval.h"
 #include "client/worker/llama_model.h"
 
 namespace kvtrie {
 namespace {
-
-struct Window {
-  const Text* text = nullptr;
-  size_t context = 0, end = 0;
-};
-
-// Sum of surprisal (bits) of tokens [context, end) after loading `prefix` as the context KV.
-double ScoreWith(const worker::LlamaModel& model, const Text& t, const Window& w,
-                 const KvDump& prefix) {
-  worker::Sequence seq(&model, w.end, DType::kFp16);
-  if (!seq.LoadPrefix(prefix).ok() || !seq.RecomputeLastLogits().ok()) std::exit(2);
-  std::vector<uint32_t> cont(t.dump.token_ids.begin() + w.context,
-                             t.dump.token_ids.begin() + w.end);
-  if (!seq.Extend(cont).ok()) std::exit(2);
-  double s = 0;
-  for (size_t i = w.context; i < w.end; ++i) s += seq.surprisal_bits()[i];
-  return s;
-}
-
-// The first `context` tokens of `t` as a KvDump, from `blocks` (block layout) or, when null, the
-// dump's own KV.
-KvDump Prefix(const BlockGeometry& g, const Text& t, size_t context,
-              const std::vector<std::vector<uint8_t>>* blocks) {
-  KvDump p;
-  p.model_id = t.dump.model_id;
-  p.num_layers = t.dump.num_layers;
-  p.num_kv_heads = t.dump.num_kv_heads;
-  p.head_dim = t.dump.head_dim;
-  p.dtype = t.dump.dtype;
-  p.token_ids.assign(t.dump.token_ids.begin(), t.dump.token_ids.begin() + context);
-  p.surprisal_bits.assign(t.dump.surprisal_bits.begin(), t.dump.surprisal_bits.begin() + context);
-  const size_t row = static_cast<size_t>(p.head_dim) * DTypeBytes(p.dtype);
-  p.k.resize(static_cast<size_t>(p.num_layers) * p.num_kv_heads * context * row);
-  p.v.resize(p.k.size());
-  if (blocks == nullptr) {
-    const size_t n = t.dump.num_tokens();
-    for (size_t lh = 0; lh < static_cast<size_t>(p.num_layers) * p.num_kv_heads; ++lh) {
-      std::memcpy(p.k.data() + lh * context * row, t.dump.k.data() + lh * n * row, context * row);
-      std::memcpy(p.v.data() + lh * context * row, t.dump.v.data() + lh * n * row, context * row);
-    }
-    return p;
-  }
-  for (size_t b = 0; b < blocks->size(); ++b) {
-    ScatterBlock(g, context, (*blocks)[b], b, p.k.data(), p.v.data());
-  }
-  return p;
-}
 
 struct Row {
   std::string name;
@@ -102,7 +56,7 @@ Row Evaluate(const worker::LlamaModel& model, const BlockGeometry& g,
       decoded.emplace_back(g.num_bytes());
       if (!DecodeBlock(e->bytes, absl::MakeSpan(decoded.back()), ctx).ok()) std::exit(3);
     }
-    const double s = ScoreWith(model, *w.text, w, Prefix(g, *w.text, w.context, &decoded));
+    const double s = ScoreWith(model, w, PrefixOf(g, *w.text, w.context, &decoded));
     sum += s;
     base += baseline[i];
     per_window.push_back(100 * (s - baseline[i]) / baseline[i]);
@@ -153,7 +107,7 @@ int Main(int argc, char** argv) {
     w.context = std::min<size_t>(384, (n - 32) / T * T);
     w.end = std::min(n, w.context + 128);
     windows.push_back(w);
-    baseline.push_back(ScoreWith(**model, t, w, Prefix(g, t, w.context, nullptr)));
+    baseline.push_back(ScoreWith(**model, w, PrefixOf(g, t, w.context, nullptr)));
     scored += w.end - w.context;
   }
   double base_sum = 0;

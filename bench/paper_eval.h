@@ -1,9 +1,10 @@
 // bench/paper_eval.h
 //
-// What bench/paper_bench.cc measures every claim with: held-out windows of the learned dumps
-// (bench/make_learned_dumps.sh, split by text), each window's context coded block by block by a
-// caller-given encoder, decoded, loaded into the reference model (stories260K, real forward pass)
-// and its continuation scored against the same continuation after the dump's own fp16 KV.
+// What bench/paper_bench.cc (and learned_nll_bench.cc) measure with: held-out windows of the
+// learned dumps (bench/make_learned_dumps.sh, split by text), each window's context coded block by
+// block by a caller-given encoder, decoded, loaded into the reference model (stories260K, real
+// forward pass) and its continuation scored against the same continuation after the dump's own fp16
+// KV.
 #ifndef KVTRIE_BENCH_PAPER_EVAL_H_
 #define KVTRIE_BENCH_PAPER_EVAL_H_
 
