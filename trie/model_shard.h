@@ -278,6 +278,16 @@ class ModelShard {
   // FAILED_PRECONDITION when node_id is not standalone or is a centroid itself, centroid_id is not
   // standalone, or their depths or tokens differ; the store's write errors.
   absl::StatusOr<uint64_t> RecodeAgainstCentroid(uint64_t node_id, uint64_t centroid_id);
+  // The background cluster pass's round on this shard (trie/cluster_pass.cc): visits the dirty
+  // near-duplicate groups (ClusterIndex::DirtyGroups), elects each group's centroid among its
+  // standalone members (lowest path surprisal, then most hits, then the current centroid, then
+  // the oldest), moves a lossless cluster's centroid to the elected member (its dependents and
+  // then the old centroid re-encoded losslessly against it, each published alone; the old one is
+  // only re-encoded, never removed, so a read listed before still decodes) and re-encodes each
+  // other standalone member against it (RecodeAgainstCentroid: kept when not smaller). At most
+  // `budget` encodings; a group it could not finish stays dirty. Returns the encodings spent;
+  // adds the groups visited to *groups. Errors: the store's write errors.
+  absl::StatusOr<uint32_t> RunClusterPass(uint32_t budget, uint64_t* groups);
   // Encodes block `block_index` of a Put whose stored prefix ends at `anchor_id`: standalone, or
   // as a residual of the candidate centroid that makes it smallest, when smaller.
   absl::StatusOr<NearDupEncoded> EncodeNewBlock(
@@ -373,6 +383,13 @@ class ModelShard {
                                      Encoding encoding, uint64_t reference_node_id,
                                      uint64_t* replaced_bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
+  // One group of RunClusterPass; *done: every member visited (the group can be settled).
+  absl::StatusOr<uint32_t> SettleClusterGroup(const std::vector<uint64_t>& ids, uint32_t budget,
+                                              bool* done) ABSL_LOCKS_EXCLUDED(write_mu_, mu_);
+  // Moves the lossless cluster of `old_centroid` to `elected` (RunClusterPass). Returns the
+  // encodings spent.
+  absl::StatusOr<uint32_t> MoveCentroid(uint64_t old_centroid, uint64_t elected)
+      ABSL_LOCKS_EXCLUDED(write_mu_, mu_);
   bool SubtreeHasOutsideDependentsLocked(TrieNode* root) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ClusterViewLocked(const TrieNode& node, NodeView* view) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A read of node `n` as listed now: the hot copy or else `*snapshot` (taken when first needed),
@@ -440,7 +457,8 @@ class ModelShard {
   // Counters since start (relaxed atomics: statistics only).
   std::atomic<uint64_t> blocks_stored_{0}, blocks_deduplicated_{0}, lookups_{0}, lookup_hits_{0},
       gets_{0}, puts_{0}, deletes_{0}, evictions_disk_{0}, evicted_bytes_{0},
-      evictions_data_loss_{0}, evictions_deleted_{0}, centroids_reelected_{0};
+      evictions_data_loss_{0}, evictions_deleted_{0}, centroids_reelected_{0},
+      cluster_pass_recoded_{0}, cluster_pass_bytes_saved_{0}, cluster_pass_reelected_{0};
 };
 
 }  // namespace kvtrie
