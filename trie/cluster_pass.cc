@@ -84,10 +84,6 @@ namespace {
 // The groups one shard's round looks at, at most (the budget usually ends it first).
 constexpr size_t kMaxGroupsPerRound = 4096;
 
-bool Retry(const absl::Status& s) {  // a member that changed meanwhile: skip it, not an error
-  return absl::IsNotFound(s) || absl::IsFailedPrecondition(s) || absl::IsAborted(s);
-}
-
 }  // namespace
 
 absl::StatusOr<uint32_t> ModelShard::RunClusterPass(uint32_t budget, uint64_t* groups) {
@@ -143,8 +139,14 @@ absl::StatusOr<uint32_t> ModelShard::SettleClusterGroup(const std::vector<uint64
     *done = true;
     return 0;
   }
+  // One pass over the group encodes each member at most once (a group may pass the budget by
+  // its size when it is the round's first).
+  if (budget < votes.size() && budget < context_->options->cluster_pass_blocks_per_round) {
+    return 0;  // the next round starts with it
+  }
   // The most probable path (the paper's "most probable prefix"), then the most read; ties keep
-  // the current centroid, then a standalone block, then the oldest.
+  // the current centroid, then a standalone block, then the oldest. A lossy residual is not
+  // eligible: stored standalone its reconstruction would be coded losslessly.
   std::sort(votes.begin(), votes.end(), [](const Vote& a, const Vote& b) {
     if (a.path_bits != b.path_bits) return a.path_bits < b.path_bits;
     if (a.hits != b.hits) return a.hits > b.hits;
@@ -152,89 +154,199 @@ absl::StatusOr<uint32_t> ModelShard::SettleClusterGroup(const std::vector<uint64
     if ((a.reference == 0) != (b.reference == 0)) return a.reference == 0;
     return a.id < b.id;
   });
-  uint32_t spent = 0;
-  uint64_t elected = votes.front().id;
-  // A lossless residual elected: its cluster moves to it (bit-exact). A lossy one is not moved
-  // (its reconstruction re-encoded losslessly would outgrow what the move saves): the
-  // standalone members then go to the most probable standalone member.
-  const Vote& e = votes.front();
-  if (e.reference != 0) {
-    const bool movable = e.lossless && std::any_of(votes.begin(), votes.end(), [&](const Vote& v) {
-                           return v.id == e.reference && v.lossless;
-                         });
-    if (movable) {
-      absl::StatusOr<uint32_t> moved = MoveCentroid(e.reference, e.id);
-      if (!moved.ok()) return moved.status();
-      spent += *moved;
-    } else {
-      elected = 0;
-      for (const Vote& v : votes) {
-        if (v.reference == 0) {
-          elected = v.id;
-          break;
-        }
-      }
-      if (elected == 0) {
-        *done = true;
-        return spent;
-      }
-    }
-  }
-  // Every other standalone member without dependents (an old centroid once moved) against it.
+  uint64_t elected = 0;
   for (const Vote& v : votes) {
-    if (v.id == elected) continue;
-    if (spent >= budget) return spent;  // the group stays dirty
-    {
-      absl::MutexLock lock(&mu_);
-      const TrieNode* n = FindLive(v.id);
-      if (n == nullptr || n->reference_node_id != 0 || clusters_.HasDependents(v.id)) continue;
-    }
-    ++spent;
-    absl::StatusOr<uint64_t> saved = RecodeAgainstCentroid(v.id, elected);
-    if (!saved.ok()) {
-      if (Retry(saved.status())) continue;
-      return saved.status();
-    }
-    if (*saved > 0) {
-      cluster_pass_recoded_.fetch_add(1, std::memory_order_relaxed);
-      cluster_pass_bytes_saved_.fetch_add(*saved, std::memory_order_relaxed);
+    if (v.reference == 0 || v.lossless) {
+      elected = v.id;
+      break;
     }
   }
+  if (elected == 0) {
+    *done = true;
+    return 0;
+  }
+  std::vector<uint64_t> members;
+  for (const Vote& v : votes) {
+    if (v.id != elected) members.push_back(v.id);
+  }
+  absl::StatusOr<uint32_t> spent = ConvergeGroup(elected, members);
+  if (!spent.ok()) return spent.status();
   *done = true;
-  return spent;
+  return *spent;
 }
 
-absl::StatusOr<uint32_t> ModelShard::MoveCentroid(uint64_t old_centroid, uint64_t elected) {
-  absl::MutexLock writer(&write_mu_);
-  std::vector<uint64_t> members;
+absl::StatusOr<uint32_t> ModelShard::ConvergeGroup(uint64_t elected,
+                                                   const std::vector<uint64_t>& members) {
+  absl::MutexLock writer(&write_mu_);  // nothing else re-encodes them meanwhile
+  struct Member {
+    uint64_t id = 0;
+    uint64_t parent = 0;  // 0 = the root
+    uint64_t bytes = 0;   // stored now
+    uint64_t reference = 0;
+    bool centroid = false;  // has dependents
+    bool movable = false;   // a centroid whose dependents are all in the group
+    bool forced = false;    // a dependent of a movable centroid: moves with it
+    bool won = false;       // encoded (smaller, unless forced) in `encoded`
+    bool lossless = false;  // stored bit-exact
+    EncodedBlock encoded;   // the trial encoding
+    uint64_t encoded_reference = 0;
+  };
+  BlockGeometry g;
+  Member e;
+  std::vector<Member> others;
+  std::vector<std::pair<uint64_t, uint64_t>> outside;  // (dependent, its movable centroid)
+  bool e_centroid_in_group = false;
   {
     absl::MutexLock lock(&mu_);
-    const TrieNode* c = FindLive(old_centroid);
-    const TrieNode* e = FindLive(elected);
-    // Checked again with write_mu_ held: nothing else re-encodes them now.
-    if (c == nullptr || e == nullptr || c->reference_node_id != 0 ||
-        e->reference_node_id != old_centroid || e->encoding != Encoding::kLossless ||
-        c->encoding != Encoding::kLossless) {
+    const auto get = [&](uint64_t id, Member* m) {
+      const TrieNode* n = FindLive(id);
+      if (n == nullptr) return false;
+      m->id = id;
+      m->parent = n->parent == trie_->root() || n->parent == nullptr ? 0 : n->parent->id;
+      m->bytes = n->bytes_stored;
+      m->reference = n->reference_node_id;
+      m->centroid = clusters_.HasDependents(id);
+      m->lossless = n->encoding == Encoding::kLossless;
+      return true;
+    };
+    const TrieNode* en = FindLive(elected);
+    if (en == nullptr || (en->reference_node_id != 0 && en->encoding != Encoding::kLossless)) {
       return 0;
     }
-    for (uint64_t d : clusters_.Dependents(old_centroid)) {
-      const TrieNode* n = FindLive(d);
-      // Lossy members stay on the old centroid (it is kept): moving them would store their
-      // reconstruction losslessly.
-      if (d != elected && n != nullptr && n->encoding == Encoding::kLossless) members.push_back(d);
+    get(elected, &e);
+    absl::flat_hash_set<uint64_t> group(members.begin(), members.end());
+    group.insert(elected);
+    absl::flat_hash_set<uint64_t> movable;
+    for (uint64_t id : members) {
+      Member m;
+      if (!get(id, &m) || m.reference == elected) continue;
+      if (m.centroid) {
+        const std::vector<uint64_t> deps = clusters_.Dependents(id);
+        // Its dependents outside the group (at a position offset) move too, to the candidates
+        // the Put path would find (RecodeMemberLocked), after the group.
+        m.movable = m.reference == 0;
+        if (m.movable) {
+          movable.insert(id);
+          for (uint64_t d : deps) {
+            if (!group.contains(d)) outside.push_back({d, id});
+          }
+        }
+      }
+      others.push_back(std::move(m));
     }
+    for (Member& m : others) m.forced = !m.centroid && movable.contains(m.reference);
+    e_centroid_in_group = movable.contains(e.reference);
+    g = model_.geometry;
   }
-  std::sort(members.begin(), members.end());
-  DeleteSummary summary;  // what the re-encodings wrote (not a Delete: only counted here)
-  const absl::flat_hash_set<uint64_t> leaving = {old_centroid};  // no longer a candidate
-  bool replaced = false;
-  if (auto s = RecodeMemberLocked(elected, 0, leaving, &summary, &replaced); !s.ok()) return s;
-  uint32_t spent = 1;
-  if (!replaced) return spent;  // gone meanwhile
-  cluster_pass_reelected_.fetch_add(1, std::memory_order_relaxed);
-  for (uint64_t id : members) {
-    if (auto s = RecodeMemberLocked(id, elected, leaving, &summary, &replaced); !s.ok()) return s;
+  std::vector<Corrupt> corrupt;
+  const auto reconstruct = [&](uint64_t id, std::vector<uint8_t>* out) {
+    out->assign(id == 0 ? 0 : g.num_bytes(), 0);
+    if (id == 0) return absl::OkStatus();
+    absl::Status s = ReconstructInternal(id, absl::MakeSpan(*out), &corrupt);
+    DropCorruptLocked(corrupt);
+    corrupt.clear();
+    return s;
+  };
+  // Every encoding here is of a block's exact reconstruction, lossless, predicted from its
+  // parent's reconstruction as a Put's is: what readers decode does not change.
+  const EncodeOptions exact{.encoding = Encoding::kLossless};
+  uint32_t spent = 0;
+  std::vector<uint8_t> recon, parent;
+  // Encodes m against the elected one: kept when smaller than what m stores now, or (forced)
+  // than m standalone, which it then becomes otherwise.
+  const auto trial = [&](Member* m, bool standalone) -> absl::Status {
+    if (!reconstruct(m->id, &recon).ok() || !reconstruct(m->parent, &parent).ok()) {
+      m->won = false;
+      return absl::OkStatus();  // changed or bad: left as it is
+    }
+    PredictionContext ctx;
+    ctx.parent = parent;
+    NearDupEncoded out;
+    if (standalone) {
+      absl::StatusOr<EncodedBlock> enc = EncodeBlock(g, recon, exact, ctx);
+      ++spent;
+      if (!enc.ok()) return enc.status();
+      out.encoded = *std::move(enc);
+      if (m == &e) {
+        m->encoded = std::move(out.encoded);
+        m->won = true;
+        return absl::OkStatus();
+      }
+    } else {
+      out.encoded.bytes.assign(m->bytes, '\0');  // only an encoding smaller than the stored wins
+    }
     ++spent;
+    absl::StatusOr<bool> found =
+        EncodeAgainstCandidates(g, recon, exact, ctx, {{.node_id = e.id}}, &out, &corrupt);
+    DropCorruptLocked(corrupt);
+    corrupt.clear();
+    if (!found.ok()) return found.status();
+    m->won = *found || standalone;
+    m->encoded_reference = *found ? e.id : 0;
+    if (m->won) m->encoded = std::move(out.encoded);
+    return absl::OkStatus();
+  };
+  const auto delta = [](const Member& m) {
+    return m.won ? static_cast<int64_t>(m.bytes) - static_cast<int64_t>(m.encoded.bytes.size()) : 0;
+  };
+  int64_t gain = 0;
+  if (e.reference != 0) {  // the elected one standalone first
+    if (auto s = trial(&e, true); !s.ok()) return s;
+    if (!e.won) return spent;
+    gain += delta(e);
+  }
+  for (Member& m : others) {  // centroids last: once their dependents moved
+    if (m.centroid && !m.movable) continue;
+    if (auto s = trial(&m, m.forced); !s.ok()) return s;
+  }
+  for (const Member& m : others) gain += delta(m);
+  // A lossy cluster moves only when the group's bytes fall (its members keep their
+  // reconstructions, coded losslessly against the elected one's). With the elected one already
+  // standalone, the members that are smaller against it go anyway.
+  // A lossless cluster moves to its most probable member in any case (bit-exact, and the bytes
+  // of every arrival order end near the best's: cluster_pass_test.cc).
+  // (Not when the elected one's centroid is outside the group, at a position offset: that one
+  // stays, and the move must pay for itself.)
+  bool lossless = e.lossless && (e.reference == 0 || e_centroid_in_group);
+  for (const Member& m : others) {
+    if (m.forced || m.movable) lossless = lossless && m.lossless;
+  }
+  const bool move = gain > 0 || lossless;
+  if (!move && e.reference != 0) return spent;
+  const auto publish = [&](const Member& m, uint64_t reference) {
+    uint64_t replaced = 0;
+    absl::Status s =
+        ReplaceEncodingLocked(m.id, m.encoded, Encoding::kLossless, reference, &replaced);
+    if (s.ok() && replaced > m.encoded.bytes.size()) {
+      cluster_pass_bytes_saved_.fetch_add(replaced - m.encoded.bytes.size(),
+                                          std::memory_order_relaxed);
+    }
+    return s;
+  };
+  if (e.reference != 0) {
+    if (auto s = publish(e, 0); !s.ok()) return s;
+    cluster_pass_reelected_.fetch_add(1, std::memory_order_relaxed);
+  }
+  for (int centroids = 0; centroids < 2; ++centroids) {
+    if (centroids == 1 && move) {
+      DeleteSummary summary;  // what RecodeMemberLocked wrote (only counted here)
+      for (const auto& [d, c] : outside) {
+        bool replaced = false;
+        ++spent;
+        if (auto s = RecodeMemberLocked(d, e.id, {c}, &summary, &replaced); !s.ok()) return s;
+      }
+    }
+    for (const Member& m : others) {
+      if (!m.won || m.centroid != (centroids == 1) || (!move && (m.forced || m.centroid))) {
+        continue;
+      }
+      if (m.centroid) {
+        absl::MutexLock lock(&mu_);
+        if (clusters_.HasDependents(m.id)) continue;  // one stayed (not smaller): it stays too
+      }
+      if (auto s = publish(m, m.encoded_reference); !s.ok()) return s;
+      if (m.encoded_reference != 0) cluster_pass_recoded_.fetch_add(1, std::memory_order_relaxed);
+    }
   }
   return spent;
 }
