@@ -126,7 +126,11 @@ absl::StatusOr<uint32_t> ModelShard::SettleClusterGroup(const std::vector<uint64
     const TrieNode* first = nullptr;
     for (uint64_t id : ids) {
       const TrieNode* n = FindLive(id);
-      if (n == nullptr) continue;
+      // RAW (and baseline) blocks stay as their Put asked: only lossless and residual cluster.
+      if (n == nullptr ||
+          (n->encoding != Encoding::kLossless && n->encoding != Encoding::kResidual)) {
+        continue;
+      }
       if (first == nullptr) first = n;
       // Same (depth, tokens) (the group key is a hash of them).
       if (n->depth != first->depth || n->token_ids != first->token_ids) continue;

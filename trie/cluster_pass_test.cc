@@ -122,6 +122,18 @@ TEST_F(ClusterPassTest, EncodedLosslessPutsAreCodedAgainstTheirCentroid) {
   EXPECT_EQ(idle.encodings, 0u);
 }
 
+// RAW blocks stay RAW: the pass clusters only lossless and residual blocks.
+TEST_F(ClusterPassTest, RawBlocksAreLeftAsTheyAre) {
+  Open();
+  const EncodeOptions eo{.encoding = Encoding::kRaw};
+  PutEncoded(dumps_[0], eo);
+  PutEncoded(dumps_[1], eo);
+  const uint64_t before = Bytes();
+  EXPECT_EQ(RunToCompletion(), 0u);
+  EXPECT_EQ(Bytes(), before);
+  EXPECT_EQ(store_->Stats("ns").cluster_pass_recoded, 0u);
+}
+
 // A round spends at most its budget; the groups it could not finish are visited by the next.
 TEST_F(ClusterPassTest, RoundsAreBoundedAndResume) {
   Open(0, 4);
