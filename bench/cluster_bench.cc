@@ -25,10 +25,12 @@
 #include <vector>
 
 #include "client/worker/test_model.h"
+#include "codec/block_codec.h"
 #include "codec/kv_dump.h"
 #include "codec/kv_layout.h"
 #include "tests/insertion_dumps.h"
 #include "trie/kv_store.h"
+#include "trie/kv_store_testing.h"
 
 namespace kvtrie {
 namespace {
@@ -82,6 +84,44 @@ Run Store(const std::vector<KvDump>& dumps, const EncodeOptions& enc, bool clust
   store->reset();
   std::filesystem::remove_all(dir);
   return run;
+}
+
+// Encoded Puts (issue 20): dumps [begin, end) with every block encoded as a worker does (fast
+// profile, no context) and put as it came (AddEncodedBlock: stored standalone); the namespace's
+// stored bytes then, and after the background cluster pass ran until a round encodes nothing.
+std::pair<uint64_t, uint64_t> StoreEncoded(const std::vector<KvDump>& dumps, size_t begin,
+                                           size_t end, const EncodeOptions& enc) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("kvtrie_cluster_bench_enc_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  StoreOptions o;
+  o.data_dir = dir.string();
+  auto store = KvStore::Open(o);
+  if (!store.ok()) std::exit(1);
+  for (size_t i = begin; i < end; ++i) {
+    const KvDump& d = dumps[i];
+    ModelInfo m{d.model_id, {d.num_layers, d.num_kv_heads, kBlockTokens, d.head_dim, d.dtype}};
+    auto session = (*store)->BeginPut("bench", m, d.token_ids, d.surprisal_bits, enc);
+    if (!session.ok()) std::exit(1);
+    std::vector<uint8_t> block(m.geometry.num_bytes());
+    for (size_t b = 0; b < d.num_tokens() / kBlockTokens; ++b) {
+      GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(block));
+      absl::StatusOr<EncodedBlock> e = EncodeBlock(m.geometry, block, enc, PredictionContext{});
+      if (!e.ok()) std::exit(1);
+      PutSession::ClientError err{e->rel_rms_error_k, e->rel_rms_error_v, e->max_abs_error};
+      if (!(*session)->AddEncodedBlock(static_cast<uint32_t>(b), std::move(e->bytes), err).ok()) {
+        std::exit(1);
+      }
+    }
+    if (!(*session)->Finish().ok()) std::exit(1);
+  }
+  const uint64_t before = (*store)->Stats("bench").bytes_stored;
+  while (KvStoreTestPeer::RunClusterPass(store->get()).encodings > 0) {
+  }
+  const uint64_t after = (*store)->Stats("bench").bytes_stored;
+  store->reset();
+  std::filesystem::remove_all(dir);
+  return {before, after};
 }
 
 // The centroid Delete (issue 20): n0..n3 stored with `enc`, then n0's own blocks from 8 on deleted
@@ -308,6 +348,17 @@ int Main(int argc, char** argv) {
       set_bytes(ly_unshifted, "neardup", false), set_bytes(ly_unshifted, "sessions", false));
   row("(d) kvtrie + centroids, lossy", set_bytes(ly_cent, "neardup", false),
       set_bytes(ly_cent, "sessions", false));
+  // Encoded Puts (the default path: workers encode, fast profile): as stored, then after the
+  // background cluster pass.
+  for (const auto& [name, enc] :
+       {std::pair<const char*, EncodeOptions>{
+            "lossless", {.encoding = Encoding::kLossless, .profile = Profile::kFast}},
+        {"lossy",
+         {.encoding = Encoding::kResidual, .profile = Profile::kFast, .target_rel_rms = target}}}) {
+    const auto nd = StoreEncoded(dumps, 0, 4, enc), s = StoreEncoded(dumps, 4, dumps.size(), enc);
+    row((std::string("(e0) encoded Puts, as stored, ") + name).c_str(), nd.first, s.first);
+    row((std::string("(e) encoded Puts, after the pass, ") + name).c_str(), nd.second, s.second);
+  }
 
   std::printf(
       "\nEach member branch after its divergence from n0: bytes with centroids / bytes "

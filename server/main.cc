@@ -136,6 +136,12 @@ ABSL_FLAG(bool, near_dup_clusters, true,
 ABSL_FLAG(double, cluster_max_distance_bits, kvtrie::NearDupOptions().max_distance_bits,
           "near-duplicate candidates farther than this trie distance (bits of the two histories "
           "not shared) are not tried");
+ABSL_FLAG(uint32_t, cluster_pass_interval_ms, 1000,
+          "every this many ms a background pass (nice 10) codes standalone near-duplicates "
+          "(client-encoded Puts) against their group's most probable member and moves lossless "
+          "clusters to it; 0 = off");
+ABSL_FLAG(uint32_t, cluster_pass_blocks_per_round, 64,
+          "blocks the background cluster pass encodes per round at most (all models together)");
 ABSL_FLAG(bool, learn_predictors, true,
           "learn a predictor state per (namespace, model) from the stored blocks in the background "
           "and code new RESIDUAL blocks against its latest version (README \"Learned predictor "
@@ -270,6 +276,9 @@ int Run() {
                      store_options.near_dup.ngram_tokens, store_options.near_dup.ngram_stride);
     return 2;
   }
+  store_options.cluster_pass_interval_ms = absl::GetFlag(FLAGS_cluster_pass_interval_ms);
+  store_options.cluster_pass_blocks_per_round =
+      std::max<uint32_t>(absl::GetFlag(FLAGS_cluster_pass_blocks_per_round), 1);
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<std::unique_ptr<KvStore>> store = KvStore::Open(store_options);
   if (!store.ok()) {

@@ -73,6 +73,7 @@ void ClusterIndex::Add(const TrieNode& node) {
   std::vector<uint64_t>& members = groups_[group];
   members.push_back(node.id);
   if (members.size() == 2) multi_groups_.insert(group);
+  if (members.size() >= 2) dirty_groups_.insert(group);
   ++path_surprisal_histogram_[HistogramBucket(node.path_surprisal_bits)];
   if (node.depth > 0) windows_.Add(node.id, node.token_ids);
   if (node.reference_node_id != 0) dependents_[node.reference_node_id].insert(node.id);
@@ -90,6 +91,7 @@ void ClusterIndex::Remove(const TrieNode& node) {
   erase_from(groups_, group, [&](uint64_t id) { return id == node.id; });
   if (auto it = groups_.find(group); it == groups_.end() || it->second.size() < 2) {
     multi_groups_.erase(group);
+    dirty_groups_.erase(group);
   }
   --path_surprisal_histogram_[HistogramBucket(node.path_surprisal_bits)];
   if (node.depth > 0) windows_.Remove(node.id, node.token_ids);
@@ -240,6 +242,29 @@ std::vector<uint64_t> ClusterIndex::Dependents(uint64_t node_id) const {
 size_t ClusterIndex::NumDependents(uint64_t node_id) const {
   auto it = dependents_.find(node_id);
   return it == dependents_.end() ? 0 : it->second.size();
+}
+
+std::vector<std::pair<uint64_t, std::vector<uint64_t>>> ClusterIndex::DirtyGroups(
+    size_t max) const {
+  std::vector<std::pair<uint64_t, std::vector<uint64_t>>> out;
+  for (uint64_t key : dirty_groups_) {
+    if (out.size() >= max) break;
+    auto it = groups_.find(key);
+    if (it != groups_.end()) out.emplace_back(key, it->second);
+  }
+  return out;
+}
+
+void ClusterIndex::SettleGroup(uint64_t key, std::vector<uint64_t> ids) {
+  auto it = groups_.find(key);
+  if (it == groups_.end()) {
+    dirty_groups_.erase(key);
+    return;
+  }
+  std::vector<uint64_t> now = it->second;
+  std::sort(now.begin(), now.end());
+  std::sort(ids.begin(), ids.end());
+  if (now == ids) dirty_groups_.erase(key);
 }
 
 void ClusterIndex::AddStats(BlockTrie* trie, ClusterStats* out) const {

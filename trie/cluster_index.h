@@ -48,6 +48,7 @@
 #define KVTRIE_TRIE_CLUSTER_INDEX_H_
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -150,6 +151,15 @@ class ClusterIndex {
   std::vector<uint64_t> Dependents(uint64_t node_id) const;
   size_t NumDependents(uint64_t node_id) const;
 
+  // The background pass (trie/cluster_pass.h): the (depth, tokens) groups of two or more nodes
+  // that gained a node (or a node's encoding changed) since the pass last settled them, at most
+  // `max`, each as (group key, its node ids). After a recovery every such group is dirty (nodes
+  // are added back one by one), so a crashed pass resumes. SettleGroup marks a group clean when
+  // its nodes are still exactly `ids` (a Put that added one meanwhile leaves it dirty).
+  std::vector<std::pair<uint64_t, std::vector<uint64_t>>> DirtyGroups(size_t max) const;
+  void SettleGroup(uint64_t key, std::vector<uint64_t> ids);
+  size_t NumDirtyGroups() const { return dirty_groups_.size(); }
+
   void CountTried(uint64_t n) { counters_.candidates_tried += n; }
   void CountNotSmaller() { ++counters_.residual_not_smaller; }
   void CountShifted(bool coded) {
@@ -170,6 +180,7 @@ class ClusterIndex {
   NgramIndex windows_;
   absl::flat_hash_map<uint64_t, absl::flat_hash_set<uint64_t>> dependents_;  // centroid -> members
   absl::flat_hash_set<uint64_t> multi_groups_;  // groups_ keys holding two or more nodes
+  absl::flat_hash_set<uint64_t> dirty_groups_;  // multi_groups_ the background pass must visit
   uint64_t path_surprisal_histogram_[kHistogramBuckets] = {};  // over indexed nodes
   ClusterStats counters_;
 };

@@ -11,6 +11,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "trie/cluster_pass.h"
 #include "trie/kv_store_testing.h"
 #include "trie/model_shard.h"
 #include "trie/record_store.h"
@@ -22,6 +23,7 @@ class KvStore::Impl {
  public:
   explicit Impl(const StoreOptions& options) : options_(options) {}
   ~Impl() {
+    if (cluster_pass_) cluster_pass_->Stop();  // its rounds use the shards
     if (tiers_) tiers_->StopBackground();
     if (learn_queue_) learn_queue_->Stop();  // its jobs use the shards
     shards_.clear();
@@ -54,8 +56,9 @@ class KvStore::Impl {
   RecoveryStats recovery_;
   std::unique_ptr<RecordStore> records_;
   std::unique_ptr<TierManager> tiers_;
-  std::unique_ptr<LearnQueue> learn_queue_;  // null when learning is off
-  std::unique_ptr<TaskPool> codec_pool_;     // Put encodes; outlives every PutSession
+  std::unique_ptr<LearnQueue> learn_queue_;    // null when learning is off
+  std::unique_ptr<TaskPool> codec_pool_;       // Put encodes; outlives every PutSession
+  std::unique_ptr<ClusterPass> cluster_pass_;  // the background cluster pass (its own thread)
   ShardContext context_;
   absl::Mutex gc_mu_;  // one CollectGarbageIfNeeded at a time
   std::atomic<uint64_t> evicted_since_check_{0};
@@ -164,6 +167,15 @@ absl::Status KvStore::Impl::Open() {
                  recovery_.dropped_missing_parent, recovery_.dropped_bad_payload);
   }
   for (auto& [id, shard] : by_id) shard->FreeUnusedPredictors();  // versions nothing needs
+  // Created even when off (interval 0): tests run its rounds (KvStoreTestPeer::RunClusterPass).
+  cluster_pass_ = std::make_unique<ClusterPass>(
+      ClusterPass::Options{.interval_ms = options_.cluster_pass_interval_ms,
+                           .blocks_per_round = options_.cluster_pass_blocks_per_round},
+      [this] {
+        if (!records_->health().ok()) return std::vector<ModelShard*>();  // refuses writes
+        return ShardsOf("", true);
+      });
+  cluster_pass_->Start();
   if (options_.background) {
     tiers_->StartBackground([this] {
       if (options_.disk_bytes == 0 || !records_->health().ok()) return;
@@ -402,6 +414,7 @@ StoreStats KvStore::Impl::StatsOf(const std::string& ns, bool all_if_empty) {
   }
   s.memory_budget_bytes = options_.memory_bytes;
   s.disk_budget_bytes = options_.disk_bytes;
+  if (cluster_pass_) s.cluster_pass_rounds = cluster_pass_->rounds();
   return s;
 }
 
@@ -444,6 +457,11 @@ absl::StatusOr<uint64_t> KvStoreTestPeer::Evict(KvStore* store, const std::strin
   ModelShard* shard = store->impl_->Find(ns, model_id);
   if (shard == nullptr) return absl::NotFoundError("model_id: no such model");
   return shard->Evict(node_ids);
+}
+
+ClusterPassRound KvStoreTestPeer::RunClusterPass(KvStore* store) {
+  const ClusterPass::Round r = store->impl_->cluster_pass_->RunRound();
+  return {.groups = r.groups, .encodings = r.encodings};
 }
 
 absl::StatusOr<uint64_t> KvStoreTestPeer::RecodeAgainstCentroid(KvStore* store,

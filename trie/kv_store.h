@@ -13,9 +13,11 @@
 // ModelShard of its (namespace, model) (trie/model_shard.h: trie, near-duplicate index, counters,
 // its own locks); a TierManager (trie/tier_manager.h) owns the budgets, hot copies, GDSF queues,
 // pins and the background thread; a RecordStore (trie/record_store.h) is the only code that
-// touches RocksDB. Lock order: KvStore::shards_mu_ (only to find a shard) | ModelShard::write_mu_
-// -> ModelShard::mu_ -> TierManager::mu_ -> RecordStore::error_mu_. No lock that a reader takes
-// is held across a RocksDB write or fsync.
+// touches RocksDB; a ClusterPass (trie/cluster_pass.h, its own nice'd thread, off unless
+// StoreOptions::cluster_pass_interval_ms) codes standalone near-duplicates against their
+// elected centroid in the background. Lock order: KvStore::shards_mu_ (only to find a shard) |
+// ModelShard::write_mu_ -> ModelShard::mu_ -> TierManager::mu_ -> RecordStore::error_mu_. No
+// lock that a reader takes is held across a RocksDB write or fsync.
 //
 // Durability. A Put's new blocks (node records and payloads) are written in one batch, then
 // published in memory, so a reader sees a whole block or nothing and a Put is all or nothing.

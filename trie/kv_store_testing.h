@@ -12,6 +12,12 @@
 
 namespace kvtrie {
 
+// What one round of the background cluster pass did (trie/cluster_pass.h).
+struct ClusterPassRound {
+  uint64_t groups = 0;     // dirty near-duplicate groups visited
+  uint64_t encodings = 0;  // blocks encoded
+};
+
 class KvStoreTestPeer {
  public:
   // One background pass now: memory demotion to the low watermark, expired pins, disk budget.
@@ -35,6 +41,9 @@ class KvStoreTestPeer {
   static absl::StatusOr<uint64_t> Evict(KvStore* store, const std::string& ns,
                                         const std::string& model_id,
                                         const std::vector<uint64_t>& node_ids);
+  // One round of the background cluster pass now (trie/cluster_pass.h), with the store's
+  // StoreOptions::cluster_pass_blocks_per_round, whether or not its thread runs.
+  static ClusterPassRound RunClusterPass(KvStore* store);
   // ModelShard::RecodeAgainstCentroid of (ns, model_id).
   static absl::StatusOr<uint64_t> RecodeAgainstCentroid(KvStore* store, const std::string& ns,
                                                         const std::string& model_id,

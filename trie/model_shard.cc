@@ -603,6 +603,9 @@ void ModelShard::AddStats(StoreStats* s) {
   s->evictions_data_loss += get(evictions_data_loss_);
   s->evictions_deleted += get(evictions_deleted_);
   s->centroids_reelected += get(centroids_reelected_);
+  s->cluster_pass_recoded += get(cluster_pass_recoded_);
+  s->cluster_pass_bytes_saved += get(cluster_pass_bytes_saved_);
+  s->cluster_pass_reelected += get(cluster_pass_reelected_);
 }
 
 }  // namespace kvtrie

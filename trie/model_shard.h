@@ -282,6 +282,17 @@ class ModelShard {
   // FAILED_PRECONDITION when node_id is not standalone or is a centroid itself, centroid_id is not
   // standalone, or their depths or tokens differ; the store's write errors.
   absl::StatusOr<uint64_t> RecodeAgainstCentroid(uint64_t node_id, uint64_t centroid_id);
+  // The background cluster pass's round on this shard (trie/cluster_pass.cc): visits the dirty
+  // near-duplicate groups (ClusterIndex::DirtyGroups) and elects each group's centroid: the
+  // member whose path is most probable (lowest path surprisal), then the most hit, then the
+  // current centroid, the oldest; a lossy residual is not eligible. Then codes the others against
+  // it (ConvergeGroup): each member's exact reconstruction, losslessly, kept when smaller; an
+  // elected residual is first stored standalone, only when the group's bytes fall. A centroid
+  // is only re-encoded, never removed, so a read listed before still decodes. At most about
+  // `budget` encodings (a round's first group may pass it by its size); a group it could not
+  // visit stays dirty. Returns the encodings spent; adds the groups visited to *groups.
+  // Errors: the store's write errors.
+  absl::StatusOr<uint32_t> RunClusterPass(uint32_t budget, uint64_t* groups);
   // Encodes block `block_index` of a Put whose stored prefix ends at `anchor_id`: standalone, or
   // as a residual of the candidate centroid that makes it smallest, when smaller.
   absl::StatusOr<NearDupEncoded> EncodeNewBlock(
@@ -377,6 +388,16 @@ class ModelShard {
                                      Encoding encoding, uint64_t reference_node_id,
                                      uint64_t* replaced_bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
+  // One group of RunClusterPass; *done: every member visited (the group can be settled).
+  absl::StatusOr<uint32_t> SettleClusterGroup(const std::vector<uint64_t>& ids, uint32_t budget,
+                                              bool* done) ABSL_LOCKS_EXCLUDED(write_mu_, mu_);
+  // Codes `members` (of one group) against `elected`, each when smaller than what it stores now
+  // (its exact reconstruction, losslessly, predicted from its parent's as a Put's is). When
+  // `elected` is itself a residual (lossless) it is first re-encoded standalone, and only when
+  // the group's bytes fall overall; each change is published alone. Members that are centroids
+  // follow once their dependents moved. Returns the encodings spent.
+  absl::StatusOr<uint32_t> ConvergeGroup(uint64_t elected, const std::vector<uint64_t>& members)
+      ABSL_LOCKS_EXCLUDED(write_mu_, mu_);
   bool SubtreeHasOutsideDependentsLocked(TrieNode* root) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ClusterViewLocked(const TrieNode& node, NodeView* view) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A read of node `n` as listed now: the hot copy or else `*snapshot` (taken when first needed),
@@ -444,7 +465,8 @@ class ModelShard {
   // Counters since start (relaxed atomics: statistics only).
   std::atomic<uint64_t> blocks_stored_{0}, blocks_deduplicated_{0}, lookups_{0}, lookup_hits_{0},
       gets_{0}, puts_{0}, deletes_{0}, evictions_disk_{0}, evicted_bytes_{0},
-      evictions_data_loss_{0}, evictions_deleted_{0}, centroids_reelected_{0};
+      evictions_data_loss_{0}, evictions_deleted_{0}, centroids_reelected_{0},
+      cluster_pass_recoded_{0}, cluster_pass_bytes_saved_{0}, cluster_pass_reelected_{0};
 };
 
 }  // namespace kvtrie

@@ -72,6 +72,12 @@ struct StoreOptions {
   uint64_t put_parent_cache_bytes = 16ull << 20;
   BlockTrie::TokenHash token_hash = BlockTrie::DefaultTokenHash;  // a seam for collision tests
   NearDupOptions near_dup;  // near-duplicate clusters (trie/cluster_index.h)
+  // The background cluster pass (trie/cluster_pass.h): every cluster_pass_interval_ms it codes
+  // standalone near-duplicates (e.g. client-encoded Put blocks) against their elected centroid,
+  // at most cluster_pass_blocks_per_round encodings per round. 0 = off (the library's default;
+  // the server's flags --cluster_pass_interval_ms, --cluster_pass_blocks_per_round turn it on).
+  uint32_t cluster_pass_interval_ms = 0;
+  uint32_t cluster_pass_blocks_per_round = 64;
   PredictorOptions predictors;
   // Tiers (trie/tier_manager.h). 0 = unbounded.
   uint64_t memory_bytes = 1ull << 30;  // hot payload bytes in memory
@@ -266,6 +272,13 @@ struct StoreStats {
   uint64_t evictions_deleted = 0;    // nodes removed by Delete
   // Centroids deleted or evicted whose members elected a new centroid among them.
   uint64_t centroids_reelected = 0;
+  // The background cluster pass (trie/cluster_pass.h), since start: rounds run (server-wide:
+  // the same in every namespace's Stats), standalone blocks it re-encoded as residuals of their
+  // group's centroid, the payload bytes that saved, and centroids it moved to the elected member.
+  uint64_t cluster_pass_rounds = 0;
+  uint64_t cluster_pass_recoded = 0;
+  uint64_t cluster_pass_bytes_saved = 0;
+  uint64_t cluster_pass_reelected = 0;
   uint64_t pins_expired = 0;
   uint64_t puts_rejected_disk_full = 0;  // RESOURCE_EXHAUSTED: pins hold the disk budget
   ClusterStats cluster;  // near-duplicate clusters and the surprisal / distance histograms

@@ -1,0 +1,358 @@
+// ClusterPass (trie/cluster_pass.h), and the shard's part of it: ModelShard::RunClusterPass and
+// its helpers (declared in trie/model_shard.h, kept here with the pass they serve).
+#include "trie/cluster_pass.h"
+
+#include <spdlog/spdlog.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "absl/time/time.h"
+#include "trie/model_shard.h"
+
+namespace kvtrie {
+
+ClusterPass::ClusterPass(Options options, std::function<std::vector<ModelShard*>()> shards)
+    : options_(options), shards_(std::move(shards)) {}
+
+ClusterPass::~ClusterPass() { Stop(); }
+
+void ClusterPass::Start() {
+  if (options_.interval_ms == 0 || thread_.joinable()) return;
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = false;
+  }
+  thread_ = std::thread([this] { Loop(); });
+}
+
+void ClusterPass::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+void ClusterPass::Loop() {
+  // Linux applies nice per thread: the pass yields the cores to Puts and Gets.
+  if (setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 10) != 0) {
+    spdlog::warn("cluster pass: setpriority failed (errno {})", errno);
+  }
+  const absl::Duration interval = absl::Milliseconds(options_.interval_ms);
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.AwaitWithTimeout(absl::Condition(&stop_), interval);
+      if (stop_) return;
+    }
+    RunRound();
+  }
+}
+
+ClusterPass::Round ClusterPass::RunRound() {
+  absl::MutexLock round(&round_mu_);
+  Round r;
+  const uint32_t budget = std::max<uint32_t>(options_.blocks_per_round, 1);
+  for (ModelShard* shard : shards_()) {
+    if (r.encodings >= budget) break;
+    {
+      absl::MutexLock lock(&mu_);
+      if (stop_) break;
+    }
+    uint64_t groups = 0;
+    absl::StatusOr<uint32_t> spent =
+        shard->RunClusterPass(static_cast<uint32_t>(budget - r.encodings), &groups);
+    r.groups += groups;
+    if (!spent.ok()) {
+      spdlog::error("cluster pass: namespace '{}': {}", shard->ns(), spent.status().ToString());
+      continue;
+    }
+    r.encodings += *spent;
+  }
+  if (r.groups > 0) rounds_.fetch_add(1, std::memory_order_relaxed);
+  return r;
+}
+
+// --- ModelShard's part ----------------------------------------------------------------------
+
+namespace {
+
+// The groups one shard's round looks at, at most (the budget usually ends it first).
+constexpr size_t kMaxGroupsPerRound = 4096;
+
+}  // namespace
+
+absl::StatusOr<uint32_t> ModelShard::RunClusterPass(uint32_t budget, uint64_t* groups) {
+  std::vector<std::pair<uint64_t, std::vector<uint64_t>>> dirty;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!committed_ || !context_->options->near_dup.enabled) return 0;
+    dirty = clusters_.DirtyGroups(kMaxGroupsPerRound);
+  }
+  uint32_t spent = 0;
+  for (auto& [key, ids] : dirty) {
+    if (spent >= budget) break;
+    bool done = false;
+    absl::StatusOr<uint32_t> s = SettleClusterGroup(ids, budget - spent, &done);
+    if (!s.ok()) return s.status();
+    spent += *s;
+    ++*groups;
+    if (done) {
+      absl::MutexLock lock(&mu_);
+      clusters_.SettleGroup(key, ids);
+    }
+  }
+  return spent;
+}
+
+absl::StatusOr<uint32_t> ModelShard::SettleClusterGroup(const std::vector<uint64_t>& ids,
+                                                        uint32_t budget, bool* done) {
+  *done = false;
+  struct Vote {
+    uint64_t id;
+    double path_bits;
+    uint64_t hits;
+    bool centroid;  // standalone with dependents
+    bool lossless;
+    uint64_t reference;  // its centroid (0 = standalone)
+  };
+  std::vector<Vote> votes;
+  {
+    absl::MutexLock lock(&mu_);
+    const TrieNode* first = nullptr;
+    for (uint64_t id : ids) {
+      const TrieNode* n = FindLive(id);
+      // RAW (and baseline) blocks stay as their Put asked: only lossless and residual cluster.
+      if (n == nullptr ||
+          (n->encoding != Encoding::kLossless && n->encoding != Encoding::kResidual)) {
+        continue;
+      }
+      if (first == nullptr) first = n;
+      // Same (depth, tokens) (the group key is a hash of them).
+      if (n->depth != first->depth || n->token_ids != first->token_ids) continue;
+      votes.push_back({id, n->path_surprisal_bits, n->hits,
+                       n->reference_node_id == 0 && clusters_.HasDependents(id),
+                       n->encoding == Encoding::kLossless, n->reference_node_id});
+    }
+  }
+  if (votes.size() < 2) {
+    *done = true;
+    return 0;
+  }
+  // One pass over the group encodes each member at most once (a group may pass the budget by
+  // its size when it is the round's first).
+  if (budget < votes.size() && budget < context_->options->cluster_pass_blocks_per_round) {
+    return 0;  // the next round starts with it
+  }
+  // The most probable path (the paper's "most probable prefix"), then the most read; ties keep
+  // the current centroid, then a standalone block, then the oldest. A lossy residual is not
+  // eligible: stored standalone its reconstruction would be coded losslessly.
+  std::sort(votes.begin(), votes.end(), [](const Vote& a, const Vote& b) {
+    if (a.path_bits != b.path_bits) return a.path_bits < b.path_bits;
+    if (a.hits != b.hits) return a.hits > b.hits;
+    if (a.centroid != b.centroid) return a.centroid;
+    if ((a.reference == 0) != (b.reference == 0)) return a.reference == 0;
+    return a.id < b.id;
+  });
+  uint64_t elected = 0;
+  for (const Vote& v : votes) {
+    if (v.reference == 0 || v.lossless) {
+      elected = v.id;
+      break;
+    }
+  }
+  if (elected == 0) {
+    *done = true;
+    return 0;
+  }
+  std::vector<uint64_t> members;
+  for (const Vote& v : votes) {
+    if (v.id != elected) members.push_back(v.id);
+  }
+  absl::StatusOr<uint32_t> spent = ConvergeGroup(elected, members);
+  if (!spent.ok()) return spent.status();
+  *done = true;
+  return *spent;
+}
+
+absl::StatusOr<uint32_t> ModelShard::ConvergeGroup(uint64_t elected,
+                                                   const std::vector<uint64_t>& members) {
+  absl::MutexLock writer(&write_mu_);  // nothing else re-encodes them meanwhile
+  struct Member {
+    uint64_t id = 0;
+    uint64_t parent = 0;  // 0 = the root
+    uint64_t bytes = 0;   // stored now
+    uint64_t reference = 0;
+    bool centroid = false;  // has dependents
+    bool movable = false;   // a centroid whose dependents are all in the group
+    bool forced = false;    // a dependent of a movable centroid: moves with it
+    bool won = false;       // encoded (smaller, unless forced) in `encoded`
+    bool lossless = false;  // stored bit-exact
+    EncodedBlock encoded;   // the trial encoding
+    uint64_t encoded_reference = 0;
+  };
+  BlockGeometry g;
+  Member e;
+  std::vector<Member> others;
+  std::vector<std::pair<uint64_t, uint64_t>> outside;  // (dependent, its movable centroid)
+  bool e_centroid_in_group = false;
+  {
+    absl::MutexLock lock(&mu_);
+    const auto get = [&](uint64_t id, Member* m) {
+      const TrieNode* n = FindLive(id);
+      if (n == nullptr) return false;
+      m->id = id;
+      m->parent = n->parent == trie_->root() || n->parent == nullptr ? 0 : n->parent->id;
+      m->bytes = n->bytes_stored;
+      m->reference = n->reference_node_id;
+      m->centroid = clusters_.HasDependents(id);
+      m->lossless = n->encoding == Encoding::kLossless;
+      return true;
+    };
+    const TrieNode* en = FindLive(elected);
+    if (en == nullptr || (en->reference_node_id != 0 && en->encoding != Encoding::kLossless)) {
+      return 0;
+    }
+    get(elected, &e);
+    absl::flat_hash_set<uint64_t> group(members.begin(), members.end());
+    group.insert(elected);
+    absl::flat_hash_set<uint64_t> movable;
+    for (uint64_t id : members) {
+      Member m;
+      if (!get(id, &m) || m.reference == elected) continue;
+      if (m.centroid) {
+        const std::vector<uint64_t> deps = clusters_.Dependents(id);
+        // Its dependents outside the group (at a position offset) move too, to the candidates
+        // the Put path would find (RecodeMemberLocked), after the group.
+        m.movable = m.reference == 0;
+        if (m.movable) {
+          movable.insert(id);
+          for (uint64_t d : deps) {
+            if (!group.contains(d)) outside.push_back({d, id});
+          }
+        }
+      }
+      others.push_back(std::move(m));
+    }
+    for (Member& m : others) m.forced = !m.centroid && movable.contains(m.reference);
+    e_centroid_in_group = movable.contains(e.reference);
+    g = model_.geometry;
+  }
+  std::vector<Corrupt> corrupt;
+  const auto reconstruct = [&](uint64_t id, std::vector<uint8_t>* out) {
+    out->assign(id == 0 ? 0 : g.num_bytes(), 0);
+    if (id == 0) return absl::OkStatus();
+    absl::Status s = ReconstructInternal(id, absl::MakeSpan(*out), &corrupt);
+    DropCorruptLocked(corrupt);
+    corrupt.clear();
+    return s;
+  };
+  // Every encoding here is of a block's exact reconstruction, lossless, predicted from its
+  // parent's reconstruction as a Put's is: what readers decode does not change.
+  const EncodeOptions exact{.encoding = Encoding::kLossless};
+  uint32_t spent = 0;
+  std::vector<uint8_t> recon, parent;
+  // Encodes m against the elected one: kept when smaller than what m stores now, or (forced)
+  // than m standalone, which it then becomes otherwise.
+  const auto trial = [&](Member* m, bool standalone) -> absl::Status {
+    if (!reconstruct(m->id, &recon).ok() || !reconstruct(m->parent, &parent).ok()) {
+      m->won = false;
+      return absl::OkStatus();  // changed or bad: left as it is
+    }
+    PredictionContext ctx;
+    ctx.parent = parent;
+    NearDupEncoded out;
+    if (standalone) {
+      absl::StatusOr<EncodedBlock> enc = EncodeBlock(g, recon, exact, ctx);
+      ++spent;
+      if (!enc.ok()) return enc.status();
+      out.encoded = *std::move(enc);
+      if (m == &e) {
+        m->encoded = std::move(out.encoded);
+        m->won = true;
+        return absl::OkStatus();
+      }
+    } else {
+      out.encoded.bytes.assign(m->bytes, '\0');  // only an encoding smaller than the stored wins
+    }
+    ++spent;
+    absl::StatusOr<bool> found =
+        EncodeAgainstCandidates(g, recon, exact, ctx, {{.node_id = e.id}}, &out, &corrupt);
+    DropCorruptLocked(corrupt);
+    corrupt.clear();
+    if (!found.ok()) return found.status();
+    m->won = *found || standalone;
+    m->encoded_reference = *found ? e.id : 0;
+    if (m->won) m->encoded = std::move(out.encoded);
+    return absl::OkStatus();
+  };
+  const auto delta = [](const Member& m) {
+    return m.won ? static_cast<int64_t>(m.bytes) - static_cast<int64_t>(m.encoded.bytes.size()) : 0;
+  };
+  int64_t gain = 0;
+  if (e.reference != 0) {  // the elected one standalone first
+    if (auto s = trial(&e, true); !s.ok()) return s;
+    if (!e.won) return spent;
+    gain += delta(e);
+  }
+  for (Member& m : others) {  // centroids last: once their dependents moved
+    if (m.centroid && !m.movable) continue;
+    if (auto s = trial(&m, m.forced); !s.ok()) return s;
+  }
+  for (const Member& m : others) gain += delta(m);
+  // A lossy cluster moves only when the group's bytes fall (its members keep their
+  // reconstructions, coded losslessly against the elected one's). With the elected one already
+  // standalone, the members that are smaller against it go anyway.
+  // A lossless cluster moves to its most probable member in any case (bit-exact, and the bytes
+  // of every arrival order end near the best's: cluster_pass_test.cc).
+  // (Not when the elected one's centroid is outside the group, at a position offset: that one
+  // stays, and the move must pay for itself.)
+  bool lossless = e.lossless && (e.reference == 0 || e_centroid_in_group);
+  for (const Member& m : others) {
+    if (m.forced || m.movable) lossless = lossless && m.lossless;
+  }
+  const bool move = gain > 0 || lossless;
+  if (!move && e.reference != 0) return spent;
+  const auto publish = [&](const Member& m, uint64_t reference) {
+    uint64_t replaced = 0;
+    absl::Status s =
+        ReplaceEncodingLocked(m.id, m.encoded, Encoding::kLossless, reference, &replaced);
+    if (s.ok() && replaced > m.encoded.bytes.size()) {
+      cluster_pass_bytes_saved_.fetch_add(replaced - m.encoded.bytes.size(),
+                                          std::memory_order_relaxed);
+    }
+    return s;
+  };
+  if (e.reference != 0) {
+    if (auto s = publish(e, 0); !s.ok()) return s;
+    cluster_pass_reelected_.fetch_add(1, std::memory_order_relaxed);
+  }
+  for (int centroids = 0; centroids < 2; ++centroids) {
+    if (centroids == 1 && move) {
+      DeleteSummary summary;  // what RecodeMemberLocked wrote (only counted here)
+      for (const auto& [d, c] : outside) {
+        bool replaced = false;
+        ++spent;
+        if (auto s = RecodeMemberLocked(d, e.id, {c}, &summary, &replaced); !s.ok()) return s;
+      }
+    }
+    for (const Member& m : others) {
+      if (!m.won || m.centroid != (centroids == 1) || (!move && (m.forced || m.centroid))) {
+        continue;
+      }
+      if (m.centroid) {
+        absl::MutexLock lock(&mu_);
+        if (clusters_.HasDependents(m.id)) continue;  // one stayed (not smaller): it stays too
+      }
+      if (auto s = publish(m, m.encoded_reference); !s.ok()) return s;
+      if (m.encoded_reference != 0) cluster_pass_recoded_.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+  return spent;
+}
+
+}  // namespace kvtrie
