@@ -370,10 +370,12 @@ TEST_F(ReelectTest, DeletingLossyCentroidsReelectsKeepingMembersWithinTheirTarge
   for (size_t i = 1; i < dumps_.size(); ++i) ExpectReadable("ns", dumps_[i], 0.1);
   ExpectReadable("ns", dumps_[0], 0.1, /*whole=*/false);
   // Members keep their reconstructions bit-exact (lossless against the new centroid, the new
-  // centroid lossless standalone): 78,850 -> 232,344 bytes (+195 %), against +690 % when every
-  // member went standalone lossless; not the issue's +10 % (a lossy new centroid would change its
-  // reconstruction, which its members and descendants predict from).
-  EXPECT_LE(run_.growth(), 2.0) << run_.before << " -> " << run_.after << " bytes";
+  // centroid lossless standalone): 78,850 -> 240,313 bytes (+205 %; +195 % without the n-gram
+  // index, which makes n3's shifted blocks members too), against +690 % when every member went
+  // standalone lossless; not the issue's +10 % (a lossy new centroid would change its
+  // reconstruction, which its members and descendants predict from). The bound guards against
+  // going back towards +690 %.
+  EXPECT_LE(run_.growth(), 2.3) << run_.before << " -> " << run_.after << " bytes";
 }
 
 TEST_F(ClusterStoreTest, EvictingACentroidReelectsAndMembersStillReadBack) {
