@@ -181,6 +181,12 @@ grpc::Status KvCacheService::StatsIn(const std::string& ns, bool whole_server_if
   response->set_near_dup_not_smaller(s.cluster.residual_not_smaller);
   response->set_position_shifted_skipped(s.cluster.position_shifted_skipped);
   response->set_position_shifted_coded(s.cluster.position_shifted_coded);
+  response->set_centroids_reelected(s.centroids_reelected);
+  response->set_cluster_pass_rounds(s.cluster_pass_rounds);
+  response->set_cluster_pass_recoded(s.cluster_pass_recoded);
+  response->set_cluster_pass_bytes_saved(s.cluster_pass_bytes_saved);
+  response->set_cluster_pass_reelected(s.cluster_pass_reelected);
+  response->set_ngram_entries(s.cluster.ngram_entries);
   ToHistogram(s.cluster.path_surprisal_histogram, response->mutable_path_surprisal_histogram());
   ToHistogram(s.cluster.branch_distance_histogram, response->mutable_branch_distance_histogram());
   response->set_predictor_versions(s.predictor_versions);

@@ -167,6 +167,15 @@ class Metrics::StoreCollector final : public prometheus::Collectable {
     counter("kvtrie_centroids_reelected_total",
             "Centroids deleted or evicted whose members elected a new centroid among them.",
             total.centroids_reelected);
+    counter("kvtrie_cluster_pass_recoded_total",
+            "Standalone blocks the background cluster pass re-encoded as residuals of their "
+            "group's centroid.",
+            total.cluster_pass_recoded);
+    counter("kvtrie_cluster_pass_bytes_saved_total",
+            "Payload bytes the background cluster pass saved.", total.cluster_pass_bytes_saved);
+    counter("kvtrie_cluster_pass_reelected_total",
+            "Centroids the background cluster pass moved to the group's most probable member.",
+            total.cluster_pass_reelected);
     counter("kvtrie_predictor_fits_total", "Learned predictor state versions published.",
             total.predictor_fits);
     counter("kvtrie_predictor_observations_dropped_total",

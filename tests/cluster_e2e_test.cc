@@ -166,7 +166,12 @@ TEST_F(ClusterEndToEnd, LosslessNearDuplicatesAreCentroidResidualsAndReadBackBit
   // and after d2 one of n1's and n2's blocks per deleted centroid: its cluster re-elected the
   // other (issue 20).
   const size_t blocks = n0_.num_tokens() / kBlockTokens;
-  EXPECT_EQ(client->Stats()->residual_nodes(), (d2 - d1 - 1) + (blocks - d2 - 1));
+  absl::StatusOr<v1::StatsResponse> after = client->Stats();
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->residual_nodes(), (d2 - d1 - 1) + (blocks - d2 - 1));
+  // One per deleted centroid with a member: n0's block d2 (n1's block there its one member) and
+  // every block after it.
+  EXPECT_EQ(after->centroids_reelected(), blocks - d2);
 }
 
 TEST_F(ClusterEndToEnd, LossyNearDuplicatesMeetTheDefaultTargetInBothGetModes) {
@@ -303,6 +308,11 @@ TEST(ClusterPassEndToEnd, ClientEncodedNearDuplicatesShrinkAfterThePass) {
   ASSERT_TRUE(st.ok());
   EXPECT_LE(st->bytes_stored(), sent * 0.70);  // measured: 669,266 (-36 %)
   EXPECT_GT(st->residual_nodes(), 40u);
+  // The pass's counters reach the Stats RPC: every residual is its work (the Puts coded none).
+  EXPECT_GE(st->cluster_pass_rounds(), 1u);
+  EXPECT_EQ(st->cluster_pass_recoded(), st->residual_nodes());
+  EXPECT_GE(st->cluster_pass_bytes_saved(), sent - st->bytes_stored());
+  EXPECT_GT(st->ngram_entries(), 0u);
   for (const KvDump& d : dumps) {
     for (v1::GetMode mode : {v1::GET_MODE_RECONSTRUCTED, v1::GET_MODE_RESIDUAL}) {
       absl::StatusOr<KvDump> got = client->Get(d.model_id, d.token_ids, {.mode = mode});
