@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "codec/kv_dump.h"
 #include "codec/kv_layout.h"
 #include "gtest/gtest.h"
@@ -395,6 +396,35 @@ TEST_F(ClusterStoreTest, EvictingACentroidReelectsAndMembersStillReadBack) {
   auto got = store_->Get("ns", n0.model_id, n0.token_ids, 0);
   ASSERT_TRUE(got.ok());
   EXPECT_EQ(got->blocks.size(), n0.num_tokens() / kBlockTokens - 1);
+}
+
+// One eviction of a centroid together with some of its members (the disk budget evicts many
+// leaves at once): the new centroid is never one that goes in the same eviction, so the member
+// that stays reads back bit-exact, whichever member the election would prefer.
+TEST_F(ClusterStoreTest, EvictingACentroidWithMembersNeverElectsOneThatGoes) {
+  const KvDump n[4] = {Load("neardup/n0"), Load("neardup/n1"), Load("neardup/n2"),
+                       Load("neardup/n3")};
+  const EncodeOptions enc{.encoding = Encoding::kLossless};
+  for (size_t stays = 1; stays < 4; ++stays) {
+    SCOPED_TRACE(absl::StrCat("n", stays, " stays"));
+    const std::string ns = absl::StrCat("ns", stays);
+    uint64_t leaf[4];
+    for (int i = 0; i < 4; ++i) {
+      auto s = Put(ns, n[i], enc);
+      ASSERT_TRUE(s.ok()) << s.status();
+      leaf[i] = s->blocks.back().node_id;
+      if (i > 0) ASSERT_EQ(s->blocks.back().reference_node_id, leaf[0]);
+    }
+    std::vector<uint64_t> victims;  // the members first, then their centroid
+    for (size_t i = 1; i < 4; ++i) {
+      if (i != stays) victims.push_back(leaf[i]);
+    }
+    victims.push_back(leaf[0]);
+    auto freed = KvStoreTestPeer::Evict(store_.get(), ns, n[0].model_id, victims);
+    ASSERT_TRUE(freed.ok()) << freed.status();
+    EXPECT_EQ(store_->Stats(ns).evictions_disk, 3u);
+    ExpectReadable(ns, n[stays], 0);
+  }
 }
 
 // The background pass's hook: a member stored standalone (here: clusters off when it was Put) is
