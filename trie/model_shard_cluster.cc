@@ -166,17 +166,22 @@ bool ModelShard::RetireReferencesLocked(uint64_t node_id) {
   return added;
 }
 
-absl::Status ModelShard::ReleaseDependentsLocked(uint64_t node_id, DeleteSummary* summary) {
-  // The clusters whose centroid is inside node_id's subtree, with their members outside it.
+absl::Status ModelShard::ReleaseDependentsLocked(absl::Span<const uint64_t> roots,
+                                                 DeleteSummary* summary) {
+  // The clusters whose centroid is inside a root's subtree, with their members outside them all.
   std::map<uint64_t, std::vector<uint64_t>> clusters;  // centroid -> members outside, by id
-  absl::flat_hash_set<uint64_t> leaving;               // the subtree: never a new centroid
+  absl::flat_hash_set<uint64_t> leaving;               // the subtrees: never a new centroid
   {
     absl::MutexLock lock(&mu_);
-    TrieNode* root = FindLive(node_id);
-    if (root == nullptr) return absl::OkStatus();  // nothing left to protect
-    const std::vector<TrieNode*> subtree = SubtreeLocked(root);
-    for (TrieNode* n : subtree) leaving.insert(n->id);
-    for (TrieNode* n : subtree) {
+    std::vector<TrieNode*> going;
+    for (uint64_t id : roots) {
+      TrieNode* root = FindLive(id);
+      if (root == nullptr) continue;  // nothing left to protect
+      for (TrieNode* n : SubtreeLocked(root)) {
+        if (leaving.insert(n->id).second) going.push_back(n);
+      }
+    }
+    for (TrieNode* n : going) {
       for (uint64_t d : clusters_.Dependents(n->id)) {
         if (FindLive(d) != nullptr && !leaving.contains(d)) clusters[n->id].push_back(d);
       }
