@@ -427,6 +427,55 @@ TEST_F(ClusterStoreTest, EvictingACentroidWithMembersNeverElectsOneThatGoes) {
   }
 }
 
+// A Get that lists a member (cold: read from a RocksDB snapshot) after its re-election's new
+// encoding is on disk but before it is published reads a payload coded against another centroid
+// than its listing names: ABORTED (read it again, as a client does), never another error.
+TEST_F(ClusterStoreTest, AReadBetweenAReencodingsWriteAndItsPublicationIsAborted) {
+  store_.reset();
+  std::filesystem::remove_all(dir_);
+  StoreOptions o;
+  o.data_dir = dir_.string();
+  o.memory_bytes = 1;  // every read from disk
+  auto opened = KvStore::Open(o);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  store_ = *std::move(opened);
+  const KvDump n[4] = {Load("neardup/n0"), Load("neardup/n1"), Load("neardup/n2"),
+                       Load("neardup/n3")};
+  const EncodeOptions enc{.encoding = Encoding::kLossless};
+  uint64_t centroid = 0;
+  for (int i = 0; i < 4; ++i) {
+    auto s = Put("ns", n[i], enc);
+    ASSERT_TRUE(s.ok()) << s.status();
+    if (i == 0) centroid = s->blocks.back().node_id;
+  }
+  const ModelInfo m = Model(n[0]);
+  int reads = 0, aborted = 0;
+  KvStoreTestPeer::SetReplaceHook(store_.get(), [&] {
+    for (int i = 1; i < 4; ++i) {
+      auto got = store_->Get("ns", m.model_id, n[i].token_ids, 0);
+      ASSERT_TRUE(got.ok()) << got.status();
+      std::vector<uint8_t> have(m.geometry.num_bytes());
+      DecodeChain chain(m.geometry, nullptr);
+      for (const BlockRead& b : got->blocks) {
+        absl::Status s =
+            store_->ReadAndDecodeBlock("ns", m.model_id, b, &chain, absl::MakeSpan(have));
+        ++reads;
+        if (absl::IsAborted(s)) {
+          ++aborted;
+          break;  // the rest of the chain is read again
+        }
+        ASSERT_TRUE(s.ok()) << "n" << i << " node " << b.node_id << ": " << s;
+      }
+    }
+  });
+  auto freed = KvStoreTestPeer::Evict(store_.get(), "ns", m.model_id, {centroid});
+  KvStoreTestPeer::SetReplaceHook(store_.get(), nullptr);
+  ASSERT_TRUE(freed.ok()) << freed.status();
+  EXPECT_GT(reads, 0);
+  EXPECT_GT(aborted, 0);  // the hook saw the window
+  for (int i = 1; i < 4; ++i) ExpectReadable("ns", n[i], 0);
+}
+
 // The background pass's hook: a member stored standalone (here: clusters off when it was Put) is
 // re-encoded against a centroid and stays bit-exact, smaller; a re-election still works after.
 TEST_F(ClusterStoreTest, RecodeAgainstCentroidMakesAStandaloneMemberAResidual) {

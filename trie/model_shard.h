@@ -119,6 +119,9 @@ struct ShardContext {
   // outside the prefix were re-encoded and before the prefix is removed, with the shard's
   // write_mu_ held (so it may read, not write). Set before the store serves.
   std::function<void()> delete_hook_for_test;
+  // Test seam (KvStoreTestPeer::SetReplaceHook): runs when a block's new encoding (a centroid's
+  // member re-encoded) is on disk and not yet published, with write_mu_ held (it may read).
+  std::function<void()> replace_hook_for_test;
 };
 
 class ModelShard {

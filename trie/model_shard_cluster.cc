@@ -387,6 +387,7 @@ absl::Status ModelShard::ReplaceEncodingLocked(uint64_t node_id, const EncodedBl
   // The disk budget may be passed by the growth of a re-encoded block until the Delete that
   // asked for it frees its subtree (and the background pass evicts).
   if (auto s = context_->records->Write(batch); !s.ok()) return s;
+  if (context_->replace_hook_for_test) context_->replace_hook_for_test();
   absl::MutexLock lock(&mu_);
   TrieNode* n = trie_->Find(node_id);  // write_mu_: still there
   const uint64_t old_centroid = n->reference_node_id;
