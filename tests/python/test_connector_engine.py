@@ -300,7 +300,8 @@ def test_a_range_get_equals_the_slice_of_the_whole_get(server):
         rk, rv, rn = c.get(tokens_, layers=(lb, le))
         assert rn == n and rk.shape == (le - lb,) + fk.shape[1:]
         assert np.array_equal(rk, fk[lb:le]) and np.array_equal(rv, fv[lb:le])
-    for bad, field in [((0, 6), "layer_end"), ((3, 3), "layer_begin")]:
+    for bad, field in [((0, 6), "layer_end"), ((3, 3), "layer_begin"), ((0, 2**32), "layer_end"),
+                       ((2**32, 2**32 + 1), "layer_begin")]:
         with pytest.raises(kvtrie.Error) as e:
             c.get(tokens_, layers=bad)
         assert e.value.code == kvtrie.StatusCode.INVALID_ARGUMENT
