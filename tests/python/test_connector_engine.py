@@ -227,6 +227,14 @@ def test_layout_detection_checks_shapes():
         detect_layout((2, 64, 16, 4, 8), num_blocks=32)  # not the declared number of blocks
 
 
+def test_parallel_config_out_of_range_is_a_value_error_naming_it():
+    base = {"target": "127.0.0.1:1", "model_id": "stories260K"}
+    for cfg, field in [({"tp_size": 2, "tp_rank": 2}, "tp_rank"), ({"tp_size": 0}, "tp_size"),
+                       ({"pp_size": -1}, "pp_size"), ({"load_layer_groups": 0}, "load_layer_groups")]:
+        with pytest.raises(ValueError, match=f"^{field}"):
+            KvtrieConnector(role=KVConnectorRole.WORKER, config={**base, **cfg})
+
+
 class GatedPuts:
     """A kvtrie.Client whose put waits for `gate` (the commit of a save in flight)."""
 
