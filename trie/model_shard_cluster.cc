@@ -282,10 +282,18 @@ absl::Status ModelShard::RecodeMemberLocked(uint64_t node_id, uint64_t centroid_
       const NearDupOptions& nd = context_->options->near_dup;
       TrieNode* n = FindLive(node_id);
       if (n == nullptr) return absl::OkStatus();
+      // Never the node itself or below it (a window of its own text and its child's): decoding
+      // such a centroid (or its parent) walks up to the node again, without end.
+      auto own = [&](uint64_t id) {  // id is n or below it
+        for (const TrieNode* a = id != 0 ? FindLive(id) : nullptr; a != nullptr; a = a->parent) {
+          if (a == n) return true;
+        }
+        return false;
+      };
       for (const ClusterIndex::Candidate& c : clusters_.FindCandidates(
                trie_.get(), n->parent, n->depth, n->token_ids, n->path_surprisal_bits,
                nd.max_distance_bits, nd.max_candidates)) {
-        if (c.node_id == node_id || leaving.contains(c.node_id) ||
+        if (own(c.node_id) || own(c.reference_parent_id) || leaving.contains(c.node_id) ||
             leaving.contains(c.reference_parent_id) || (c.shifted && !nd.position_shifted)) {
           continue;
         }
