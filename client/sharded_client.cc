@@ -333,8 +333,11 @@ bool ShardedClient::WarmUpGet(const std::string& model_id, absl::Span<const uint
     absl::MutexLock lock(&mu_);
     ++counters_.warmup_hits;
   }
-  // Copy it to the new owner, without surprisal (a Get does not return it).
-  std::shared_ptr<Client> o = Acquire(owner);
+  // Copy it to the new owner, without surprisal (a Get does not return it). Not a layer range:
+  // its KvDump holds some layers only, and stored as the model it would register the model on the
+  // new owner with that many layers and serve them as the whole KV.
+  const bool whole = options.layer_begin == 0 && options.layer_end == 0;
+  std::shared_ptr<Client> o = whole ? Acquire(owner) : nullptr;
   if (o != nullptr) {
     std::vector<float> surprisal;
     surprisal.swap(out->surprisal_bits);

@@ -57,7 +57,8 @@ struct ShardedClientOptions {
   // owner once; a Get answered there is also Put to the new owner with `warmup_put` (whose
   // block_tokens must be the model's), so the new owner is warm when the window ends. The copy
   // is of what Get returned (reconstructed: a lossy encoding is encoded again), without
-  // surprisal. CLI: --shard_warmup_seconds; Python: warmup_window=.
+  // surprisal; a Get of a layer range is not copied. CLI: --shard_warmup_seconds; Python:
+  // warmup_window=.
   absl::Duration warmup_window = absl::ZeroDuration();
   // The copies' (warm-up and replica) Put: bit-exact by default (ENCODING_LOSSLESS,
   // PROFILE_FAST), so a copy of a lossy (RESIDUAL) prefix reads back identical to the owner's

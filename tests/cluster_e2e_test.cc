@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
@@ -323,6 +324,70 @@ TEST(ClusterPassEndToEnd, ClientEncodedNearDuplicatesShrinkAfterThePass) {
   }
   server->reset();
   std::filesystem::remove_all(dir);
+}
+
+// A client that stalls in the middle of a RECONSTRUCTED Get stream of n1 while the centroid its
+// blocks are coded against (n0's branch) is deleted and a member re-elected: the rest of the
+// stream is either the same bytes as before the Delete or ABORTED (a retryable end), never
+// different KV.
+TEST_F(ClusterEndToEnd, AStalledGetStreamAcrossACentroidDeleteServesTheSameBytesOrAborts) {
+  const std::string ns = "stall";
+  auto client = NewClient(ns);
+  const PutOptions lossless{.encoding = v1::ENCODING_LOSSLESS,
+                            .profile = v1::EncodingSpec::PROFILE_COMPACT};
+  const KvDump n3 = Load("neardup/n3");
+  for (const KvDump* d : std::vector<const KvDump*>{&n0_, &n1_, &n2_, &n3})
+    ASSERT_TRUE(client->Put(*d, lossless).ok());
+  auto stub = v1::KVCache::NewStub(
+      grpc::CreateChannel(server_->target(), grpc::InsecureChannelCredentials()));
+  v1::GetRequest req;
+  req.set_namespace_(ns);
+  req.set_model_id(n1_.model_id);
+  req.mutable_token_ids()->Add(n1_.token_ids.begin(), n1_.token_ids.end());
+  req.set_mode(v1::GET_MODE_RECONSTRUCTED);
+  // (block, first layer) -> bytes, of an undisturbed stream.
+  std::map<std::pair<uint32_t, uint32_t>, std::string> want;
+  {
+    grpc::ClientContext ctx;
+    auto reader = stub->Get(&ctx, req);
+    v1::GetResponse msg;
+    ASSERT_TRUE(reader->Read(&msg) && msg.has_header());
+    while (reader->Read(&msg)) {
+      want[{msg.block().block_index(), msg.block().layer_begin()}] = msg.block().kv();
+    }
+    ASSERT_TRUE(reader->Finish().ok());
+  }
+  ASSERT_GT(want.size(), 20u);
+  grpc::ClientContext ctx;
+  auto reader = stub->Get(&ctx, req);
+  v1::GetResponse msg;
+  ASSERT_TRUE(reader->Read(&msg) && msg.has_header());
+  size_t seen = 0, differ = 0;
+  ASSERT_TRUE(reader->Read(&msg));  // one block, then the client stalls
+  differ += want[{msg.block().block_index(), msg.block().layer_begin()}] != msg.block().kv();
+  ++seen;
+  std::vector<uint32_t> prefix(
+      n0_.token_ids.begin(),
+      n0_.token_ids.begin() + (DivergenceBlock(n0_, n1_) + 1) * kBlockTokens);
+  absl::StatusOr<v1::DeleteResponse> del = client->Delete(n0_.model_id, prefix);
+  ASSERT_TRUE(del.ok()) << del.status();
+  while (reader->Read(&msg)) {
+    differ += want[{msg.block().block_index(), msg.block().layer_begin()}] != msg.block().kv();
+    ++seen;
+  }
+  grpc::Status s = reader->Finish();
+  EXPECT_TRUE(s.ok() || s.error_code() == grpc::StatusCode::ABORTED) << s.error_message();
+  if (s.ok()) {
+    EXPECT_EQ(seen, want.size());
+  }
+  EXPECT_EQ(differ, 0u) << "of " << seen << " messages";
+  // And afterwards n1 reads back as before, in both modes.
+  for (v1::GetMode mode : {v1::GET_MODE_RECONSTRUCTED, v1::GET_MODE_RESIDUAL}) {
+    absl::StatusOr<KvDump> got = client->Get(n1_.model_id, n1_.token_ids, {.mode = mode});
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->k, n1_.k);
+    EXPECT_EQ(got->v, n1_.v);
+  }
 }
 
 }  // namespace

@@ -365,6 +365,40 @@ TEST_F(ShardE2E, WarmUpAsksThePreviousOwnerOnceAndCopiesToTheNewOne) {
   EXPECT_EQ(c.counters().warmup_hits, n.warmup_hits);
 }
 
+// A layer range the previous owner answers is not copied to the new owner as if it were the
+// model: a later whole Get there returns every layer bit-exact, never the range's layers alone
+// (the copy would register the model on the new owner with the range's layer count).
+TEST_F(ShardE2E, WarmUpOfALayerRangeNeverStoresTheRangeAsTheModel) {
+  for (int i = 0; i < 3; ++i) StartShard(i);
+  ShardedClientOptions o = Options();
+  o.shards = ShardList();
+  o.warmup_window = absl::Seconds(60);
+  o.warmup_put = Lossless();
+  absl::StatusOr<std::unique_ptr<ShardedClient>> made = ShardedClient::Create(o);
+  ASSERT_TRUE(made.ok()) << made.status();
+  ShardedClient& c = **made;
+  PutAll(c);
+  std::vector<std::string> before;
+  for (const KvDump& p : Prefixes()) before.push_back(c.OwnerOf(p.model_id, p.token_ids).name);
+  StartShard(3);
+  ASSERT_TRUE(c.SetShards(Membership()).ok());
+  int moved = 0;
+  for (size_t n = 0; n < Prefixes().size(); ++n) {
+    const KvDump& p = Prefixes()[n];
+    if (c.OwnerOf(p.model_id, p.token_ids).name == before[n]) continue;
+    ++moved;
+    absl::StatusOr<KvDump> part =
+        c.Get(p.model_id, p.token_ids, {.layer_begin = 1, .layer_end = 3});
+    ASSERT_TRUE(part.ok()) << part.status();
+    EXPECT_EQ(part->num_layers, 2u);
+    absl::StatusOr<KvDump> whole = c.Get(p.model_id, p.token_ids);
+    ASSERT_TRUE(whole.ok()) << whole.status();
+    EXPECT_EQ(whole->num_layers, p.num_layers);
+    EXPECT_TRUE(SameKv(*whole, p));
+  }
+  ASSERT_GT(moved, 0);
+}
+
 TEST_F(ShardE2E, CliRoutesByShardsAndStatsFanOutEvenWithALostShard) {
   for (int i = 0; i < 2; ++i) StartShard(i);
   // kvtrie-9 is listed but nothing serves it: a lost shard from the start.

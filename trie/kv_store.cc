@@ -446,6 +446,10 @@ void KvStoreTestPeer::SetDeleteHook(KvStore* store, std::function<void()> hook) 
   store->impl_->context_.delete_hook_for_test = std::move(hook);
 }
 
+void KvStoreTestPeer::SetReplaceHook(KvStore* store, std::function<void()> hook) {
+  store->impl_->context_.replace_hook_for_test = std::move(hook);
+}
+
 void KvStoreTestPeer::FreeUnusedPredictors(KvStore* store, const std::string& ns,
                                            const std::string& model_id) {
   if (ModelShard* shard = store->impl_->Find(ns, model_id)) shard->FreeUnusedPredictors();

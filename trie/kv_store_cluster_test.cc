@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "codec/kv_dump.h"
 #include "codec/kv_layout.h"
 #include "gtest/gtest.h"
@@ -397,6 +398,161 @@ TEST_F(ClusterStoreTest, EvictingACentroidReelectsAndMembersStillReadBack) {
   auto got = store_->Get("ns", n0.model_id, n0.token_ids, 0);
   ASSERT_TRUE(got.ok());
   EXPECT_EQ(got->blocks.size(), n0.num_tokens() / kBlockTokens - 1);
+}
+
+// One eviction of a centroid together with some of its members (the disk budget evicts many
+// leaves at once): the new centroid is never one that goes in the same eviction, so the member
+// that stays reads back bit-exact, whichever member the election would prefer.
+TEST_F(ClusterStoreTest, EvictingACentroidWithMembersNeverElectsOneThatGoes) {
+  const KvDump n[4] = {Load("neardup/n0"), Load("neardup/n1"), Load("neardup/n2"),
+                       Load("neardup/n3")};
+  const EncodeOptions enc{.encoding = Encoding::kLossless};
+  for (size_t stays = 1; stays < 4; ++stays) {
+    SCOPED_TRACE(absl::StrCat("n", stays, " stays"));
+    const std::string ns = absl::StrCat("ns", stays);
+    uint64_t leaf[4];
+    for (int i = 0; i < 4; ++i) {
+      auto s = Put(ns, n[i], enc);
+      ASSERT_TRUE(s.ok()) << s.status();
+      leaf[i] = s->blocks.back().node_id;
+      if (i > 0) ASSERT_EQ(s->blocks.back().reference_node_id, leaf[0]);
+    }
+    std::vector<uint64_t> victims;  // the members first, then their centroid
+    for (size_t i = 1; i < 4; ++i) {
+      if (i != stays) victims.push_back(leaf[i]);
+    }
+    victims.push_back(leaf[0]);
+    auto freed = KvStoreTestPeer::Evict(store_.get(), ns, n[0].model_id, victims);
+    ASSERT_TRUE(freed.ok()) << freed.status();
+    EXPECT_EQ(store_->Stats(ns).evictions_disk, 3u);
+    ExpectReadable(ns, n[stays], 0);
+  }
+}
+
+// A Get that lists a member (cold: read from a RocksDB snapshot) after its re-election's new
+// encoding is on disk but before it is published reads a payload coded against another centroid
+// than its listing names: ABORTED (read it again, as a client does), never another error.
+TEST_F(ClusterStoreTest, AReadBetweenAReencodingsWriteAndItsPublicationIsAborted) {
+  store_.reset();
+  std::filesystem::remove_all(dir_);
+  StoreOptions o;
+  o.data_dir = dir_.string();
+  o.memory_bytes = 1;  // every read from disk
+  auto opened = KvStore::Open(o);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  store_ = *std::move(opened);
+  const KvDump n[4] = {Load("neardup/n0"), Load("neardup/n1"), Load("neardup/n2"),
+                       Load("neardup/n3")};
+  const EncodeOptions enc{.encoding = Encoding::kLossless};
+  uint64_t centroid = 0;
+  for (int i = 0; i < 4; ++i) {
+    auto s = Put("ns", n[i], enc);
+    ASSERT_TRUE(s.ok()) << s.status();
+    if (i == 0) centroid = s->blocks.back().node_id;
+  }
+  const ModelInfo m = Model(n[0]);
+  int reads = 0, aborted = 0;
+  KvStoreTestPeer::SetReplaceHook(store_.get(), [&] {
+    for (int i = 1; i < 4; ++i) {
+      auto got = store_->Get("ns", m.model_id, n[i].token_ids, 0);
+      ASSERT_TRUE(got.ok()) << got.status();
+      std::vector<uint8_t> have(m.geometry.num_bytes());
+      DecodeChain chain(m.geometry, nullptr);
+      for (const BlockRead& b : got->blocks) {
+        absl::Status s =
+            store_->ReadAndDecodeBlock("ns", m.model_id, b, &chain, absl::MakeSpan(have));
+        ++reads;
+        if (absl::IsAborted(s)) {
+          ++aborted;
+          break;  // the rest of the chain is read again
+        }
+        ASSERT_TRUE(s.ok()) << "n" << i << " node " << b.node_id << ": " << s;
+      }
+    }
+  });
+  auto freed = KvStoreTestPeer::Evict(store_.get(), "ns", m.model_id, {centroid});
+  KvStoreTestPeer::SetReplaceHook(store_.get(), nullptr);
+  ASSERT_TRUE(freed.ok()) << freed.status();
+  EXPECT_GT(reads, 0);
+  EXPECT_GT(aborted, 0);  // the hook saw the window
+  for (int i = 1; i < 4; ++i) ExpectReadable("ns", n[i], 0);
+}
+
+// A dump of `tokens` whose KV rows are s0's rows `rows` (real KV, tokens chosen for the trie).
+KvDump Synthetic(const KvDump& s0, const std::vector<uint32_t>& tokens,
+                 const std::vector<size_t>& rows) {
+  KvDump d;
+  d.model_id = s0.model_id;
+  d.num_layers = s0.num_layers;
+  d.num_kv_heads = s0.num_kv_heads;
+  d.head_dim = s0.head_dim;
+  d.dtype = s0.dtype;
+  d.token_ids = tokens;
+  d.surprisal_bits.assign(tokens.size(), 1.0f);
+  const size_t row = s0.head_dim * 2, planes = s0.num_layers * s0.num_kv_heads;
+  for (const std::vector<uint8_t>* x : {&s0.k, &s0.v}) {
+    std::vector<uint8_t>& out = x == &s0.k ? d.k : d.v;
+    for (size_t p = 0; p < planes; ++p) {
+      for (size_t r : rows) {
+        const uint8_t* src = x->data() + (p * s0.num_tokens() + r) * row;
+        out.insert(out.end(), src, src + row);
+      }
+    }
+  }
+  return d;
+}
+
+// A position-shifted member whose own text repeats within half a block, and whose child continues
+// it: re-elected after its centroid's Delete, it must not be coded against a window of itself and
+// its own child (its decode would need itself: unbounded recursion).
+TEST_F(ClusterStoreTest, AReelectedShiftedMemberIsNeverCodedAgainstItself) {
+  const KvDump s0 = Load("sessions/s0");
+  auto seq = [](uint32_t from) {
+    std::vector<uint32_t> t(kBlockTokens);
+    for (uint32_t i = 0; i < kBlockTokens; ++i) t[i] = from + i;
+    return t;
+  };
+  auto rows = [](size_t from) {
+    std::vector<size_t> r(kBlockTokens);
+    for (size_t i = 0; i < kBlockTokens; ++i) r[i] = from + i;
+    return r;
+  };
+  auto cat = [](std::vector<std::vector<uint32_t>> parts) {
+    std::vector<uint32_t> out;
+    for (auto& p : parts) out.insert(out.end(), p.begin(), p.end());
+    return out;
+  };
+  auto catr = [](std::vector<std::vector<size_t>> parts) {
+    std::vector<size_t> out;
+    for (auto& p : parts) out.insert(out.end(), p.begin(), p.end());
+    return out;
+  };
+  std::vector<uint32_t> periodic(kBlockTokens), cont = seq(500);
+  for (uint32_t i = 0; i < kBlockTokens; ++i) periodic[i] = 1 + i % 4;
+  for (uint32_t i = 0; i < 4; ++i) cont[i] = 1 + i;  // continues the period for 4 tokens
+  // KV rows with the text's period too: x's and y's periodic blocks alike, w's a little apart.
+  std::vector<size_t> prow(kBlockTokens), wrow(kBlockTokens), crow = rows(100);
+  for (size_t i = 0; i < kBlockTokens; ++i) {
+    prow[i] = 16 + i % 4;
+    wrow[i] = i < 12 ? 16 + i % 4 : 40 + i % 4;
+  }
+  for (size_t i = 0; i < 4; ++i) crow[i] = 16 + i;
+  const KvDump x = Synthetic(s0, cat({seq(100), periodic}), catr({rows(0), prow}));
+  const KvDump w = Synthetic(s0, cat({seq(200), periodic}), catr({rows(32), wrow}));
+  const KvDump y = Synthetic(s0, cat({seq(300), seq(400), periodic, cont}),
+                             catr({rows(64), rows(80), prow, crow}));
+  const EncodeOptions enc{.encoding = Encoding::kLossless};
+  auto px = Put("ns", x, enc);
+  auto pw = Put("ns", w, enc);
+  auto py = Put("ns", y, enc);
+  ASSERT_TRUE(px.ok() && pw.ok() && py.ok());
+  const uint64_t centroid = px->blocks[1].node_id;
+  EXPECT_EQ(pw->blocks[1].reference_node_id, centroid);
+  ASSERT_EQ(py->blocks[2].reference_node_id, centroid);  // a shifted member of x's block
+  ASSERT_EQ(py->blocks[3].reference_node_id, 0u);        // its child: standalone
+  ASSERT_TRUE(store_->Delete("ns", x.model_id, x.token_ids).ok());
+  ExpectReadable("ns", w, 0);
+  ExpectReadable("ns", y, 0);
 }
 
 // The background pass's hook: a member stored standalone (here: clusters off when it was Put) is

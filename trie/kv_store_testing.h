@@ -33,6 +33,9 @@ class KvStoreTestPeer {
   // and removing the prefix, with the shard's writer lock held (it may read, not write or
   // Delete). Set it before the store is used concurrently.
   static void SetDeleteHook(KvStore* store, std::function<void()> hook);
+  // Runs `hook` whenever a re-election's new encoding of a block is on disk and not yet published
+  // (ModelShard::ReplaceEncodingLocked), with the shard's writer lock held (it may read).
+  static void SetReplaceHook(KvStore* store, std::function<void()> hook);
   // Frees the learned states nothing needs any more, as the learner does after each refit.
   static void FreeUnusedPredictors(KvStore* store, const std::string& ns,
                                    const std::string& model_id);

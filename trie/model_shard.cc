@@ -390,6 +390,16 @@ absl::Status ModelShard::ReadAndDecodeInternal(const BlockRead& block, DecodeCha
 absl::Status ModelShard::DecodeInternal(const BlockRead& block, const std::string& payload,
                                         DecodeChain* chain, absl::Span<uint8_t> out,
                                         std::vector<Corrupt>* corrupt) {
+  // A re-election writes a member's new encoding (against another centroid) before it publishes
+  // it: a cold read listed in between has the old listing and the new bytes. Read it again.
+  if (absl::StatusOr<BlockHeader> h = ParseVerifiedBlock(payload);
+      h.ok() && h->reference_node_id != block.reference_node_id) {
+    return absl::AbortedError(absl::StrCat("node ", block.node_id,
+                                           " was re-encoded while it was read (its bytes name "
+                                           "centroid ",
+                                           h->reference_node_id, ", its listing ",
+                                           block.reference_node_id, "); read it again"));
+  }
   // The centroid and, for one used at a position offset, its parent (codec/reference_shift.h).
   const uint64_t needed[2] = {block.reference_node_id,
                               DecodeChain::ReferenceParentOf(payload, block.reference_node_id,

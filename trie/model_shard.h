@@ -119,6 +119,9 @@ struct ShardContext {
   // outside the prefix were re-encoded and before the prefix is removed, with the shard's
   // write_mu_ held (so it may read, not write). Set before the store serves.
   std::function<void()> delete_hook_for_test;
+  // Test seam (KvStoreTestPeer::SetReplaceHook): runs when a block's new encoding (a centroid's
+  // member re-encoded) is on disk and not yet published, with write_mu_ held (it may read).
+  std::function<void()> replace_hook_for_test;
 };
 
 class ModelShard {
@@ -353,11 +356,12 @@ class ModelShard {
   // puts in it the reconstructions of the subtree's centroids (and of their parents inside it).
   // Returns whether it added any (the Delete then starts a new epoch once the subtree is gone).
   bool RetireReferencesLocked(uint64_t node_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
-  // Near-duplicates (model_shard_cluster.cc): for every centroid inside node_id's subtree with
-  // members outside it, re-elects (ReelectLocked), so the subtree can go. Every member's
-  // reconstruction stays bit-exact. Counts the bytes replaced and written, the nodes re-encoded
-  // and the centroids re-elected in *summary.
-  absl::Status ReleaseDependentsLocked(uint64_t node_id, DeleteSummary* summary)
+  // Near-duplicates (model_shard_cluster.cc): for every centroid inside the subtree of one of
+  // `roots` with members outside them all, re-elects (ReelectLocked) a member outside them all,
+  // so the subtrees can go together (an eviction of many leaves never elects one that goes).
+  // Every member's reconstruction stays bit-exact. Counts the bytes replaced and written, the
+  // nodes re-encoded and the centroids re-elected in *summary.
+  absl::Status ReleaseDependentsLocked(absl::Span<const uint64_t> roots, DeleteSummary* summary)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
   // Elects among `members` (of centroid_id, which goes; ascending ids) the one whose path is most
   // probable (lowest path surprisal), then most hit, then with most dependents (preferring those

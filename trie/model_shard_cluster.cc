@@ -166,17 +166,22 @@ bool ModelShard::RetireReferencesLocked(uint64_t node_id) {
   return added;
 }
 
-absl::Status ModelShard::ReleaseDependentsLocked(uint64_t node_id, DeleteSummary* summary) {
-  // The clusters whose centroid is inside node_id's subtree, with their members outside it.
+absl::Status ModelShard::ReleaseDependentsLocked(absl::Span<const uint64_t> roots,
+                                                 DeleteSummary* summary) {
+  // The clusters whose centroid is inside a root's subtree, with their members outside them all.
   std::map<uint64_t, std::vector<uint64_t>> clusters;  // centroid -> members outside, by id
-  absl::flat_hash_set<uint64_t> leaving;               // the subtree: never a new centroid
+  absl::flat_hash_set<uint64_t> leaving;               // the subtrees: never a new centroid
   {
     absl::MutexLock lock(&mu_);
-    TrieNode* root = FindLive(node_id);
-    if (root == nullptr) return absl::OkStatus();  // nothing left to protect
-    const std::vector<TrieNode*> subtree = SubtreeLocked(root);
-    for (TrieNode* n : subtree) leaving.insert(n->id);
-    for (TrieNode* n : subtree) {
+    std::vector<TrieNode*> going;
+    for (uint64_t id : roots) {
+      TrieNode* root = FindLive(id);
+      if (root == nullptr) continue;  // nothing left to protect
+      for (TrieNode* n : SubtreeLocked(root)) {
+        if (leaving.insert(n->id).second) going.push_back(n);
+      }
+    }
+    for (TrieNode* n : going) {
       for (uint64_t d : clusters_.Dependents(n->id)) {
         if (FindLive(d) != nullptr && !leaving.contains(d)) clusters[n->id].push_back(d);
       }
@@ -277,10 +282,18 @@ absl::Status ModelShard::RecodeMemberLocked(uint64_t node_id, uint64_t centroid_
       const NearDupOptions& nd = context_->options->near_dup;
       TrieNode* n = FindLive(node_id);
       if (n == nullptr) return absl::OkStatus();
+      // Never the node itself or below it (a window of its own text and its child's): decoding
+      // such a centroid (or its parent) walks up to the node again, without end.
+      auto own = [&](uint64_t id) {  // id is n or below it
+        for (const TrieNode* a = id != 0 ? FindLive(id) : nullptr; a != nullptr; a = a->parent) {
+          if (a == n) return true;
+        }
+        return false;
+      };
       for (const ClusterIndex::Candidate& c : clusters_.FindCandidates(
                trie_.get(), n->parent, n->depth, n->token_ids, n->path_surprisal_bits,
                nd.max_distance_bits, nd.max_candidates)) {
-        if (c.node_id == node_id || leaving.contains(c.node_id) ||
+        if (own(c.node_id) || own(c.reference_parent_id) || leaving.contains(c.node_id) ||
             leaving.contains(c.reference_parent_id) || (c.shifted && !nd.position_shifted)) {
           continue;
         }
@@ -382,6 +395,7 @@ absl::Status ModelShard::ReplaceEncodingLocked(uint64_t node_id, const EncodedBl
   // The disk budget may be passed by the growth of a re-encoded block until the Delete that
   // asked for it frees its subtree (and the background pass evicts).
   if (auto s = context_->records->Write(batch); !s.ok()) return s;
+  if (context_->replace_hook_for_test) context_->replace_hook_for_test();
   absl::MutexLock lock(&mu_);
   TrieNode* n = trie_->Find(node_id);  // write_mu_: still there
   const uint64_t old_centroid = n->reference_node_id;

@@ -245,7 +245,7 @@ absl::StatusOr<DeleteSummary> ModelShard::Delete(absl::Span<const uint32_t> toke
   // Near-duplicates coded against a node of the subtree are re-encoded first. Only writers add
   // dependents, and write_mu_ keeps them out until the subtree is gone.
   DeleteSummary summary;
-  if (auto s = ReleaseDependentsLocked(id, &summary); !s.ok()) return s;
+  if (auto s = ReleaseDependentsLocked({id}, &summary); !s.ok()) return s;
   if (context_->delete_hook_for_test) context_->delete_hook_for_test();
   {
     absl::MutexLock lock(&mu_);
@@ -318,13 +318,18 @@ absl::StatusOr<uint64_t> ModelShard::Evict(const std::vector<uint64_t>& ids) {
   }
   // A centroid goes like any leaf once its members elected a new one (ReleaseDependentsLocked);
   // reads listed before keep its reconstruction (RetiredReferences).
-  bool retired = false;
+  // All victims at once: a member that goes in this eviction is never elected (its members would
+  // be left without their centroid).
+  bool retired = false, centroids = false;
   uint64_t grown = 0;
   for (uint64_t id : victims) {
     if (!HasDependents(id)) continue;
     retired |= RetireReferencesLocked(id);
+    centroids = true;
+  }
+  if (centroids) {
     DeleteSummary summary;
-    absl::Status s = ReleaseDependentsLocked(id, &summary);
+    absl::Status s = ReleaseDependentsLocked(victims, &summary);
     if (summary.bytes_rewritten > summary.bytes_freed) {
       grown += summary.bytes_rewritten - summary.bytes_freed;
     }

@@ -227,6 +227,14 @@ def test_layout_detection_checks_shapes():
         detect_layout((2, 64, 16, 4, 8), num_blocks=32)  # not the declared number of blocks
 
 
+def test_parallel_config_out_of_range_is_a_value_error_naming_it():
+    base = {"target": "127.0.0.1:1", "model_id": "stories260K"}
+    for cfg, field in [({"tp_size": 2, "tp_rank": 2}, "tp_rank"), ({"tp_size": 0}, "tp_size"),
+                       ({"pp_size": -1}, "pp_size"), ({"load_layer_groups": 0}, "load_layer_groups")]:
+        with pytest.raises(ValueError, match=f"^{field}"):
+            KvtrieConnector(role=KVConnectorRole.WORKER, config={**base, **cfg})
+
+
 class GatedPuts:
     """A kvtrie.Client whose put waits for `gate` (the commit of a save in flight)."""
 
@@ -300,7 +308,8 @@ def test_a_range_get_equals_the_slice_of_the_whole_get(server):
         rk, rv, rn = c.get(tokens_, layers=(lb, le))
         assert rn == n and rk.shape == (le - lb,) + fk.shape[1:]
         assert np.array_equal(rk, fk[lb:le]) and np.array_equal(rv, fv[lb:le])
-    for bad, field in [((0, 6), "layer_end"), ((3, 3), "layer_begin")]:
+    for bad, field in [((0, 6), "layer_end"), ((3, 3), "layer_begin"), ((0, 2**32), "layer_end"),
+                       ((2**32, 2**32 + 1), "layer_begin")]:
         with pytest.raises(kvtrie.Error) as e:
             c.get(tokens_, layers=bad)
         assert e.value.code == kvtrie.StatusCode.INVALID_ARGUMENT

@@ -257,3 +257,33 @@ def test_an_empty_membership_is_a_miss_not_an_index_error(shards):
     assert e.value.code == kvtrie.StatusCode.UNAVAILABLE
     with pytest.raises(kvtrie.Error):
         c.delete(tokens)
+
+
+def test_warm_up_of_a_layer_range_never_stores_the_range_as_the_model(shards, tmp_path):
+    """A Get of layers [1, 3) that the previous owner answers copies nothing partial to the new
+    owner: a later whole Get there returns every layer bit-exact (or misses), never 2 layers."""
+    c = kvtrie.ShardedClient("stories260K", shards=shard_list(shards), namespace="py",
+                             warmup_window=60.0, warmup_put={"encoding": "lossless"})
+    prefixes = windows()
+    for tokens, k, v in prefixes:
+        c.put(tokens, k, v, encoding="lossless")
+    before = [c.owner(t) for t, _, _ in prefixes]
+    fourth = ServerProcess(tmp_path / "kvtrie-3")
+    try:
+        c.set_shards(shard_list(shards + [fourth]))
+        moved = 0
+        for (tokens, k, v), was in zip(prefixes, before):
+            if c.owner(tokens) == was:
+                continue
+            moved += 1
+            k2, v2, n = c.get(tokens, layers=(1, 3))
+            assert n == len(tokens) and k2.shape[0] == 2
+            assert np.array_equal(bits(k2), bits(k[1:3])) and np.array_equal(bits(v2), bits(v[1:3]))
+            k3, v3, n3 = c.get(tokens)
+            assert n3 == len(tokens)
+            assert k3.shape == k.shape, f"{k3.shape} served for a {k.shape} prefix"
+            assert np.array_equal(bits(k3), bits(k)) and np.array_equal(bits(v3), bits(v))
+        assert moved > 0
+    finally:
+        fourth.proc.kill()
+        fourth.proc.wait()

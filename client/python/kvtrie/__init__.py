@@ -555,6 +555,9 @@ class Client:
         if layers is not None and (lb < 0 or le <= lb):
             raise _invalid(f"layer_begin: layers {tuple(layers)} is not a range "
                            "(begin, end > begin)")
+        for name, x in (("layer_begin", lb), ("layer_end", le)):
+            if x > 0xFFFFFFFF:  # the wire's uint32
+                raise _invalid(f"{name}: {x} is past any model's layers")
         k, v, n, spec = self._c.get(_tokens(tokens), _mode(mode), int(max_blocks), lb, le)
         if spec is not None:
             if layers is None:  # a range's spec holds only its layers

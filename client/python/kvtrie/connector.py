@@ -270,6 +270,9 @@ def _parallel_suffix(cfg: Dict[str, Any], vllm_config: Any, scheduler: bool) -> 
     par = getattr(vllm_config, "parallel_config", None) if vllm_config is not None else None
     tp = int(cfg.get("tp_size", getattr(par, "tensor_parallel_size", 1) or 1))
     pp = int(cfg.get("pp_size", getattr(par, "pipeline_parallel_size", 1) or 1))
+    for name, n in (("tp_size", tp), ("pp_size", pp)):
+        if n < 1:
+            raise ValueError(f"{name}: {n} is not >= 1")
     rank = int(getattr(par, "rank", 0) or 0) if par is not None else 0
     tp_rank, pp_rank = rank % tp, rank // tp % pp
     if par is not None and not scheduler and (tp > 1 or pp > 1):  # pragma: no cover - vLLM

@@ -355,7 +355,10 @@ class ShardedClient:
                 with self._lock:
                     self.counters["warmup_hits"] += 1
                 target = dict(self.shards).get(owner)
-                new = self._acquire((owner, target)) if target else None
+                # Not a layer range (get's fourth argument): its arrays hold some layers only,
+                # and put as the model they would register it on the new owner with that many.
+                whole = kwargs.get("layers", args[2] if len(args) > 2 else None) is None
+                new = self._acquire((owner, target)) if target and whole else None
                 try:
                     if new is not None:
                         new.put(tokens[:n], k, v, **self._warmup_put)
