@@ -236,19 +236,23 @@ def test_a_prefix_evicted_after_the_lookup_is_recomputed(model, cold, server):
     assert worker.stats["save_errors"] == 0 and c.lookup(prompt(1)) == 512  # saved by the redo
 
 
-@pytest.mark.parametrize("how", ["raises", "skipped"])
+@pytest.mark.parametrize("how", ["raises", "raises_other", "skipped"])
 def test_a_save_missing_a_layer_stores_nothing(model, cold, server, how):
-    # One layer's save raises (or never runs): the request is not committed, so nothing of it
-    # is stored (no zero-filled layer served as KV) and the next prompt recomputes.
+    # One layer's save raises (kvtrie's Error, or any other exception: a bug, a torch error) or
+    # never runs: the request is not committed, so nothing of it is stored (no zero-filled layer
+    # served as KV), wait_for_save raises nothing (a failed save costs a miss, never the worker)
+    # and the next prompt recomputes.
     ns = f"layer-{how}"
     engine, _, worker = make_engine(model, server.target, ns, encoding="lossless")
     calls = {"n": 0}
-    if how == "raises":
+    if how.startswith("raises"):
         slots = worker._slots
 
         def failing_slots(*args):
             calls["n"] += 1
             if calls["n"] == 2:  # layer 1 of the one request
+                if how == "raises_other":
+                    raise IndexError("a bug in the gather")
                 raise kvtrie.Error(kvtrie.StatusCode.INTERNAL, "gather failed")
             return slots(*args)
         worker._slots = failing_slots
@@ -265,7 +269,7 @@ def test_a_save_missing_a_layer_stores_nothing(model, cold, server, how):
     assert worker.stats["saved_blocks"] == 0 and worker.stats["save_errors"] >= 1
     c = kvtrie.Client(server.target, "stories260K", namespace=ns)
     assert c.lookup(prompt(0)) == 0 and c.lookup(prompt(1)) == 0
-    if how == "raises":
+    if how.startswith("raises"):
         worker._slots = slots
     else:
         worker._save_layer = save_layer
