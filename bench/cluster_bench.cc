@@ -39,6 +39,25 @@ constexpr uint32_t kBlockTokens = 16;
 const char* const kNames[] = {"neardup/n0",  "neardup/n1",  "neardup/n2",  "neardup/n3",
                               "sessions/s0", "sessions/s1", "sessions/s2", "sessions/s3"};
 
+// Puts every full block of `d` into namespace "bench" (the store encodes it with `enc`); exits
+// naming `what` if it fails.
+PutSummary PutOrExit(KvStore* store, const KvDump& d, const EncodeOptions& enc, const char* what) {
+  ModelInfo m{d.model_id, {d.num_layers, d.num_kv_heads, kBlockTokens, d.head_dim, d.dtype}};
+  auto session = store->BeginPut("bench", m, d.token_ids, d.surprisal_bits, enc);
+  std::vector<uint8_t> block(m.geometry.num_bytes());
+  for (size_t b = 0; session.ok() && b < d.num_tokens() / kBlockTokens; ++b) {
+    GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(block));
+    if (!(*session)->AddLayers(b, 0, 0, block).ok()) std::exit(1);
+  }
+  absl::StatusOr<PutSummary> s =
+      session.ok() ? (*session)->Finish() : absl::StatusOr<PutSummary>(session.status());
+  if (!s.ok()) {
+    std::fprintf(stderr, "put %s: %s\n", what, std::string(s.status().message()).c_str());
+    std::exit(1);
+  }
+  return *std::move(s);
+}
+
 struct Run {
   uint64_t trie_logical = 0;  // dense bytes of the trie's nodes
   uint64_t stored = 0;        // encoded bytes of the trie's nodes
@@ -62,20 +81,7 @@ Run Store(const std::vector<KvDump>& dumps, const EncodeOptions& enc, bool clust
   }
   Run run;
   for (size_t i = 0; i < dumps.size(); ++i) {
-    const KvDump& d = dumps[i];
-    ModelInfo m{d.model_id, {d.num_layers, d.num_kv_heads, kBlockTokens, d.head_dim, d.dtype}};
-    auto session = (*store)->BeginPut("bench", m, d.token_ids, d.surprisal_bits, enc);
-    std::vector<uint8_t> block(m.geometry.num_bytes());
-    for (size_t b = 0; session.ok() && b < d.num_tokens() / kBlockTokens; ++b) {
-      GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(block));
-      if (!(*session)->AddLayers(b, 0, 0, block).ok()) std::exit(1);
-    }
-    auto s = (*session)->Finish();
-    if (!s.ok()) {
-      std::fprintf(stderr, "put %s: %s\n", kNames[i], std::string(s.status().message()).c_str());
-      std::exit(1);
-    }
-    run.puts[kNames[i]] = *s;
+    run.puts[kNames[i]] = PutOrExit(store->get(), dumps[i], enc, kNames[i]);
   }
   const StoreStats st = (*store)->Stats("bench");
   run.trie_logical = st.bytes_logical;
@@ -142,15 +148,7 @@ DeleteRun StoreAndDeleteCentroids(const std::vector<KvDump>& dumps, const Encode
   auto store = KvStore::Open(o);
   if (!store.ok()) std::exit(1);
   for (size_t i = 0; i < 4; ++i) {
-    const KvDump& d = dumps[i];
-    ModelInfo m{d.model_id, {d.num_layers, d.num_kv_heads, kBlockTokens, d.head_dim, d.dtype}};
-    auto session = (*store)->BeginPut("bench", m, d.token_ids, d.surprisal_bits, enc);
-    std::vector<uint8_t> block(m.geometry.num_bytes());
-    for (size_t b = 0; session.ok() && b < d.num_tokens() / kBlockTokens; ++b) {
-      GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(block));
-      if (!(*session)->AddLayers(b, 0, 0, block).ok()) std::exit(1);
-    }
-    if (!session.ok() || !(*session)->Finish().ok()) std::exit(1);
+    PutOrExit(store->get(), dumps[i], enc, kNames[i]);
   }
   DeleteRun run;
   run.before = (*store)->Stats("bench").bytes_stored;
@@ -213,21 +211,9 @@ InsertionRun StoreInsertion(const KvDump& base, const KvDump& ins, size_t first,
   if (!store.ok()) std::exit(1);
   InsertionRun run;
   for (const KvDump* d : {&base, &ins}) {
-    ModelInfo m{d->model_id, {d->num_layers, d->num_kv_heads, kBlockTokens, d->head_dim, d->dtype}};
-    auto session = (*store)->BeginPut("bench", m, d->token_ids, d->surprisal_bits, enc);
-    std::vector<uint8_t> block(m.geometry.num_bytes());
-    for (size_t b = 0; session.ok() && b < d->num_tokens() / kBlockTokens; ++b) {
-      GatherBlock(m.geometry, d->num_tokens(), d->k.data(), d->v.data(), b, absl::MakeSpan(block));
-      if (!(*session)->AddLayers(b, 0, 0, block).ok()) std::exit(1);
-    }
-    if (!session.ok()) std::exit(1);
-    auto s = (*session)->Finish();
-    if (!s.ok()) {
-      std::fprintf(stderr, "insertion put: %s\n", std::string(s.status().message()).c_str());
-      std::exit(1);
-    }
+    const PutSummary s = PutOrExit(store->get(), *d, enc, "insertion");
     if (d != &ins) continue;
-    for (const BlockReport& r : s->blocks) {
+    for (const BlockReport& r : s.blocks) {
       if (r.block_index < first) continue;
       run.after += r.bytes_stored;
       run.residuals += r.outcome == BlockOutcome::kResidualOfCentroid;

@@ -5,7 +5,6 @@
 // against the stored text's window at the offset (keys turned by RoPE, codec/reference_shift.h).
 // Before it, shifts over block_tokens / 2 = 8 found nothing (100 % of standalone).
 // In-process KvStore on real RocksDB, as trie/kv_store_shift_test.cc.
-#include <cmath>
 #include <string>
 #include <vector>
 
@@ -25,23 +24,11 @@ using testing_insertion::InsertionDump;
 using testing_insertion::kInsertAt;
 using testing_store::DumpModel;
 using testing_store::ExpectBitExact;
+using testing_store::ExpectWithin;
 using testing_store::FreshTestDir;
+using testing_store::PutDump;
 
 constexpr double kTarget = 0.1;  // the server's default lossy target
-
-double RelRms(const BlockGeometry& g, const std::vector<uint8_t>& want,
-              const std::vector<uint8_t>& have, int kv) {
-  std::vector<float> x(g.num_elements()), y(g.num_elements());
-  ToFloat(g.dtype, want.data(), x.size(), x.data());
-  ToFloat(g.dtype, have.data(), y.size(), y.data());
-  double err = 0, energy = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    if (static_cast<int>((i / g.plane_elements()) % 2) != kv) continue;
-    err += (double(x[i]) - y[i]) * (double(x[i]) - y[i]);
-    energy += double(x[i]) * x[i];
-  }
-  return std::sqrt(err / energy);
-}
 
 class InsertionTest : public ::testing::TestWithParam<size_t> {
  protected:
@@ -56,35 +43,6 @@ class InsertionTest : public ::testing::TestWithParam<size_t> {
   void TearDown() override {
     store_.reset();
     std::filesystem::remove_all(dir_);
-  }
-  absl::StatusOr<PutSummary> Put(const std::string& ns, const KvDump& d, const EncodeOptions& enc) {
-    const ModelInfo m = DumpModel(d);
-    auto session = store_->BeginPut(ns, m, d.token_ids, d.surprisal_bits, enc);
-    if (!session.ok()) return session.status();
-    std::vector<uint8_t> block(m.geometry.num_bytes());
-    for (size_t b = 0; b < d.num_tokens() / 16; ++b) {
-      GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(block));
-      if (auto s = (*session)->AddLayers(b, 0, 0, block); !s.ok()) return s;
-    }
-    return (*session)->Finish();
-  }
-  // Every block of `d` in `ns` within the target (K and V), through a fresh decode chain.
-  void ExpectWithin(const std::string& ns, const KvDump& d) {
-    const ModelInfo m = DumpModel(d);
-    auto got = store_->Get(ns, m.model_id, d.token_ids, 0);
-    ASSERT_TRUE(got.ok()) << got.status();
-    ASSERT_EQ(got->blocks.size(), d.num_tokens() / 16);
-    std::vector<uint8_t> want(m.geometry.num_bytes()), have(m.geometry.num_bytes());
-    DecodeChain chain(m.geometry, nullptr);
-    for (size_t b = 0; b < got->blocks.size(); ++b) {
-      GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(want));
-      ASSERT_TRUE(
-          store_->ReadAndDecodeBlock(ns, m.model_id, got->blocks[b], &chain, absl::MakeSpan(have))
-              .ok())
-          << "block " << b;
-      EXPECT_LE(RelRms(m.geometry, want, have, 0), kTarget * 1.0001) << "K, block " << b;
-      EXPECT_LE(RelRms(m.geometry, want, have, 1), kTarget * 1.0001) << "V, block " << b;
-    }
   }
   // The first block wholly after the insertion of n tokens.
   static size_t FirstAfter(size_t n) { return (kInsertAt + n + 15) / 16; }
@@ -120,8 +78,8 @@ TEST_P(InsertionTest, LossyBranchAfterAnInsertionIsCodedAgainstTheStoredText) {
   for (size_t i = kInsertAt + n; i < 512; ++i) ASSERT_EQ(ins->token_ids[i], base->token_ids[i - n]);
 
   const EncodeOptions enc{.encoding = Encoding::kResidual, .target_rel_rms = kTarget};
-  ASSERT_TRUE(Put("ns", *base, enc).ok());
-  auto put = Put("ns", *ins, enc);
+  ASSERT_TRUE(PutDump(store_.get(), "ns", *base, enc).ok());
+  auto put = PutDump(store_.get(), "ns", *ins, enc);
   ASSERT_TRUE(put.ok()) << put.status();
   const size_t from = FirstAfter(n);
   uint64_t bytes = 0;
@@ -129,10 +87,11 @@ TEST_P(InsertionTest, LossyBranchAfterAnInsertionIsCodedAgainstTheStoredText) {
   const StoreStats st = store_->Stats("ns");
   EXPECT_GE(st.cluster.position_shifted_coded, 32 - from);
   EXPECT_GT(st.cluster.ngram_entries, 0u);
-  ExpectWithin("ns", *ins);
-  ExpectWithin("ns", *base);
+  ExpectWithin(store_.get(), "ns", *ins, kTarget);
+  ExpectWithin(store_.get(), "ns", *base, kTarget);
 
-  auto alone = Put("alone", *ins, enc);  // namespaces never cluster: the standalone bytes
+  auto alone =
+      PutDump(store_.get(), "alone", *ins, enc);  // namespaces never cluster: the standalone bytes
   ASSERT_TRUE(alone.ok()) << alone.status();
   uint64_t alone_bytes = 0;
   EXPECT_EQ(After(*alone, from, &alone_bytes), 0u);
@@ -151,8 +110,8 @@ TEST_P(InsertionTest, LosslessBranchAfterAnInsertionIsBitExact) {
   absl::StatusOr<KvDump> ins = InsertionDump(*model, n);
   ASSERT_TRUE(ins.ok()) << ins.status();
   const EncodeOptions enc{.encoding = Encoding::kLossless};
-  ASSERT_TRUE(Put("ns", *base, enc).ok());
-  auto put = Put("ns", *ins, enc);
+  ASSERT_TRUE(PutDump(store_.get(), "ns", *base, enc).ok());
+  auto put = PutDump(store_.get(), "ns", *ins, enc);
   ASSERT_TRUE(put.ok()) << put.status();
   const size_t from = FirstAfter(n);
   uint64_t bytes = 0;
@@ -180,7 +139,7 @@ TEST(InsertionIndexOff, ShiftsBeyondHalfABlockAreNotFound) {
   o.near_dup.ngram_index = false;
   auto store = KvStore::Open(o);
   ASSERT_TRUE(store.ok()) << store.status();
-  ASSERT_TRUE(testing_store::PutDump(store->get(), "ns", *base, Encoding::kLossless).ok());
+  ASSERT_TRUE(PutDump(store->get(), "ns", *base, Encoding::kLossless).ok());
   auto put = testing_store::PutDump(store->get(), "ns", *ins, Encoding::kLossless);
   ASSERT_TRUE(put.ok()) << put.status();
   size_t residuals = 0;

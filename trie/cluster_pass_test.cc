@@ -69,15 +69,7 @@ class ClusterPassTest : public ::testing::Test {
   }
   // Puts every full block of `d` on the default path (the server encodes it with `enc`).
   void PutWith(const KvDump& d, const EncodeOptions& enc) {
-    const ModelInfo m = DumpModel(d);
-    auto session = store_->BeginPut("ns", m, d.token_ids, d.surprisal_bits, enc);
-    ASSERT_TRUE(session.ok()) << session.status();
-    std::vector<uint8_t> block(m.geometry.num_bytes());
-    for (size_t b = 0; b < d.num_tokens() / 16; ++b) {
-      GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(block));
-      ASSERT_TRUE((*session)->AddLayers(b, 0, 0, block).ok());
-    }
-    auto summary = (*session)->Finish();
+    auto summary = testing_store::PutDump(store_.get(), "ns", d, enc);
     ASSERT_TRUE(summary.ok()) << summary.status();
   }
   // Runs rounds until one encodes nothing; returns the encodings of all of them.

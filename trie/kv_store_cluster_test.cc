@@ -1,6 +1,5 @@
 // Near-duplicate clusters in KvStore, on the real neardup dumps (tests/data/neardup/n0..n3: the
 // GPL-3 preamble with one word changed, then the same Genesis text).
-#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -9,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "codec/kv_dump.h"
 #include "codec/kv_layout.h"
+#include "codec/testing_blocks.h"
 #include "gtest/gtest.h"
 #include "trie/blob_corruption_testing.h"
 #include "trie/kv_store.h"
@@ -34,21 +34,6 @@ size_t DivergenceBlock(const KvDump& a, const KvDump& b) {
   size_t i = 0;
   while (i < a.num_tokens() && i < b.num_tokens() && a.token_ids[i] == b.token_ids[i]) ++i;
   return i / kBlockTokens;
-}
-
-double RelRms(const BlockGeometry& g, const std::vector<uint8_t>& want,
-              const std::vector<uint8_t>& have, int kv) {
-  std::vector<float> x(g.num_elements()), y(g.num_elements());
-  ToFloat(g.dtype, want.data(), x.size(), x.data());
-  ToFloat(g.dtype, have.data(), y.size(), y.data());
-  double err = 0, energy = 0;
-  const size_t plane = g.plane_elements();
-  for (size_t i = 0; i < x.size(); ++i) {
-    if (static_cast<int>((i / plane) % 2) != kv) continue;
-    err += (double(x[i]) - y[i]) * (double(x[i]) - y[i]);
-    energy += double(x[i]) * x[i];
-  }
-  return std::sqrt(err / energy);
 }
 
 class ClusterStoreTest : public ::testing::Test {

@@ -4,7 +4,6 @@
 // coded against n0's window at the offset (the end of one n0 block and the start of the next, keys
 // turned by -4 positions); its last block repeats n0's last 12 tokens, where n0 ends: a tail
 // window of n0's last block.
-#include <cmath>
 #include <string>
 #include <vector>
 
@@ -19,7 +18,9 @@ namespace {
 
 using testing_store::DumpModel;
 using testing_store::ExpectBitExact;
+using testing_store::ExpectWithin;
 using testing_store::FreshTestDir;
+using testing_store::PutDump;
 
 constexpr size_t kFirstShifted = 6;  // n3's first block wholly after the changed word
 
@@ -27,20 +28,6 @@ KvDump Load(const std::string& name) {
   auto d = ReadKvDump(std::string(KVTRIE_TESTDATA_DIR) + "/" + name);
   EXPECT_TRUE(d.ok()) << d.status();
   return *d;
-}
-
-double RelRms(const BlockGeometry& g, const std::vector<uint8_t>& want,
-              const std::vector<uint8_t>& have, int kv) {
-  std::vector<float> x(g.num_elements()), y(g.num_elements());
-  ToFloat(g.dtype, want.data(), x.size(), x.data());
-  ToFloat(g.dtype, have.data(), y.size(), y.data());
-  double err = 0, energy = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    if (static_cast<int>((i / g.plane_elements()) % 2) != kv) continue;
-    err += (double(x[i]) - y[i]) * (double(x[i]) - y[i]);
-    energy += double(x[i]) * x[i];
-  }
-  return std::sqrt(err / energy);
 }
 
 class ShiftStoreTest : public ::testing::Test {
@@ -63,35 +50,6 @@ class ShiftStoreTest : public ::testing::Test {
     ASSERT_TRUE(s.ok()) << s.status();
     store_ = *std::move(s);
   }
-  absl::StatusOr<PutSummary> Put(const std::string& ns, const KvDump& d, const EncodeOptions& enc) {
-    const ModelInfo m = DumpModel(d);
-    auto session = store_->BeginPut(ns, m, d.token_ids, d.surprisal_bits, enc);
-    if (!session.ok()) return session.status();
-    std::vector<uint8_t> block(m.geometry.num_bytes());
-    for (size_t b = 0; b < d.num_tokens() / 16; ++b) {
-      GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(block));
-      if (auto s = (*session)->AddLayers(b, 0, 0, block); !s.ok()) return s;
-    }
-    return (*session)->Finish();
-  }
-  // Every block of `d` in `ns` within `target` (K and V), through a fresh decode chain.
-  void ExpectWithin(const std::string& ns, const KvDump& d, double target) {
-    const ModelInfo m = DumpModel(d);
-    auto got = store_->Get(ns, m.model_id, d.token_ids, 0);
-    ASSERT_TRUE(got.ok()) << got.status();
-    ASSERT_EQ(got->blocks.size(), d.num_tokens() / 16);
-    std::vector<uint8_t> want(m.geometry.num_bytes()), have(m.geometry.num_bytes());
-    DecodeChain chain(m.geometry, nullptr);
-    for (size_t b = 0; b < got->blocks.size(); ++b) {
-      GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(want));
-      ASSERT_TRUE(
-          store_->ReadAndDecodeBlock(ns, m.model_id, got->blocks[b], &chain, absl::MakeSpan(have))
-              .ok())
-          << "block " << b;
-      EXPECT_LE(RelRms(m.geometry, want, have, 0), target * 1.0001) << "K, block " << b;
-      EXPECT_LE(RelRms(m.geometry, want, have, 1), target * 1.0001) << "V, block " << b;
-    }
-  }
   // n3's blocks from kFirstShifted on: stored against a centroid (and how many), and their bytes.
   static size_t ShiftedResiduals(const PutSummary& s, uint64_t* bytes) {
     size_t n = 0;
@@ -105,7 +63,7 @@ class ShiftStoreTest : public ::testing::Test {
   }
   // The same blocks standalone: n3 alone in another namespace (namespaces never cluster).
   uint64_t StandaloneBytes(const EncodeOptions& enc) {
-    auto s = Put("alone", n3_, enc);
+    auto s = PutDump(store_.get(), "alone", n3_, enc);
     EXPECT_TRUE(s.ok()) << s.status();
     uint64_t bytes = 0;
     if (s.ok()) ShiftedResiduals(*s, &bytes);
@@ -119,8 +77,8 @@ class ShiftStoreTest : public ::testing::Test {
 
 TEST_F(ShiftStoreTest, LosslessShiftedBranchIsCodedAgainstTheCentroidBitExactAcrossARestart) {
   const EncodeOptions enc{.encoding = Encoding::kLossless};
-  ASSERT_TRUE(Put("ns", n0_, enc).ok());
-  auto s3 = Put("ns", n3_, enc);
+  ASSERT_TRUE(PutDump(store_.get(), "ns", n0_, enc).ok());
+  auto s3 = PutDump(store_.get(), "ns", n3_, enc);
   ASSERT_TRUE(s3.ok()) << s3.status();
   uint64_t bytes = 0;
   const size_t residuals = ShiftedResiduals(*s3, &bytes);
@@ -143,8 +101,8 @@ TEST_F(ShiftStoreTest, LosslessShiftedBranchIsCodedAgainstTheCentroidBitExactAcr
 
 TEST_F(ShiftStoreTest, LossyShiftedBranchMeetsTheTargetAndOutlivesItsCentroids) {
   const EncodeOptions enc{.encoding = Encoding::kResidual, .target_rel_rms = 0.1};
-  ASSERT_TRUE(Put("ns", n0_, enc).ok());
-  auto s3 = Put("ns", n3_, enc);
+  ASSERT_TRUE(PutDump(store_.get(), "ns", n0_, enc).ok());
+  auto s3 = PutDump(store_.get(), "ns", n3_, enc);
   ASSERT_TRUE(s3.ok()) << s3.status();
   uint64_t bytes = 0;
   EXPECT_EQ(ShiftedResiduals(*s3, &bytes), 32 - kFirstShifted);
@@ -152,12 +110,12 @@ TEST_F(ShiftStoreTest, LossyShiftedBranchMeetsTheTargetAndOutlivesItsCentroids) 
     EXPECT_LE(r.rel_rms_error_k, 0.1 * 1.0001) << "block " << r.block_index;
     EXPECT_LE(r.rel_rms_error_v, 0.1 * 1.0001) << "block " << r.block_index;
   }
-  ExpectWithin("ns", n3_, 0.1);
+  ExpectWithin(store_.get(), "ns", n3_, 0.1);
   const uint64_t alone = StandaloneBytes(enc);
   // Measured ~0.06 of standalone.
   EXPECT_LT(bytes, alone / 8) << bytes << " vs " << alone;
   Reopen();
-  ExpectWithin("ns", n3_, 0.1);
+  ExpectWithin(store_.get(), "ns", n3_, 0.1);
 
   // Delete n0's branch after the shared prefix (the centroids and their parents): n3's blocks
   // are re-encoded first and still read back within the target.
@@ -166,7 +124,7 @@ TEST_F(ShiftStoreTest, LossyShiftedBranchMeetsTheTargetAndOutlivesItsCentroids) 
   auto del = store_->Delete("ns", n0_.model_id, branch);
   ASSERT_TRUE(del.ok()) << del.status();
   EXPECT_EQ(store_->Stats("ns").cluster.residual_nodes, 0u);
-  ExpectWithin("ns", n3_, 0.1);
+  ExpectWithin(store_.get(), "ns", n3_, 0.1);
 }
 
 // A RESIDUAL-style read of the encoded blocks with a chain that fetches what it lacks (as the
@@ -174,8 +132,8 @@ TEST_F(ShiftStoreTest, LossyShiftedBranchMeetsTheTargetAndOutlivesItsCentroids) 
 // blocks equal the store's own reconstruction.
 TEST_F(ShiftStoreTest, ChainFetchesTheCentroidAndItsParent) {
   const EncodeOptions enc{.encoding = Encoding::kResidual, .target_rel_rms = 0.1};
-  ASSERT_TRUE(Put("ns", n0_, enc).ok());
-  ASSERT_TRUE(Put("ns", n3_, enc).ok());
+  ASSERT_TRUE(PutDump(store_.get(), "ns", n0_, enc).ok());
+  ASSERT_TRUE(PutDump(store_.get(), "ns", n3_, enc).ok());
   const ModelInfo m = DumpModel(n3_);
   auto got = store_->Get("ns", m.model_id, n3_.token_ids, 0);
   ASSERT_TRUE(got.ok());

@@ -16,6 +16,7 @@
 #include "codec/decode_chain.h"
 #include "codec/kv_dump.h"
 #include "codec/kv_layout.h"
+#include "codec/testing_blocks.h"
 #include "gtest/gtest.h"
 #include "trie/kv_store.h"
 
@@ -47,11 +48,12 @@ inline ModelInfo DumpModel(const KvDump& d) {
   return {d.model_id, {d.num_layers, d.num_kv_heads, 16, d.head_dim, d.dtype}};
 }
 
-// Puts every full block of `d` into namespace `ns` (one message per block) and commits.
+// Puts every full block of `d` into namespace `ns` (one message per block, the store encodes it
+// with `enc`) and commits.
 inline absl::StatusOr<PutSummary> PutDump(KvStore* store, const std::string& ns, const KvDump& d,
-                                          Encoding encoding = Encoding::kLossless) {
+                                          const EncodeOptions& enc) {
   const ModelInfo m = DumpModel(d);
-  auto session = store->BeginPut(ns, m, d.token_ids, d.surprisal_bits, {.encoding = encoding});
+  auto session = store->BeginPut(ns, m, d.token_ids, d.surprisal_bits, enc);
   if (!session.ok()) return session.status();
   std::vector<uint8_t> block(m.geometry.num_bytes());
   for (size_t b = 0; b < d.num_tokens() / 16; ++b) {
@@ -59,6 +61,11 @@ inline absl::StatusOr<PutSummary> PutDump(KvStore* store, const std::string& ns,
     if (auto s = (*session)->AddLayers(b, 0, 0, block); !s.ok()) return s;
   }
   return (*session)->Finish();
+}
+
+inline absl::StatusOr<PutSummary> PutDump(KvStore* store, const std::string& ns, const KvDump& d,
+                                          Encoding encoding = Encoding::kLossless) {
+  return PutDump(store, ns, d, EncodeOptions{.encoding = encoding});
 }
 
 // Blocks of `d` stored in `ns` (the longest stored prefix).
@@ -88,6 +95,26 @@ inline size_t ReadBackBitExact(KvStore* store, const std::string& ns, const KvDu
     EXPECT_EQ(have, want) << ns << " block " << b;
   }
   return got->blocks.size();
+}
+
+// Reads every block of `d` back from `ns` through a fresh decode chain and expects its K and V
+// relative RMS error against the dump (codec/testing_blocks.h RelRms) within `target`.
+inline void ExpectWithin(KvStore* store, const std::string& ns, const KvDump& d, double target) {
+  const ModelInfo m = DumpModel(d);
+  auto got = store->Get(ns, m.model_id, d.token_ids, 0);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->blocks.size(), d.num_tokens() / 16);
+  std::vector<uint8_t> want(m.geometry.num_bytes()), have(m.geometry.num_bytes());
+  DecodeChain chain(m.geometry, nullptr);
+  for (size_t b = 0; b < got->blocks.size(); ++b) {
+    GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(want));
+    ASSERT_TRUE(
+        store->ReadAndDecodeBlock(ns, m.model_id, got->blocks[b], &chain, absl::MakeSpan(have))
+            .ok())
+        << "block " << b;
+    EXPECT_LE(kvtrie::RelRms(m.geometry, want, have, 0), target * 1.0001) << "K, block " << b;
+    EXPECT_LE(kvtrie::RelRms(m.geometry, want, have, 1), target * 1.0001) << "V, block " << b;
+  }
 }
 
 // As ReadBackBitExact, and every read must succeed.
