@@ -182,6 +182,8 @@ grpc::Status KvCacheService::StatsIn(const std::string& ns, bool whole_server_if
   response->set_position_shifted_skipped(s.cluster.position_shifted_skipped);
   response->set_position_shifted_coded(s.cluster.position_shifted_coded);
   response->set_centroids_reelected(s.centroids_reelected);
+  response->set_retained_nodes(s.retained_nodes);
+  response->set_retained_bytes(s.retained_bytes);
   response->set_cluster_pass_rounds(s.cluster_pass_rounds);
   response->set_cluster_pass_recoded(s.cluster_pass_recoded);
   response->set_cluster_pass_bytes_saved(s.cluster_pass_bytes_saved);
@@ -248,6 +250,9 @@ grpc::Status KvCacheService::Delete(grpc::ServerContext*, const v1::DeleteReques
   response->set_nodes_deleted(r->nodes_deleted);
   response->set_bytes_freed(r->bytes_freed);
   response->set_bytes_rewritten(r->bytes_rewritten);
+  response->set_centroids_reelected(r->centroids_reelected);
+  response->set_centroids_retained(r->centroids_retained);
+  response->set_nodes_retained(r->nodes_retained);
   return grpc::Status::OK;
 }
 

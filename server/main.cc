@@ -176,6 +176,11 @@ ABSL_FLAG(bool, cluster_ngram_index, kvtrie::NearDupOptions().ngram_index,
           "find position-shifted near-duplicates at any shift (an inserted clause, sentence or "
           "block) through an index of token n-gram hashes per model; false: only shifts within "
           "half a block");
+ABSL_FLAG(bool, cluster_retain_deleted_centroids, kvtrie::NearDupOptions().retain_lossy_centroids,
+          "a Delete keeps a deleted centroid that near-duplicates are coded lossy against, unnamed "
+          "(no lookup matches it), until its last member goes: the namespace's bytes stay as "
+          "they were; false: its members elect a new centroid and are all stored again "
+          "bit-exact (losslessly), so the deleted KV leaves at once but the bytes grow ~3x");
 ABSL_FLAG(uint32_t, cluster_ngram_tokens, kvtrie::NearDupOptions().ngram_tokens,
           "tokens per window of the n-gram index (at most half a block is used)");
 ABSL_FLAG(uint32_t, cluster_ngram_stride, kvtrie::NearDupOptions().ngram_stride,
@@ -268,6 +273,8 @@ int Run() {
   store_options.put_parent_cache_bytes = absl::GetFlag(FLAGS_put_parent_cache_bytes).bytes;
   store_options.near_dup.position_shifted = absl::GetFlag(FLAGS_cluster_position_shifted);
   store_options.near_dup.ngram_index = absl::GetFlag(FLAGS_cluster_ngram_index);
+  store_options.near_dup.retain_lossy_centroids =
+      absl::GetFlag(FLAGS_cluster_retain_deleted_centroids);
   store_options.near_dup.ngram_tokens = absl::GetFlag(FLAGS_cluster_ngram_tokens);
   store_options.near_dup.ngram_stride = absl::GetFlag(FLAGS_cluster_ngram_stride);
   store_options.near_dup.ngram_max_per_hash = absl::GetFlag(FLAGS_cluster_ngram_max_per_hash);

@@ -118,6 +118,11 @@ class Metrics::StoreCollector final : public prometheus::Collectable {
            [](const StoreStats& s) { return s.cluster.centroids; });
     per_ns("kvtrie_residual_nodes", "Nodes stored as a residual of a centroid.",
            [](const StoreStats& s) { return s.cluster.residual_nodes; });
+    per_ns("kvtrie_retained_nodes",
+           "Nodes of deleted prefixes kept as the centroids of lossy near-duplicates.",
+           [](const StoreStats& s) { return s.retained_nodes; });
+    per_ns("kvtrie_retained_bytes", "Payload bytes of the retained nodes (in bytes_stored too).",
+           [](const StoreStats& s) { return s.retained_bytes; });
     per_ns("kvtrie_pinned_nodes", "Nodes pinned against eviction.",
            [](const StoreStats& s) { return s.pinned_nodes; });
     per_ns("kvtrie_predictor_versions", "Learned predictor state versions kept.",

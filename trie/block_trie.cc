@@ -60,9 +60,9 @@ std::vector<TrieNode*> BlockTrie::Match(absl::Span<const uint32_t> token_ids,
 size_t BlockTrie::MatchIds(absl::Span<const uint32_t> token_ids, size_t max_blocks,
                            std::vector<uint64_t>* ids) const {
   return WalkChains(token_ids, max_blocks, [ids](const TrieChain& chain, size_t k) {
-    if (chain.removing > 0) {  // rare: a delete or eviction is being written
+    if (chain.removing > 0) {  // rare: a delete or eviction is being written, or retained nodes
       for (size_t i = 0; i < k; ++i) {
-        if (chain.nodes[i]->removing) {
+        if (chain.nodes[i]->hidden()) {
           k = i;
           break;
         }
@@ -88,7 +88,7 @@ void BlockTrie::Append(TrieChain* chain, TrieNode* node) {
   chain->tokens.insert(chain->tokens.end(), node->token_ids.begin(), node->token_ids.end());
   chain->ids.push_back(node->id);
   chain->nodes.push_back(node);
-  if (node->removing) ++chain->removing;
+  if (node->hidden()) ++chain->removing;
 }
 
 void BlockTrie::MoveSlots(TrieChain* src, size_t from, size_t to, TrieChain* dst) {
@@ -96,7 +96,7 @@ void BlockTrie::MoveSlots(TrieChain* src, size_t from, size_t to, TrieChain* dst
     TrieNode* n = src->nodes[i];
     n->chain = dst;
     n->chain_pos = dst->base + static_cast<int64_t>(dst->size() + (i - from));
-    if (n->removing) {
+    if (n->hidden()) {
       --src->removing;
       ++dst->removing;
     }
@@ -177,14 +177,24 @@ TrieNode* BlockTrie::AddChild(TrieNode* parent, uint64_t id, absl::Span<const ui
   return raw;
 }
 
+namespace {
+
+// Sets *flag (one of node's) to `value`, keeping the chain's count of hidden nodes.
+void SetHiddenFlag(TrieNode* node, bool* flag, bool value) {
+  const bool was = node->hidden();
+  *flag = value;
+  if (node->hidden() && !was) ++node->chain->removing;
+  if (!node->hidden() && was) --node->chain->removing;
+}
+
+}  // namespace
+
 void BlockTrie::SetRemoving(TrieNode* node, bool removing) {
-  if (node->removing == removing) return;
-  node->removing = removing;
-  if (removing) {
-    ++node->chain->removing;
-  } else {
-    --node->chain->removing;
-  }
+  SetHiddenFlag(node, &node->removing, removing);
+}
+
+void BlockTrie::SetRetained(TrieNode* node, bool retained) {
+  SetHiddenFlag(node, &node->retained, retained);
 }
 
 TrieNode* BlockTrie::Find(uint64_t id) {
@@ -219,7 +229,7 @@ void BlockTrie::RemoveSubtree(TrieNode* node, std::vector<uint64_t>* removed) {
     DeleteChain(chain);
   } else {
     for (size_t i = slot; i < chain->size(); ++i) {
-      if (chain->nodes[i]->removing) --chain->removing;
+      if (chain->nodes[i]->hidden()) --chain->removing;
     }
     chain->tokens.resize(slot * block_tokens_);
     chain->ids.resize(slot);
@@ -269,7 +279,7 @@ absl::Status BlockTrie::CheckChains() const {
         return absl::InternalError(
             absl::StrCat("node ", n->id, " inside a chain has ", n->num_children(), " children"));
       }
-      removing += n->removing ? 1 : 0;
+      removing += n->hidden() ? 1 : 0;
     }
     if (c.nodes.back()->num_children() == 1) {
       return absl::InternalError(
@@ -282,7 +292,7 @@ absl::Status BlockTrie::CheckChains() const {
     }
     if (removing != c.removing) {
       return absl::InternalError(
-          absl::StrCat("chain counts ", c.removing, " removing nodes, has ", removing));
+          absl::StrCat("chain counts ", c.removing, " hidden nodes, has ", removing));
     }
     slots += c.size();
   }

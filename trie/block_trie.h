@@ -79,6 +79,13 @@ struct TrieNode {
   uint64_t reference_node_id = 0;      // the centroid this block is a residual of (0 = none)
   uint32_t predictor_version = 0;      // the learned state it is coded against (0 = none)
   bool error_client_reported = false;  // rel_rms_error_* were reported by its encoding client
+  // Its prefix was deleted but near-duplicates are coded lossy against it (as their centroid, or
+  // the parent of one): kept for them only, matched by no token lookup, never a candidate, never
+  // evicted; removed with its last dependent (ModelShard, "Retained centroids"). Changed only
+  // through BlockTrie::SetRetained.
+  bool retained = false;
+  // Token lookups stop before it (MatchIds; ModelShard::MatchLive).
+  bool hidden() const { return removing || retained; }
 
   // Children by token hash; a bucket holds more than one node only on a hash collision.
   absl::flat_hash_map<uint64_t, absl::InlinedVector<TrieNode*, 1>> children;
@@ -98,7 +105,7 @@ struct TrieChain {
   std::vector<uint32_t> tokens;
   std::vector<uint64_t> ids;
   std::vector<TrieNode*> nodes;
-  size_t removing = 0;  // nodes with `removing` set
+  size_t removing = 0;  // nodes hidden() (`removing` or `retained` set): lookups stop there
 
   size_t size() const { return nodes.size(); }
   size_t SlotOf(const TrieNode* n) const { return static_cast<size_t>(n->chain_pos - base); }
@@ -127,8 +134,8 @@ class BlockTrie {
   // first, and stops before the first for which it returns false. Returns the nodes visited.
   template <typename Visit>
   size_t MatchVisit(absl::Span<const uint32_t> token_ids, size_t max_blocks, Visit visit) const;
-  // Appends to `ids` the ids of the longest stored prefix of `token_ids` that has no node marked
-  // `removing` (as Match, stopping before the first such node), copied from the chains' id
+  // Appends to `ids` the ids of the longest stored prefix of `token_ids` that has no hidden() node
+  // (as Match, stopping before the first such node), copied from the chains' id
   // arrays without touching the nodes. Returns the number appended.
   size_t MatchIds(absl::Span<const uint32_t> token_ids, size_t max_blocks,
                   std::vector<uint64_t>* ids) const;
@@ -141,8 +148,9 @@ class BlockTrie {
   TrieNode* AddChild(TrieNode* parent, uint64_t id, absl::Span<const uint32_t> block,
                      absl::Span<const float> surprisal_bits);
 
-  // Sets node->removing (not the root), keeping its chain's count.
+  // Set node->removing / node->retained (not the root), keeping its chain's count.
   void SetRemoving(TrieNode* node, bool removing);
+  void SetRetained(TrieNode* node, bool retained);
 
   // The node with `id`, or nullptr (the root has id 0 and is returned for 0).
   TrieNode* Find(uint64_t id);

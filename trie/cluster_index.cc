@@ -117,7 +117,8 @@ std::vector<ClusterIndex::Candidate> ClusterIndex::FindCandidates(
   if (auto it = groups_.find(GroupKey(depth, block)); it != groups_.end()) {
     for (uint64_t id : it->second) {
       const TrieNode* n = trie->Find(id);
-      if (n == nullptr || n->reference_node_id != 0 || n->depth != depth ||
+      if (n == nullptr || n->reference_node_id != 0 || n->removing || n->retained ||
+          n->depth != depth ||
           !std::equal(block.begin(), block.end(), n->token_ids.begin(), n->token_ids.end())) {
         continue;  // gone, itself a residual, or a hash collision
       }
@@ -156,7 +157,7 @@ std::vector<ClusterIndex::Candidate> ClusterIndex::FindCandidates(
     }
     if (far(rotation) && matched < bt) return;
     detected = true;
-    if (b->reference_node_id != 0 || b->removing) return;
+    if (b->reference_node_id != 0 || b->removing || b->retained) return;
     if (s > 0 && a->removing) return;
     if (!seen.insert({b->id, s}).second) return;
     const double d = distance_to(b);
@@ -170,7 +171,7 @@ std::vector<ClusterIndex::Candidate> ClusterIndex::FindCandidates(
   // whole-block repeat: within half a block only).
   auto consider_tail = [&](const TrieNode* a, uint32_t s, int32_t rotation) {
     if (far(rotation)) return;
-    if (a->reference_node_id != 0 || a->removing || a->depth == 0) return;
+    if (a->reference_node_id != 0 || a->removing || a->retained || a->depth == 0) return;
     if (!seen.insert({a->id, s | 0x80000000u}).second) return;
     const double d = distance_to(a);
     if (d > max_distance_bits) {

@@ -60,7 +60,8 @@
 namespace kvtrie {
 
 // Server options of the near-duplicate index (flags --near_dup_clusters,
-// --cluster_max_distance_bits, --cluster_position_shifted, --cluster_ngram_*).
+// --cluster_max_distance_bits, --cluster_position_shifted, --cluster_ngram_*,
+// --cluster_retain_deleted_centroids).
 struct NearDupOptions {
   bool enabled = true;
   // Candidates farther than this trie distance (bits) are not tried. Two branches that differ by
@@ -78,6 +79,11 @@ struct NearDupOptions {
   uint32_t ngram_tokens = 8;        // window length (at most block_tokens / 2 is used)
   uint32_t ngram_stride = 4;        // a node's windows are indexed every ngram_stride offsets
   uint32_t ngram_max_per_hash = 8;  // entries kept per n-gram hash, oldest (0 = no cap)
+  // Delete of a centroid with a lossy member: keep it, unnamed, until its last member goes
+  // (ModelShard, "Retained centroids": the namespace's bytes stay as they were). false: the
+  // members elect a new centroid and every one is stored again bit-exact, lossless (the deleted
+  // KV leaves the store at once; +205 % bytes on tests/data/neardup at target 0.1).
+  bool retain_lossy_centroids = true;
 };
 
 // Log2 histogram over bits: bucket 0 = [0, 1), bucket i >= 1 = [2^(i-1), 2^i), the last bucket is

@@ -88,10 +88,16 @@ constexpr size_t kMaxGroupsPerRound = 4096;
 
 absl::StatusOr<uint32_t> ModelShard::RunClusterPass(uint32_t budget, uint64_t* groups) {
   std::vector<std::pair<uint64_t, std::vector<uint64_t>>> dirty;
+  bool sweep = false;
   {
     absl::MutexLock lock(&mu_);
     if (!committed_ || !context_->options->near_dup.enabled) return 0;
     dirty = clusters_.DirtyGroups(kMaxGroupsPerRound);
+    sweep = !retained_ids_.empty();
+  }
+  if (sweep) {  // a retained centroid whose last member a round (or a Put) moved away
+    absl::MutexLock writer(&write_mu_);
+    SweepRetainedLocked();
   }
   uint32_t spent = 0;
   for (auto& [key, ids] : dirty) {
@@ -125,7 +131,7 @@ absl::StatusOr<uint32_t> ModelShard::SettleClusterGroup(const std::vector<uint64
     absl::MutexLock lock(&mu_);
     const TrieNode* first = nullptr;
     for (uint64_t id : ids) {
-      const TrieNode* n = FindLive(id);
+      const TrieNode* n = FindVisible(id);
       // RAW (and baseline) blocks stay as their Put asked: only lossless and residual cluster.
       if (n == nullptr ||
           (n->encoding != Encoding::kLossless && n->encoding != Encoding::kResidual)) {
@@ -203,7 +209,7 @@ absl::StatusOr<uint32_t> ModelShard::ConvergeGroup(uint64_t elected,
   {
     absl::MutexLock lock(&mu_);
     const auto get = [&](uint64_t id, Member* m) {
-      const TrieNode* n = FindLive(id);
+      const TrieNode* n = FindVisible(id);
       if (n == nullptr) return false;
       m->id = id;
       m->parent = n->parent == trie_->root() || n->parent == nullptr ? 0 : n->parent->id;
@@ -213,7 +219,7 @@ absl::StatusOr<uint32_t> ModelShard::ConvergeGroup(uint64_t elected,
       m->lossless = n->encoding == Encoding::kLossless;
       return true;
     };
-    const TrieNode* en = FindLive(elected);
+    const TrieNode* en = FindVisible(elected);
     if (en == nullptr || (en->reference_node_id != 0 && en->encoding != Encoding::kLossless)) {
       return 0;
     }

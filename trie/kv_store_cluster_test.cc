@@ -91,6 +91,23 @@ class ClusterStoreTest : public ::testing::Test {
     }
   }
 
+  // Every stored block of `d`'s longest stored prefix in `ns`, decoded (all reads must succeed).
+  std::vector<std::vector<uint8_t>> ReadAll(const KvDump& d, const std::string& ns = "ns") {
+    std::vector<std::vector<uint8_t>> out;
+    auto got = store_->Get(ns, d.model_id, d.token_ids, 0);
+    EXPECT_TRUE(got.ok()) << got.status();
+    if (!got.ok()) return out;
+    const BlockGeometry& g = got->model.geometry;
+    DecodeChain chain(g, nullptr);
+    for (const BlockRead& b : got->blocks) {
+      out.emplace_back(g.num_bytes());
+      absl::Status s =
+          store_->ReadAndDecodeBlock(ns, d.model_id, b, &chain, absl::MakeSpan(out.back()));
+      EXPECT_TRUE(s.ok()) << "block " << out.size() - 1 << ": " << s;
+    }
+    return out;
+  }
+
   std::filesystem::path dir_;
   std::unique_ptr<KvStore> store_;
 };
@@ -150,8 +167,9 @@ TEST_F(ClusterStoreTest, LossyNearDuplicatesMeetTheTargetAndDeletingTheCentroidK
   ExpectReadable("ns", n1, 0.1);
   ExpectReadable("ns", n2, 0.1);
 
-  // Delete n0's own branch (from its first block after the shared prefix): the centroids go, and
-  // n1 and n2 are re-encoded first, so they still read back within the target.
+  // Delete n0's own branch (from its first block after the shared prefix): its blocks leave every
+  // lookup; those n1 and n2 are coded against stay, retained, so they still read back within the
+  // target (kv_store_retain_test.cc has the rest of retention).
   const size_t div = std::min(DivergenceBlock(n0, n1), DivergenceBlock(n0, n2));
   const size_t own = std::max(DivergenceBlock(n0, n1), DivergenceBlock(n0, n2));
   ASSERT_LT(div, own + 1);
@@ -159,11 +177,14 @@ TEST_F(ClusterStoreTest, LossyNearDuplicatesMeetTheTargetAndDeletingTheCentroidK
                                   n0.token_ids.begin() + (own + 1) * kBlockTokens);
   auto del = store_->Delete("ns", n0.model_id, n0_branch);
   ASSERT_TRUE(del.ok()) << del.status();
-  EXPECT_GT(del->nodes_deleted, 20u);
+  EXPECT_EQ(del->nodes_deleted + del->nodes_retained, n0.num_tokens() / kBlockTokens - own);
+  EXPECT_GT(del->centroids_retained, 20u);
+  EXPECT_EQ(del->nodes_rewritten, 0u);
+  EXPECT_EQ(store_->Lookup("ns", n0.model_id, n0.token_ids).node_ids.size(), own);
   ExpectReadable("ns", n1, 0.1);
   ExpectReadable("ns", n2, 0.1);
-  EXPECT_FALSE(KvStoreTestPeer::HasDependents(store_.get(), "ns", n1.model_id,
-                                              s1->blocks.back().reference_node_id));
+  EXPECT_TRUE(KvStoreTestPeer::HasDependents(store_.get(), "ns", n1.model_id,
+                                             s1->blocks.back().reference_node_id));
 }
 
 TEST_F(ClusterStoreTest, LosslessDeleteOfTheCentroidKeepsMembersBitExact) {
@@ -311,7 +332,17 @@ struct ReelectRun {
 class ReelectTest : public ClusterStoreTest {
  protected:
   static constexpr size_t kFirstDeleted = 8;
-  void Run(const EncodeOptions& enc) {
+  // retain: --cluster_retain_deleted_centroids (lossy clusters keep their deleted centroid).
+  void Run(const EncodeOptions& enc, bool retain = true) {
+    if (!retain) {
+      store_.reset();
+      StoreOptions o;
+      o.data_dir = dir_.string();
+      o.near_dup.retain_lossy_centroids = false;
+      auto s = KvStore::Open(o);
+      ASSERT_TRUE(s.ok()) << s.status();
+      store_ = *std::move(s);
+    }
     for (const char* name : {"neardup/n0", "neardup/n1", "neardup/n2", "neardup/n3"}) {
       dumps_.push_back(Load(name));
       auto s = Put("ns", dumps_.back(), enc);
@@ -350,18 +381,51 @@ TEST_F(ReelectTest, DeletingLosslessCentroidsReelectsKeepingMembersBitExactWithi
   EXPECT_LE(run_.growth(), 0.10) << run_.before << " -> " << run_.after << " bytes";
 }
 
-TEST_F(ReelectTest, DeletingLossyCentroidsReelectsKeepingMembersWithinTheirTarget) {
-  Run({.encoding = Encoding::kResidual, .target_rel_rms = 0.1});
+TEST_F(ReelectTest, DeletingLossyCentroidsWithoutRetentionReelectsKeepingMembersWithinTarget) {
+  Run({.encoding = Encoding::kResidual, .target_rel_rms = 0.1}, /*retain=*/false);
   ExpectReelected();
   for (size_t i = 1; i < dumps_.size(); ++i) ExpectReadable("ns", dumps_[i], 0.1);
   ExpectReadable("ns", dumps_[0], 0.1, /*whole=*/false);
   // Members keep their reconstructions bit-exact (lossless against the new centroid, the new
   // centroid lossless standalone): 78,850 -> 240,313 bytes (+205 %; +195 % without the n-gram
   // index, which makes n3's shifted blocks members too), against +690 % when every member went
-  // standalone lossless; not the issue's +10 % (a lossy new centroid would change its
-  // reconstruction, which its members and descendants predict from). The bound guards against
-  // going back towards +690 %.
+  // standalone lossless (a lossy new centroid would change its reconstruction, which its members
+  // and descendants predict from). The bound guards against going back towards +690 %; the
+  // default (retention, below) meets the issue's +10 %.
   EXPECT_LE(run_.growth(), 2.3) << run_.before << " -> " << run_.after << " bytes";
+}
+
+// The default: every deleted centroid with a lossy member stays, retained, for its members.
+// Nothing is re-encoded: the members read back bit-identical to before (so within their target),
+// the deleted prefix is matched by no lookup, and the namespace's bytes do not grow (issue 20:
+// <= +10 %).
+TEST_F(ReelectTest, DeletingLossyCentroidsRetainsThemAndTheBytesDoNotGrow) {
+  const EncodeOptions enc{.encoding = Encoding::kResidual, .target_rel_rms = 0.1};
+  std::vector<std::vector<std::vector<uint8_t>>> before;  // per member, per block
+  for (const char* name : {"neardup/n0", "neardup/n1", "neardup/n2", "neardup/n3"}) {
+    const KvDump d = Load(name);
+    ASSERT_TRUE(Put("ns", d, enc).ok()) << name;
+    before.push_back(ReadAll(d));
+  }
+  store_.reset();
+  std::filesystem::remove_all(dir_);
+  SetUp();
+  Run(enc);
+  EXPECT_EQ(run_.deleted.centroids_reelected, 0u);
+  EXPECT_GE(run_.deleted.centroids_retained, 20u);
+  EXPECT_EQ(run_.deleted.nodes_rewritten, 0u);
+  EXPECT_EQ(run_.deleted.nodes_deleted + run_.deleted.nodes_retained,
+            dumps_[0].num_tokens() / kBlockTokens - kFirstDeleted);
+  const StoreStats st = store_->Stats("ns");
+  EXPECT_EQ(st.retained_nodes, run_.deleted.nodes_retained);
+  EXPECT_GT(st.retained_bytes, 0u);
+  EXPECT_EQ(store_->Lookup("ns", dumps_[0].model_id, dumps_[0].token_ids).node_ids.size(),
+            kFirstDeleted);
+  for (size_t i = 1; i < dumps_.size(); ++i) {
+    ExpectReadable("ns", dumps_[i], 0.1);
+    EXPECT_TRUE(ReadAll(dumps_[i]) == before[i]) << "member " << i << " changed";
+  }
+  EXPECT_LE(run_.growth(), 0.10) << run_.before << " -> " << run_.after << " bytes";
 }
 
 TEST_F(ClusterStoreTest, EvictingACentroidReelectsAndMembersStillReadBack) {

@@ -74,6 +74,9 @@ class RaceTest : public testing::Test {
     // Genesis repeats n0's Genesis text at another position: with the n-gram index (issue 20) its
     // blocks would be members of n0's too, and these rows are about n1's members only.
     o.near_dup.ngram_index = false;
+    // These rows race reads with a Delete that re-encodes its lossy members (retention off); with
+    // retention on, nothing is re-encoded (AGetRacingARetainingDeleteReadsItsMembersAsListed).
+    o.near_dup.retain_lossy_centroids = retain_;
     auto s = KvStore::Open(o);
     ASSERT_TRUE(s.ok()) << s.status();
     store_ = *std::move(s);
@@ -131,6 +134,7 @@ class RaceTest : public testing::Test {
     return out;
   }
 
+  bool retain_ = false;  // --cluster_retain_deleted_centroids
   std::filesystem::path dir_;
   std::unique_ptr<KvStore> store_;
   std::vector<KvDump> dumps_;  // n0, n1, genesis, GPL-3
@@ -304,6 +308,41 @@ TEST_F(CentroidRaceTest, AGetWhoseBlocksGoWithTheirCentroidsServesItsSnapshot) {
   EXPECT_EQ(store_->Stats("ns").evictions_data_loss, 0u);
   listed.reset();  // the retired reconstructions go with it
   EXPECT_EQ(store_->Lookup("ns", n1.model_id, n1.token_ids).node_ids.size(), div_ - 1);
+}
+
+// With retention (the default): a Get listed before a Delete of n0's branch, read while the
+// Delete runs and after it, decodes every member as listed, and they stay as they were: the
+// centroids are kept (retained), nothing is re-encoded, version 1 keeps its dependents.
+TEST_F(CentroidRaceTest, AGetRacingARetainingDeleteReadsItsMembersAsListed) {
+  retain_ = true;
+  Reopen();
+  const KvDump &n0 = dumps_[0], &n1 = dumps_[1];
+  const Blocks want = ReadAll(n1);
+  auto listed = std::make_unique<GetResult>(List(n1));
+  std::vector<absl::Status> statuses;
+  Blocks have;
+  KvStoreTestPeer::SetDeleteHook(
+      store_.get(), [&] { std::thread([&] { have = Decode(*listed, &statuses); }).join(); });
+  auto deleted = store_->Delete("ns", n0.model_id, Prefix(n0, div_ + 1));
+  KvStoreTestPeer::SetDeleteHook(store_.get(), nullptr);
+  ASSERT_TRUE(deleted.ok()) << deleted.status();
+  EXPECT_EQ(deleted->nodes_rewritten, 0u);
+  EXPECT_GT(deleted->centroids_retained, 0u);
+  ASSERT_EQ(statuses.size(), 32u);
+  for (size_t i = 0; i < statuses.size(); ++i) {
+    ASSERT_TRUE(statuses[i].ok()) << "block " << i << ": " << statuses[i];
+    EXPECT_TRUE(have[i] == want[i]) << "block " << i;
+  }
+  statuses.clear();
+  have = Decode(*listed, &statuses);  // after the Delete, as listed before it
+  for (size_t i = 0; i < statuses.size(); ++i) {
+    ASSERT_TRUE(statuses[i].ok()) << "block " << i << ": " << statuses[i];
+    EXPECT_TRUE(have[i] == want[i]) << "block " << i;
+  }
+  EXPECT_EQ(store_->Lookup("ns", n0.model_id, n0.token_ids).node_ids.size(), div_);
+  EXPECT_EQ(FirstDifference(ReadAll(n1), want), SIZE_MAX);
+  EXPECT_EQ(VersionsKept(), (std::vector<uint32_t>{1, 2}));
+  EXPECT_EQ(store_->Stats("ns").evictions_data_loss, 0u);
 }
 
 // Row 4: the Delete reports what it removed and what it wrote; the namespace's stored bytes

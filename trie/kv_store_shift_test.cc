@@ -21,6 +21,7 @@ using testing_store::ExpectBitExact;
 using testing_store::ExpectWithin;
 using testing_store::FreshTestDir;
 using testing_store::PutDump;
+using testing_store::StoredBlocks;
 
 constexpr size_t kFirstShifted = 6;  // n3's first block wholly after the changed word
 
@@ -117,14 +118,26 @@ TEST_F(ShiftStoreTest, LossyShiftedBranchMeetsTheTargetAndOutlivesItsCentroids) 
   Reopen();
   ExpectWithin(store_.get(), "ns", n3_, 0.1);
 
-  // Delete n0's branch after the shared prefix (the centroids and their parents): n3's blocks
-  // are re-encoded first and still read back within the target.
+  // Delete n0's branch after the shared prefix (the centroids and their parents): they stay,
+  // retained, for n3's lossy blocks (at their offset they need a centroid's parent too), which
+  // still read back within the target, also after a restart; n3's Delete then takes them.
   const size_t div = 89 / 16;
   std::vector<uint32_t> branch(n0_.token_ids.begin(), n0_.token_ids.begin() + (div + 1) * 16);
+  const uint64_t residuals = store_->Stats("ns").cluster.residual_nodes;
   auto del = store_->Delete("ns", n0_.model_id, branch);
   ASSERT_TRUE(del.ok()) << del.status();
-  EXPECT_EQ(store_->Stats("ns").cluster.residual_nodes, 0u);
+  EXPECT_GT(del->centroids_retained, 20u);
+  EXPECT_EQ(store_->Stats("ns").cluster.residual_nodes, residuals);
+  EXPECT_EQ(StoredBlocks(store_.get(), "ns", n0_), div);
   ExpectWithin(store_.get(), "ns", n3_, 0.1);
+  Reopen();
+  EXPECT_EQ(StoredBlocks(store_.get(), "ns", n0_), div);
+  ExpectWithin(store_.get(), "ns", n3_, 0.1);
+  EXPECT_GT(store_->Stats("ns").retained_nodes, 20u);
+  std::vector<uint32_t> n3_branch(n3_.token_ids.begin(), n3_.token_ids.begin() + (div + 1) * 16);
+  ASSERT_TRUE(store_->Delete("ns", n3_.model_id, n3_branch).ok());
+  EXPECT_EQ(store_->Stats("ns").retained_nodes, 0u);
+  EXPECT_EQ(store_->Stats("ns").nodes, div);
 }
 
 // A RESIDUAL-style read of the encoded blocks with a chain that fetches what it lacks (as the

@@ -107,9 +107,14 @@ TrieNode* ModelShard::FindLive(uint64_t id) {
   return n == nullptr || n->removing ? nullptr : n;
 }
 
+TrieNode* ModelShard::FindVisible(uint64_t id) {
+  TrieNode* n = FindLive(id);
+  return n == nullptr || n->retained ? nullptr : n;
+}
+
 absl::StatusOr<TrieNode*> ModelShard::FindNodeOrNotFound(uint64_t node_id) {
   if (!committed_) return NoModel();
-  TrieNode* n = FindLive(node_id);
+  TrieNode* n = FindVisible(node_id);
   if (n == nullptr) {
     return absl::NotFoundError(absl::StrCat("node_id: ", node_id, " is not a node of '",
                                             model_.model_id, "' in namespace '", ns_, "'"));
@@ -121,7 +126,7 @@ std::vector<TrieNode*> ModelShard::MatchLive(absl::Span<const uint32_t> token_id
                                              size_t max_blocks) {
   std::vector<TrieNode*> path = trie_->Match(token_ids, max_blocks);
   for (size_t i = 0; i < path.size(); ++i) {
-    if (path[i]->removing) {
+    if (path[i]->removing || path[i]->retained) {
       path.resize(i);
       break;
     }
@@ -149,8 +154,16 @@ NodeMeta ModelShard::MetaOf(const TrieNode& n) const {
 }
 
 bool ModelShard::EvictableLocked(const TrieNode& n) const {
-  // A centroid is evictable like any leaf: Evict re-elects one of its members first.
-  return n.depth > 0 && n.children.empty() && !n.removing;
+  // A centroid is evictable like any leaf when its members can re-elect (Evict re-encodes them
+  // bit-exactly first); not while one is lossy: re-encoding it would cost more than the centroid
+  // frees (ReelectLocked), so the members go first. A retained node goes only with its last
+  // dependent (SweepRetainedLocked).
+  if (n.depth == 0 || !n.children.empty() || n.removing || n.retained) return false;
+  for (uint64_t d : clusters_.Dependents(n.id)) {
+    const TrieNode* m = trie_->Find(d);
+    if (m != nullptr && IsLossyEncoding(m->encoding)) return false;
+  }
+  return true;
 }
 
 void ModelShard::UpdateEvictableLocked(TrieNode* n) {
@@ -188,6 +201,8 @@ TrieNode* ModelShard::PublishLocked(TrieNode* parent, uint64_t id, const NodeMet
   n->reference_node_id = meta.reference_node_id;
   n->predictor_version = meta.predictor_version;
   n->error_client_reported = meta.error_client_reported;
+  trie_->SetRetained(n, meta.retained);
+  if (n->retained) retained_ids_.insert(id);
   predictors_->AddDependent(n->predictor_version, +1);
   next_id_ = std::max(next_id_, id + 1);
   clusters_.Add(*n);
@@ -213,10 +228,22 @@ void ModelShard::FinishRecovery(RecoveryStats* stats, RecordBatch* drop) {
         dropped.insert(n);
       }
     }
-    if (roots.empty()) return;
+    if (roots.empty()) break;
     for (const TrieNode* n : dropped) drop->DeleteNode(shard_id_, n->id);
     stats->dropped_missing_parent += dropped.size();
     RemoveLocked(roots, DropReason::kDataLoss);
+  }
+  // Retained nodes nothing needs any more (a crash after the last dependent went, before the
+  // sweep): leaves first.
+  for (;;) {
+    std::vector<TrieNode*> unused;
+    for (uint64_t id : retained_ids_) {
+      TrieNode* n = trie_->Find(id);
+      if (n != nullptr && n->children.empty() && !clusters_.HasDependents(id)) unused.push_back(n);
+    }
+    if (unused.empty()) return;
+    for (const TrieNode* n : unused) drop->DeleteNode(shard_id_, n->id);
+    RemoveLocked(unused, DropReason::kDeleted);
   }
 }
 
@@ -571,6 +598,10 @@ void ModelShard::AddTotalsLocked(StoreStats* s) {
     }
   }
   s->lossy_nodes += lossy_nodes_;
+  s->retained_nodes += retained_ids_.size();
+  for (uint64_t id : retained_ids_) {
+    if (const TrieNode* n = trie_->Find(id)) s->retained_bytes += n->bytes_stored;
+  }
   s->client_reported_error_nodes += client_reported_nodes_;
   s->sum_rel_rms_error_k += sum_rel_rms_k_;
   s->sum_rel_rms_error_v += sum_rel_rms_v_;

@@ -33,6 +33,21 @@
 // left as it is. A block coded against a state or a centroid that failed its own checksum is
 // DATA_LOSS and kept (recovery drops a block whose centroid is gone).
 //
+// Retained centroids. Deleting a prefix whose blocks are the centroids of near-duplicates outside
+// it re-elects a centroid among each cluster's members when they are all stored bit-exact (each
+// member's exact reconstruction is coded losslessly again: bytes shrink). A cluster with a lossy
+// member keeps the deleted centroid instead: re-encoding a lossy member would add error to one
+// that already used its target (its reconstruction must stay what it is), and coding the new
+// centroid's reconstruction exactly costs ~5x its lossy bytes (issue 20: +205 % on
+// tests/data/neardup). The centroid and its ancestors inside the deleted prefix stay, marked
+// `retained` (TrieNode) in the same batch that deletes the rest: no lookup, Get, Pin or Delete
+// matches them, no Put finds them as a candidate, eviction skips them, and the namespace's
+// stored bytes count them. Each is removed (SweepRetainedLocked: after a Delete or eviction,
+// every cluster-pass round, at recovery) once no block is coded against it and it has no child.
+// A Put of the deleted prefix again revives them (ReviveRetainedLocked): the blocks are that
+// prefix's KV within the target they were stored at, and deduplicate the Put's as any stored
+// block does.
+//
 // Node ids are 1, 2, ... per shard (so they tell nothing of another namespace), never reused in
 // a process; recovery continues after the largest.
 #ifndef KVTRIE_TRIE_MODEL_SHARD_H_
@@ -313,7 +328,10 @@ class ModelShard {
   };
 
   NodeRef Ref(uint64_t id) const { return {this, id}; }
+  // A node that is not being removed (retained ones included: a block coded against it finds it).
   TrieNode* FindLive(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // As FindLive, but not a retained node: what a token lookup could reach.
+  TrieNode* FindVisible(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<TrieNode*> FindNodeOrNotFound(uint64_t node_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status NoModel() const;
   std::vector<TrieNode*> MatchLive(absl::Span<const uint32_t> token_ids, size_t max_blocks)
@@ -360,9 +378,27 @@ class ModelShard {
   // `roots` with members outside them all, re-elects (ReelectLocked) a member outside them all,
   // so the subtrees can go together (an eviction of many leaves never elects one that goes).
   // Every member's reconstruction stays bit-exact. Counts the bytes replaced and written, the
-  // nodes re-encoded and the centroids re-elected in *summary.
-  absl::Status ReleaseDependentsLocked(absl::Span<const uint64_t> roots, DeleteSummary* summary)
+  // nodes re-encoded and the centroids re-elected in *summary. With `retain` set, a centroid with
+  // a lossy member is not re-elected but added to *retain (see "Retained centroids" above).
+  absl::Status ReleaseDependentsLocked(absl::Span<const uint64_t> roots, DeleteSummary* summary,
+                                       absl::flat_hash_set<uint64_t>* retain = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
+  // Deletes root_id's subtree but `retain` (centroids inside it) and their ancestors inside it,
+  // which are marked retained, in one batch. Adds to the summary's nodes_deleted, bytes_freed and
+  // nodes_retained.
+  absl::Status RemoveRetainingLocked(uint64_t root_id, const absl::flat_hash_set<uint64_t>& retain,
+                                     DeleteSummary* summary)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_) ABSL_LOCKS_EXCLUDED(mu_);
+  // Removes the retained nodes that nothing is coded against and that have no child, until none
+  // is left. Logs (and leaves for the next sweep) a failed write.
+  void SweepRetainedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_) ABSL_LOCKS_EXCLUDED(mu_);
+  // A Put whose block `first_block` (of token_ids) under parent_id is a retained node: marks it,
+  // and the retained nodes below it along token_ids, visible again (written first). Returns
+  // whether it revived any.
+  absl::StatusOr<bool> ReviveRetainedLocked(uint64_t parent_id,
+                                            absl::Span<const uint32_t> token_ids,
+                                            uint32_t first_block)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   // Elects among `members` (of centroid_id, which goes; ascending ids) the one whose path is most
   // probable (lowest path surprisal), then most hit, then with most dependents (preferring those
   // at centroid_id's own position over position-shifted ones), re-encodes it
@@ -402,7 +438,6 @@ class ModelShard {
   // follow once their dependents moved. Returns the encodings spent.
   absl::StatusOr<uint32_t> ConvergeGroup(uint64_t elected, const std::vector<uint64_t>& members)
       ABSL_LOCKS_EXCLUDED(write_mu_, mu_);
-  bool SubtreeHasOutsideDependentsLocked(TrieNode* root) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ClusterViewLocked(const TrieNode& node, NodeView* view) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A read of node `n` as listed now: the hot copy or else `*snapshot` (taken when first needed),
   // and the learned predictors' context (tokens, position, previous token, version held for the
@@ -450,6 +485,8 @@ class ModelShard {
   // Centroids dropped because their payload failed its checksum: their members are DATA_LOSS.
   absl::flat_hash_set<uint64_t> corrupt_centroids_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  // The nodes marked retained ("Retained centroids" above).
+  absl::flat_hash_set<uint64_t> retained_ids_ ABSL_GUARDED_BY(mu_);
   // Totals over the trie, kept as nodes come and go.
   uint64_t bytes_logical_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t bytes_stored_ ABSL_GUARDED_BY(mu_) = 0;

@@ -14,17 +14,6 @@ bool Clusterable(Encoding e) { return e == Encoding::kLossless || e == Encoding:
 
 }  // namespace
 
-bool ModelShard::SubtreeHasOutsideDependentsLocked(TrieNode* root) {
-  for (TrieNode* n : SubtreeLocked(root)) {
-    for (uint64_t d : clusters_.Dependents(n->id)) {
-      const TrieNode* a = trie_->Find(d);
-      while (a != nullptr && a != root) a = a->parent;
-      if (a == nullptr) return true;
-    }
-  }
-  return false;
-}
-
 absl::StatusOr<ModelShard::NearDupEncoded> ModelShard::EncodeNewBlock(
     const ModelInfo& model, uint64_t anchor_id, uint32_t block_index,
     absl::Span<const uint32_t> token_ids, absl::Span<const float> surprisal_bits,
@@ -167,10 +156,12 @@ bool ModelShard::RetireReferencesLocked(uint64_t node_id) {
 }
 
 absl::Status ModelShard::ReleaseDependentsLocked(absl::Span<const uint64_t> roots,
-                                                 DeleteSummary* summary) {
+                                                 DeleteSummary* summary,
+                                                 absl::flat_hash_set<uint64_t>* retain) {
   // The clusters whose centroid is inside a root's subtree, with their members outside them all.
   std::map<uint64_t, std::vector<uint64_t>> clusters;  // centroid -> members outside, by id
   absl::flat_hash_set<uint64_t> leaving;               // the subtrees: never a new centroid
+  absl::flat_hash_set<uint64_t> lossy;                 // clusters with a lossy member
   {
     absl::MutexLock lock(&mu_);
     std::vector<TrieNode*> going;
@@ -183,11 +174,19 @@ absl::Status ModelShard::ReleaseDependentsLocked(absl::Span<const uint64_t> root
     }
     for (TrieNode* n : going) {
       for (uint64_t d : clusters_.Dependents(n->id)) {
-        if (FindLive(d) != nullptr && !leaving.contains(d)) clusters[n->id].push_back(d);
+        const TrieNode* m = FindLive(d);
+        if (m == nullptr || leaving.contains(d)) continue;
+        clusters[n->id].push_back(d);
+        if (IsLossyEncoding(m->encoding)) lossy.insert(n->id);
       }
     }
   }
   for (auto& [centroid, members] : clusters) {
+    if (retain != nullptr && lossy.contains(centroid)) {
+      retain->insert(centroid);
+      ++summary->centroids_retained;
+      continue;
+    }
     std::sort(members.begin(), members.end());  // ids grow with depth along a path
     if (auto s = ReelectLocked(centroid, members, leaving, summary); !s.ok()) return s;
   }
@@ -212,7 +211,7 @@ absl::Status ModelShard::ReelectLocked(uint64_t centroid_id, const std::vector<u
     absl::MutexLock lock(&mu_);
     const TrieNode* old = FindLive(centroid_id);
     for (uint64_t id : members) {
-      const TrieNode* n = FindLive(id);
+      const TrieNode* n = FindVisible(id);  // a retained member is re-encoded, never elected
       if (n == nullptr) continue;
       const bool aligned =
           old != nullptr && n->depth == old->depth && n->token_ids == old->token_ids;
@@ -331,8 +330,8 @@ absl::StatusOr<uint64_t> ModelShard::RecodeAgainstCentroid(uint64_t node_id, uin
   uint64_t current = 0;
   {
     absl::MutexLock lock(&mu_);
-    const TrieNode* n = FindLive(node_id);
-    const TrieNode* c = FindLive(centroid_id);
+    const TrieNode* n = FindVisible(node_id);
+    const TrieNode* c = FindVisible(centroid_id);
     if (n == nullptr) return absl::NotFoundError(absl::StrCat("node_id: no node ", node_id));
     if (c == nullptr)
       return absl::NotFoundError(absl::StrCat("centroid_id: no node ", centroid_id));

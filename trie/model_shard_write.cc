@@ -28,6 +28,7 @@ void ModelShard::RemoveLocked(const std::vector<TrieNode*>& roots, DropReason re
   for (TrieNode* root : roots) {
     for (TrieNode* n : SubtreeLocked(root)) {
       clusters_.Remove(*n);  // near-duplicate index and dependency edges
+      if (n->retained) retained_ids_.erase(n->id);
       predictors_->AddDependent(n->predictor_version, -1);
       context_->tiers->Remove(Ref(n->id));
       CountNodeLocked(*n, -1);
@@ -97,6 +98,136 @@ absl::Status ModelShard::RemoveSubtrees(const std::vector<uint64_t>& roots, Drop
   return absl::OkStatus();
 }
 
+absl::Status ModelShard::RemoveRetainingLocked(uint64_t root_id,
+                                               const absl::flat_hash_set<uint64_t>& retain,
+                                               DeleteSummary* summary) {
+  RecordBatch batch(context_->records);
+  std::vector<TrieNode*> kept, marked, roots;
+  uint64_t bytes = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    TrieNode* root = FindLive(root_id);
+    if (root == nullptr) return absl::OkStatus();
+    const std::vector<TrieNode*> subtree = SubtreeLocked(root);
+    const absl::flat_hash_set<const TrieNode*> inside(subtree.begin(), subtree.end());
+    // The retained centroids, their ancestors up to the root (a block's parent predicts it), and
+    // what a kept block is itself coded against inside the subtree, with its ancestors.
+    absl::flat_hash_set<const TrieNode*> keep;
+    std::vector<TrieNode*> work;
+    for (uint64_t id : retain) work.push_back(FindLive(id));
+    while (!work.empty()) {
+      TrieNode* n = work.back();
+      work.pop_back();
+      for (; n != nullptr && inside.contains(n) && keep.insert(n).second; n = n->parent) {
+        if (TrieNode* r = n->reference_node_id ? FindLive(n->reference_node_id) : nullptr) {
+          work.push_back(r);
+        }
+      }
+    }
+    // Nothing that goes may have a dependent that stays, here or outside.
+    for (TrieNode* n : subtree) {
+      if (keep.contains(n)) continue;
+      for (uint64_t d : clusters_.Dependents(n->id)) {
+        const TrieNode* m = trie_->Find(d);
+        if (m != nullptr && (!inside.contains(m) || keep.contains(m))) {
+          return absl::InternalError(absl::StrCat(
+              "token_ids: node ", d, " is still coded against node ", n->id, " of this prefix"));
+        }
+      }
+    }
+    for (TrieNode* n : subtree) {
+      if (keep.contains(n)) {
+        if (n->retained) continue;  // kept already (an earlier Delete)
+        NodeMeta m = MetaOf(*n);
+        m.retained = true;
+        batch.PutNode(shard_id_, n->id, m, nullptr);
+        trie_->SetRetained(n, true);  // readers stop here from now on
+        kept.push_back(n);
+        continue;
+      }
+      if (n->removing) continue;
+      if (n == root || keep.contains(n->parent)) roots.push_back(n);
+      trie_->SetRemoving(n, true);
+      marked.push_back(n);
+      batch.DeleteNode(shard_id_, n->id);
+      bytes += n->bytes_stored;
+    }
+    for (TrieNode* n : marked) context_->tiers->SetEvictable(Ref(n->id), false);
+    for (TrieNode* n : kept) context_->tiers->SetEvictable(Ref(n->id), false);
+  }
+  if (marked.empty() && kept.empty()) return absl::OkStatus();
+  absl::Status s = context_->records->Write(batch);
+  {
+    absl::MutexLock lock(&mu_);
+    if (!s.ok()) {  // nothing changed in memory: it agrees with the disk
+      for (TrieNode* n : marked) trie_->SetRemoving(n, false);
+      for (TrieNode* n : kept) trie_->SetRetained(n, false);
+      for (TrieNode* n : marked) UpdateEvictableLocked(n);
+      for (TrieNode* n : kept) UpdateEvictableLocked(n);
+      return s;
+    }
+    for (TrieNode* n : kept) retained_ids_.insert(n->id);
+    RemoveLocked(roots, DropReason::kDeleted);
+  }
+  FreeUnusedPredictors();
+  summary->nodes_deleted += marked.size();
+  summary->bytes_freed += bytes;
+  summary->nodes_retained += kept.size();
+  return absl::OkStatus();
+}
+
+void ModelShard::SweepRetainedLocked() {
+  for (;;) {  // leaves first, then the parents they leave childless
+    std::vector<uint64_t> unused;
+    {
+      absl::MutexLock lock(&mu_);
+      for (uint64_t id : retained_ids_) {
+        const TrieNode* n = trie_->Find(id);
+        if (n != nullptr && n->children.empty() && !clusters_.HasDependents(id)) {
+          unused.push_back(id);
+        }
+      }
+    }
+    if (unused.empty()) return;
+    if (absl::Status s = RemoveSubtrees(unused, DropReason::kDeleted, nullptr, nullptr); !s.ok()) {
+      spdlog::error("removing {} retained centroids of '{}'/'{}' no block needs: {}", unused.size(),
+                    ns_, model_.model_id, s.ToString());
+      return;
+    }
+  }
+}
+
+absl::StatusOr<bool> ModelShard::ReviveRetainedLocked(uint64_t parent_id,
+                                                      absl::Span<const uint32_t> token_ids,
+                                                      uint32_t first_block) {
+  RecordBatch batch(context_->records);
+  std::vector<TrieNode*> revived;
+  {
+    absl::MutexLock lock(&mu_);
+    if (retained_ids_.empty() || !committed_) return false;
+    const size_t bt = trie_->block_tokens();
+    TrieNode* at = FindVisible(parent_id);
+    for (size_t b = first_block; at != nullptr && (b + 1) * bt <= token_ids.size(); ++b) {
+      at = trie_->FindChild(at, token_ids.subspan(b * bt, bt));
+      if (at == nullptr || !at->retained || at->removing) break;
+      NodeMeta m = MetaOf(*at);
+      m.retained = false;
+      batch.PutNode(shard_id_, at->id, m, nullptr);
+      revived.push_back(at);
+    }
+  }
+  if (revived.empty()) return false;
+  if (auto s = context_->records->Write(batch); !s.ok()) return s;
+  absl::MutexLock lock(&mu_);
+  for (TrieNode* n : revived) {  // write_mu_: still there
+    trie_->SetRetained(n, false);
+    retained_ids_.erase(n->id);
+  }
+  for (TrieNode* n : revived) UpdateEvictableLocked(n);
+  UpdateEvictableLocked(revived.front()->parent);
+  return true;
+}
+
 void ModelShard::DropCorruptLocked(const std::vector<Corrupt>& corrupt) {
   if (corrupt.empty()) return;
   std::vector<uint64_t> ids;
@@ -140,6 +271,11 @@ absl::StatusOr<std::vector<uint64_t>> ModelShard::Commit(const ModelInfo& model,
   auto unreserve = absl::MakeCleanup([&] { tiers->Unreserve(incoming); });
 
   absl::MutexLock writer(&write_mu_);
+  // The first block is a deleted one kept as a centroid: visible again, then matched as stored.
+  absl::StatusOr<bool> revived =
+      ReviveRetainedLocked(parent_id, token_ids, blocks.front().block_index);
+  if (!revived.ok()) return revived.status();
+  if (*revived) return absl::AbortedError("a deleted block kept as a centroid was revived");
   // The payloads, and per block its key, record and framing (token ids, surprisal: ~1 KiB).
   RecordBatch batch(context_->records, incoming + blocks.size() * (1024 + 16 * bt));
   std::vector<uint64_t> ids;
@@ -152,7 +288,7 @@ absl::StatusOr<std::vector<uint64_t>> ModelShard::Commit(const ModelInfo& model,
     } else {
       create = true;  // the first blocks of this model: its record goes in the same batch
     }
-    TrieNode* parent = create ? nullptr : FindLive(parent_id);
+    TrieNode* parent = create ? nullptr : FindVisible(parent_id);
     if (create ? parent_id != 0 || blocks.front().block_index != 0
                : parent == nullptr || parent->depth != blocks.front().block_index) {
       return absl::AbortedError("prefix changed concurrently");
@@ -162,7 +298,7 @@ absl::StatusOr<std::vector<uint64_t>> ModelShard::Commit(const ModelInfo& model,
       return absl::AbortedError("block stored concurrently");
     }
     for (const NewBlock& b : blocks) {  // a centroid deleted since the block was coded against it
-      if (b.reference_node_id != 0 && FindLive(b.reference_node_id) == nullptr) {
+      if (b.reference_node_id != 0 && FindVisible(b.reference_node_id) == nullptr) {
         return absl::AbortedError("centroid deleted concurrently");
       }
     }
@@ -244,26 +380,23 @@ absl::StatusOr<DeleteSummary> ModelShard::Delete(absl::Span<const uint32_t> toke
   });
   // Near-duplicates coded against a node of the subtree are re-encoded first. Only writers add
   // dependents, and write_mu_ keeps them out until the subtree is gone.
+  // Those with a lossy member stay, retained, for them ("Retained centroids", model_shard.h).
   DeleteSummary summary;
-  if (auto s = ReleaseDependentsLocked({id}, &summary); !s.ok()) return s;
+  absl::flat_hash_set<uint64_t> retain;
+  const bool may_retain = context_->options->near_dup.retain_lossy_centroids;
+  if (auto s = ReleaseDependentsLocked({id}, &summary, may_retain ? &retain : nullptr); !s.ok()) {
+    return s;
+  }
   if (context_->delete_hook_for_test) context_->delete_hook_for_test();
   {
     absl::MutexLock lock(&mu_);
     TrieNode* n = FindLive(id);
     if (n == nullptr) return absl::NotFoundError("token_ids: deleted concurrently");
-    if (SubtreeHasOutsideDependentsLocked(n)) {
-      return absl::InternalError(
-          "token_ids: near-duplicates of this prefix are still coded "
-          "against it after re-encoding");
-    }
   }
-  uint64_t bytes = 0;
-  if (auto s = RemoveSubtrees({id}, DropReason::kDeleted, &summary.nodes_deleted, &bytes);
-      !s.ok()) {
-    return s;
-  }
-  summary.bytes_freed += bytes;
+  // Checks that nothing outside is still coded against a block that goes (else INTERNAL).
+  if (auto s = RemoveRetainingLocked(id, retain, &summary); !s.ok()) return s;
   deletes_.fetch_add(1, std::memory_order_relaxed);
+  SweepRetainedLocked();  // retained centroids whose last member this prefix held
   return summary;
 }
 
@@ -342,6 +475,7 @@ absl::StatusOr<uint64_t> ModelShard::Evict(const std::vector<uint64_t>& ids) {
   });
   uint64_t bytes = 0;
   if (auto s = RemoveSubtrees(victims, DropReason::kDisk, nullptr, &bytes); !s.ok()) return s;
+  SweepRetainedLocked();                  // a retained centroid whose last member was a victim
   return bytes - std::min(bytes, grown);  // net of the members' growth
 }
 

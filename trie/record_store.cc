@@ -62,6 +62,7 @@ internal::NodeRecord ToRecord(const NodeMeta& m) {
   r.set_reference_node_id(m.reference_node_id);
   r.set_predictor_version(m.predictor_version);
   r.set_error_client_reported(m.error_client_reported);
+  r.set_retained(m.retained);
   return r;
 }
 
@@ -88,6 +89,7 @@ absl::StatusOr<NodeMeta> FromRecord(const rocksdb::Slice& value) {
   m.reference_node_id = r.reference_node_id();
   m.predictor_version = r.predictor_version();
   m.error_client_reported = r.error_client_reported();
+  m.retained = r.retained();
   return m;
 }
 

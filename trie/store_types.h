@@ -161,6 +161,10 @@ struct DeleteSummary {
   // Centroids removed with surviving members for which one member was elected the new centroid
   // (re-encoded standalone) and the others re-encoded against it (ModelShard::Delete).
   uint64_t centroids_reelected = 0;
+  // Centroids with lossy members that stay, unnamed, as their reference (ModelShard, "Retained
+  // centroids"), and the nodes kept for them: those centroids and their ancestors in the prefix.
+  uint64_t centroids_retained = 0;
+  uint64_t nodes_retained = 0;
 };
 
 enum class BlockOutcome { kStored, kDeduplicated, kResidualOfCentroid };
@@ -272,6 +276,10 @@ struct StoreStats {
   uint64_t evictions_deleted = 0;    // nodes removed by Delete
   // Centroids deleted or evicted whose members elected a new centroid among them.
   uint64_t centroids_reelected = 0;
+  // Now: nodes of deleted prefixes kept only as the centroids (and their parents) of lossy
+  // near-duplicates, and their payload bytes (counted in bytes_stored too).
+  uint64_t retained_nodes = 0;
+  uint64_t retained_bytes = 0;
   // The background cluster pass (trie/cluster_pass.h), since start: rounds run (server-wide:
   // the same in every namespace's Stats), standalone blocks it re-encoded as residuals of their
   // group's centroid, the payload bytes that saved, and centroids it moved to the elected member.

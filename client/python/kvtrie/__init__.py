@@ -600,9 +600,11 @@ class Client:
     def delete(self, tokens: TokenIds) -> dict:
         """Deletes the stored prefix ``tokens``' last block and its subtree.
 
-        Returns ``{"nodes_deleted": n, "bytes_freed": b, "bytes_rewritten": r}``: near-duplicates
-        coded against the prefix are re-encoded first, so the store changes by ``b - r`` bytes.
-        Raises NotFoundError if not stored.
+        Returns ``{"nodes_deleted": n, "bytes_freed": b, "bytes_rewritten": r, ...}``
+        (kvtrie.v1.DeleteResponse; zero fields left out): bit-exact near-duplicates coded
+        against the prefix are re-encoded first (``centroids_reelected``), so the store changes
+        by ``b - r`` bytes; a centroid with lossy members stays, unnamed, until its last member
+        goes (``centroids_retained``, ``nodes_retained``). Raises NotFoundError if not stored.
         """
         return self._c.delete(_tokens(tokens))
 
