@@ -108,7 +108,7 @@ void ClusterIndex::Remove(const TrieNode& node) {
 
 std::vector<ClusterIndex::Candidate> ClusterIndex::FindCandidates(
     BlockTrie* trie, const TrieNode* anchor, uint32_t depth, absl::Span<const uint32_t> block,
-    double path_bits, double max_distance_bits, size_t max_candidates) {
+    double path_bits, double max_distance_bits, size_t max_candidates, uint64_t self) {
   std::vector<Candidate> out;
   auto distance_to = [&](const TrieNode* n) {
     return path_bits + n->path_surprisal_bits -
@@ -117,7 +117,7 @@ std::vector<ClusterIndex::Candidate> ClusterIndex::FindCandidates(
   if (auto it = groups_.find(GroupKey(depth, block)); it != groups_.end()) {
     for (uint64_t id : it->second) {
       const TrieNode* n = trie->Find(id);
-      if (n == nullptr || n->reference_node_id != 0 || n->removing || n->retained ||
+      if (n == nullptr || id == self || n->reference_node_id != 0 || n->removing || n->retained ||
           n->depth != depth ||
           !std::equal(block.begin(), block.end(), n->token_ids.begin(), n->token_ids.end())) {
         continue;  // gone, itself a residual, or a hash collision
@@ -238,6 +238,11 @@ std::vector<uint64_t> ClusterIndex::Dependents(uint64_t node_id) const {
     std::sort(out.begin(), out.end());
   }
   return out;
+}
+
+size_t ClusterIndex::GroupSize(const TrieNode& node) const {
+  auto it = groups_.find(GroupKey(node.depth, node.token_ids));
+  return it == groups_.end() ? 0 : it->second.size();
 }
 
 size_t ClusterIndex::NumDependents(uint64_t node_id) const {

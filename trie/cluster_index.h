@@ -147,15 +147,19 @@ class ClusterIndex {
   // `path_bits`: standalone nodes with the same tokens at the same depth, trie distance <=
   // max_distance_bits, nearest first, at most max_candidates. Without any, the position-shifted
   // candidates (shifted = true, best first, at most max_candidates). Counts gated ones, and a
-  // shifted near-duplicate without a usable candidate as skipped.
+  // shifted near-duplicate without a usable candidate as skipped. `self`: a stored block looking
+  // for a centroid of its own (the cluster pass), never its own candidate (0 = a new block).
   std::vector<Candidate> FindCandidates(BlockTrie* trie, const TrieNode* anchor, uint32_t depth,
                                         absl::Span<const uint32_t> block, double path_bits,
-                                        double max_distance_bits, size_t max_candidates);
+                                        double max_distance_bits, size_t max_candidates,
+                                        uint64_t self = 0);
 
   bool HasDependents(uint64_t node_id) const { return dependents_.contains(node_id); }
   // The nodes stored as residuals of `node_id`.
   std::vector<uint64_t> Dependents(uint64_t node_id) const;
   size_t NumDependents(uint64_t node_id) const;
+  // Nodes in `node`'s group (the same tokens at the same depth, itself included).
+  size_t GroupSize(const TrieNode& node) const;
 
   // The background pass (trie/cluster_pass.h): the (depth, tokens) groups of two or more nodes
   // that gained a node (or a node's encoding changed) since the pass last settled them, at most

@@ -415,6 +415,17 @@ class ModelShard {
                                   const absl::flat_hash_set<uint64_t>& leaving,
                                   DeleteSummary* summary, bool* replaced)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
+  // The candidates the Put path would find now for the stored block `n` (aligned, else at a
+  // position offset), never n or below it, nor one in `leaving` (or its parent).
+  std::vector<ClusterIndex::Candidate> StoredCandidatesLocked(
+      const TrieNode& n, const absl::flat_hash_set<uint64_t>& leaving)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The exact reconstructions of node_id and of its parent (empty for the root's child), which a
+  // re-encoding predicts from as a Put does. ABORTED when it is gone; drops what fails its check.
+  absl::Status ReconstructWithParentLocked(uint64_t node_id, const BlockGeometry& g,
+                                           std::vector<uint8_t>* recon,
+                                           std::vector<uint8_t>* parent)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   // Encodes `kv` against each of `candidates` (their reconstructions read here) and keeps in *out
   // the smallest encoding that is smaller than out->encoded. Returns whether one was. `corrupt`:
   // null to drop a candidate that fails its check here, else where to list it (write_mu_ held).
@@ -438,6 +449,11 @@ class ModelShard {
   // follow once their dependents moved. Returns the encodings spent.
   absl::StatusOr<uint32_t> ConvergeGroup(uint64_t elected, const std::vector<uint64_t>& members)
       ABSL_LOCKS_EXCLUDED(write_mu_, mu_);
+  // A standalone lossless block without dependents (left so by a swap in ConvergeGroup): its
+  // exact reconstruction coded against the candidates the Put path finds now (aligned, or at any
+  // position offset), predicted from its parent's, kept when smaller. Returns the encodings spent.
+  absl::StatusOr<uint32_t> RecheckLocked(uint64_t node_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_)
+      ABSL_LOCKS_EXCLUDED(mu_);
   void ClusterViewLocked(const TrieNode& node, NodeView* view) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A read of node `n` as listed now: the hot copy or else `*snapshot` (taken when first needed),
   // and the learned predictors' context (tokens, position, previous token, version held for the
@@ -487,6 +503,9 @@ class ModelShard {
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   // The nodes marked retained ("Retained centroids" above).
   absl::flat_hash_set<uint64_t> retained_ids_ ABSL_GUARDED_BY(mu_);
+  // Blocks a cluster swap left standalone without dependents, for the pass (RecheckLocked).
+  // Memory only: after a restart they stay as they are (stored bytes, not correctness).
+  absl::flat_hash_set<uint64_t> recheck_ ABSL_GUARDED_BY(mu_);
   // Totals over the trie, kept as nodes come and go.
   uint64_t bytes_logical_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t bytes_stored_ ABSL_GUARDED_BY(mu_) = 0;

@@ -260,16 +260,15 @@ absl::Status ModelShard::RecodeMemberLocked(uint64_t node_id, uint64_t centroid_
     absl::MutexLock lock(&mu_);
     g = model_.geometry;
   }
-  std::vector<uint8_t> recon(g.num_bytes());
-  std::vector<Corrupt> corrupt;
-  absl::Status s = ReconstructInternal(node_id, absl::MakeSpan(recon), &corrupt);
-  DropCorruptLocked(corrupt);
-  corrupt.clear();
-  if (absl::IsAborted(s)) return absl::OkStatus();  // dropped meanwhile
-  if (!s.ok()) return s;
+  std::vector<uint8_t> recon, parent;
+  if (absl::Status s = ReconstructWithParentLocked(node_id, g, &recon, &parent); !s.ok()) {
+    return absl::IsAborted(s) ? absl::OkStatus() : s;  // aborted: dropped meanwhile
+  }
   const EncodeOptions lossless{.encoding = Encoding::kLossless};
+  PredictionContext ctx;
+  ctx.parent = parent;
   NearDupEncoded out;
-  absl::StatusOr<EncodedBlock> standalone = EncodeBlock(g, recon, lossless);
+  absl::StatusOr<EncodedBlock> standalone = EncodeBlock(g, recon, lossless, ctx);
   if (!standalone.ok()) return standalone.status();
   out.encoded = *std::move(standalone);
   if (centroid_id != 0) {
@@ -278,26 +277,9 @@ absl::Status ModelShard::RecodeMemberLocked(uint64_t node_id, uint64_t centroid_
     std::vector<ClusterIndex::Candidate> candidates;
     {
       absl::MutexLock lock(&mu_);
-      const NearDupOptions& nd = context_->options->near_dup;
       TrieNode* n = FindLive(node_id);
       if (n == nullptr) return absl::OkStatus();
-      // Never the node itself or below it (a window of its own text and its child's): decoding
-      // such a centroid (or its parent) walks up to the node again, without end.
-      auto own = [&](uint64_t id) {  // id is n or below it
-        for (const TrieNode* a = id != 0 ? FindLive(id) : nullptr; a != nullptr; a = a->parent) {
-          if (a == n) return true;
-        }
-        return false;
-      };
-      for (const ClusterIndex::Candidate& c : clusters_.FindCandidates(
-               trie_.get(), n->parent, n->depth, n->token_ids, n->path_surprisal_bits,
-               nd.max_distance_bits, nd.max_candidates)) {
-        if (own(c.node_id) || own(c.reference_parent_id) || leaving.contains(c.node_id) ||
-            leaving.contains(c.reference_parent_id) || (c.shifted && !nd.position_shifted)) {
-          continue;
-        }
-        candidates.push_back(c);
-      }
+      candidates = StoredCandidatesLocked(*n, leaving);
       const TrieNode* c = FindLive(centroid_id);
       const bool listed = std::any_of(candidates.begin(), candidates.end(),
                                       [&](const auto& x) { return x.node_id == centroid_id; });
@@ -305,8 +287,9 @@ absl::Status ModelShard::RecodeMemberLocked(uint64_t node_id, uint64_t centroid_
         candidates.insert(candidates.begin(), {.node_id = centroid_id});
       }
     }
-    absl::StatusOr<bool> found = EncodeAgainstCandidates(g, recon, lossless, PredictionContext{},
-                                                         candidates, &out, &corrupt);
+    std::vector<Corrupt> corrupt;
+    absl::StatusOr<bool> found =
+        EncodeAgainstCandidates(g, recon, lossless, ctx, candidates, &out, &corrupt);
     DropCorruptLocked(corrupt);
     if (!found.ok()) return found.status();
   }
@@ -322,6 +305,51 @@ absl::Status ModelShard::RecodeMemberLocked(uint64_t node_id, uint64_t centroid_
   summary->bytes_rewritten += out.encoded.bytes.size();
   ++summary->nodes_rewritten;
   return absl::OkStatus();
+}
+
+std::vector<ClusterIndex::Candidate> ModelShard::StoredCandidatesLocked(
+    const TrieNode& n, const absl::flat_hash_set<uint64_t>& leaving) {
+  const NearDupOptions& nd = context_->options->near_dup;
+  // Never the node itself or below it (a window of its own text and its child's): decoding such
+  // a centroid (or its parent) walks up to the node again, without end.
+  auto own = [&](uint64_t id) {
+    for (const TrieNode* a = id != 0 ? FindLive(id) : nullptr; a != nullptr; a = a->parent) {
+      if (a == &n) return true;
+    }
+    return false;
+  };
+  std::vector<ClusterIndex::Candidate> out;
+  for (const ClusterIndex::Candidate& c :
+       clusters_.FindCandidates(trie_.get(), n.parent, n.depth, n.token_ids, n.path_surprisal_bits,
+                                nd.max_distance_bits, nd.max_candidates, n.id)) {
+    if (own(c.node_id) || own(c.reference_parent_id) || leaving.contains(c.node_id) ||
+        leaving.contains(c.reference_parent_id) || (c.shifted && !nd.position_shifted)) {
+      continue;
+    }
+    out.push_back(c);
+  }
+  return out;
+}
+
+absl::Status ModelShard::ReconstructWithParentLocked(uint64_t node_id, const BlockGeometry& g,
+                                                     std::vector<uint8_t>* recon,
+                                                     std::vector<uint8_t>* parent) {
+  uint64_t parent_id = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    const TrieNode* n = FindLive(node_id);
+    if (n == nullptr) return absl::AbortedError(absl::StrCat("node ", node_id, " is gone"));
+    if (n->parent != nullptr && n->parent->depth > 0) parent_id = n->parent->id;
+  }
+  recon->assign(g.num_bytes(), 0);
+  parent->assign(parent_id != 0 ? g.num_bytes() : 0, 0);
+  std::vector<Corrupt> corrupt;
+  absl::Status s = ReconstructInternal(node_id, absl::MakeSpan(*recon), &corrupt);
+  if (s.ok() && parent_id != 0) {
+    s = ReconstructInternal(parent_id, absl::MakeSpan(*parent), &corrupt);
+  }
+  DropCorruptLocked(corrupt);
+  return s;
 }
 
 absl::StatusOr<uint64_t> ModelShard::RecodeAgainstCentroid(uint64_t node_id, uint64_t centroid_id) {
