@@ -70,7 +70,7 @@ grpc::Status KvCacheService::GetCall::Start(v1::GetResponse* header) {
   absl::StatusOr<std::unique_ptr<BlockReader>> reader =
       store->NewReader(request->namespace_(), request->model_id(), tokens_, request->max_blocks(),
                        residual_ ? BlockReader::Mode::kStored : BlockReader::Mode::kReconstructed,
-                       service_->codec_pool_.get());
+                       service_->codec_pool_.get(), /*through_retained=*/request->node_id() != 0);
   if (!reader.ok()) return ToGrpcStatus(reader.status());
   reader_ = *std::move(reader);
   const GetResult& got = reader_->listing();

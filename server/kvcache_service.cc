@@ -46,6 +46,7 @@ void ToNodeInfo(const NodeView& v, v1::NodeInfo* out) {
   out->set_distance_to_reference_bits(v.distance_to_reference_bits);
   out->set_predictor_version(v.predictor_version);
   out->set_error_client_reported(v.error_client_reported);
+  out->set_retained(v.retained);
 }
 
 void ToHistogram(const uint64_t (&counts)[kHistogramBuckets],

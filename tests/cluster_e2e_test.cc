@@ -59,9 +59,7 @@ class ClusterEndToEnd : public ::testing::Test {
     dir_ = testing::FreshDir(::testing::UnitTest::GetInstance()->current_test_info()->name());
     // The Put path's own clustering is asserted here: the background pass (which would move
     // clusters meanwhile) is off but in its own test.
-    auto s = ServerProcess::Start(dir_ + "/data", {"--cluster_pass_interval_ms=0"});
-    ASSERT_TRUE(s.ok()) << s.status();
-    server_ = *std::move(s);
+    ASSERT_NO_FATAL_FAILURE(Restart());
     n0_ = Load("neardup/n0");
     n1_ = Load("neardup/n1");
     n2_ = Load("neardup/n2");
@@ -69,6 +67,13 @@ class ClusterEndToEnd : public ::testing::Test {
   void TearDown() override {
     server_.reset();
     if (!HasFailure()) std::filesystem::remove_all(dir_);
+  }
+  // Stops the server (if running) and starts it again on the same data.
+  void Restart() {
+    server_.reset();
+    auto s = ServerProcess::Start(dir_ + "/data", {"--cluster_pass_interval_ms=0"});
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = *std::move(s);
   }
   std::unique_ptr<Client> NewClient(const std::string& ns) {
     return Client::Create({.target = server_->target(), .ns = ns});
@@ -195,6 +200,68 @@ TEST_F(ClusterEndToEnd, LossyNearDuplicatesMeetTheDefaultTargetInBothGetModes) {
   EXPECT_EQ(dense->v, here->v);
   EXPECT_LE(RelRms(*dense, n1_, false), 0.1);
   EXPECT_LE(RelRms(*dense, n1_, true), 0.1);
+}
+
+// A Delete of the centroids of lossy near-duplicates (the default: retained) answers what it kept,
+// Stats counts it, no lookup sees the deleted blocks, and the members read back the same in both
+// Get modes (a RESIDUAL Get sends the retained centroids the blocks are coded against), also
+// after a restart; the members' own Delete then takes them.
+TEST_F(ClusterEndToEnd, ADeleteOfLossyCentroidsKeepsThemForTheirMembersInBothGetModes) {
+  auto client = NewClient("retain");
+  const PutOptions lossy{.encoding = v1::ENCODING_RESIDUAL,
+                         .profile = v1::EncodingSpec::PROFILE_COMPACT};
+  ASSERT_TRUE(client->Put(n0_, lossy).ok());
+  ASSERT_TRUE(client->Put(n1_, lossy).ok());
+  absl::StatusOr<KvDump> before = client->Get(n1_.model_id, n1_.token_ids);
+  ASSERT_TRUE(before.ok()) << before.status();
+  absl::StatusOr<v1::StatsResponse> st = client->Stats();
+  ASSERT_TRUE(st.ok());
+  const uint64_t bytes = st->bytes_stored();
+  const size_t d1 = DivergenceBlock(n0_, n1_);
+  std::vector<uint32_t> branch(n0_.token_ids.begin(),
+                               n0_.token_ids.begin() + (d1 + 1) * kBlockTokens);
+  absl::StatusOr<v1::DeleteResponse> del = client->Delete(n0_.model_id, branch);
+  ASSERT_TRUE(del.ok()) << del.status();
+  EXPECT_GT(del->centroids_retained(), 20u);
+  EXPECT_EQ(del->centroids_reelected(), 0u);
+  EXPECT_EQ(del->bytes_rewritten(), 0u);
+  const auto check = [&] {
+    absl::StatusOr<v1::StatsResponse> now = client->Stats();
+    ASSERT_TRUE(now.ok());
+    EXPECT_EQ(now->retained_nodes(), del->nodes_retained());
+    EXPECT_GT(now->retained_bytes(), 0u);
+    EXPECT_EQ(now->bytes_stored(), bytes - del->bytes_freed());
+    absl::StatusOr<v1::LookupResponse> lookup = client->Lookup(n0_.model_id, n0_.token_ids);
+    ASSERT_TRUE(lookup.ok());
+    EXPECT_EQ(lookup->matched_tokens(), d1 * kBlockTokens);
+    // Inspect names the member's centroid and shows it retained.
+    absl::StatusOr<v1::LookupResponse> n1_path = client->Lookup(n1_.model_id, n1_.token_ids);
+    ASSERT_TRUE(n1_path.ok());
+    absl::StatusOr<v1::InspectResponse> member =
+        client->Inspect(n1_.model_id, n1_path->node_ids(n1_path->node_ids_size() - 1));
+    ASSERT_TRUE(member.ok()) << member.status();
+    absl::StatusOr<v1::InspectResponse> centroid =
+        client->Inspect(n1_.model_id, member->node().reference_node_id());
+    ASSERT_TRUE(centroid.ok()) << centroid.status();
+    EXPECT_TRUE(centroid->node().retained());
+    EXPECT_FALSE(member->node().retained());
+    for (v1::GetMode mode : {v1::GET_MODE_RECONSTRUCTED, v1::GET_MODE_RESIDUAL}) {
+      absl::StatusOr<KvDump> got = client->Get(n1_.model_id, n1_.token_ids, {.mode = mode});
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(got->k, before->k);
+      EXPECT_EQ(got->v, before->v);
+    }
+  };
+  check();
+  ASSERT_NO_FATAL_FAILURE(Restart());
+  client = NewClient("retain");
+  check();
+  std::vector<uint32_t> own(n1_.token_ids.begin(), n1_.token_ids.begin() + (d1 + 1) * kBlockTokens);
+  ASSERT_TRUE(client->Delete(n1_.model_id, own).ok());
+  absl::StatusOr<v1::StatsResponse> after = client->Stats();
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->retained_nodes(), 0u);
+  EXPECT_EQ(after->nodes(), d1);
 }
 
 // neardup/n3 repeats n0's text 4 tokens earlier after its changed word: its blocks are coded

@@ -12,11 +12,12 @@
 namespace kvtrie {
 
 BlockReader::BlockReader(ModelShard* shard, GetResult listing, std::vector<uint32_t> tokens,
-                         size_t max_blocks, Mode mode, ThreadPool* pool)
+                         size_t max_blocks, Mode mode, ThreadPool* pool, bool through_retained)
     : shard_(shard),
       got_(std::move(listing)),
       tokens_(std::move(tokens)),
       max_blocks_(max_blocks),
+      through_retained_(through_retained),
       mode_(mode),
       pool_(pool),
       window_(pool == nullptr ? 1 : static_cast<size_t>(std::max(1, pool->threads()))) {
@@ -117,7 +118,7 @@ absl::Status BlockReader::DecodeOnChain(Slot* slot) {
   // dependents as bit-exact standalone copies under the same node ids, so list the rest of the
   // prefix again and read the same node anew (bounded). Everything else is read as listed.
   for (int retry = 0; absl::IsAborted(s) && retry < kRetries; ++retry) {
-    GetResult again = shard_->Get(tokens_, max_blocks_);
+    GetResult again = shard_->Get(tokens_, max_blocks_, through_retained_);
     if (again.blocks.size() <= i || again.blocks[i].node_id != got_.blocks[i].node_id) {
       // The block itself went (a Delete of its prefix): what this Get promised is gone.
       return absl::AbortedError(absl::StrCat("token_ids: blocks [", i, ", ", got_.blocks.size(),

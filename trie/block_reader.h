@@ -70,10 +70,10 @@ class BlockReader {
     std::shared_ptr<const void> owner;
   };
 
-  // Made by KvStore::NewReader. `shard` null: a miss (no blocks). `tokens` and `max_blocks` are
-  // the listing's, for listing again.
+  // Made by KvStore::NewReader. `shard` null: a miss (no blocks). `tokens`, `max_blocks` and
+  // `through_retained` are the listing's, for listing again.
   BlockReader(ModelShard* shard, GetResult listing, std::vector<uint32_t> tokens, size_t max_blocks,
-              Mode mode, ThreadPool* pool);
+              Mode mode, ThreadPool* pool, bool through_retained = false);
   ~BlockReader();
   BlockReader(const BlockReader&) = delete;
   BlockReader& operator=(const BlockReader&) = delete;
@@ -108,6 +108,7 @@ class BlockReader {
   GetResult got_;
   const std::vector<uint32_t> tokens_;
   const size_t max_blocks_;
+  const bool through_retained_;
   const Mode mode_;
   ThreadPool* const pool_;
   const size_t window_;

@@ -306,17 +306,17 @@ absl::StatusOr<GetResult> KvStore::Get(const std::string& ns, const std::string&
 
 absl::StatusOr<std::unique_ptr<BlockReader>> KvStore::NewReader(
     const std::string& ns, const std::string& model_id, absl::Span<const uint32_t> token_ids,
-    size_t max_blocks, BlockReader::Mode mode, ThreadPool* pool) {
+    size_t max_blocks, BlockReader::Mode mode, ThreadPool* pool, bool through_retained) {
   ModelShard* shard = impl_->Find(ns, model_id);
   GetResult listing;
   if (shard == nullptr) {
     impl_->gets_unrouted_.fetch_add(1, std::memory_order_relaxed);
   } else {
-    listing = shard->Get(token_ids, max_blocks);
+    listing = shard->Get(token_ids, max_blocks, through_retained);
   }
   return std::make_unique<BlockReader>(shard, std::move(listing),
                                        std::vector<uint32_t>(token_ids.begin(), token_ids.end()),
-                                       max_blocks, mode, pool);
+                                       max_blocks, mode, pool, through_retained);
 }
 
 absl::StatusOr<std::shared_ptr<const std::string>> KvStore::ReadPayload(const std::string& ns,

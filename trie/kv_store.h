@@ -100,11 +100,11 @@ class KvStore {
   // reconstructions (kReconstructed), decoded in windows on `pool` (the caller's, e.g. the
   // service's Get pool; null: on the caller's thread). An unknown (namespace, model_id) is a miss:
   // a reader with no blocks and an empty model. The store must outlive the reader.
-  absl::StatusOr<std::unique_ptr<BlockReader>> NewReader(const std::string& ns,
-                                                         const std::string& model_id,
-                                                         absl::Span<const uint32_t> token_ids,
-                                                         size_t max_blocks, BlockReader::Mode mode,
-                                                         ThreadPool* pool);
+  // through_retained: list through retained nodes too (the path to a node named by id, as a
+  // member's centroid is: trie/model_shard.h "Retained centroids").
+  absl::StatusOr<std::unique_ptr<BlockReader>> NewReader(
+      const std::string& ns, const std::string& model_id, absl::Span<const uint32_t> token_ids,
+      size_t max_blocks, BlockReader::Mode mode, ThreadPool* pool, bool through_retained = false);
 
   // Reads the payload of a block of a Get (the hot copy, or from RocksDB in the Get's snapshot,
   // CRC-checked, promoted to memory when read often). Errors: DATA_LOSS if its bytes fail their

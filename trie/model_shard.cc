@@ -54,6 +54,7 @@ NodeView ToView(const TrieNode& n) {
   v.hits = n.hits;
   v.predictor_version = n.predictor_version;
   v.error_client_reported = n.error_client_reported;
+  v.retained = n.retained;
   return v;
 }
 
@@ -114,7 +115,7 @@ TrieNode* ModelShard::FindVisible(uint64_t id) {
 
 absl::StatusOr<TrieNode*> ModelShard::FindNodeOrNotFound(uint64_t node_id) {
   if (!committed_) return NoModel();
-  TrieNode* n = FindVisible(node_id);
+  TrieNode* n = FindLive(node_id);  // a retained one too: it is named by a member
   if (n == nullptr) {
     return absl::NotFoundError(absl::StrCat("node_id: ", node_id, " is not a node of '",
                                             model_.model_id, "' in namespace '", ns_, "'"));
@@ -123,10 +124,10 @@ absl::StatusOr<TrieNode*> ModelShard::FindNodeOrNotFound(uint64_t node_id) {
 }
 
 std::vector<TrieNode*> ModelShard::MatchLive(absl::Span<const uint32_t> token_ids,
-                                             size_t max_blocks) {
+                                             size_t max_blocks, bool through_retained) {
   std::vector<TrieNode*> path = trie_->Match(token_ids, max_blocks);
   for (size_t i = 0; i < path.size(); ++i) {
-    if (path[i]->removing || path[i]->retained) {
+    if (path[i]->removing || (path[i]->retained && !through_retained)) {
       path.resize(i);
       break;
     }
@@ -318,7 +319,8 @@ MatchResult ModelShard::Lookup(absl::Span<const uint32_t> token_ids) {
   return result;
 }
 
-GetResult ModelShard::Get(absl::Span<const uint32_t> token_ids, size_t max_blocks) {
+GetResult ModelShard::Get(absl::Span<const uint32_t> token_ids, size_t max_blocks,
+                          bool through_retained) {
   gets_.fetch_add(1, std::memory_order_relaxed);
   GetResult result;
   std::shared_ptr<PredictorRegistry> registry;
@@ -328,7 +330,7 @@ GetResult ModelShard::Get(absl::Span<const uint32_t> token_ids, size_t max_block
     if (!committed_) return result;  // a miss, not an error
     result.model = model_;
     std::shared_ptr<const ReadSnapshot> snapshot;  // one for every cold block of this Get
-    for (TrieNode* n : MatchLive(token_ids, max_blocks)) {
+    for (TrieNode* n : MatchLive(token_ids, max_blocks, through_retained)) {
       ++n->hits;
       context_->tiers->Touch(Ref(n->id));
       result.blocks.push_back(

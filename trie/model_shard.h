@@ -188,7 +188,10 @@ class ModelShard {
   // --- Reads ---
   MatchResult Lookup(absl::Span<const uint32_t> token_ids);  // counted in Stats
   MatchResult Match(absl::Span<const uint32_t> token_ids);   // not counted (a Put's own match)
-  GetResult Get(absl::Span<const uint32_t> token_ids, size_t max_blocks);
+  // through_retained: also through retained nodes (a Get of the path to a node named by id, e.g.
+  // a member's centroid: "Retained centroids" above); else a token lookup's view.
+  GetResult Get(absl::Span<const uint32_t> token_ids, size_t max_blocks,
+                bool through_retained = false);
   // The payload of a block of a Get (hot copy, or read in the Get's snapshot and promoted when
   // read often). DATA_LOSS when the bytes are bad (the node and its subtree are dropped) or when
   // RocksDB's own files fail their checks (nothing dropped); NOT_FOUND if deleted meanwhile.
@@ -334,7 +337,8 @@ class ModelShard {
   TrieNode* FindVisible(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<TrieNode*> FindNodeOrNotFound(uint64_t node_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status NoModel() const;
-  std::vector<TrieNode*> MatchLive(absl::Span<const uint32_t> token_ids, size_t max_blocks)
+  std::vector<TrieNode*> MatchLive(absl::Span<const uint32_t> token_ids, size_t max_blocks,
+                                   bool through_retained = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   NodeMeta MetaOf(const TrieNode& n) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool EvictableLocked(const TrieNode& n) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -209,6 +209,8 @@ struct NodeView {
   bool error_client_reported = false;     // rel_rms_error_* came from the client that encoded it
   uint32_t dependents = 0;                // blocks stored as residuals of this one
   double distance_to_reference_bits = 0;  // trie distance to the centroid (bits)
+  // Its prefix was deleted; kept as the centroid (or a centroid's parent) of lossy members.
+  bool retained = false;
 };
 
 // One learned predictor state version of a (namespace, model).
