@@ -378,6 +378,9 @@ absl::StatusOr<uint32_t> ModelShard::ConvergeGroup(uint64_t elected,
         bool replaced = false;
         ++spent;
         if (auto s = RecodeMemberLocked(d, e.id, {c}, &summary, &replaced); !s.ok()) return s;
+        // Its best window may span a group not settled yet: looked at again once all are.
+        absl::MutexLock lock(&mu_);
+        recheck_.insert(d);
       }
     }
     for (const Member& m : others) {
@@ -406,9 +409,8 @@ absl::StatusOr<uint32_t> ModelShard::RecheckLocked(uint64_t node_id) {
   {
     absl::MutexLock lock(&mu_);
     const TrieNode* n = FindVisible(node_id);
-    if (n == nullptr || n->reference_node_id != 0 || n->encoding != Encoding::kLossless ||
-        clusters_.HasDependents(node_id)) {
-      return 0;  // changed since: not a standalone lossless block without dependents any more
+    if (n == nullptr || n->encoding != Encoding::kLossless || clusters_.HasDependents(node_id)) {
+      return 0;  // changed since: not a lossless block without dependents any more
     }
     candidates = StoredCandidatesLocked(*n, {});
     if (candidates.empty()) return 0;

@@ -453,9 +453,10 @@ class ModelShard {
   // follow once their dependents moved. Returns the encodings spent.
   absl::StatusOr<uint32_t> ConvergeGroup(uint64_t elected, const std::vector<uint64_t>& members)
       ABSL_LOCKS_EXCLUDED(write_mu_, mu_);
-  // A standalone lossless block without dependents (left so by a swap in ConvergeGroup): its
-  // exact reconstruction coded against the candidates the Put path finds now (aligned, or at any
-  // position offset), predicted from its parent's, kept when smaller. Returns the encodings spent.
+  // A lossless block without dependents that a cluster move left standalone (a swap in
+  // ConvergeGroup) or coded against the best window it found then: its exact reconstruction
+  // coded against the candidates the Put path finds now (aligned, or at any position offset),
+  // predicted from its parent's, kept when smaller. Returns the encodings spent.
   absl::StatusOr<uint32_t> RecheckLocked(uint64_t node_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_)
       ABSL_LOCKS_EXCLUDED(mu_);
   void ClusterViewLocked(const TrieNode& node, NodeView* view) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -507,7 +508,7 @@ class ModelShard {
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   // The nodes marked retained ("Retained centroids" above).
   absl::flat_hash_set<uint64_t> retained_ids_ ABSL_GUARDED_BY(mu_);
-  // Blocks a cluster swap left standalone without dependents, for the pass (RecheckLocked).
+  // Blocks a cluster move left for the pass to look at again (RecheckLocked).
   // Memory only: after a restart they stay as they are (stored bytes, not correctness).
   absl::flat_hash_set<uint64_t> recheck_ ABSL_GUARDED_BY(mu_);
   // Totals over the trie, kept as nodes come and go.
