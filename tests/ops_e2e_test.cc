@@ -240,6 +240,8 @@ TEST_F(Ops, MetricsScrapedAfterTrafficParseStrictlyAndMoved) {
   EXPECT_TRUE(after->Has(R"(kvtrie_evictions_total{reason="disk"})"));
   EXPECT_TRUE(after->Has(R"(kvtrie_centroids{namespace="m"})"));
   EXPECT_TRUE(after->Has("kvtrie_centroids_reelected_total"));
+  EXPECT_EQ(v(R"(kvtrie_retained_nodes{namespace="m"})"), 0);
+  EXPECT_EQ(v(R"(kvtrie_retained_bytes{namespace="m"})"), 0);
   EXPECT_EQ(after->type.at("kvtrie_rpc_duration_seconds"), "histogram");
   EXPECT_EQ(after->type.at("kvtrie_rpc_requests_total"), "counter");
   // Every metric the example Grafana dashboard plots is one the server exports.
