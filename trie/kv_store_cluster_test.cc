@@ -13,6 +13,7 @@
 #include "trie/blob_corruption_testing.h"
 #include "trie/kv_store.h"
 #include "trie/kv_store_testing.h"
+#include "trie/store_testing.h"
 
 namespace kvtrie {
 namespace {
@@ -91,21 +92,8 @@ class ClusterStoreTest : public ::testing::Test {
     }
   }
 
-  // Every stored block of `d`'s longest stored prefix in `ns`, decoded (all reads must succeed).
-  std::vector<std::vector<uint8_t>> ReadAll(const KvDump& d, const std::string& ns = "ns") {
-    std::vector<std::vector<uint8_t>> out;
-    auto got = store_->Get(ns, d.model_id, d.token_ids, 0);
-    EXPECT_TRUE(got.ok()) << got.status();
-    if (!got.ok()) return out;
-    const BlockGeometry& g = got->model.geometry;
-    DecodeChain chain(g, nullptr);
-    for (const BlockRead& b : got->blocks) {
-      out.emplace_back(g.num_bytes());
-      absl::Status s =
-          store_->ReadAndDecodeBlock(ns, d.model_id, b, &chain, absl::MakeSpan(out.back()));
-      EXPECT_TRUE(s.ok()) << "block " << out.size() - 1 << ": " << s;
-    }
-    return out;
+  std::vector<std::vector<uint8_t>> ReadAll(const KvDump& d) {
+    return testing_store::ReadAllBlocks(store_.get(), "ns", d);
   }
 
   std::filesystem::path dir_;

@@ -63,21 +63,7 @@ class RetainTest : public testing::Test {
   absl::StatusOr<DeleteSummary> DeleteN0Branch() {
     return store_->Delete("ns", n_[0].model_id, Branch(0, kFirstDeleted));
   }
-  Blocks ReadAll(const KvDump& d) {
-    Blocks out;
-    auto got = store_->Get("ns", d.model_id, d.token_ids, 0);
-    EXPECT_TRUE(got.ok()) << got.status();
-    if (!got.ok()) return out;
-    const BlockGeometry& g = got->model.geometry;
-    DecodeChain chain(g, nullptr);
-    for (const BlockRead& b : got->blocks) {
-      out.emplace_back(g.num_bytes());
-      absl::Status s =
-          store_->ReadAndDecodeBlock("ns", d.model_id, b, &chain, absl::MakeSpan(out.back()));
-      EXPECT_TRUE(s.ok()) << "block " << out.size() - 1 << ": " << s;
-    }
-    return out;
-  }
+  Blocks ReadAll(const KvDump& d) { return testing_store::ReadAllBlocks(store_.get(), "ns", d); }
   // n1..n3 read back exactly as before the Delete (so within their target).
   void ExpectMembersUnchanged() {
     for (size_t i = 1; i < n_.size(); ++i) {

@@ -117,6 +117,25 @@ inline void ExpectWithin(KvStore* store, const std::string& ns, const KvDump& d,
   }
 }
 
+// Every block of the longest stored prefix of `d` in `ns`, decoded in order through one chain
+// (each read must succeed): to compare what a store serves before and after a change.
+inline std::vector<std::vector<uint8_t>> ReadAllBlocks(KvStore* store, const std::string& ns,
+                                                       const KvDump& d) {
+  std::vector<std::vector<uint8_t>> out;
+  auto got = store->Get(ns, d.model_id, d.token_ids, 0);
+  EXPECT_TRUE(got.ok()) << got.status();
+  if (!got.ok()) return out;
+  const BlockGeometry& g = got->model.geometry;
+  DecodeChain chain(g, nullptr);
+  for (const BlockRead& b : got->blocks) {
+    out.emplace_back(g.num_bytes());
+    absl::Status s =
+        store->ReadAndDecodeBlock(ns, d.model_id, b, &chain, absl::MakeSpan(out.back()));
+    EXPECT_TRUE(s.ok()) << ns << " block " << out.size() - 1 << ": " << s;
+  }
+  return out;
+}
+
 // As ReadBackBitExact, and every read must succeed.
 inline size_t ExpectBitExact(KvStore* store, const std::string& ns, const KvDump& d) {
   absl::Status error;
