@@ -270,7 +270,6 @@ absl::StatusOr<uint32_t> ModelShard::ConvergeGroup(uint64_t elected,
       }
       others.push_back(std::move(m));
     }
-    for (Member& m : others) m.forced = !m.centroid && movable.contains(m.reference);
     e_centroid_in_group = movable.contains(e.reference);
     if (const TrieNode* c =
             e.reference != 0 && !e_centroid_in_group ? FindVisible(e.reference) : nullptr) {
@@ -278,6 +277,11 @@ absl::StatusOr<uint32_t> ModelShard::ConvergeGroup(uint64_t elected,
       swap = e.lossless && c->reference_node_id == 0 && c->encoding == Encoding::kLossless &&
              clusters_.GroupSize(*c) == 1 && deps.size() >= 2;
       for (uint64_t d : deps) swap = swap && group.contains(d);
+    }
+    // A dependent of a centroid that moves (a movable member, or the swapped block) moves too.
+    for (Member& m : others) {
+      m.forced =
+          !m.centroid && (movable.contains(m.reference) || (swap && m.reference == e.reference));
     }
     g = model_.geometry;
   }
@@ -290,8 +294,8 @@ absl::StatusOr<uint32_t> ModelShard::ConvergeGroup(uint64_t elected,
     corrupt.clear();
     return s;
   };
-  // Every encoding here is of a block's exact reconstruction, lossless, predicted from its
-  // parent's reconstruction as a Put's is: what readers decode does not change.
+  // Every encoding here is of a block's exact reconstruction, lossless: what readers decode does
+  // not change.
   const EncodeOptions exact{.encoding = Encoding::kLossless};
   uint32_t spent = 0;
   std::vector<uint8_t> recon, parent;
@@ -417,13 +421,12 @@ absl::StatusOr<uint32_t> ModelShard::RecheckLocked(uint64_t node_id) {
     g = model_.geometry;
     current = n->bytes_stored;
   }
-  std::vector<uint8_t> recon, parent;
-  if (absl::Status s = ReconstructWithParentLocked(node_id, g, &recon, &parent); !s.ok()) {
+  std::vector<uint8_t> recon;
+  if (absl::Status s = ReconstructExactLocked(node_id, g, &recon); !s.ok()) {
     return absl::IsAborted(s) ? absl::StatusOr<uint32_t>(0) : s;
   }
   std::vector<Corrupt> corrupt;
-  PredictionContext ctx;
-  ctx.parent = parent;
+  const PredictionContext ctx;
   NearDupEncoded out;
   out.encoded.bytes.assign(current, '\0');  // only an encoding smaller than the stored one wins
   absl::StatusOr<bool> found = EncodeAgainstCandidates(g, recon, {.encoding = Encoding::kLossless},

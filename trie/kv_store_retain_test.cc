@@ -64,6 +64,20 @@ class RetainTest : public testing::Test {
     return store_->Delete("ns", n_[0].model_id, Branch(0, kFirstDeleted));
   }
   Blocks ReadAll(const KvDump& d) { return testing_store::ReadAllBlocks(store_.get(), "ns", d); }
+  // Puts the first `blocks` blocks of `d` into "ns".
+  void PutPrefix(const KvDump& d, size_t blocks, const EncodeOptions& enc) {
+    const ModelInfo m = testing_store::DumpModel(d);
+    const std::vector<uint32_t> tokens(d.token_ids.begin(), d.token_ids.begin() + blocks * 16);
+    const std::vector<float> bits(d.surprisal_bits.begin(), d.surprisal_bits.begin() + blocks * 16);
+    auto session = store_->BeginPut("ns", m, tokens, bits, enc);
+    ASSERT_TRUE(session.ok()) << session.status();
+    std::vector<uint8_t> block(m.geometry.num_bytes());
+    for (size_t b = 0; b < blocks; ++b) {
+      GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(block));
+      ASSERT_TRUE((*session)->AddLayers(b, 0, 0, block).ok());
+    }
+    ASSERT_TRUE((*session)->Finish().ok());
+  }
   // n1..n3 read back exactly as before the Delete (so within their target).
   void ExpectMembersUnchanged() {
     for (size_t i = 1; i < n_.size(); ++i) {
@@ -100,6 +114,11 @@ TEST_F(RetainTest, RetainedCentroidsAreInvisibleSurviveARestartAndServeTheirMemb
   ExpectMembersUnchanged();
   for (size_t i = 1; i < n_.size(); ++i) ExpectWithin(store_.get(), "ns", n_[i], kTarget);
 
+  // The cluster pass leaves them be (no group elects or moves a retained block).
+  while (KvStoreTestPeer::RunClusterPass(store_.get()).encodings > 0) {
+  }
+  EXPECT_EQ(store_->Stats("ns").retained_nodes, del->nodes_retained);
+  ExpectMembersUnchanged();
   Open();  // the marks are on disk
   st = store_->Stats("ns");
   EXPECT_EQ(st.retained_nodes, del->nodes_retained);
@@ -161,6 +180,44 @@ TEST_F(RetainTest, AFailedWriteLeavesThePrefixAsItWas) {
   EXPECT_EQ(StoredBlocks(store_.get(), "ns", n_[0]), n_[0].num_tokens() / 16);
   ExpectMembersUnchanged();
   ExpectWithin(store_.get(), "ns", n_[0], kTarget);
+}
+
+// A retained block that is itself a residual of a block outside the deleted prefix (kept as the
+// parent of a retained centroid) is re-encoded when that centroid goes (retention off by then,
+// so its cluster re-elects): it stays retained, on disk too, and the blocks below it keep reading
+// back.
+TEST_F(RetainTest, AReencodedRetainedBlockStaysRetainedAcrossARestart) {
+  store_.reset();
+  std::filesystem::remove_all(dir_);
+  Open();
+  // n1's first 20 blocks lossless (standalone); n0 lossy: blocks 3-19 residuals of n1's, 20-31
+  // standalone; n2 lossy: its blocks 8-19 members of n1's, 20-31 of n0's.
+  ASSERT_NO_FATAL_FAILURE(PutPrefix(n_[1], 20, {.encoding = Encoding::kLossless}));
+  ASSERT_TRUE(PutDump(store_.get(), "ns", n_[0], kLossy).ok());
+  ASSERT_TRUE(PutDump(store_.get(), "ns", n_[2], kLossy).ok());
+  const Blocks n2 = ReadAll(n_[2]);
+  auto del = DeleteN0Branch();  // n0's 20-31 retained for n2, with their parents 8-19
+  ASSERT_TRUE(del.ok()) << del.status();
+  ASSERT_EQ(del->nodes_retained, 24u);
+  // Retention off: n1's branch goes, its clusters re-elect n2's blocks, and n0's retained blocks
+  // 8-19 (members of n1's) are re-encoded against them.
+  StoreOptions o;
+  o.data_dir = dir_.string();
+  o.env = env_.get();
+  o.background = false;
+  o.near_dup.retain_lossy_centroids = false;
+  store_.reset();
+  auto reopened = KvStore::Open(o);
+  ASSERT_TRUE(reopened.ok()) << reopened.status();
+  store_ = *std::move(reopened);
+  auto gone = store_->Delete("ns", n_[1].model_id, Branch(1, kDivergence[1]));
+  ASSERT_TRUE(gone.ok()) << gone.status();
+  EXPECT_GE(gone->nodes_rewritten, 12u);
+  EXPECT_EQ(store_->Stats("ns").retained_nodes, 24u);
+  Open();
+  EXPECT_EQ(store_->Stats("ns").retained_nodes, 24u);
+  EXPECT_EQ(StoredBlocks(store_.get(), "ns", n_[0]), kFirstDeleted);
+  EXPECT_TRUE(ReadAll(n_[2]) == n2);
 }
 
 // A centroid with lossy members is not evicted (evicting it would re-encode them larger than it

@@ -151,18 +151,19 @@ NodeMeta ModelShard::MetaOf(const TrieNode& n) const {
   m.reference_node_id = n.reference_node_id;
   m.predictor_version = n.predictor_version;
   m.error_client_reported = n.error_client_reported;
+  m.retained = n.retained;  // a re-encoding of a retained node keeps it retained
   return m;
 }
 
 bool ModelShard::EvictableLocked(const TrieNode& n) const {
   // A centroid is evictable like any leaf when its members can re-elect (Evict re-encodes them
-  // bit-exactly first); not while one is lossy: re-encoding it would cost more than the centroid
-  // frees (ReelectLocked), so the members go first. A retained node goes only with its last
-  // dependent (SweepRetainedLocked).
+  // bit-exactly first); not while one is lossy (re-encoding it would cost more than the centroid
+  // frees, ReelectLocked: the members go first) or retained (it can not be elected, and goes
+  // only with its own last dependent, SweepRetainedLocked).
   if (n.depth == 0 || !n.children.empty() || n.removing || n.retained) return false;
   for (uint64_t d : clusters_.Dependents(n.id)) {
     const TrieNode* m = trie_->Find(d);
-    if (m != nullptr && IsLossyEncoding(m->encoding)) return false;
+    if (m != nullptr && (IsLossyEncoding(m->encoding) || m->retained)) return false;
   }
   return true;
 }

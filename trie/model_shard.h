@@ -424,11 +424,10 @@ class ModelShard {
   std::vector<ClusterIndex::Candidate> StoredCandidatesLocked(
       const TrieNode& n, const absl::flat_hash_set<uint64_t>& leaving)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The exact reconstructions of node_id and of its parent (empty for the root's child), which a
-  // re-encoding predicts from as a Put does. ABORTED when it is gone; drops what fails its check.
-  absl::Status ReconstructWithParentLocked(uint64_t node_id, const BlockGeometry& g,
-                                           std::vector<uint8_t>* recon,
-                                           std::vector<uint8_t>* parent)
+  // The exact reconstruction of node_id (what a re-encoding stores again, bit-exact). ABORTED
+  // when it is gone; drops what fails its own check.
+  absl::Status ReconstructExactLocked(uint64_t node_id, const BlockGeometry& g,
+                                      std::vector<uint8_t>* recon)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   // Encodes `kv` against each of `candidates` (their reconstructions read here) and keeps in *out
   // the smallest encoding that is smaller than out->encoded. Returns whether one was. `corrupt`:
@@ -447,16 +446,18 @@ class ModelShard {
   absl::StatusOr<uint32_t> SettleClusterGroup(const std::vector<uint64_t>& ids, uint32_t budget,
                                               bool* done) ABSL_LOCKS_EXCLUDED(write_mu_, mu_);
   // Codes `members` (of one group) against `elected`, each when smaller than what it stores now
-  // (its exact reconstruction, losslessly, predicted from its parent's as a Put's is). When
-  // `elected` is itself a residual (lossless) it is first re-encoded standalone, and only when
-  // the group's bytes fall overall; each change is published alone. Members that are centroids
-  // follow once their dependents moved. Returns the encodings spent.
+  // (its exact reconstruction, losslessly). When `elected` is itself a residual (lossless) it is
+  // first re-encoded standalone, and only when the group's bytes fall overall, or to swap with
+  // the block alone in its group it is coded against at an offset (that block then goes to
+  // recheck_); each change is published alone. Members that are centroids follow once their
+  // dependents moved; the dependents they had outside the group go to recheck_. Returns the
+  // encodings spent.
   absl::StatusOr<uint32_t> ConvergeGroup(uint64_t elected, const std::vector<uint64_t>& members)
       ABSL_LOCKS_EXCLUDED(write_mu_, mu_);
   // A lossless block without dependents that a cluster move left standalone (a swap in
   // ConvergeGroup) or coded against the best window it found then: its exact reconstruction
   // coded against the candidates the Put path finds now (aligned, or at any position offset),
-  // predicted from its parent's, kept when smaller. Returns the encodings spent.
+  // kept when smaller. Returns the encodings spent.
   absl::StatusOr<uint32_t> RecheckLocked(uint64_t node_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_)
       ABSL_LOCKS_EXCLUDED(mu_);
   void ClusterViewLocked(const TrieNode& node, NodeView* view) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

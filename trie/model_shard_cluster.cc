@@ -161,7 +161,7 @@ absl::Status ModelShard::ReleaseDependentsLocked(absl::Span<const uint64_t> root
   // The clusters whose centroid is inside a root's subtree, with their members outside them all.
   std::map<uint64_t, std::vector<uint64_t>> clusters;  // centroid -> members outside, by id
   absl::flat_hash_set<uint64_t> leaving;               // the subtrees: never a new centroid
-  absl::flat_hash_set<uint64_t> lossy;                 // clusters with a lossy member
+  absl::flat_hash_set<uint64_t> lossy;                 // clusters with a lossy or retained member
   {
     absl::MutexLock lock(&mu_);
     std::vector<TrieNode*> going;
@@ -177,7 +177,7 @@ absl::Status ModelShard::ReleaseDependentsLocked(absl::Span<const uint64_t> root
         const TrieNode* m = FindLive(d);
         if (m == nullptr || leaving.contains(d)) continue;
         clusters[n->id].push_back(d);
-        if (IsLossyEncoding(m->encoding)) lossy.insert(n->id);
+        if (IsLossyEncoding(m->encoding) || m->retained) lossy.insert(n->id);
       }
     }
   }
@@ -234,7 +234,15 @@ absl::Status ModelShard::ReelectLocked(uint64_t centroid_id, const std::vector<u
       break;
     }
   }
-  if (elected == 0) return absl::OkStatus();  // every member went meanwhile
+  if (elected == 0) {
+    // No member can be elected (each went meanwhile, or is retained: retention off now, or an
+    // eviction): each one left is stored standalone, bit-exact.
+    for (uint64_t id : members) {
+      bool replaced = false;
+      if (auto s = RecodeMemberLocked(id, 0, leaving, summary, &replaced); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
   ++summary->centroids_reelected;
   centroids_reelected_.fetch_add(1, std::memory_order_relaxed);
   for (uint64_t id : members) {
@@ -260,13 +268,12 @@ absl::Status ModelShard::RecodeMemberLocked(uint64_t node_id, uint64_t centroid_
     absl::MutexLock lock(&mu_);
     g = model_.geometry;
   }
-  std::vector<uint8_t> recon, parent;
-  if (absl::Status s = ReconstructWithParentLocked(node_id, g, &recon, &parent); !s.ok()) {
+  std::vector<uint8_t> recon;
+  if (absl::Status s = ReconstructExactLocked(node_id, g, &recon); !s.ok()) {
     return absl::IsAborted(s) ? absl::OkStatus() : s;  // aborted: dropped meanwhile
   }
   const EncodeOptions lossless{.encoding = Encoding::kLossless};
-  PredictionContext ctx;
-  ctx.parent = parent;
+  const PredictionContext ctx;  // bit-exact coding reads only the centroid's reconstruction
   NearDupEncoded out;
   absl::StatusOr<EncodedBlock> standalone = EncodeBlock(g, recon, lossless, ctx);
   if (!standalone.ok()) return standalone.status();
@@ -331,23 +338,11 @@ std::vector<ClusterIndex::Candidate> ModelShard::StoredCandidatesLocked(
   return out;
 }
 
-absl::Status ModelShard::ReconstructWithParentLocked(uint64_t node_id, const BlockGeometry& g,
-                                                     std::vector<uint8_t>* recon,
-                                                     std::vector<uint8_t>* parent) {
-  uint64_t parent_id = 0;
-  {
-    absl::MutexLock lock(&mu_);
-    const TrieNode* n = FindLive(node_id);
-    if (n == nullptr) return absl::AbortedError(absl::StrCat("node ", node_id, " is gone"));
-    if (n->parent != nullptr && n->parent->depth > 0) parent_id = n->parent->id;
-  }
+absl::Status ModelShard::ReconstructExactLocked(uint64_t node_id, const BlockGeometry& g,
+                                                std::vector<uint8_t>* recon) {
   recon->assign(g.num_bytes(), 0);
-  parent->assign(parent_id != 0 ? g.num_bytes() : 0, 0);
   std::vector<Corrupt> corrupt;
   absl::Status s = ReconstructInternal(node_id, absl::MakeSpan(*recon), &corrupt);
-  if (s.ok() && parent_id != 0) {
-    s = ReconstructInternal(parent_id, absl::MakeSpan(*parent), &corrupt);
-  }
   DropCorruptLocked(corrupt);
   return s;
 }

@@ -29,6 +29,7 @@ void ModelShard::RemoveLocked(const std::vector<TrieNode*>& roots, DropReason re
     for (TrieNode* n : SubtreeLocked(root)) {
       clusters_.Remove(*n);  // near-duplicate index and dependency edges
       if (n->retained) retained_ids_.erase(n->id);
+      recheck_.erase(n->id);
       predictors_->AddDependent(n->predictor_version, -1);
       context_->tiers->Remove(Ref(n->id));
       CountNodeLocked(*n, -1);
@@ -473,6 +474,21 @@ absl::StatusOr<uint64_t> ModelShard::Evict(const std::vector<uint64_t>& ids) {
     absl::MutexLock lock(&mu_);
     retired_ = std::make_shared<RetiredReferences>();
   });
+  {
+    // A victim that a block staying is still coded against (one that could not move) stays.
+    absl::MutexLock lock(&mu_);
+    const absl::flat_hash_set<uint64_t> going(victims.begin(), victims.end());  // leaves
+    victims.erase(std::remove_if(victims.begin(), victims.end(),
+                                 [&](uint64_t id) {
+                                   for (uint64_t d : clusters_.Dependents(id)) {
+                                     if (going.contains(d)) continue;
+                                     UpdateEvictableLocked(FindLive(id));
+                                     return true;
+                                   }
+                                   return false;
+                                 }),
+                  victims.end());
+  }
   uint64_t bytes = 0;
   if (auto s = RemoveSubtrees(victims, DropReason::kDisk, nullptr, &bytes); !s.ok()) return s;
   SweepRetainedLocked();                  // a retained centroid whose last member was a victim
