@@ -100,24 +100,31 @@ absl::StatusOr<uint32_t> ModelShard::RunClusterPass(uint32_t budget, uint64_t* g
     SweepRetainedLocked();
   }
   uint32_t spent = 0;
+  // Every group dirty when the round began was settled (Puts may have dirtied others since: a
+  // busy shard is never without one).
+  bool settled_all = dirty.size() < kMaxGroupsPerRound;
   for (auto& [key, ids] : dirty) {
-    if (spent >= budget) break;
+    if (spent >= budget) {
+      settled_all = false;
+      break;
+    }
     bool done = false;
     absl::StatusOr<uint32_t> s = SettleClusterGroup(ids, budget - spent, &done);
     if (!s.ok()) return s.status();
     spent += *s;
     ++*groups;
+    settled_all = settled_all && done;
     if (done) {
       absl::MutexLock lock(&mu_);
       clusters_.SettleGroup(key, ids);
     }
   }
-  // The blocks a swap left without dependents, once every group is settled (the paths they now
-  // repeat are then standalone): each coded against what the Put path would find, when smaller.
+  // The blocks a move left for later, once the groups are settled (the paths they repeat are
+  // then standalone): each coded against what the Put path would find, when smaller.
   std::vector<uint64_t> recheck;
-  {
+  if (settled_all) {
     absl::MutexLock lock(&mu_);
-    if (clusters_.NumDirtyGroups() == 0) recheck.assign(recheck_.begin(), recheck_.end());
+    recheck.assign(recheck_.begin(), recheck_.end());
   }
   std::sort(recheck.begin(), recheck.end());  // parents first
   for (uint64_t id : recheck) {
