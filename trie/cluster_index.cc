@@ -120,7 +120,7 @@ std::vector<ClusterIndex::Candidate> ClusterIndex::FindCandidates(
       if (n == nullptr || id == self || n->reference_node_id != 0 || n->removing || n->retained ||
           n->depth != depth ||
           !std::equal(block.begin(), block.end(), n->token_ids.begin(), n->token_ids.end())) {
-        continue;  // gone, itself a residual, or a hash collision
+        continue;  // gone, the block itself, a residual, hidden, or a hash collision
       }
       const double d = distance_to(n);
       if (d > max_distance_bits) {
