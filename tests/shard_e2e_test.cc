@@ -152,6 +152,26 @@ class ShardE2E : public ::testing::Test {
     }
   }
 
+  // Three shards with every prefix put through a client in its warm-up window (60 s, copying
+  // losslessly), then a fourth shard joins: *before holds each prefix's owner before it joined.
+  std::unique_ptr<ShardedClient> WarmUpClientAfterAFourthShard(std::vector<std::string>* before) {
+    for (int i = 0; i < 3; ++i) StartShard(i);
+    ShardedClientOptions o = Options();
+    o.shards = ShardList();
+    o.warmup_window = absl::Seconds(60);
+    o.warmup_put = Lossless();
+    absl::StatusOr<std::unique_ptr<ShardedClient>> made = ShardedClient::Create(o);
+    EXPECT_TRUE(made.ok()) << made.status();
+    if (!made.ok()) return nullptr;
+    PutAll(**made);
+    for (const KvDump& p : Prefixes()) {
+      before->push_back((*made)->OwnerOf(p.model_id, p.token_ids).name);
+    }
+    StartShard(3);
+    EXPECT_TRUE((*made)->SetShards(Membership()).ok());
+    return *std::move(made);
+  }
+
   std::string dir_;
   std::map<int, std::unique_ptr<ServerProcess>> servers_;
 };
@@ -323,19 +343,11 @@ TEST_F(ShardE2E, DnsMembershipAddsAFourthShardMovingAboutAQuarter) {
 }
 
 TEST_F(ShardE2E, WarmUpAsksThePreviousOwnerOnceAndCopiesToTheNewOne) {
-  for (int i = 0; i < 3; ++i) StartShard(i);
-  ShardedClientOptions o = Options();
-  o.shards = ShardList();
-  o.warmup_window = absl::Seconds(60);
-  o.warmup_put = Lossless();
-  absl::StatusOr<std::unique_ptr<ShardedClient>> made = ShardedClient::Create(o);
-  ASSERT_TRUE(made.ok()) << made.status();
-  ShardedClient& c = **made;
-  PutAll(c);
   std::vector<std::string> before;
-  for (const KvDump& p : Prefixes()) before.push_back(c.OwnerOf(p.model_id, p.token_ids).name);
-  StartShard(3);
-  ASSERT_TRUE(c.SetShards(Membership()).ok());
+  std::unique_ptr<ShardedClient> made = WarmUpClientAfterAFourthShard(&before);
+  ASSERT_NE(made, nullptr);
+  ASSERT_FALSE(HasFailure());
+  ShardedClient& c = *made;
 
   int moved = 0;
   for (size_t n = 0; n < Prefixes().size(); ++n) {
@@ -369,19 +381,11 @@ TEST_F(ShardE2E, WarmUpAsksThePreviousOwnerOnceAndCopiesToTheNewOne) {
 // model: a later whole Get there returns every layer bit-exact, never the range's layers alone
 // (the copy would register the model on the new owner with the range's layer count).
 TEST_F(ShardE2E, WarmUpOfALayerRangeNeverStoresTheRangeAsTheModel) {
-  for (int i = 0; i < 3; ++i) StartShard(i);
-  ShardedClientOptions o = Options();
-  o.shards = ShardList();
-  o.warmup_window = absl::Seconds(60);
-  o.warmup_put = Lossless();
-  absl::StatusOr<std::unique_ptr<ShardedClient>> made = ShardedClient::Create(o);
-  ASSERT_TRUE(made.ok()) << made.status();
-  ShardedClient& c = **made;
-  PutAll(c);
   std::vector<std::string> before;
-  for (const KvDump& p : Prefixes()) before.push_back(c.OwnerOf(p.model_id, p.token_ids).name);
-  StartShard(3);
-  ASSERT_TRUE(c.SetShards(Membership()).ok());
+  std::unique_ptr<ShardedClient> made = WarmUpClientAfterAFourthShard(&before);
+  ASSERT_NE(made, nullptr);
+  ASSERT_FALSE(HasFailure());
+  ShardedClient& c = *made;
   int moved = 0;
   for (size_t n = 0; n < Prefixes().size(); ++n) {
     const KvDump& p = Prefixes()[n];

@@ -430,29 +430,13 @@ absl::StatusOr<uint32_t> ModelShard::RecheckLocked(uint64_t node_id) {
     current = n->bytes_stored;
     standalone = n->reference_node_id == 0;
   }
-  std::vector<uint8_t> recon;
-  if (absl::Status s = ReconstructExactLocked(node_id, g, &recon); !s.ok()) {
-    return absl::IsAborted(s) ? absl::StatusOr<uint32_t>(0) : s;
+  const auto spent = static_cast<uint32_t>(candidates.size());
+  absl::StatusOr<uint64_t> saved = RecodeIfSmallerLocked(node_id, g, current, candidates);
+  if (!saved.ok()) {
+    return absl::IsAborted(saved.status()) ? absl::StatusOr<uint32_t>(0) : saved.status();
   }
-  std::vector<Corrupt> corrupt;
-  const PredictionContext ctx;
-  NearDupEncoded out;
-  out.encoded.bytes.assign(current, '\0');  // only an encoding smaller than the stored one wins
-  absl::StatusOr<bool> found = EncodeAgainstCandidates(g, recon, {.encoding = Encoding::kLossless},
-                                                       ctx, candidates, &out, &corrupt);
-  DropCorruptLocked(corrupt);
-  if (!found.ok()) return found.status();
-  const uint32_t spent = static_cast<uint32_t>(candidates.size());
-  if (!*found) return spent;
-  uint64_t replaced = 0;
-  if (auto st = ReplaceEncodingLocked(node_id, out.encoded, Encoding::kLossless,
-                                      out.reference_node_id, &replaced);
-      !st.ok()) {
-    return st;
-  }
-  if (replaced > out.encoded.bytes.size()) {
-    cluster_pass_bytes_saved_.fetch_add(replaced - out.encoded.bytes.size(),
-                                        std::memory_order_relaxed);
+  if (*saved > 0) {
+    cluster_pass_bytes_saved_.fetch_add(*saved, std::memory_order_relaxed);
     // Stats' "standalone blocks it re-encoded as residuals" (a residual moved is not another).
     if (standalone) cluster_pass_recoded_.fetch_add(1, std::memory_order_relaxed);
   }

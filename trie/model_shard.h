@@ -424,6 +424,13 @@ class ModelShard {
   std::vector<ClusterIndex::Candidate> StoredCandidatesLocked(
       const TrieNode& n, const absl::flat_hash_set<uint64_t>& leaving)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Re-encodes node_id's exact reconstruction, losslessly, against the best of `candidates` when
+  // that is smaller than the `current` bytes it stores (RecheckLocked, RecodeAgainstCentroid).
+  // Returns the payload bytes saved (0: none was smaller); ABORTED when the node is gone.
+  absl::StatusOr<uint64_t> RecodeIfSmallerLocked(
+      uint64_t node_id, const BlockGeometry& g, uint64_t current,
+      const std::vector<ClusterIndex::Candidate>& candidates)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   // The exact reconstruction of node_id (what a re-encoding stores again, bit-exact). ABORTED
   // when it is gone; drops what fails its own check.
   absl::Status ReconstructExactLocked(uint64_t node_id, const BlockGeometry& g,

@@ -373,23 +373,25 @@ absl::StatusOr<uint64_t> ModelShard::RecodeAgainstCentroid(uint64_t node_id, uin
     g = model_.geometry;
     current = n->bytes_stored;
   }
-  std::vector<uint8_t> recon(g.num_bytes());
-  std::vector<Corrupt> corrupt;
-  absl::Status s = ReconstructInternal(node_id, absl::MakeSpan(recon), &corrupt);
-  DropCorruptLocked(corrupt);
-  corrupt.clear();
-  if (!s.ok()) return s;
+  return RecodeIfSmallerLocked(node_id, g, current, {{.node_id = centroid_id}});
+}
+
+absl::StatusOr<uint64_t> ModelShard::RecodeIfSmallerLocked(
+    uint64_t node_id, const BlockGeometry& g, uint64_t current,
+    const std::vector<ClusterIndex::Candidate>& candidates) {
+  std::vector<uint8_t> recon;
+  if (absl::Status s = ReconstructExactLocked(node_id, g, &recon); !s.ok()) return s;
   NearDupEncoded out;
   out.encoded.bytes.assign(current, '\0');  // only an encoding smaller than the stored one wins
-  absl::StatusOr<bool> found =
-      EncodeAgainstCandidates(g, recon, {.encoding = Encoding::kLossless}, PredictionContext{},
-                              {{.node_id = centroid_id}}, &out, &corrupt);
+  std::vector<Corrupt> corrupt;
+  absl::StatusOr<bool> found = EncodeAgainstCandidates(
+      g, recon, {.encoding = Encoding::kLossless}, PredictionContext{}, candidates, &out, &corrupt);
   DropCorruptLocked(corrupt);
   if (!found.ok()) return found.status();
   if (!*found) return 0;
   uint64_t replaced = 0;
-  if (auto st =
-          ReplaceEncodingLocked(node_id, out.encoded, Encoding::kLossless, centroid_id, &replaced);
+  if (auto st = ReplaceEncodingLocked(node_id, out.encoded, Encoding::kLossless,
+                                      out.reference_node_id, &replaced);
       !st.ok()) {
     return st;
   }

@@ -272,18 +272,13 @@ absl::StatusOr<std::vector<uint64_t>> ModelShard::Commit(const ModelInfo& model,
   auto unreserve = absl::MakeCleanup([&] { tiers->Unreserve(incoming); });
 
   absl::MutexLock writer(&write_mu_);
-  // The first block is a deleted one kept as a centroid: visible again, then matched as stored.
-  absl::StatusOr<bool> revived =
-      ReviveRetainedLocked(parent_id, token_ids, blocks.front().block_index);
-  if (!revived.ok()) return revived.status();
-  if (*revived) return absl::AbortedError("a deleted block kept as a centroid was revived");
   // The payloads, and per block its key, record and framing (token ids, surprisal: ~1 KiB).
   RecordBatch batch(context_->records, incoming + blocks.size() * (1024 + 16 * bt));
   std::vector<uint64_t> ids;
   std::vector<NodeMeta> metas;
   bool create = false;
   {
-    absl::MutexLock lock(&mu_);
+    absl::ReleasableMutexLock lock(&mu_);
     if (committed_) {
       if (auto s = CheckSameModel(ns_, model_, model); !s.ok()) return s;
     } else {
@@ -294,9 +289,21 @@ absl::StatusOr<std::vector<uint64_t>> ModelShard::Commit(const ModelInfo& model,
                : parent == nullptr || parent->depth != blocks.front().block_index) {
       return absl::AbortedError("prefix changed concurrently");
     }
-    if (parent != nullptr &&
-        trie_->FindChild(parent, token_ids.subspan(blocks.front().block_index * bt, bt))) {
+    const TrieNode* stored =
+        parent == nullptr
+            ? nullptr
+            : trie_->FindChild(parent, token_ids.subspan(blocks.front().block_index * bt, bt));
+    if (stored != nullptr && !stored->retained) {
       return absl::AbortedError("block stored concurrently");
+    }
+    if (stored != nullptr) {
+      // A deleted block kept as a centroid: visible again (written with mu_ released), then the
+      // Put matches it as stored.
+      lock.Release();
+      absl::StatusOr<bool> revived =
+          ReviveRetainedLocked(parent_id, token_ids, blocks.front().block_index);
+      if (!revived.ok()) return revived.status();
+      return absl::AbortedError("a deleted block kept as a centroid was revived");
     }
     for (const NewBlock& b : blocks) {  // a centroid deleted since the block was coded against it
       if (b.reference_node_id != 0 && FindVisible(b.reference_node_id) == nullptr) {

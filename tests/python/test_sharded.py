@@ -4,6 +4,8 @@ bit-identical, a killed shard a miss and never an error (issue 21)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -188,9 +190,12 @@ def test_delete_with_its_owner_down_still_deletes_the_replica(shards):
     assert c.get(tokens)[2] < len(tokens) and c.lookup(tokens) < len(tokens)
 
 
-def test_delete_in_the_warm_up_window_reaches_the_previous_owner(shards, tmp_path):
+@contextlib.contextmanager
+def fourth_shard_joined(shards, tmp_path, **options):
+    """A client (warm-up window 60 s, `options`) that put every window on the three shards, then
+    a fourth shard joins: yields the client, the windows and each one's owner before it joined."""
     c = kvtrie.ShardedClient("stories260K", shards=shard_list(shards), namespace="py",
-                             warmup_window=60.0)
+                             warmup_window=60.0, **options)
     prefixes = windows()
     for tokens, k, v in prefixes:
         c.put(tokens, k, v, encoding="lossless")
@@ -198,6 +203,14 @@ def test_delete_in_the_warm_up_window_reaches_the_previous_owner(shards, tmp_pat
     fourth = ServerProcess(tmp_path / "kvtrie-3")
     try:
         c.set_shards(shard_list(shards + [fourth]))
+        yield c, prefixes, before
+    finally:
+        fourth.proc.kill()
+        fourth.proc.wait()
+
+
+def test_delete_in_the_warm_up_window_reaches_the_previous_owner(shards, tmp_path):
+    with fourth_shard_joined(shards, tmp_path) as (c, prefixes, before):
         moved = 0
         for (tokens, _, _), was in zip(prefixes, before):
             if c.owner(tokens) == was:
@@ -210,9 +223,6 @@ def test_delete_in_the_warm_up_window_reaches_the_previous_owner(shards, tmp_pat
             assert prev.lookup(tokens) < len(tokens)
             assert c.get(tokens)[2] < len(tokens)  # not copied back from the previous owner
         assert moved > 0
-    finally:
-        fourth.proc.kill()
-        fourth.proc.wait()
 
 
 def test_replica_of_a_residual_prefix_is_the_owners_reconstruction(tmp_path):
@@ -262,15 +272,8 @@ def test_an_empty_membership_is_a_miss_not_an_index_error(shards):
 def test_warm_up_of_a_layer_range_never_stores_the_range_as_the_model(shards, tmp_path):
     """A Get of layers [1, 3) that the previous owner answers copies nothing partial to the new
     owner: a later whole Get there returns every layer bit-exact (or misses), never 2 layers."""
-    c = kvtrie.ShardedClient("stories260K", shards=shard_list(shards), namespace="py",
-                             warmup_window=60.0, warmup_put={"encoding": "lossless"})
-    prefixes = windows()
-    for tokens, k, v in prefixes:
-        c.put(tokens, k, v, encoding="lossless")
-    before = [c.owner(t) for t, _, _ in prefixes]
-    fourth = ServerProcess(tmp_path / "kvtrie-3")
-    try:
-        c.set_shards(shard_list(shards + [fourth]))
+    with fourth_shard_joined(shards, tmp_path,
+                             warmup_put={"encoding": "lossless"}) as (c, prefixes, before):
         moved = 0
         for (tokens, k, v), was in zip(prefixes, before):
             if c.owner(tokens) == was:
@@ -284,6 +287,3 @@ def test_warm_up_of_a_layer_range_never_stores_the_range_as_the_model(shards, tm
             assert k3.shape == k.shape, f"{k3.shape} served for a {k.shape} prefix"
             assert np.array_equal(bits(k3), bits(k)) and np.array_equal(bits(v3), bits(v))
         assert moved > 0
-    finally:
-        fourth.proc.kill()
-        fourth.proc.wait()
