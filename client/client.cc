@@ -487,8 +487,16 @@ absl::Status Client::GetInto(const std::string& model_id, absl::Span<const uint3
   // (its blocks were deleted while it streamed them) and this client's (a centroid or learned
   // state that a RESIDUAL block names was deleted after the Get listed it; the server re-encoded
   // the block first, so a new Get reads it standalone).
+  // After DATA_LOSS from the server, once more at once: the block is gone by then.
+  bool resent_after_data_loss = false;
   for (int attempt = 1;; ++attempt) {
-    absl::Status s = GetOnce(model_id, token_ids, options, out_dump);
+    bool server_data_loss = false;
+    absl::Status s = GetOnce(model_id, token_ids, options, out_dump, &server_data_loss);
+    if (server_data_loss && !resent_after_data_loss) {
+      resent_after_data_loss = true;
+      --attempt;
+      continue;
+    }
     if (s.ok() || !(RetryableReadCode(s.code()) || absl::IsAborted(s)) ||
         attempt >= options_.retry.max_attempts) {
       return s;
@@ -498,7 +506,7 @@ absl::Status Client::GetInto(const std::string& model_id, absl::Span<const uint3
 }
 
 absl::Status Client::GetOnce(const std::string& model_id, absl::Span<const uint32_t> token_ids,
-                             const GetOptions& options, KvDump* out_dump) {
+                             const GetOptions& options, KvDump* out_dump, bool* server_data_loss) {
   v1::GetRequest req;
   req.set_namespace_(options_.ns);
   req.set_model_id(model_id);
@@ -547,7 +555,10 @@ absl::Status Client::GetOnce(const std::string& model_id, absl::Span<const uint3
   };
   if (!read() || !msg.has_header()) {
     if (parse_failed) return bad("a message that does not parse");
-    if (auto s = FromGrpc(reader->Finish()); !s.ok()) return s;
+    if (auto s = FromGrpc(reader->Finish()); !s.ok()) {
+      *server_data_loss = absl::IsDataLoss(s);
+      return s;
+    }
     return absl::DataLossError("get: the stream did not start with a header");
   }
   size_t seq_bytes = 0;
@@ -673,7 +684,10 @@ absl::Status Client::GetOnce(const std::string& model_id, absl::Span<const uint3
     layers_seen[b.block_index()] += end - b.layer_begin();
   }
   if (parse_failed) return bad("a message that does not parse");
-  if (auto s = FromGrpc(reader->Finish()); !s.ok()) return s;
+  if (auto s = FromGrpc(reader->Finish()); !s.ok()) {
+    *server_data_loss = absl::IsDataLoss(s);
+    return s;
+  }
   if (absl::Status s = flush(); !s.ok()) return s;
   for (size_t i = 0; i < layers_seen.size(); ++i) {
     if (layers_seen[i] != rg.num_layers) {

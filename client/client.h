@@ -164,7 +164,9 @@ class Client {
                              const GetOptions& options = {});
   // As Get, into `out`, whose k and v buffers are reused: a Get of the same size again neither
   // allocates nor clears them (the fastest way to read prefixes repeatedly). On an error `out`
-  // holds part of the result.
+  // holds part of the result. A Get the server ends with DATA_LOSS (a stored block that fails its
+  // checksum or does not decode, which the server dropped with its subtree) is sent again once, at
+  // once: it then returns the blocks before it, as a Get of a prefix stored only in part does.
   absl::Status GetInto(const std::string& model_id, absl::Span<const uint32_t> token_ids,
                        const GetOptions& options, KvDump* out);
 
@@ -203,9 +205,9 @@ class Client {
   template <typename Call>
   absl::Status RetryRead(Call&& call);
   explicit Client(const ClientOptions& options);
-  // One attempt of GetInto.
+  // One attempt of GetInto; `server_data_loss` is set when the server's status was DATA_LOSS.
   absl::Status GetOnce(const std::string& model_id, absl::Span<const uint32_t> token_ids,
-                       const GetOptions& options, KvDump* out);
+                       const GetOptions& options, KvDump* out, bool* server_data_loss);
   // The reconstructed block of node `node_id` (a near-duplicate's centroid), fetched with
   // GetRequest.node_id in RECONSTRUCTED mode; `g` is the model's block geometry.
   absl::StatusOr<std::vector<uint8_t>> ReferenceBlock(const std::string& model_id, uint64_t node_id,

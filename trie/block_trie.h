@@ -79,6 +79,11 @@ struct TrieNode {
   uint64_t reference_node_id = 0;      // the centroid this block is a residual of (0 = none)
   uint32_t predictor_version = 0;      // the learned state it is coded against (0 = none)
   bool error_client_reported = false;  // rel_rms_error_* were reported by its encoding client
+  // Client-encoded and accepted without a decode (--verify_encoded_puts=structure, or outside
+  // the sample): the first Put that would deduplicate onto it decodes it first, and it is dropped
+  // if it does not decode (ModelShard::ApplyPut). In memory only: recovery sets it again on every
+  // client-encoded node that is not RAW.
+  bool unverified = false;
   // Its prefix was deleted but near-duplicates are coded lossy against it (as their centroid, or
   // the parent of one): kept for them only, matched by no token lookup, never a candidate, never
   // evicted; removed with its last dependent (ModelShard, "Retained centroids"). Changed only

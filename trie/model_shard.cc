@@ -9,6 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "trie/put_session.h"
 
 namespace kvtrie {
 // Field-by-field comparison so the error names the field that differs.
@@ -65,6 +66,15 @@ bool IsBadPayloadBytes(const absl::Status& s) {
   if (!absl::IsDataLoss(s)) return false;
   const absl::string_view m = s.message();
   return !absl::StrContains(m, ".sst") && absl::StrContains(absl::AsciiStrToLower(m), "blob");
+}
+
+// A node's rel RMS error as kept and aggregated: in [0, 4] (PutSession::kMaxClientRelRmsError),
+// so no stored value (a record written before the bound, or a learner's outlier) can make Stats'
+// sums and maximum read inf or nan; nan counts as the bound.
+float BoundedError(double e) {
+  constexpr double kMax = PutSession::kMaxClientRelRmsError;
+  if (std::isnan(e)) return static_cast<float>(kMax);
+  return static_cast<float>(std::clamp(e, 0.0, kMax));
 }
 
 }  // namespace
@@ -198,8 +208,8 @@ TrieNode* ModelShard::PublishLocked(TrieNode* parent, uint64_t id, const NodeMet
   n->encoding = meta.encoding;
   n->bytes_logical = meta.bytes_logical;
   n->bytes_stored = meta.bytes_stored;
-  n->rel_rms_error_k = static_cast<float>(meta.rel_rms_error_k);
-  n->rel_rms_error_v = static_cast<float>(meta.rel_rms_error_v);
+  n->rel_rms_error_k = BoundedError(meta.rel_rms_error_k);
+  n->rel_rms_error_v = BoundedError(meta.rel_rms_error_v);
   n->reference_node_id = meta.reference_node_id;
   n->predictor_version = meta.predictor_version;
   n->error_client_reported = meta.error_client_reported;
@@ -294,7 +304,8 @@ void ModelShard::Recover(uint64_t id, absl::StatusOr<NodeMeta> meta, const std::
     drop->DeleteNode(shard_id_, id);
     return;
   }
-  PublishLocked(parent, id, *meta, std::move(hot));
+  TrieNode* n = PublishLocked(parent, id, *meta, std::move(hot));
+  n->unverified = meta->error_client_reported && meta->encoding != Encoding::kRaw;
   ++stats->nodes;
 }
 
@@ -390,7 +401,8 @@ absl::StatusOr<std::shared_ptr<const std::string>> ModelShard::ReadPayload(const
   return payload;
 }
 
-absl::Status ModelShard::NotDecodable(const BlockRead& block, absl::string_view why) {
+absl::Status ModelShard::NotDecodable(const BlockRead& block, absl::string_view why,
+                                      std::vector<Corrupt>* corrupt) {
   bool changed = false;
   {
     absl::MutexLock lock(&mu_);
@@ -402,6 +414,11 @@ absl::Status ModelShard::NotDecodable(const BlockRead& block, absl::string_view 
   if (changed) {
     return absl::AbortedError(absl::StrCat("node ", block.node_id, " changed while it was read (",
                                            why, "); read it again"));
+  }
+  if (corrupt != nullptr) {  // its own bytes: dropped as a checksum failure is (issue 30)
+    corrupt->push_back({block.node_id, absl::StrCat("it does not decode: ", why)});
+    return absl::DataLossError(
+        absl::StrCat("node ", block.node_id, ": ", why, "; the node and its subtree were dropped"));
   }
   spdlog::error("node {} of '{}'/'{}' can not be decoded, nothing was dropped: {}", block.node_id,
                 ns_, model_.model_id, std::string(why));
@@ -480,10 +497,13 @@ absl::Status ModelShard::DecodeInternal(const BlockRead& block, const std::strin
     }
     chain->AddReference(ref_id, reference);
   }
-  absl::Status s = DecodeNext(block, payload, chain, out);
-  // The state it names is not kept, or the bytes passed their checksum but do not decode here: an
-  // inconsistency or a race, never a reason to delete it. (DATA_LOSS: its state failed its own
-  // check; the block is kept.)
+  bool undecodable = false;
+  absl::Status s = DecodeNext(block, payload, chain, out, &undecodable);
+  // The bytes passed their checksum but do not decode (a client may encode anything that passes
+  // the structure check): DATA_LOSS, and dropped unless the node changed while it was read.
+  if (undecodable) return NotDecodable(block, s.message(), corrupt);
+  // The state it names is not kept, or another failure: an inconsistency or a race, never a
+  // reason to delete it. (DATA_LOSS: its state failed its own check; the block is kept.)
   if (absl::IsNotFound(s) || absl::IsInternal(s)) return NotDecodable(block, s.message());
   return s;
 }

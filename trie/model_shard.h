@@ -150,6 +150,7 @@ class ModelShard {
     uint32_t predictor_version = 0;  // the learned state it is coded against (0 = none)
     // Encoded by the client (PutSession::AddEncodedBlock): encoded's errors are the client's.
     bool error_client_reported = false;
+    bool unverified = false;  // client-encoded and not decoded at the Put (TrieNode::unverified)
   };
   // A new block encoded standalone or against a near-duplicate centroid.
   struct NearDupEncoded {
@@ -227,6 +228,7 @@ class ModelShard {
     const absl::StatusOr<std::shared_ptr<const EncodedBlock>>* encoded = nullptr;
     bool client_encoded = false;                // by its client (PutSession::AddEncodedBlock)
     Encoding client_encoding = Encoding::kRaw;  // then its encoding
+    bool client_decoded = false;  // then decoded at the Put (--verify_encoded_puts sampled it)
   };
   // What a PutSession hands the shard at Finish: the Put's context and its blocks by index
   // (those not stored yet must all be there). Every pointer is the session's and outlives the
@@ -367,7 +369,15 @@ class ModelShard {
                               std::vector<Corrupt>* corrupt);
   // The error for `block`, which can not be decoded because of `why` (not its own bytes): ABORTED
   // if it changed since it was listed (gone, or re-encoded), else INTERNAL. Drops nothing.
-  absl::Status NotDecodable(const BlockRead& block, absl::string_view why);
+  // With `corrupt` set, the bytes passed their checksum and do not decode: the node is added
+  // to it (dropped with its subtree by the caller) and this is DATA_LOSS naming it and `why`.
+  absl::Status NotDecodable(const BlockRead& block, absl::string_view why,
+                            std::vector<Corrupt>* corrupt = nullptr);
+  // ApplyPut's check before it deduplicates onto stored blocks it carries: every node of
+  // `node_ids` whose index is in `carried` and is TrieNode::unverified is decoded; true when one
+  // did not decode and was dropped (with its subtree: match again).
+  bool DroppedUndecodable(absl::Span<const uint64_t> node_ids,
+                          const std::map<uint32_t, PlanBlock>& carried);
   absl::Status ReconstructInternal(uint64_t node_id, absl::Span<uint8_t> out,
                                    std::vector<Corrupt>* corrupt);
   // Drops the nodes a read found bad (and their subtrees). Takes write_mu_ unless held.
@@ -477,9 +487,10 @@ class ModelShard {
   // Frees the versions a released hold left unused, off the caller's path (the LearnQueue).
   void ScheduleFreeUnusedPredictors();
   // Decodes `payload` of `block` as the next block of `chain`, with the learned state it names.
-  // DATA_LOSS when that state is unreadable or gone.
+  // DATA_LOSS when that state is unreadable or gone; INTERNAL, with `undecodable` set, when the
+  // bytes (checksummed) do not decode.
   absl::Status DecodeNext(const BlockRead& block, const std::string& payload, DecodeChain* chain,
-                          absl::Span<uint8_t> out);
+                          absl::Span<uint8_t> out, bool* undecodable);
   // Reads a persisted version of this shard back (for the registry's non-resident versions).
   PredictorRegistry::Loader PredictorLoader();
   // The LearnQueue job of QueueLearning: decodes an encoded block (false: it did not decode,

@@ -74,7 +74,9 @@ void ModelShard::ScheduleFreeUnusedPredictors() {
 }
 
 absl::Status ModelShard::DecodeNext(const BlockRead& block, const std::string& payload,
-                                    DecodeChain* chain, absl::Span<uint8_t> out) {
+                                    DecodeChain* chain, absl::Span<uint8_t> out,
+                                    bool* undecodable) {
+  *undecodable = false;
   std::shared_ptr<const PredictorState> learned;
   if (block.predictor_version != 0) {
     absl::StatusOr<std::shared_ptr<const PredictorState>> state =
@@ -103,6 +105,7 @@ absl::Status ModelShard::DecodeNext(const BlockRead& block, const std::string& p
   absl::Status s =
       chain->Next(payload, block.reference_node_id, out, block.tokens, /*verified=*/true);
   if (absl::IsDataLoss(s)) {
+    *undecodable = true;
     return absl::InternalError(
         absl::StrCat("it passes its checksum but does not decode: ", s.message()));
   }

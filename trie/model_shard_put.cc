@@ -1,5 +1,7 @@
 // ModelShard::ApplyPut (trie/model_shard.h): a PutSession's plan, matched, encoded, committed,
 // counted and queued for learning in one call.
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 #include <deque>
 #include <memory>
@@ -21,8 +23,16 @@ absl::StatusOr<PutSummary> ModelShard::ApplyPut(PutPlan& plan) {
   summary.tail_tokens_ignored = static_cast<uint32_t>(plan.token_ids.size() % g.block_tokens);
   const absl::Span<const uint32_t> tokens = plan.token_ids;
   constexpr int kAttempts = 4;
+  uint32_t drops = 0;  // undecodable nodes dropped before a dedup: each removes one, not attempts
   for (int attempt = 0; attempt < kAttempts; ++attempt) {
     const MatchResult match = Match(tokens);
+    // A client-encoded node no decode has checked yet is decoded before this Put deduplicates
+    // onto it; one that does not decode is dropped with its subtree, and the Put, which carries
+    // the block, matches again and stores its own (issue 30).
+    if (DroppedUndecodable(match.node_ids, plan.blocks)) {
+      if (++drops <= num_blocks) --attempt;
+      continue;
+    }
     const uint32_t matched = static_cast<uint32_t>(match.node_ids.size());
     const uint64_t anchor = matched ? match.node_ids.back() : 0;
     // Every full block must be stored already or sent now.
@@ -73,9 +83,10 @@ absl::StatusOr<PutSummary> ModelShard::ApplyPut(PutPlan& plan) {
       const PlanBlock& p = plan.blocks.at(b);
       if (p.encoded != nullptr) {
         if (!p.encoded->ok()) return p.encoded->status();
-        blocks.push_back({b, **p.encoded,
-                          p.client_encoded ? p.client_encoding : plan.encode.encoding, 0,
-                          (**p.encoded)->predictor_version, p.client_encoded});
+        blocks.push_back(
+            {b, **p.encoded, p.client_encoded ? p.client_encoding : plan.encode.encoding, 0,
+             (**p.encoded)->predictor_version, p.client_encoded,
+             p.client_encoded && !p.client_decoded && p.client_encoding != Encoding::kRaw});
         continue;
       }
       const auto kv =
@@ -179,6 +190,41 @@ absl::StatusOr<PutSummary> ModelShard::ApplyPut(PutPlan& plan) {
     return summary;
   }
   return absl::AbortedError("put: the prefix kept changing under concurrent Puts; retry");
+}
+
+bool ModelShard::DroppedUndecodable(absl::Span<const uint64_t> node_ids,
+                                    const std::map<uint32_t, PlanBlock>& carried) {
+  std::vector<BlockRead> unverified;  // listed under one lock, decoded with none held
+  BlockGeometry g;
+  {
+    absl::MutexLock lock(&mu_);
+    g = model_.geometry;
+    std::shared_ptr<const ReadSnapshot> snapshot;
+    for (const auto& [index, block] : carried) {
+      if (index >= node_ids.size()) break;
+      const TrieNode* n = FindLive(node_ids[index]);
+      if (n != nullptr && n->unverified && !n->hidden()) {
+        unverified.push_back(ListLocked(*n, nullptr, &snapshot));
+      }
+    }
+  }
+  if (unverified.empty()) return false;
+  std::vector<uint8_t> out(g.num_bytes());
+  for (const BlockRead& read : unverified) {
+    DecodeChain chain(g, nullptr);  // a client-encoded block decodes alone (fast profile)
+    std::vector<Corrupt> corrupt;
+    absl::Status s = ReadAndDecodeInternal(read, &chain, absl::MakeSpan(out), &corrupt);
+    DropCorrupt(corrupt);
+    if (!corrupt.empty()) return true;
+    if (s.ok()) {
+      absl::MutexLock lock(&mu_);
+      if (TrieNode* n = FindLive(read.node_id)) n->unverified = false;
+    } else {  // not its bytes (a race, a state unreadable): deduplicated as before
+      spdlog::warn("node {} of '{}'/'{}' could not be checked before a dedup: {}", read.node_id,
+                   ns_, model_.model_id, s.ToString());
+    }
+  }
+  return false;
 }
 
 std::shared_ptr<const std::vector<uint8_t>> ModelShard::FindPutParent(uint64_t node_id) {

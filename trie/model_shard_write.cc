@@ -355,6 +355,7 @@ absl::StatusOr<std::vector<uint64_t>> ModelShard::Commit(const ModelInfo& model,
     // The hot tier shares the encoded bytes (no copy).
     const std::shared_ptr<const EncodedBlock>& e = blocks[i].encoded;
     at = PublishLocked(at, ids[i], metas[i], std::shared_ptr<const std::string>(e, &e->bytes));
+    at->unverified = blocks[i].unverified;
     predictors_->AddBytesSaved(metas[i].predictor_version, e->learned_bytes_saved);
   }
   return ids;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -230,13 +231,15 @@ absl::Status PutSession::AddEncodedBlock(uint32_t block_index, std::string encod
   const struct {
     const char* name;
     double value;
-  } reported[] = {{"rel_rms_error_k", error.rel_rms_error_k},
-                  {"rel_rms_error_v", error.rel_rms_error_v},
-                  {"max_abs_error", error.max_abs_error}};
+    double max;  // a rel RMS error past it is absurd, and would skew every aggregate of Stats
+  } reported[] = {{"rel_rms_error_k", error.rel_rms_error_k, kMaxClientRelRmsError},
+                  {"rel_rms_error_v", error.rel_rms_error_v, kMaxClientRelRmsError},
+                  {"max_abs_error", error.max_abs_error, std::numeric_limits<double>::infinity()}};
   for (const auto& r : reported) {
-    if (!std::isfinite(r.value) || r.value < 0) {
+    if (!std::isfinite(r.value) || r.value < 0 || r.value > r.max) {
       return Fail(absl::InvalidArgumentError(absl::StrCat(
-          r.name, ": block ", block_index, " reports ", r.value, "; must be finite and >= 0")));
+          r.name, ": block ", block_index, " reports ", r.value, "; must be finite and >= 0",
+          std::isfinite(r.max) ? absl::StrCat(" and <= ", r.max) : "")));
     }
   }
   absl::StatusOr<BlockHeader> h =
@@ -252,6 +255,7 @@ absl::Status PutSession::AddEncodedBlock(uint32_t block_index, std::string encod
                                                              " encoded: ", h.status().message())));
   }
   const VerifyEncoded level = context_->options->verify_encoded_puts;
+  bool decoded = false;
   if (level == VerifyEncoded::kAll || (level == VerifyEncoded::kSample && block_index % 8 == 0)) {
     const size_t off = static_cast<size_t>(block_index) * g.block_tokens;
     const std::vector<int32_t> tokens(token_ids_.begin() + off,
@@ -266,6 +270,7 @@ absl::Status PutSession::AddEncodedBlock(uint32_t block_index, std::string encod
       return Fail(absl::InvalidArgumentError(
           absl::StrCat("kv: block ", block_index, " encoded: does not decode: ", s.message())));
     }
+    decoded = true;
   }
   absl::StatusOr<Pending*> admitted = Admit(block_index, encoded.size());
   if (!admitted.ok()) return admitted.status();
@@ -274,6 +279,7 @@ absl::Status PutSession::AddEncodedBlock(uint32_t block_index, std::string encod
   p.layers_missing = 0;
   p.client_encoded = true;
   p.client_encoding = h->encoding;
+  p.client_decoded = decoded;
   auto e = std::make_shared<EncodedBlock>();
   e->bits_per_component = 8.0 * static_cast<double>(encoded.size()) / g.num_elements();
   e->rel_rms_error_k = error.rel_rms_error_k;
@@ -320,6 +326,7 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
     b.encoded = p.encoded.get();
     b.client_encoded = p.client_encoded;
     b.client_encoding = p.client_encoding;
+    b.client_decoded = p.client_decoded;
   }
   return shard_->ApplyPut(plan);
 }

@@ -63,6 +63,7 @@ class PutSession {
   // coded against a learned state must name a version this shard keeps (held until the session
   // ends). `error` is what the client's encoder achieved (EncodedBlock's rel_rms_error_k / _v,
   // max_abs_error), kept as the node's error, marked client-reported. `encoded` is consumed.
+  // A reported rel RMS error must be in [0, kMaxClientRelRmsError], max_abs_error finite and >= 0.
   // Errors: INVALID_ARGUMENT "kv: block 7 encoded: <what is wrong>" (or naming the error field);
   // FAILED_PRECONDITION naming `predictor_version` and the latest version; as AddLayers.
   struct ClientError {
@@ -71,6 +72,8 @@ class PutSession {
     double max_abs_error = 0;
   };
   absl::Status AddEncodedBlock(uint32_t block_index, std::string encoded, ClientError error);
+  // The largest rel RMS error a client may report: 4 is already four times the signal (issue 30).
+  static constexpr double kMaxClientRelRmsError = 4.0;
 
   // Ends the stream: hands the shard one plan (ModelShard::ApplyPut: its blocks, dense or
   // encoded, and their context), which encodes what is left and commits every new block. Errors:
@@ -90,6 +93,7 @@ class PutSession {
     // AddEncodedBlock: encoded by the client, in this encoding (encoded is set, kv empty).
     bool client_encoded = false;
     Encoding client_encoding = Encoding::kRaw;
+    bool client_decoded = false;  // and decoded here (verify_encoded_puts sampled it)
   };
 
   // INVALID_ARGUMENT (failing the session) unless block_index is a full block of token_ids.
