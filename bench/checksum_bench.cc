@@ -68,7 +68,7 @@ double ThreadCpuSeconds() {
 struct Row {
   std::string name;
   std::function<void()> run;  // one pass over every block
-  std::vector<double> s_per_gb;
+  std::vector<double> s_per_gb = {};
 };
 
 double Median(std::vector<double> v) {
