@@ -716,6 +716,7 @@ absl::StatusOr<std::shared_ptr<const PredictorState>> Client::GetPredictor(
   std::string bytes;
   uint64_t total = 0;
   uint32_t crc = 0;
+  uint64_t fingerprint = 0;  // the first chunk's (0 from a server before it)
   bool first = true;
   if (absl::Status s = RetryRead([&]() -> absl::Status {
         bytes.clear();
@@ -728,6 +729,7 @@ absl::StatusOr<std::shared_ptr<const PredictorState>> Client::GetPredictor(
           if (first) {
             total = chunk.total_bytes();
             crc = chunk.crc32c();
+            fingerprint = chunk.fingerprint();
             first = false;
           }
           if (chunk.version() != version || chunk.total_bytes() != total || chunk.crc32c() != crc ||
@@ -755,6 +757,11 @@ absl::StatusOr<std::shared_ptr<const PredictorState>> Client::GetPredictor(
   if ((*state)->version() != version) {
     return absl::DataLossError(absl::StrCat("get_predictor: asked for version ", version,
                                             ", got version ", (*state)->version()));
+  }
+  if (fingerprint != 0 && (*state)->fingerprint() != fingerprint) {
+    return absl::DataLossError(absl::StrCat("get_predictor: version ", version, " has fingerprint ",
+                                            absl::Hex(fingerprint), ", the bytes received ",
+                                            absl::Hex((*state)->fingerprint())));
   }
   absl::MutexLock lock(&predictors_mu_);
   if (predictors_.size() >= kMaxCachedPredictors) {  // drop the least recently used

@@ -17,6 +17,7 @@
 #include "codec/lossless.h"
 #include "codec/predictor_state.h"
 #include "codec/residual_codec.h"
+#include "xxhash.h"
 
 namespace kvtrie {
 namespace {
@@ -31,6 +32,8 @@ constexpr char kLosslessHalfWords = 2;
 constexpr char kLosslessCentroidDiff = 3;     // centroid_lossless.h; needs context.reference
 constexpr uint8_t kFlagFastProfile = 1;       // envelope flags bit 0: Profile::kFast
 constexpr uint8_t kFlagPredictorVersion = 2;  // bit 1: a u32 predictor version follows the node id
+constexpr uint8_t kFlagContentChecksum = 4;   // bit 2: a u64 XXH3-64 of the decoded block follows
+constexpr uint8_t kFlagStateFingerprint = 8;  // bit 3: a u64 state fingerprint follows the version
 constexpr uint8_t kFlagShiftedReference = 0x80;  // bit 7: reference_shift.h prefix in params
 
 }  // namespace
@@ -190,11 +193,44 @@ std::string WriteEnvelope(Encoding encoding, const BlockGeometry& geometry,
   PutLE<uint32_t>(&out, Crc32c(out));
   return out;
 }
+
+std::string AddEnvelopeChecks(absl::string_view encoded, uint64_t fingerprint,
+                              const uint64_t* content_checksum) {
+  uint8_t flags = static_cast<uint8_t>(encoded[7]);
+  const bool has_version = (flags & kFlagPredictorVersion) != 0;
+  size_t pos = kFixedHeader + (has_version ? 4 : 0);
+  std::string extra;
+  if (has_version && fingerprint != 0) {
+    PutLE<uint64_t>(&extra, fingerprint);
+    flags |= kFlagStateFingerprint;
+  }
+  if (content_checksum != nullptr) {
+    PutLE<uint64_t>(&extra, *content_checksum);
+    flags |= kFlagContentChecksum;
+  }
+  std::string out;
+  out.reserve(encoded.size() + extra.size());
+  out.append(encoded.data(), pos);
+  out[7] = static_cast<char>(flags);
+  out.append(extra);
+  out.append(encoded.data() + pos, encoded.size() - pos - 4);
+  PutLE<uint32_t>(&out, Crc32c(out));
+  return out;
+}
+
+uint64_t ContentChecksum(absl::Span<const uint8_t> block) {
+  return XXH3_64bits(block.data(), block.size());
+}
 }  // namespace internal
 
-absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
-                                         absl::Span<const uint8_t> kv, const EncodeOptions& options,
-                                         const PredictionContext& context) {
+namespace {
+
+// EncodeBlock without the envelope's checks (flags bits 2 and 3). Sets *checksum to the content
+// checksum of what the block decodes to when options.content_checksum.
+absl::StatusOr<EncodedBlock> EncodeUnchecked(const BlockGeometry& geometry,
+                                             absl::Span<const uint8_t> kv,
+                                             const EncodeOptions& options,
+                                             const PredictionContext& context, uint64_t* checksum) {
   if (auto s = geometry.Validate(); !s.ok()) return s;
   if (kv.size() != geometry.num_bytes()) {
     return absl::InvalidArgumentError(absl::StrCat("kv: expected ", geometry.num_bytes(),
@@ -203,6 +239,10 @@ absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
   }
   const absl::string_view raw(reinterpret_cast<const char*>(kv.data()), kv.size());
   EncodedBlock result;
+  // Lossless encodings decode to `kv` itself; the lossy ones overwrite this below.
+  if (options.content_checksum && !IsLossyEncoding(options.encoding)) {
+    *checksum = internal::ContentChecksum(kv);
+  }
   // A shifted reference: the codecs below see the window (reference_shift.h) as the reference.
   ReferenceShift shift = options.reference_shift;
   std::vector<uint8_t> window;
@@ -266,6 +306,7 @@ absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
     absl::Status s = internal::EncodeFastResidual(geometry, kv, options, context, &fast);
     if (s.ok()) {
       result.predictor_version = fast.uses_learned ? context.learned->version() : 0;
+      *checksum = fast.content_checksum;
       result.learned_bytes_saved = fast.uses_learned ? fast.learned_saved_bits / 8 : 0;
       result.bytes =
           internal::WriteEnvelope(Encoding::kResidual, geometry, 0, fast.params, fast.payload,
@@ -347,6 +388,18 @@ absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
             ": the block holds values outside the range this encoding can represent; use "
             "lossless"));
       }
+      if (options.content_checksum && options.encoding == Encoding::kResidual) {
+        *checksum = internal::ContentChecksum(decoded);
+      } else if (options.content_checksum) {
+        // The baselines' encoders keep no reconstruction that is bit-exact with their decoders':
+        // hash what the decoder returns.
+        std::vector<uint8_t> out(geometry.num_bytes());
+        if (auto s = DecodeVerifiedBlock(result.bytes, absl::MakeSpan(out), ctx); !s.ok()) {
+          return absl::InternalError(
+              absl::StrCat("encode: the block does not decode: ", s.message()));
+        }
+        *checksum = internal::ContentChecksum(out);
+      }
       ToFloat(geometry.dtype, decoded.data(), lossy.recon.size(), lossy.recon.data());
       MeasureError(geometry, x.data(), lossy.recon.data(), &result);
       // An error larger than the block's largest magnitude means the encoding's own fields (fp16
@@ -367,6 +420,20 @@ absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
           absl::StrCat("encoding: unknown value ", static_cast<int>(options.encoding)));
   }
   result.bits_per_component = 8.0 * result.bytes.size() / geometry.num_elements();
+  return result;
+}
+
+}  // namespace
+
+absl::StatusOr<EncodedBlock> EncodeBlock(const BlockGeometry& geometry,
+                                         absl::Span<const uint8_t> kv, const EncodeOptions& options,
+                                         const PredictionContext& context) {
+  uint64_t checksum = 0;
+  absl::StatusOr<EncodedBlock> result = EncodeUnchecked(geometry, kv, options, context, &checksum);
+  if (!result.ok() || !options.content_checksum) return result;
+  const uint64_t fingerprint = result->predictor_version != 0 ? context.learned->fingerprint() : 0;
+  result->bytes = internal::AddEnvelopeChecks(result->bytes, fingerprint, &checksum);
+  result->bits_per_component = 8.0 * result->bytes.size() / geometry.num_elements();
   return result;
 }
 
@@ -404,7 +471,8 @@ absl::StatusOr<BlockHeader> ParseEnvelope(absl::string_view encoded, bool check_
     return absl::DataLossError(absl::StrCat("encoded block: unknown dtype ", dtype));
   }
   const uint8_t flags = static_cast<uint8_t>(p[7]);
-  if (flags & ~(kFlagFastProfile | kFlagPredictorVersion | kFlagShiftedReference)) {
+  if (flags & ~(kFlagFastProfile | kFlagPredictorVersion | kFlagContentChecksum |
+                kFlagStateFingerprint | kFlagShiftedReference)) {
     return absl::DataLossError(absl::StrCat("encoded block: unknown flags ", flags));
   }
   if ((flags & kFlagFastProfile) && encoding != static_cast<uint8_t>(Encoding::kResidual) &&
@@ -439,6 +507,27 @@ absl::StatusOr<BlockHeader> ParseEnvelope(absl::string_view encoded, bool check_
           "encoded block: predictor version on an encoding other than RESIDUAL and fast LOSSLESS");
     }
   }
+  if (flags & kFlagStateFingerprint) {
+    if (!(flags & kFlagPredictorVersion)) {
+      return absl::DataLossError("encoded block: a state fingerprint without a predictor version");
+    }
+    if (body_end - pos < 8 + 8) {
+      return absl::DataLossError("encoded block: truncated state fingerprint");
+    }
+    h.predictor_fingerprint = GetLE<uint64_t>(p + pos);
+    pos += 8;
+    if (h.predictor_fingerprint == 0) {
+      return absl::DataLossError("encoded block: state fingerprint flag with fingerprint 0");
+    }
+  }
+  if (flags & kFlagContentChecksum) {
+    if (body_end - pos < 8 + 8) {
+      return absl::DataLossError("encoded block: truncated content checksum");
+    }
+    h.has_content_checksum = true;
+    h.content_checksum = GetLE<uint64_t>(p + pos);
+    pos += 8;
+  }
   const uint32_t params_len = GetLE<uint32_t>(p + pos);
   pos += 4;
   if (params_len > body_end - pos || body_end - pos - params_len < 4) {
@@ -471,6 +560,20 @@ absl::StatusOr<BlockHeader> ParseEnvelope(absl::string_view encoded, bool check_
 absl::Status DecodeParsed(const absl::StatusOr<BlockHeader>& h, absl::Span<uint8_t> out,
                           const PredictionContext& context);
 
+// DecodeParsed, then the content checksum (flags bit 2) of what it wrote.
+absl::Status DecodeChecked(const absl::StatusOr<BlockHeader>& h, absl::Span<uint8_t> out,
+                           const PredictionContext& context) {
+  if (absl::Status s = DecodeParsed(h, out, context); !s.ok()) return s;
+  if (!h->has_content_checksum) return absl::OkStatus();
+  const uint64_t actual = internal::ContentChecksum(out);
+  if (actual != h->content_checksum) {
+    return absl::DataLossError(absl::StrCat(
+        "encoded block: content checksum mismatch (stored ", absl::Hex(h->content_checksum),
+        ", decoded ", absl::Hex(actual), "): the block decodes to other values than were encoded"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<BlockHeader> ParseBlock(absl::string_view encoded) {
@@ -483,12 +586,12 @@ absl::StatusOr<BlockHeader> ParseVerifiedBlock(absl::string_view encoded) {
 
 absl::Status DecodeBlock(absl::string_view encoded, absl::Span<uint8_t> out,
                          const PredictionContext& context) {
-  return DecodeParsed(ParseBlock(encoded), out, context);
+  return DecodeChecked(ParseBlock(encoded), out, context);
 }
 
 absl::Status DecodeVerifiedBlock(absl::string_view encoded, absl::Span<uint8_t> out,
                                  const PredictionContext& context) {
-  return DecodeParsed(ParseVerifiedBlock(encoded), out, context);
+  return DecodeChecked(ParseVerifiedBlock(encoded), out, context);
 }
 
 namespace {
@@ -510,6 +613,13 @@ absl::Status DecodeParsed(const absl::StatusOr<BlockHeader>& h, absl::Span<uint8
       return absl::FailedPreconditionError(absl::StrCat(
           "learned: the block is coded against predictor state version ", h->predictor_version,
           ", the given state is version ", context.learned->version()));
+    }
+    if (h->predictor_fingerprint != 0 &&
+        context.learned->fingerprint() != h->predictor_fingerprint) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "learned: the block is coded against a predictor state version ", h->predictor_version,
+          " with fingerprint ", absl::Hex(h->predictor_fingerprint),
+          ", the given state has fingerprint ", absl::Hex(context.learned->fingerprint())));
     }
     if (context.tokens.size() != h->geometry.block_tokens) {
       return absl::FailedPreconditionError(absl::StrCat(

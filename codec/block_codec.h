@@ -10,13 +10,22 @@
 //   6   1  dtype (DType)
 //   7   1  flags: bit 0 = the fast profile (Profile::kFast: fast_residual.h, fast_lossless.h;
 //            codec/FORMAT.md); bit 1 = a predictor version follows the node id (kResidual only);
-//            bit 7 = coded against a shifted reference (reference_shift.h: the params start
-//            with its prefix); other bits 0
+//            bit 2 = a content checksum follows (below); bit 3 = a predictor state fingerprint
+//            follows the version (only with bit 1); bit 7 = coded against a shifted reference
+//            (reference_shift.h: the params start with its prefix); other bits 0
 //   8   2  num_layers    10  2  num_kv_heads    12  2  block_tokens    14  2  head_dim
 //   16  8  reference node id (the centroid a residual is taken against; 0 = none)
 //  [24  4  predictor version (> 0), only with flags bit 1: the learned PredictorState the block
 //          was coded against (predictor_state.h); set exactly when some (layer, K/V, head) uses a
 //          learned predictor. Blocks without it are byte-identical to before.]
+//  [..  8  state fingerprint, only with flags bit 3 (and bit 1): PredictorState::fingerprint() of
+//          the state the block was coded against (XXH3-64 of its serialized bytes), so a block
+//          names its state, not only a per-namespace counter.]
+//  [..  8  content checksum, only with flags bit 2: XXH3-64 (seed 0) of the block exactly as
+//          DecodeBlock returns it (geometry.num_bytes() bytes in the block's dtype): the input of
+//          a lossless block, the decoder's reconstruction of a lossy one. The encoder writes it
+//          unless EncodeOptions::content_checksum is false; every decoder checks it (DATA_LOSS
+//          "content checksum mismatch"). Blocks without it decode as before.]
 //   ..  4  params_len P, then P bytes of encoding parameters (quantizer steps, predictor choice)
 //   ..  4  payload_len N, then N bytes of payload
 //   ..  4  CRC-32C of every byte before it
@@ -165,6 +174,10 @@ struct EncodeOptions {
   // held-out text vs 1.12x / 1.42x) and keep it when smaller. Off by default: it encodes at
   // ~0.1-0.3 GB/s per core against ~2 GB/s (bench/lossless.md). Decoding needs no option.
   bool learned_lossless = false;
+  // Every encoding: write the content checksum (envelope flags bit 2: XXH3-64 of what DecodeBlock
+  // returns, checked by every decoder) and, for a block coded against a learned state, the
+  // state's fingerprint (flags bit 3). Off only to write blocks as decoders before them read them.
+  bool content_checksum = true;
 };
 
 // What the codec may need besides the encoded bytes. Spans are empty when absent. Blocks are in the
@@ -247,6 +260,11 @@ struct BlockHeader {
   ReferenceShift reference_shift;
   // The learned predictor state the block was coded against (codec/predictor_state.h); 0 = none.
   uint32_t predictor_version = 0;
+  // Flags bit 3: PredictorState::fingerprint() of that state; 0 = the block does not name it.
+  uint64_t predictor_fingerprint = 0;
+  // Flags bit 2: XXH3-64 of the decoded block (DecodeBlock checks it).
+  bool has_content_checksum = false;
+  uint64_t content_checksum = 0;
   absl::string_view params;
   absl::string_view payload;
 };
@@ -274,6 +292,13 @@ std::string WriteEnvelope(Encoding encoding, const BlockGeometry& geometry,
                           uint64_t reference_node_id, absl::string_view params,
                           absl::string_view payload, Profile profile = Profile::kCompact,
                           uint32_t predictor_version = 0, const ReferenceShift* shift = nullptr);
+// Returns `encoded` (a well-formed envelope without flags bits 2 and 3) with the optional fields
+// added: the state fingerprint (if `fingerprint` != 0 and the block names a version) and the
+// content checksum (if `content_checksum` is set); the CRC-32C is recomputed.
+std::string AddEnvelopeChecks(absl::string_view encoded, uint64_t fingerprint,
+                              const uint64_t* content_checksum);
+// XXH3-64 (seed 0) of a decoded block: the envelope's content checksum.
+uint64_t ContentChecksum(absl::Span<const uint8_t> block);
 }  // namespace internal
 
 }  // namespace kvtrie

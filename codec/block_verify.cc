@@ -317,6 +317,15 @@ absl::StatusOr<BlockHeader> Verify(const BlockGeometry& model, absl::string_view
                                             learned->version(), " for a block naming ",
                                             h->predictor_version));
   }
+  if (learned != nullptr && h->predictor_fingerprint != 0 &&
+      learned->fingerprint() != h->predictor_fingerprint) {
+    return Bad(
+        absl::StrCat("predictor_fingerprint: the block was coded against a state with "
+                     "fingerprint ",
+                     absl::Hex(h->predictor_fingerprint, absl::kZeroPad16), "; version ",
+                     h->predictor_version, " here is another state (fingerprint ",
+                     absl::Hex(learned->fingerprint(), absl::kZeroPad16), ")"));
+  }
   absl::Status s;
   switch (h->encoding) {
     case Encoding::kRaw:

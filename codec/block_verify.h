@@ -10,8 +10,9 @@
 // fuzzed: codec/fuzz/block_verify_fuzzer.cc).
 //
 // The predictor version a block names is returned, not checked: only the store knows which
-// versions a (namespace, model) keeps. Linear and KLT planes are checked against `learned` when
-// the caller has the state.
+// versions a (namespace, model) keeps. Linear and KLT planes, and the state fingerprint the block
+// names (envelope flags bit 3: "predictor_fingerprint: ..." when it is another state's), are
+// checked against `learned` when the caller has the state.
 // Thread-safe: pure functions.
 #ifndef KVTRIE_CODEC_BLOCK_VERIFY_H_
 #define KVTRIE_CODEC_BLOCK_VERIFY_H_

@@ -319,7 +319,10 @@ TEST_F(FastLosslessLearnedTest, GoldenBlocksDecodeBitExact) {
     const PredictionContext ctx = Context(*gen_, b, state->get());
     ASSERT_TRUE(DecodeBlock(items[1 + b], absl::MakeSpan(out), ctx).ok()) << b;
     EXPECT_EQ(out, gen_->real.blocks[b]) << b;
-    auto e = EncodeBlock(g, gen_->real.blocks[b], FastLossless(), ctx);
+    // Written before the envelope's checks (issue 30): without them, the same bytes.
+    EncodeOptions o = FastLossless();
+    o.content_checksum = false;
+    auto e = EncodeBlock(g, gen_->real.blocks[b], o, ctx);
     ASSERT_TRUE(e.ok());
     EXPECT_EQ(e->bytes, items[1 + b]) << b;
   }

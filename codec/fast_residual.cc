@@ -5,6 +5,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__SSE2__)
@@ -19,6 +20,7 @@
 #include "codec/rans.h"
 #include "codec/rans_interleaved.h"
 #include "codec/residual_kernels.h"
+#include "xxhash.h"
 
 namespace kvtrie {
 namespace internal {
@@ -378,6 +380,11 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
   }
   out->uses_learned = false;
   out->learned_saved_bits = 0;
+  // The content checksum (block_codec.h): XXH3-64 of the reconstruction exactly as the decoder
+  // writes it, plane after plane.
+  std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> checksum(
+      o.content_checksum ? XXH3_createState() : nullptr, &XXH3_freeState);
+  if (checksum != nullptr) XXH3_64bits_reset(checksum.get());
   s.q.resize(pe);
   s.dt.resize(pe * eb);
   // Reused per thread up to 16 MiB (no zeroing or page faults per block); larger ones are local.
@@ -432,7 +439,8 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
     out->max_abs_error = std::max(out->max_abs_error, pc.max_abs);
     // Symbols and bucket offsets (none for an all-zero plane).
     zero[pl] = std::all_of(pc.q.begin(), pc.q.end(), [](int32_t v) { return v == 0; });
-    if (linear_ok) {  // the decoder's reconstruction of the plane, minus the learned mean
+    if (linear_ok || checksum != nullptr) {  // the decoder's reconstruction of the plane
+      // (minus the learned mean for the linear candidate; hashed for the content checksum)
       std::vector<float>& qf = s.qf;
       std::vector<float>& rec = s.lin_rec;
       for (size_t h = 0; h < n.H; ++h) {
@@ -448,6 +456,8 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
                     s.zeros.data(), pc.step, rec.data());
         }
         FromFloat(g.dtype, rec.data(), he, s.dt.data());
+        if (checksum != nullptr) XXH3_64bits_update(checksum.get(), s.dt.data(), he * eb);
+        if (!linear_ok) continue;
         ToFloat(g.dtype, s.dt.data(), he, rec.data());
         float* r = residual + pl * pe + h * he;
         const float* m = pc.learned + h * he;
@@ -604,6 +614,7 @@ absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t
     std::memcpy(pay.data() + 4 * sg, &size, 4);
   }
   bits.Finish(&pay);
+  out->content_checksum = checksum != nullptr ? XXH3_64bits_digest(checksum.get()) : 0;
   // Codes 4 and the KLT cost their signalling (bitmaps or 4-bit codes: 4-8 bytes at stories260K),
   // which the per-plane cost model does not see. When what it says they saved does not cover
   // 4x that, the block is also coded without them and the smaller kept (tiny blocks at high

@@ -59,6 +59,8 @@ struct FastOutput {
   uint32_t predictor_count[2][kNumPredictors] = {};
   bool uses_learned = false;      // some head uses kTokenMean: the block names the state's version
   double learned_saved_bits = 0;  // EncodedBlock::learned_bytes_saved, in bits
+  // EncodeOptions::content_checksum: XXH3-64 of the block as DecodeFastResidual writes it.
+  uint64_t content_checksum = 0;
 };
 
 // The first params byte of a fast-profile residual block.

@@ -12,6 +12,7 @@
 #include "codec/little_endian.h"
 #include "codec/predictor_state_internal.h"
 #include "codec/residual_kernels.h"
+#include "xxhash.h"
 
 namespace kvtrie {
 namespace internal {
@@ -87,6 +88,7 @@ class State final : public PredictorState {
         for (size_t o = 0; o < D; ++o)
           for (size_t i = 0; i < n; ++i) linear_[p][(h * n + i) * D + o] = w[(h * D + o) * n + i];
     }
+    fingerprint_ = PredictorStateFingerprint(Serialize());
   }
 
   bool HasLinear(size_t plane) const override {
@@ -214,6 +216,7 @@ class State final : public PredictorState {
   }
 
   uint32_t version() const override { return d_.version; }
+  uint64_t fingerprint() const override { return fingerprint_; }
   const BlockGeometry& geometry() const override { return d_.geometry; }
   size_t memory_bytes() const override {
     return sizeof(*this) + d_.ids.size() * 8 + d_.means.size() * 2 + d_.pairs.size() * 12 +
@@ -347,6 +350,7 @@ class State final : public PredictorState {
   const size_t V_;
   std::vector<double> thetas_;              // per channel pair
   std::vector<std::vector<float>> linear_;  // d_.linear as floats
+  uint64_t fingerprint_ = 0;                // XXH3-64 of Serialize()
 };
 
 absl::Status ReadMeans(const char** q, size_t n, std::vector<uint16_t>* out, const char* what) {
@@ -532,6 +536,11 @@ absl::StatusOr<std::shared_ptr<const PredictorState>> PredictorState::Parse(
     if (q != end) return absl::DataLossError("predictor state: bytes after the KLT bases");
   }
   return internal::MakeState(std::move(d));
+}
+
+uint64_t PredictorStateFingerprint(absl::string_view bytes) {
+  const uint64_t h = XXH3_64bits(bytes.data(), bytes.size());
+  return h == 0 ? 1 : h;  // 0 means "none" in an envelope
 }
 
 }  // namespace kvtrie

@@ -43,6 +43,10 @@
 
 namespace kvtrie {
 
+// PredictorState::fingerprint() of the state whose serialized bytes are `bytes` (XXH3-64 of them,
+// 1 where that is 0), without parsing them.
+uint64_t PredictorStateFingerprint(absl::string_view bytes);
+
 class PredictorState {
  public:
   virtual ~PredictorState() = default;
@@ -53,6 +57,9 @@ class PredictorState {
   virtual std::string Serialize() const = 0;
 
   virtual uint32_t version() const = 0;
+  // XXH3-64 of Serialize()'s bytes (never 0): names the state itself, where version() is only a
+  // per-(namespace, model) counter. A block coded against the state carries it (block_codec.h).
+  virtual uint64_t fingerprint() const = 0;
   // Geometry the state predicts (block_tokens is 0: any block length).
   virtual const BlockGeometry& geometry() const = 0;
   // In-memory size in bytes (what the store's predictor budget counts).

@@ -214,7 +214,8 @@ TEST_F(ReferenceShiftTest, EncoderRefusesWhatItCannotCode) {
 
 // Rewrites params byte `at` of the prefix (or the envelope flags when at < 0) and fixes the CRC.
 std::string Patch(std::string bytes, int at, uint8_t value) {
-  constexpr size_t kParamsStart = 28;  // 24-byte fixed header + u32 params_len
+  // 24-byte fixed header + u64 content checksum (flags bit 2) + u32 params_len
+  constexpr size_t kParamsStart = 36;
   bytes[at < 0 ? 7 : kParamsStart + at] = static_cast<char>(value);
   const uint32_t crc = Crc32c(absl::string_view(bytes).substr(0, bytes.size() - 4));
   for (int i = 0; i < 4; ++i) bytes[bytes.size() - 4 + i] = static_cast<char>(crc >> (8 * i));
@@ -230,7 +231,7 @@ TEST_F(ReferenceShiftTest, MalformedPrefixIsDataLoss) {
     std::vector<uint8_t> out(g().num_bytes());
     ASSERT_TRUE(DecodeBlock(e->bytes, absl::MakeSpan(out), ctx).ok());
     // The prefix: flags 0x02 (base 10000), token_shift 12, rotation ZigZag(-4) = 7, parent 41.
-    const std::string prefix = e->bytes.substr(28, 4);
+    const std::string prefix = e->bytes.substr(36, 4);  // after the content checksum
     ASSERT_EQ(prefix, std::string("\x02\x0c\x07\x29", 4));
     const struct {
       int at;

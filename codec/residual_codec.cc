@@ -277,12 +277,13 @@ absl::Status EncodeResidual(const BlockGeometry& g, const float* x, const Encode
   if (!has_budget) return EncodeAt(g, x, xc, o.target_rel_rms, o, src, r, codes, rope, out);
 
   // Bits budget: bisect (in log space) the smallest error target whose block fits the budget;
-  // the envelope adds 36 bytes (24 header + 3 lengths/CRC x 4).
+  // the envelope adds 36 bytes (24 header + 3 lengths/CRC x 4), 44 with the content checksum.
   const double budget_bits = o.target_bits_per_component * g.num_elements();
+  const size_t envelope = 36 + (o.content_checksum ? 8 : 0);
   auto fits = [&](double target, LossyOutput* o_out) {
     *o_out = LossyOutput();
     (void)EncodeAt(g, x, xc, target, o, src, r, codes, rope, o_out);
-    return 8.0 * (o_out->params.size() + o_out->payload.size() + 36) <= budget_bits;
+    return 8.0 * (o_out->params.size() + o_out->payload.size() + envelope) <= budget_bits;
   };
   double lo = 1e-4, hi = 1.0;  // log-bisection bounds on the target
   LossyOutput best;

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "codec/block_codec.h"
 #include "codec/crc32c.h"
+#include "codec/predictor_state.h"
 #include "server/grpc_status.h"
 #include "server/request_checks.h"
 
@@ -310,6 +311,8 @@ void KvCacheService::PredictorChunkAt(const v1::GetPredictorRequest& request,
   msg->set_version(request.version());
   msg->set_total_bytes(state.size());
   msg->set_crc32c(crc);
+  // The fingerprint hashes the whole state: once, in the first chunk.
+  msg->set_fingerprint(k == 0 ? PredictorStateFingerprint(state) : 0);
   msg->set_offset(off);
   msg->set_data(state.data() + off, std::min(chunk, state.size() - off));
 }

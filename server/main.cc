@@ -71,9 +71,9 @@ ABSL_FLAG(int, codec_threads, 0,
           "per core");
 ABSL_FLAG(std::string, verify_encoded_puts, "structure",
           "how much of a block a client encoded itself (PutBlock.encoded) the server checks: "
-          "structure (CRC, geometry, dtype, encoding, predictor version, every length and lane "
-          "bound, without decoding), sample (and decode one block in 8) or all (and decode every "
-          "block)");
+          "structure (CRC, geometry, dtype, encoding, predictor version and fingerprint, every "
+          "length and lane bound, without decoding), sample (and decode one block in 8, drawn per "
+          "Put, checking its content checksum) or all (and decode every block)");
 ABSL_FLAG(
     kvtrie::ByteSize, max_get_message_bytes, kvtrie::ByteSize{1u << 20},
     "Get splits a block by layer ranges so no message is larger than this (GetPredictor sends "

@@ -311,7 +311,8 @@ TEST_F(EncodedPutEndToEnd, EveryWrongFieldGetsItsStatusStoresNothingAndChangesNo
   ASSERT_EQ(good1.predictor_version, 1u);
   const absl::StatusOr<BlockHeader> h1 = ParseBlock(good1.bytes);
   ASSERT_TRUE(h1.ok());
-  const size_t params_len_at = 28;  // after the predictor version (flags bit 1)
+  // After the predictor version (flags bit 1) and the envelope's checks (bits 2 and 3).
+  const size_t params_len_at = h1->params.data() - good1.bytes.data() - 4;
   const auto edited = [&](const std::function<void(std::string*)>& edit) {
     std::string bytes = good1.bytes;
     edit(&bytes);

@@ -7,9 +7,11 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "codec/block_verify.h"
@@ -35,6 +37,13 @@ std::string RangeString(const std::vector<bool>& have) {
   return out;
 }
 
+// VerifyEncoded::kSample decodes the blocks whose index + this is a multiple of 8: which ones is
+// drawn per Put, so a client cannot place a forged block where the sample never looks.
+uint32_t SamplePhase() {
+  thread_local std::minstd_rand rng(std::random_device{}());
+  return static_cast<uint32_t>(rng() % 8);
+}
+
 }  // namespace
 
 PutSession::PutSession(ModelShard* shard, ShardContext* context, ModelInfo model,
@@ -46,6 +55,7 @@ PutSession::PutSession(ModelShard* shard, ShardContext* context, ModelInfo model
       token_ids_(std::move(token_ids)),
       surprisal_bits_(std::move(surprisal_bits)),
       encode_(encode),
+      sample_phase_(SamplePhase()),
       num_blocks_(static_cast<uint32_t>(token_ids_.size() / model_.geometry.block_tokens)),
       early_(encode_.encoding == Encoding::kRaw ||
              (encode_.profile == Profile::kFast && (encode_.encoding == Encoding::kResidual ||
@@ -251,12 +261,21 @@ absl::Status PutSession::AddEncodedBlock(uint32_t block_index, std::string encod
       return Fail(absl::FailedPreconditionError(
           absl::StrCat("predictor_version: block ", block_index, " encoded: ", m)));
     }
+    if (absl::StartsWith(h.status().message(), "predictor_fingerprint: ")) {
+      absl::string_view m = h.status().message();
+      absl::ConsumePrefix(&m, "predictor_fingerprint: ");
+      return Fail(absl::InvalidArgumentError(
+          absl::StrCat("predictor_fingerprint: block ", block_index, " encoded: ", m,
+                       " (namespace '", shard_->ns(), "', model '", model_.model_id,
+                       "'): fetch that version with GetPredictor and encode again")));
+    }
     return Fail(absl::Status(h.status().code(), absl::StrCat("kv: block ", block_index,
                                                              " encoded: ", h.status().message())));
   }
   const VerifyEncoded level = context_->options->verify_encoded_puts;
   bool decoded = false;
-  if (level == VerifyEncoded::kAll || (level == VerifyEncoded::kSample && block_index % 8 == 0)) {
+  if (level == VerifyEncoded::kAll ||
+      (level == VerifyEncoded::kSample && (block_index + sample_phase_) % 8 == 0)) {
     const size_t off = static_cast<size_t>(block_index) * g.block_tokens;
     const std::vector<int32_t> tokens(token_ids_.begin() + off,
                                       token_ids_.begin() + off + g.block_tokens);

@@ -113,6 +113,7 @@ class PutSession {
   const std::vector<uint32_t> token_ids_;
   const std::vector<float> surprisal_bits_;
   const EncodeOptions encode_;
+  const uint32_t sample_phase_;     // VerifyEncoded::kSample decodes (index + this) % 8 == 0
   const uint32_t num_blocks_;       // full blocks in token_ids_
   const bool early_;                // blocks read no other block: encode them on arrival
   const uint32_t stored_at_begin_;  // full blocks of token_ids_ stored when the session began

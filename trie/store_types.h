@@ -48,7 +48,8 @@ struct PredictorOptions {
 // How much of a client-encoded Put block (PutSession::AddEncodedBlock) the store checks.
 enum class VerifyEncoded : uint8_t {
   kStructure = 0,  // codec/block_verify.h: CRC, geometry, encoding, every length and lane bound
-  kSample = 1,     // ... and decodes one block in 8 (block_index % 8 == 0)
+  kSample = 1,     // ... and decodes one block in 8 (which ones drawn per Put), checking its
+                   // content checksum and state fingerprint (block_codec.h)
   kAll = 2,        // ... and decodes every block
 };
 
