@@ -9,6 +9,8 @@
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -68,9 +70,26 @@ class HungShard : public ::testing::Test {
     servers_.clear();
     if (!HasFailure()) std::filesystem::remove_all(dir_);
   }
+  // SIGSTOPs server i and waits until every thread of it is stopped (kill returns before).
   void Stop(int i) {
-    ASSERT_EQ(kill(servers_[i]->pid(), SIGSTOP), 0);
-    stopped_.push_back(servers_[i]->pid());
+    const pid_t pid = servers_[i]->pid();
+    ASSERT_EQ(kill(pid, SIGSTOP), 0);
+    stopped_.push_back(pid);
+    const std::string tasks = absl::StrCat("/proc/", pid, "/task");
+    for (int tries = 0; tries < 2000; ++tries) {
+      bool all = true;
+      for (const auto& task : std::filesystem::directory_iterator(tasks)) {
+        std::ifstream f(task.path() / "stat");
+        std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+        const size_t paren = stat.rfind(')');
+        if (paren == std::string::npos || paren + 2 >= stat.size()) continue;  // gone
+        const char state = stat[paren + 2];
+        all = all && (state == 'T' || state == 't');
+      }
+      if (all) return;
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    FAIL() << "server " << i << " did not stop";
   }
   void Continue(int i) { ASSERT_EQ(kill(servers_[i]->pid(), SIGCONT), 0); }
   std::string ShardList() {
