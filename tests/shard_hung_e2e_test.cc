@@ -35,9 +35,12 @@ constexpr char kNs[] = "hung";
 // The call deadline: what a hung shard cost each call before. Far above any bound below, so a
 // test that waits for it fails on its bound (and its time shows that it waited).
 constexpr absl::Duration kCallDeadline = absl::Seconds(60);
-// What a call routed to a hung shard may cost: ~2 x the 250 ms probe deadline, with a margin for
-// a loaded 2-core machine under TSan. Still a tenth of the call deadline.
-constexpr absl::Duration kBound = absl::Seconds(6);
+// The health checks' deadline here: 1 s, not the default 250 ms, so that a live shard on a loaded
+// 2-core machine under TSan answers its checks (a missed check would make its calls misses).
+constexpr absl::Duration kProbeDeadline = absl::Seconds(1);
+// What a call routed to a hung shard may cost: ~2 x the probe deadline, with a margin for a
+// loaded machine. Still a sixth of the call deadline.
+constexpr absl::Duration kBound = absl::Seconds(10);
 
 const std::vector<std::string>& DumpNames() {
   static const std::vector<std::string> names = {"sessions/s0", "genesis_1-3", "GPL-3",
@@ -103,6 +106,7 @@ class HungShard : public ::testing::Test {
     o.shards = ShardList();
     o.down_initial_backoff = absl::Milliseconds(200);  // short: later calls pass backoffs
     o.down_max_backoff = absl::Milliseconds(400);
+    o.health.probe_deadline = kProbeDeadline;
     absl::StatusOr<std::unique_ptr<ShardedClient>> c = ShardedClient::Create(o);
     EXPECT_TRUE(c.ok()) << c.status();
     return c.ok() ? *std::move(c) : nullptr;
@@ -249,10 +253,11 @@ TEST_F(HungShard, CliLookupWithOneOfTwoShardsStoppedAnswersAMissQuickly) {
     std::fflush(stdout);
     const absl::Time t0 = absl::Now();
     // No --timeout: the CLI's call deadline is the default 60 s.
-    const int rc =
-        testing::RunCommand({cli, "--shards=" + ShardList(), std::string("--namespace=") + kNs,
-                             "--retry_attempts=1", "lookup", DumpDir(DumpNames()[i])},
-                            &out, &err);
+    const int rc = testing::RunCommand(
+        {cli, "--shards=" + ShardList(), std::string("--namespace=") + kNs, "--retry_attempts=1",
+         absl::StrCat("--shard_probe_deadline_ms=", absl::ToInt64Milliseconds(kProbeDeadline)),
+         "lookup", DumpDir(DumpNames()[i])},
+        &out, &err);
     const absl::Duration took = absl::Now() - t0;
     ASSERT_EQ(rc, 0) << err;
     const uint64_t matched = nlohmann::json::parse(out).value("matched_tokens", uint64_t{0});
