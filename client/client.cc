@@ -221,12 +221,43 @@ absl::StatusOr<std::vector<uint8_t>> Client::ReferenceBlock(const std::string& m
   return block;
 }
 
-std::unique_ptr<grpc::ClientContext> Client::NewContext() const {
-  auto ctx = std::make_unique<grpc::ClientContext>();
+ContextPtr Client::NewContext() const {
+  ContextPtr ctx(new grpc::ClientContext(), ContextDeleter{calls_});
   ctx->set_deadline(std::chrono::system_clock::now() +
                     absl::ToChronoMilliseconds(options_.timeout));
   if (!options_.token.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.token);
+  calls_->Add(ctx.get());
   return ctx;
+}
+
+absl::Status Client::CheckHealth(absl::Duration deadline) {
+  // HealthCheckRequest{service: ""} is the empty message; the answer's field 1 is the status.
+  static const grpc::internal::RpcMethod method("/grpc.health.v1.Health/Check",
+                                                grpc::internal::RpcMethod::NORMAL_RPC);
+  grpc::ClientContext ctx;  // not in calls(): a probe is never cancelled with the real calls
+  ctx.set_deadline(std::chrono::system_clock::now() + absl::ToChronoMicroseconds(deadline));
+  if (!options_.token.empty()) ctx.AddMetadata("authorization", "Bearer " + options_.token);
+  grpc::ByteBuffer request, response;
+  grpc::Slice empty("", 0);
+  request = grpc::ByteBuffer(&empty, 1);
+  if (auto s = FromGrpc(grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer,
+                                                          grpc::ByteBuffer, grpc::ByteBuffer>(
+          channel_.get(), method, &ctx, request, &response));
+      !s.ok()) {
+    return s;
+  }
+  std::vector<grpc::Slice> slices;
+  std::string bytes;
+  if (response.Dump(&slices).ok()) {
+    for (const grpc::Slice& sl : slices) {
+      bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+    }
+  }
+  // SERVING is 1: the bytes 0x08 0x01 (an unknown or NOT_SERVING status is anything else).
+  if (bytes.size() == 2 && bytes[0] == 0x08 && bytes[1] == 0x01) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat("health: the server answers status ",
+                                             bytes.size() == 2 ? int{bytes[1]} : 0,
+                                             " (not SERVING)"));
 }
 
 template <typename Call>

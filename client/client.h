@@ -27,6 +27,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "client/call_registry.h"
 #include "client/put_stream.h"
 #include "client/retry.h"
 #include "codec/kv_dump.h"
@@ -190,9 +191,17 @@ class Client {
                                       uint64_t ttl_seconds = 0, bool unpin = false);
 
   // The underlying stub, for calls this class does not wrap, and a context for them with this
-  // client's deadline and token.
+  // client's deadline and token (in flight until it is freed: see calls()).
   v1::KVCache::Stub* stub() { return stub_.get(); }
-  std::unique_ptr<grpc::ClientContext> NewContext() const;
+  ContextPtr NewContext() const;
+
+  // grpc.health.v1.Health/Check of the whole server ("") on this client's channel, with its own
+  // `deadline` (not options().timeout). OK when it answers SERVING; else the call's status, or
+  // UNAVAILABLE naming the health status it answered.
+  absl::Status CheckHealth(absl::Duration deadline);
+  // The calls in flight on this client (every context NewContext made and not yet freed): how
+  // long the oldest has waited, and a way to cancel them all (client/shard_health.h).
+  CallRegistry& calls() { return *calls_; }
 
   const ClientOptions& options() const { return options_; }
 
@@ -223,6 +232,7 @@ class Client {
                                                                         bool refresh);
 
   const ClientOptions options_;
+  const std::shared_ptr<CallRegistry> calls_ = std::make_shared<CallRegistry>();
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KVCache::Stub> stub_;
   std::unique_ptr<ThreadPool> codec_pool_;  // when codec_threads (0: the cores) > 1

@@ -38,6 +38,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "client/call_registry.h"
 #include "codec/block_geometry.h"
 #include "kvtrie/v1/kvtrie.grpc.pb.h"
 
@@ -86,7 +87,7 @@ class PutStream {
 
   Client* const client_;
   const std::vector<v1::PutRequest> header_;
-  std::unique_ptr<grpc::ClientContext> ctx_;
+  ContextPtr ctx_;
   v1::PutResponse resp_;
   std::unique_ptr<grpc::ClientWriter<v1::PutRequest>> writer_;
   const BlockGeometry g_;

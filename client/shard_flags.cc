@@ -17,6 +17,11 @@ ABSL_FLAG(int, shards_refresh_seconds, 30, "re-resolve --shards_dns every this m
 ABSL_FLAG(int, shard_down_backoff_ms, 1000,
           "a shard that failed is skipped (its prefixes miss) for up to this long, doubling per "
           "failure in a row up to 30x");
+ABSL_FLAG(int, shard_probe_deadline_ms, 250,
+          "a call that waits this long has its shard health-checked with this deadline (its "
+          "own, not --timeout_ms's); a shard that misses it has its calls cancelled (misses) "
+          "and is skipped until a check answers (0 = no checks)");
+ABSL_FLAG(int, shard_probe_interval_ms, 500, "how often a down shard is health-checked");
 ABSL_FLAG(int, route_tokens, 16,
           "tokens of a prefix that pick its owner shard (the first block; the same in every "
           "client)");
@@ -59,6 +64,16 @@ absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClientFromFlags(const Clie
   o.router.route_tokens = static_cast<size_t>(route);
   o.down_initial_backoff = absl::Milliseconds(backoff);
   o.down_max_backoff = absl::Milliseconds(backoff) * 30;
+  const int probe_deadline = absl::GetFlag(FLAGS_shard_probe_deadline_ms);
+  const int probe_interval = absl::GetFlag(FLAGS_shard_probe_interval_ms);
+  if (probe_deadline < 0) {
+    return absl::InvalidArgumentError("--shard_probe_deadline_ms: must be >= 0");
+  }
+  if (probe_interval < 1) {
+    return absl::InvalidArgumentError("--shard_probe_interval_ms: must be >= 1");
+  }
+  o.health.probe_deadline = absl::Milliseconds(probe_deadline);
+  o.health.probe_interval = absl::Milliseconds(probe_interval);
   absl::StatusOr<std::unique_ptr<ShardedClient>> c = ShardedClient::Create(o);
   if (!c.ok() && c.status().code() == absl::StatusCode::kInvalidArgument) {
     return absl::InvalidArgumentError(absl::StrCat("--", c.status().message()));

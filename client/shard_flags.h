@@ -8,6 +8,10 @@
 //   --shards_refresh_seconds=S    re-resolve --shards_dns every S seconds (30)
 //   --shard_down_backoff_ms=MS    a failed shard is skipped (its prefixes miss) for up to MS,
 //                                 doubling per failure in a row up to 30x (1000)
+//   --shard_probe_deadline_ms=MS  a call that waits MS has its shard health-checked with an MS
+//                                 deadline; a shard that misses it has its calls cancelled
+//                                 (misses) and is skipped until a check answers (250; 0: off)
+//   --shard_probe_interval_ms=MS  a down shard is health-checked every MS (500)
 //   --route_tokens=N              tokens of a prefix that pick its owner (16: the first block;
 //                                 the same in every client of the shards)
 //   --shard_warmup_seconds=S      after the shard names change, a miss asks the previous owner

@@ -76,7 +76,12 @@ absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClient::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("pin_replicas: ", options.pin_replicas, " (must be 1 or 2)"));
   }
+  if (options.health.probe_deadline < absl::ZeroDuration() ||
+      options.health.probe_interval <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("health: probe_deadline must be >= 0 and probe_interval > 0");
+  }
   std::unique_ptr<ShardedClient> c(new ShardedClient(options));
+  c->health_ = std::make_unique<ShardHealth>(options.health);
   if (!options.shards.empty()) {
     absl::StatusOr<std::vector<Shard>> list = ParseShardList(options.shards);
     if (!list.ok()) return list.status();
@@ -106,8 +111,9 @@ std::shared_ptr<Client> ShardedClient::Acquire(const Shard& shard) {
     e.client = Client::Create(o);  // creates a channel; connects lazily (no I/O here)
     e.down_until = absl::InfinitePast();
     e.failures_in_a_row = 0;
+    health_->Track(shard.name, e.client);
   }
-  if (absl::Now() < e.down_until) return nullptr;
+  if (absl::Now() < e.down_until || health_->IsDown(shard.name)) return nullptr;
   return e.client;
 }
 
@@ -138,6 +144,7 @@ bool ShardedClient::Lost(const Shard& shard, const absl::Status& s, Call call) {
     static thread_local absl::BitGen gen;
     e.down_until = absl::Now() + d * absl::Uniform(gen, 0.5, 1.0);
   }
+  health_->MarkDown(shard.name);  // skipped past its backoff too, until a check answers
   router_->ReportFailure();
   return true;
 }
@@ -437,11 +444,17 @@ std::vector<ShardedClient::ShardInspect> ShardedClient::InspectAll(const std::st
 }
 
 ShardedClient::Counters ShardedClient::counters() const {
+  const ShardHealth::Counters h = health_->counters();
   absl::MutexLock lock(&mu_);
-  return counters_;
+  Counters c = counters_;
+  c.probes = h.probes;
+  c.probe_failures = h.probe_failures;
+  c.calls_cancelled = h.calls_cancelled;
+  return c;
 }
 
 bool ShardedClient::IsDown(const std::string& shard_name) const {
+  if (health_->IsDown(shard_name)) return true;
   absl::MutexLock lock(&mu_);
   auto it = entries_.find(shard_name);
   return it != entries_.end() && absl::Now() < it->second.down_until;

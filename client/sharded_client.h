@@ -11,11 +11,16 @@
 // tokens, Get an empty result, Put stores nothing (an empty PutResponse) and is counted in
 // puts_skipped. The shard is then marked down for a jittered backoff (down_initial_backoff
 // doubling to down_max_backoff): calls for its prefixes are misses at once, without waiting for
-// a deadline, until the backoff ends and the next call tries it again. A DNS membership is
-// re-resolved after such a failure. Errors of the caller's own (INVALID_ARGUMENT, NOT_FOUND,
-// PERMISSION_DENIED, UNAUTHENTICATED, FAILED_PRECONDITION, ...) are returned as the plain Client
-// returns them. Delete and Pin go to the owner and return its status as it is (a Delete on a
-// lost shard is UNAVAILABLE: the caller must know it did not happen).
+// a deadline, until the backoff ends and a health check of the shard has answered (`health`:
+// client/shard_health.h). A shard that stops answering without closing its connection (SIGSTOP,
+// a hung host) is found by those checks, which have a short deadline of their own: a call that
+// has waited probe_deadline has its shard checked, and when the check misses, the call (and
+// every other in flight there) is cancelled and answers a miss, so it costs ~2 x probe_deadline,
+// not the call's deadline. A DNS membership is re-resolved after such a failure. Errors of the
+// caller's own (INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED, UNAUTHENTICATED,
+// FAILED_PRECONDITION, ...) are returned as the plain Client returns them. Delete and Pin go to the
+// owner and return its status as it is (a Delete on a lost shard is UNAVAILABLE: the caller must
+// know it did not happen).
 //
 // Stats and Inspect fan out to every shard (StatsAll, InspectAll); MergeStats adds them up.
 // Thread-safe.
@@ -34,6 +39,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "client/client.h"
+#include "client/shard_health.h"
 #include "client/shard_router.h"
 
 namespace kvtrie {
@@ -52,6 +58,9 @@ struct ShardedClientOptions {
   // How long a shard that failed is skipped: drawn from [d/2, d], d doubling per failure in a row.
   absl::Duration down_initial_backoff = absl::Seconds(1);
   absl::Duration down_max_backoff = absl::Seconds(30);
+  // The background health checks of the shards (probe_deadline 250 ms, probe_interval 500 ms;
+  // probe_deadline zero: off). CLI: --shard_probe_deadline_ms, --shard_probe_interval_ms.
+  ShardHealthOptions health;
   // Warm-up (mcrouter's WarmUpRoute), off when zero: during this long after the shard names
   // change, a Lookup or Get that misses on (or loses) a prefix's new owner asks its previous
   // owner once; a Get answered there is also Put to the new owner with `warmup_put` (whose
@@ -144,6 +153,10 @@ class ShardedClient {
     uint64_t replica_copies = 0;    // pinned prefixes copied (and pinned) on their second shard
     uint64_t replica_hits = 0;      // Lookups and Gets answered by the second shard
     uint64_t replica_failures = 0;  // copies, unpins and deletes on the second shard that failed
+    // Of the health checks (ShardHealth::Counters): sent, failed, calls they cancelled.
+    uint64_t probes = 0;
+    uint64_t probe_failures = 0;
+    uint64_t calls_cancelled = 0;
   };
   Counters counters() const;
   bool IsDown(const std::string& shard_name) const;
@@ -187,6 +200,8 @@ class ShardedClient {
   mutable absl::Mutex mu_;  // guards entries_ and counters_ (never held across an RPC)
   std::map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);  // by shard name
   Counters counters_ ABSL_GUARDED_BY(mu_);
+  // After entries_: stopped (its checks ended) before the clients it watches are freed.
+  std::unique_ptr<ShardHealth> health_;
 };
 
 }  // namespace kvtrie

@@ -11,7 +11,8 @@
 namespace kvtrie {
 
 PutLimits::PutLimits(const PutLimitOptions& options) : options_(options) {
-  if (options_.idle_timeout > absl::ZeroDuration() || options_.admit_wait > absl::ZeroDuration()) {
+  if (options_.watchdog_thread && (options_.idle_timeout > absl::ZeroDuration() ||
+                                   options_.admit_wait > absl::ZeroDuration())) {
     watchdog_ = std::thread([this] { WatchdogLoop(); });
   }
 }
@@ -109,7 +110,7 @@ bool PutLimits::FitsLocked(const Stream* stream, uint64_t bytes) const {
 }
 
 void PutLimits::ChargeLocked(Stream* stream, uint64_t bytes) {
-  stream->last_activity_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
+  stream->last_activity_ns_.store(NowNs(), std::memory_order_relaxed);
   ns_bytes_[stream->ns_] += bytes;
   total_bytes_ += bytes;
   stream->bytes_ += bytes;
@@ -150,14 +151,23 @@ void PutLimits::WatchdogLoop() {
     period = std::min(period, options_.admit_wait / 4);
   }
   period = std::max(period, absl::Milliseconds(10));
-  const int64_t idle_ns = absl::ToInt64Nanoseconds(options_.idle_timeout);
   for (;;) {
-    std::vector<std::pair<Done, absl::Status>> expired;
     {
       absl::MutexLock lock(&mu_);
       mu_.AwaitWithTimeout(absl::Condition(&stop_), period);
       if (stop_) break;
-      const int64_t now = absl::GetCurrentTimeNanos();
+    }
+    CheckDeadlines();
+  }
+}
+
+void PutLimits::CheckDeadlines() {
+  const int64_t idle_ns = absl::ToInt64Nanoseconds(options_.idle_timeout);
+  {
+    std::vector<std::pair<Done, absl::Status>> expired;
+    {
+      absl::MutexLock lock(&mu_);
+      const int64_t now = NowNs();
       for (Stream* s : streams_) {
         if (idle_ns == 0) break;
         if (s->idle_cancelled_.load(std::memory_order_relaxed)) continue;
@@ -171,7 +181,7 @@ void PutLimits::WatchdogLoop() {
                      s->ns_, absl::ToDoubleSeconds(options_.idle_timeout), s->bytes_);
         s->cancel_();
       }
-      const absl::Time t = absl::Now();
+      const absl::Time t = absl::FromUnixNanos(now);
       for (auto it = waiters_.begin(); it != waiters_.end();) {
         Stream* w = *it;
         if (w->wait_deadline_ > t) {
@@ -190,18 +200,18 @@ void PutLimits::WatchdogLoop() {
 }
 
 PutLimits::Stream::Stream(PutLimits* owner, std::function<void()> cancel)
-    : owner_(owner), cancel_(std::move(cancel)), last_activity_ns_(absl::GetCurrentTimeNanos()) {}
+    : owner_(owner), cancel_(std::move(cancel)), last_activity_ns_(owner->NowNs()) {}
 
 PutLimits::Stream::~Stream() { owner_->Release(this); }
 
 void PutLimits::Stream::AwaitClient() {
-  last_activity_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
+  last_activity_ns_.store(owner_->NowNs(), std::memory_order_relaxed);
   awaiting_client_.store(true, std::memory_order_release);
 }
 
 void PutLimits::Stream::Touch() {
   awaiting_client_.store(false, std::memory_order_release);
-  last_activity_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
+  last_activity_ns_.store(owner_->NowNs(), std::memory_order_relaxed);
 }
 
 void PutLimits::Stream::SetNamespace(const std::string& ns) {
@@ -243,7 +253,7 @@ void PutLimits::Stream::ReserveWholeAsync(uint64_t bytes, std::function<void(abs
     } else {
       waiting_ = true;
       wait_bytes_ = bytes;
-      wait_deadline_ = absl::Now() + o.admit_wait;
+      wait_deadline_ = absl::FromUnixNanos(owner_->NowNs()) + o.admit_wait;
       wait_done_ = std::move(done);
       owner_->waiters_.push_back(this);
       return;

@@ -62,6 +62,11 @@ struct PutLimitOptions {
   uint64_t max_put_bytes = 0;                     // ReserveWhole reserves at most this (0 = no cap)
   absl::Duration idle_timeout = absl::ZeroDuration();  // 0 = none
   uint32_t max_streams_per_peer = 0;                   // 0 = no per-peer bound
+  // Tests: the clock of the idle and wait deadlines (Unix nanoseconds; null: the wall clock) and
+  // whether a background thread checks them (false: the test calls CheckDeadlines after it steps
+  // its clock), so that no test races a wall-clock deadline.
+  std::function<int64_t()> clock_ns = nullptr;
+  bool watchdog_thread = true;
 };
 
 class PutLimits {
@@ -79,6 +84,10 @@ class PutLimits {
   absl::StatusOr<std::unique_ptr<Stream>> Admit(std::function<void()> cancel,
                                                 const std::string& peer = "");
 
+  // One pass of the watchdog: cancels the streams idle past idle_timeout and fails the waits past
+  // admit_wait (the background thread calls it every quarter of the shorter one).
+  void CheckDeadlines();
+
   int open_streams() const;
   uint64_t inflight_bytes(const std::string& ns) const;
   uint64_t total_inflight_bytes() const;
@@ -88,6 +97,9 @@ class PutLimits {
   using Done = std::function<void(absl::Status)>;
   void Release(Stream* stream);
   void WatchdogLoop();
+  int64_t NowNs() const {
+    return options_.clock_ns ? options_.clock_ns() : absl::GetCurrentTimeNanos();
+  }
   // Whether `bytes` more fit for `stream` now; Charge charges them (and ends the idle time).
   bool FitsLocked(const Stream* stream, uint64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ChargeLocked(Stream* stream, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -6,6 +6,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 
 namespace kvtrie {
@@ -48,16 +49,38 @@ TEST(PutLimits, ChargesBytesPerNamespaceAndReleasesThemWithTheStream) {
   EXPECT_EQ(limits.inflight_bytes("u"), 0u);
 }
 
+// The idle deadline on a clock the test steps, checked when the test says (no watchdog thread):
+// nothing depends on how fast the machine runs the test (issue 30, row 7).
+struct SteppedClock {
+  std::atomic<int64_t> ns{int64_t{1} << 50};
+  void Advance(absl::Duration d) { ns += absl::ToInt64Nanoseconds(d); }
+};
+
+PutLimitOptions SteppedIdle(SteppedClock& clock, absl::Duration idle) {
+  PutLimitOptions o;
+  o.idle_timeout = idle;
+  o.clock_ns = [&clock] { return clock.ns.load(); };
+  o.watchdog_thread = false;
+  return o;
+}
+
 TEST(PutLimits, CancelsAnIdleStreamButNotABusyOrCommittedOne) {
-  PutLimits limits({.idle_timeout = absl::Milliseconds(200)});
+  SteppedClock clock;
+  PutLimits limits(SteppedIdle(clock, absl::Milliseconds(200)));
   std::atomic<int> idle_cancels{0}, busy_cancels{0}, committed_cancels{0};
   auto idle = *limits.Admit([&] { ++idle_cancels; });
   auto busy = *limits.Admit([&] { ++busy_cancels; });
   auto committed = *limits.Admit([&] { ++committed_cancels; });
+  idle->AwaitClient();
+  busy->AwaitClient();
+  committed->AwaitClient();
   committed->Committed();
-  for (int i = 0; i < 12; ++i) {  // 600 ms: three idle deadlines
+  for (int i = 0; i < 12; ++i) {  // 600 ms: three idle deadlines, checked every 50 ms
     busy->Touch();
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    busy->AwaitClient();
+    clock.Advance(absl::Milliseconds(50));
+    limits.CheckDeadlines();
+    EXPECT_EQ(idle_cancels.load(), i >= 3 ? 1 : 0) << "at " << (i + 1) * 50 << " ms";
   }
   EXPECT_EQ(idle_cancels.load(), 1);  // once, not once per check
   EXPECT_TRUE(idle->idle_cancelled());
@@ -70,19 +93,32 @@ TEST(PutLimits, TimeTheServerSpendsOnAMessageIsNeverIdle) {
   // Issue 18: a reactor reads the next message only when the last is handled, so while the
   // server is busy (or the message waits for a handler thread) the client cannot send: only the
   // time from AwaitClient (a read asked for) to Touch (it arrived) counts.
-  PutLimits limits({.idle_timeout = absl::Milliseconds(200)});
+  SteppedClock clock;
+  PutLimits limits(SteppedIdle(clock, absl::Milliseconds(200)));
   std::atomic<int> cancels{0};
   auto stream = *limits.Admit([&] { ++cancels; });
   stream->Touch();  // a message arrived; the server takes 600 ms (three deadlines) on it
-  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  clock.Advance(absl::Milliseconds(600));
+  limits.CheckDeadlines();
   EXPECT_EQ(cancels.load(), 0);
   EXPECT_FALSE(stream->idle_cancelled());
   stream->AwaitClient();  // now the server waits for the client, which sends nothing
-  for (int i = 0; i < 40 && cancels.load() == 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(25));
-  }
+  clock.Advance(absl::Milliseconds(199));
+  limits.CheckDeadlines();
+  EXPECT_EQ(cancels.load(), 0);
+  clock.Advance(absl::Milliseconds(1));
+  limits.CheckDeadlines();
   EXPECT_EQ(cancels.load(), 1);
   EXPECT_TRUE(stream->idle_cancelled());
+}
+
+TEST(PutLimits, TheBackgroundWatchdogCancelsAnIdleStream) {
+  // The thread that runs CheckDeadlines in a server: only that it fires (no bound on when).
+  PutLimits limits({.idle_timeout = absl::Milliseconds(50)});
+  absl::Notification cancelled;
+  auto stream = *limits.Admit([&] { cancelled.Notify(); });
+  stream->AwaitClient();
+  EXPECT_TRUE(cancelled.WaitForNotificationWithTimeout(absl::Seconds(60)));
 }
 
 TEST(PutLimits, OnePeerHoldsAtMostItsShareOfTheSlots) {

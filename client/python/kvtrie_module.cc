@@ -29,6 +29,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/proto_json.h"
 #include "client/put_stream.h"
@@ -403,6 +404,23 @@ class PyClient {
                           py::make_tuple(dump->num_layers, dump->num_kv_heads, dump->head_dim, dt));
   }
 
+  // grpc.health.v1.Health/Check with its own deadline (seconds); raises when not SERVING.
+  void CheckHealth(double deadline) {
+    absl::Status s;
+    {
+      py::gil_scoped_release release;
+      s = client_->CheckHealth(absl::Seconds(deadline));
+    }
+    Check(s);
+  }
+  // Seconds the oldest call in flight on this client has waited (0 when none is).
+  double OldestCallAge() const {
+    const absl::Time oldest = client_->calls().OldestStart();
+    return oldest == absl::InfiniteFuture() ? 0.0 : absl::ToDoubleSeconds(absl::Now() - oldest);
+  }
+  // Cancels every call in flight on this client (each raises CANCELLED); returns how many.
+  int CancelCalls() { return client_->calls().CancelAll(); }
+
   py::object Stats(const std::string& ns) {
     absl::StatusOr<v1::StatsResponse> r;
     {
@@ -503,6 +521,9 @@ PYBIND11_MODULE(_kvtrie, m) {
            py::arg("first_block"), py::arg("layers_per_message"), py::arg("profile") = 0)
       .def("get", &PyClient::Get, py::arg("tokens"), py::arg("mode"), py::arg("max_blocks"),
            py::arg("layer_begin") = 0, py::arg("layer_end") = 0)
+      .def("check_health", &PyClient::CheckHealth, py::arg("deadline"))
+      .def("oldest_call_age", &PyClient::OldestCallAge)
+      .def("cancel_calls", &PyClient::CancelCalls)
       .def("stats", &PyClient::Stats, py::arg("namespace"))
       .def("inspect", &PyClient::Inspect, py::arg("node_id"))
       .def("delete", &PyClient::Delete, py::arg("tokens"))

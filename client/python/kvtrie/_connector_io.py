@@ -30,6 +30,8 @@ def _make_client(cfg: Dict[str, Any], block_tokens: int) -> Any:
                          route_tokens=int(cfg.get("route_tokens", 16)),
                          refresh_interval=float(cfg.get("shards_refresh_seconds", 30.0)),
                          down_backoff=float(cfg.get("shard_down_backoff", 1.0)),
+                         shard_probe_deadline=float(cfg.get("shard_probe_deadline", 0.25)),
+                         shard_probe_interval=float(cfg.get("shard_probe_interval", 0.5)),
                          warmup_window=float(cfg.get("shard_warmup_seconds", 0.0)),
                          pin_replicas=int(cfg.get("pin_replicas", 1)), **kwargs)
 

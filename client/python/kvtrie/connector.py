@@ -97,6 +97,9 @@ and a lost shard is a miss (lookup 0, the engine computes; a save skipped), neve
 ``retry_attempts`` then defaults to 1; ``shard_down_backoff`` (1 s: a failed shard is skipped
 that long, doubling), ``shards_refresh_seconds`` (30) and ``shard_warmup_seconds`` (0) are the
 CLI's ``--shard_down_backoff_ms``, ``--shards_refresh_seconds`` and ``--shard_warmup_seconds``;
+``shard_probe_deadline`` (0.25 s) and ``shard_probe_interval`` (0.5 s) are the CLI's
+``--shard_probe_deadline_ms`` and ``--shard_probe_interval_ms`` (a hung shard is found by a
+health check with that deadline and its calls cancelled: a miss, not the call's timeout);
 ``pin_replicas`` (1): 2 makes a miss on a prompt's owner ask its second shard, where prefixes
 pinned with ``--pin_replicas=2`` (system prompts) are copied.
 

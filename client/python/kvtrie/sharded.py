@@ -10,7 +10,12 @@ A lost shard is a miss, never an error: when the owner is down, past its deadlin
 DATA_LOSS), ``lookup`` answers 0, ``get`` an empty result, ``put`` stores nothing (a
 :class:`PutResult` with 0 stored tokens) and counts it in ``counters["puts_skipped"]``. The shard
 is then skipped for a jittered backoff (``down_backoff`` seconds doubling per failure in a row,
-at most 30x) before the next call tries it again. The caller's own errors (INVALID_ARGUMENT,
+at most 30x) and until a background health check of it (grpc.health.v1.Health/Check) answers.
+A shard that stops answering without closing its connection (SIGSTOP, a hung host) is found by
+those checks, which have a deadline of their own (``shard_probe_deadline``, 0.25 s): a call that
+has waited that long has its shard checked, and when the check misses, the call (and every other
+in flight there) is cancelled and answers a miss — ~2 x 0.25 s instead of the call's ``timeout``
+(60 s). The caller's own errors (INVALID_ARGUMENT,
 NOT_FOUND, PERMISSION_DENIED, ...) raise :class:`kvtrie.Error` as the plain :class:`Client`'s do;
 ``delete`` and ``pin`` always raise (the caller must know they did not happen).
 
@@ -28,6 +33,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -63,6 +69,10 @@ class ShardedClient:
             answered there is also put to the new owner (``warmup_put`` are its put keyword
             arguments; None, the default, is bit-exact: ``{"encoding": "lossless", "profile":
             "fast"}``, so a copy of a lossy prefix is not rounded again). 0 (the default): off.
+        shard_probe_deadline: seconds: the deadline of a shard's health check, and how long a
+            call waits before its shard is checked (the CLI's ``--shard_probe_deadline_ms``;
+            0: no checks, a failed shard is skipped for its backoff only).
+        shard_probe_interval: seconds between two checks of a down shard (0.5).
         pin_replicas: 2: a pinned prefix is also copied to (``warmup_put`` are the copy's put
             arguments) and pinned on its second shard in rendezvous order, ``delete`` and unpin
             reach both, and a lookup or get whose owner is lost or misses asks that shard once,
@@ -83,7 +93,8 @@ class ShardedClient:
                  shards_dns: Optional[str] = None, route_tokens: int = 16,
                  refresh_interval: float = 30.0, down_backoff: float = 1.0,
                  warmup_window: float = 0.0, warmup_put: Optional[Dict[str, Any]] = None,
-                 pin_replicas: int = 1, **client_kwargs: Any) -> None:
+                 pin_replicas: int = 1, shard_probe_deadline: float = 0.25,
+                 shard_probe_interval: float = 0.5, **client_kwargs: Any) -> None:
         if bool(shards) == bool(shards_dns):
             raise from_status(StatusCode.INVALID_ARGUMENT,
                               "shards, shards_dns: give exactly one of them")
@@ -92,6 +103,10 @@ class ShardedClient:
         if int(pin_replicas) not in (1, 2):
             raise from_status(StatusCode.INVALID_ARGUMENT,
                               f"pin_replicas: {pin_replicas} (must be 1 or 2)")
+        if float(shard_probe_deadline) < 0:
+            raise from_status(StatusCode.INVALID_ARGUMENT, "shard_probe_deadline: must be >= 0")
+        if float(shard_probe_interval) <= 0:
+            raise from_status(StatusCode.INVALID_ARGUMENT, "shard_probe_interval: must be > 0")
         self.pin_replicas = int(pin_replicas)
         self.model_id = model_id
         self.namespace = client_kwargs.get("namespace", "")
@@ -115,7 +130,57 @@ class ShardedClient:
         self._failures: Dict[str, int] = {}
         self.counters = {"lost_calls": 0, "puts_skipped": 0, "shard_failures": 0,
                          "warmup_hits": 0, "warmup_copies": 0, "replica_copies": 0,
-                         "replica_hits": 0, "replica_failures": 0}
+                         "replica_hits": 0, "replica_failures": 0, "probes": 0,
+                         "probe_failures": 0, "calls_cancelled": 0}
+        # The health checks (the C++ client's client/shard_health.h): shards down until a check
+        # answers, and when each may be checked next.
+        self._probe_deadline = float(shard_probe_deadline)
+        self._probe_interval = float(shard_probe_interval)
+        self._health_down: set = set()
+        self._next_probe: Dict[str, float] = {}
+        self._stop = threading.Event()
+        if self._probe_deadline > 0:
+            threading.Thread(target=_run_prober, args=(weakref.ref(self), self._stop),
+                             name="kvtrie-shard-prober", daemon=True).start()
+
+    def close(self) -> None:
+        """Stops the background health checks (also done when the client is collected)."""
+        self._stop.set()
+
+    def __del__(self) -> None:
+        stop = getattr(self, "_stop", None)  # absent when __init__ raised
+        if stop is not None:
+            stop.set()
+
+    def _probe_once(self) -> None:
+        """One pass of the prober: checks the shards due (down ones every probe interval, up
+        ones whose oldest call in flight waited the probe deadline) and cancels the calls of a
+        shard whose check missed."""
+        now = time.monotonic()
+        with self._lock:
+            due = [(name, client) for name, (_, client) in self._clients.items()
+                   if now >= self._next_probe.get(name, 0.0) and
+                   (name in self._health_down or
+                    client._c.oldest_call_age() >= self._probe_deadline)]
+        for name, client in due:
+            try:
+                client._c.check_health(self._probe_deadline)
+                ok = True
+            except Exception:  # noqa: BLE001 - any failure of the check is a failed check
+                ok = False
+            cancelled = 0 if ok else client._c.cancel_calls()
+            with self._lock:
+                self.counters["probes"] += 1
+                self.counters["probe_failures"] += 0 if ok else 1
+                self.counters["calls_cancelled"] += cancelled
+                if self._clients.get(name, (None, None))[1] is not client:
+                    continue  # replaced meanwhile
+                if ok:
+                    self._health_down.discard(name)
+                else:
+                    self._health_down.add(name)
+                self._next_probe[name] = time.monotonic() + (
+                    self._probe_deadline if ok else self._probe_interval)
 
     # --- membership ------------------------------------------------------------------------
     def _maybe_refresh(self) -> None:
@@ -240,7 +305,9 @@ class ShardedClient:
                 self._clients[name] = entry
                 self._down_until.pop(name, None)
                 self._failures.pop(name, None)
-            if time.monotonic() < self._down_until.get(name, 0.0):
+                self._health_down.discard(name)
+                self._next_probe.pop(name, None)
+            if time.monotonic() < self._down_until.get(name, 0.0) or name in self._health_down:
                 return None
             return entry[1]
 
@@ -258,6 +325,9 @@ class ShardedClient:
             self._failures[name] = n
             d = min(self._down_backoff * 2 ** (n - 1), self._down_backoff * 30)
             self._down_until[name] = time.monotonic() + d * random.uniform(0.5, 1.0)
+            if self._probe_deadline > 0 and name not in self._health_down:
+                self._health_down.add(name)  # skipped past its backoff too, until a check answers
+                self._next_probe[name] = time.monotonic() + self._probe_interval
             if self._dns is not None:
                 self._next_refresh = min(self._next_refresh, time.monotonic() + 1.0)
         return True
@@ -469,6 +539,22 @@ class ShardedClient:
     def __repr__(self) -> str:
         return (f"kvtrie.ShardedClient(model_id={self.model_id!r}, "
                 f"shards={[n for n, _ in self.shards]!r})")
+
+
+def _run_prober(ref: "weakref.ref[ShardedClient]", stop: threading.Event) -> None:
+    """The background health checks of a ShardedClient, until it is closed or collected."""
+    while True:
+        client = ref()
+        if client is None:
+            return
+        tick = min(max(client._probe_deadline / 4, 0.005), 0.1)
+        try:
+            client._probe_once()
+        except Exception:  # noqa: BLE001 - the prober must outlive any one pass
+            pass
+        del client
+        if stop.wait(tick):
+            return
 
 
 class _ShardedPutStream:
