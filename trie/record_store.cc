@@ -454,4 +454,18 @@ absl::Status RecordStore::Flush() {
   return FromRocks(db_->Flush(rocksdb::FlushOptions(), handles_), "flush");
 }
 
+absl::Status RecordStore::Compact() {
+  if (absl::Status s = Flush(); !s.ok()) return s;
+  rocksdb::CompactRangeOptions o;
+  o.blob_garbage_collection_policy = rocksdb::BlobGarbageCollectionPolicy::kForce;
+  o.blob_garbage_collection_age_cutoff = 1.0;
+  o.bottommost_level_compaction = rocksdb::BottommostLevelCompaction::kForce;
+  for (rocksdb::ColumnFamilyHandle* h : handles_) {
+    if (auto s = db_->CompactRange(o, h, nullptr, nullptr); !s.ok()) {
+      return FromRocks(s, absl::StrCat("compaction of ", h->GetName()));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace kvtrie
