@@ -465,7 +465,11 @@ absl::Status RecordStore::Compact() {
       return FromRocks(s, absl::StrCat("compaction of ", h->GetName()));
     }
   }
-  return absl::OkStatus();
+  // The compactions' obsolete files (and the WAL files the flush made obsolete) may still be
+  // queued for deletion on a background thread: re-enabling deletions scans for obsolete files
+  // and deletes them on this thread before it returns.
+  if (auto s = db_->DisableFileDeletions(); !s.ok()) return FromRocks(s, "file deletions");
+  return FromRocks(db_->EnableFileDeletions(/*force=*/false), "obsolete file deletion");
 }
 
 }  // namespace kvtrie
