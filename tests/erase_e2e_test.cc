@@ -181,7 +181,7 @@ TEST_F(EraseEndToEnd, TheCliDeleteEraseErases) {
   ASSERT_NO_FATAL_FAILURE(PutAndCollect());
   std::string out, err;
   const int rc = testing::RunCommand(
-      {testing::BinaryPath("kvtrie"), "--target=" + server_->target(),
+      {testing::BinaryPath("client/kvtrie"), "--target=" + server_->target(),
        absl::StrCat("--namespace=", kNs), "--erase", "delete",
        std::string(KVTRIE_TESTDATA_DIR) + "/neardup/n0", std::to_string(Branch().size())},
       &out, &err);
