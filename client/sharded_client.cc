@@ -147,8 +147,7 @@ Shard ShardedClient::OwnerOf(const std::string& model_id, absl::Span<const uint3
 }
 
 absl::StatusOr<v1::LookupResponse> ShardedClient::Lookup(const std::string& model_id,
-                                                         absl::Span<const uint32_t> token_ids,
-                                                         bool erase) {
+                                                         absl::Span<const uint32_t> token_ids) {
   const Shard owner = OwnerOf(model_id, token_ids);
   std::shared_ptr<Client> c = Acquire(owner);
   if (c == nullptr) {
@@ -354,7 +353,8 @@ bool ShardedClient::WarmUpGet(const std::string& model_id, absl::Span<const uint
 }
 
 absl::StatusOr<v1::DeleteResponse> ShardedClient::Delete(const std::string& model_id,
-                                                         absl::Span<const uint32_t> token_ids) {
+                                                         absl::Span<const uint32_t> token_ids,
+                                                         bool erase) {
   const Shard owner = OwnerOf(model_id, token_ids);
   std::shared_ptr<Client> c = Acquire(owner);
   absl::StatusOr<v1::DeleteResponse> r =
