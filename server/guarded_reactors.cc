@@ -14,6 +14,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "codec/crc32c.h"
@@ -348,9 +349,9 @@ class GuardedService::WriteReactor : public grpc::ServerWriteReactor<grpc::ByteB
           grpc::StatusCode::ABORTED,
           absl::StrCat("get: cut to keep the data folder under its disk bound (", folder_bytes,
                        " bytes, cut at ", cut_bytes, ", bound ", bound_bytes,
-                       " = 3 x --disk_bytes + 2 MiB): its store snapshot was the oldest, keeping "
-                       "payloads deleted or evicted since it began on disk; the blocks received "
-                       "are valid: Get the rest again")));
+                       " = 3 x --disk_bytes + 2 MiB): its store snapshot keeps the payloads "
+                       "deleted or evicted since it began on disk; the blocks received are valid: "
+                       "Get the rest again")));
     });
   }
 
@@ -671,15 +672,18 @@ void GuardedService::WatchLoop() {
     // (PutLimits' watchdog relies on the same): no reactor code runs here to want writers_mu_.
     for (WriteReactor* w : writers_) w->Watch(now, idle_ns, age_ns);
     if (folder_rule && folder >= options_.get_cut_folder_bytes) {
-      WriteReactor* oldest = nullptr;
+      // Every Get holding a snapshot older than kMinCutAgeNs, oldest first: a spike past the line
+      // (a garbage collection relocating the live blobs) is short, and each snapshot left keeps
+      // what was deleted or evicted since it began.
+      std::vector<WriteReactor*> cut;
       for (WriteReactor* w : writers_) {
-        if (w->Cuttable(now, kMinCutAgeNs) &&
-            (oldest == nullptr || w->opened_ns() < oldest->opened_ns())) {
-          oldest = w;
-        }
+        if (w->Cuttable(now, kMinCutAgeNs)) cut.push_back(w);
       }
-      if (oldest != nullptr) {
-        oldest->CutForDisk(folder, options_.get_cut_folder_bytes, options_.folder_bound_bytes);
+      std::sort(cut.begin(), cut.end(), [](const WriteReactor* a, const WriteReactor* b) {
+        return a->opened_ns() < b->opened_ns();
+      });
+      for (WriteReactor* w : cut) {
+        w->CutForDisk(folder, options_.get_cut_folder_bytes, options_.folder_bound_bytes);
       }
     }
     writers_mu_.AwaitWithTimeout(absl::Condition(&stop_watch_), period);

@@ -46,11 +46,12 @@
 //          reader is cut, never the budget). With a disk budget the disk bound is also a space
 //          rule: every ~50 ms the watchdog measures the data folder (KvStore::DataFolderBytes),
 //          and while it is at `get_cut_folder_bytes` or more (2 x --disk_bytes + 2 MiB, a whole
-//          --disk_bytes under the bound 3 x --disk_bytes + 2 MiB) it ends one Get holding a
-//          snapshot per check, the oldest first (an older snapshot keeps more deleted and evicted
-//          payloads), ABORTED naming the folder and the bound after the message on the wire.
-//          Gets younger than 100 ms are left be. One watchdog thread checks all three (when any
-//          is set).
+//          --disk_bytes under the bound 3 x --disk_bytes + 2 MiB) it ends every Get holding a
+//          snapshot, the oldest first (each snapshot keeps the payloads deleted or evicted since
+//          it began; the spikes past the line, garbage collections relocating the live blobs, are
+//          short, so one check must free them all), ABORTED naming the folder and the bound after
+//          the message on the wire. Gets younger than 100 ms are left be. One watchdog thread
+//          checks all three (when any is set).
 //   Messages  a request larger than `max_message_bytes` is RESOURCE_EXHAUSTED naming its size
 //          and the limit (a Put's names what to send instead: server/put_call.h).
 //
