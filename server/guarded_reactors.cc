@@ -342,7 +342,7 @@ class GuardedService::WriteReactor : public grpc::ServerWriteReactor<grpc::ByteB
     if (cut_.exchange(true)) return;
     spdlog::warn(
         "{} stream of {}: ended ABORTED: the data folder holds {} bytes (cut at {}, bound "
-        "{}) and its snapshot is the oldest",
+        "{}) and it holds a store snapshot",
         method(), context_->peer(), folder_bytes, cut_bytes, bound_bytes);
     Post([this, folder_bytes, cut_bytes, bound_bytes] {
       Abandon(grpc::Status(

@@ -372,8 +372,6 @@ uint64_t KvStore::DataFolderBytes() const {
   return total;
 }
 
-uint64_t KvStore::disk_bytes() const { return impl_->options_.disk_bytes; }
-
 absl::StatusOr<uint64_t> KvStore::Pin(const std::string& ns, const std::string& model_id,
                                       absl::Span<const uint32_t> token_ids, uint64_t ttl_seconds,
                                       bool unpin) {

@@ -152,8 +152,6 @@ class KvStore {
   // Bytes of every file under data_dir now (what the disk bound promises, obsolete files and
   // those a Get's snapshot keeps included). A directory scan: a few stat calls.
   uint64_t DataFolderBytes() const;
-  // The disk budget (StoreOptions::disk_bytes; 0 = none).
-  uint64_t disk_bytes() const;
 
   // The token ids of the prefix that ends with node `node_id` (root first). NOT_FOUND naming
   // `model_id` or `node_id`.

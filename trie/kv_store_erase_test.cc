@@ -28,7 +28,7 @@ using Blocks = std::vector<std::vector<uint8_t>>;
 constexpr double kTarget = 0.1;
 constexpr size_t kFirstDeleted = 8;  // n0's blocks from here on are the others' centroids
 
-// Every regular file under `dir`, concatenated with a separator no chunk contains.
+// The contents of every regular file under `dir`.
 std::vector<std::string> FolderFiles(const std::filesystem::path& dir) {
   std::vector<std::string> out;
   for (const auto& e : std::filesystem::recursive_directory_iterator(dir)) {
