@@ -53,5 +53,5 @@ def test_delete_without_erase_retains_lossy_centroids(server):
     c = kvtrie.Client(server.target, "stories260K", namespace="py-retain")
     branch, _ = _put_pair(c)
     d = c.delete(branch)
-    assert "erased" not in d and int(d["centroids_retained"]) > 20
+    assert not d.get("erased", False) and int(d["centroids_retained"]) > 20
     assert int(c.stats()["retained_nodes"]) > 0
