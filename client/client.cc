@@ -840,12 +840,14 @@ absl::StatusOr<v1::InspectResponse> Client::Inspect(const std::string& model_id,
 }
 
 absl::StatusOr<v1::DeleteResponse> Client::Delete(const std::string& model_id,
-                                                  absl::Span<const uint32_t> token_ids) {
+                                                  absl::Span<const uint32_t> token_ids,
+                                                  bool erase) {
   if (auto s = CheckNames(options_.ns, model_id); !s.ok()) return s;
   v1::DeleteRequest req;
   req.set_namespace_(options_.ns);
   req.set_model_id(model_id);
   req.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
+  req.set_erase(erase);
   v1::DeleteResponse resp;
   auto ctx = NewContext();
   if (auto s = FromGrpc(stub_->Delete(ctx.get(), req, &resp)); !s.ok()) return s;

@@ -182,8 +182,10 @@ class Client {
 
   absl::StatusOr<v1::StatsResponse> Stats(const std::string& ns_override = "");
   absl::StatusOr<v1::InspectResponse> Inspect(const std::string& model_id, uint64_t node_id);
+  // `erase`: DeleteRequest.erase (nothing of the deleted blocks stays on the server's disk).
   absl::StatusOr<v1::DeleteResponse> Delete(const std::string& model_id,
-                                            absl::Span<const uint32_t> token_ids);
+                                            absl::Span<const uint32_t> token_ids,
+                                            bool erase = false);
   // Pins the stored prefix `token_ids` for `ttl_seconds` (0 = until unpinned), or unpins it.
   // NOT_FOUND if it is not stored.
   absl::StatusOr<v1::PinResponse> Pin(const std::string& model_id,

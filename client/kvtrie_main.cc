@@ -7,7 +7,8 @@
 //   lookup DIR           longest stored prefix of DIR's token_ids (no payload)
 //   stats                server totals (or the namespace's, with --namespace)
 //   inspect [NODE_ID]    one trie node (0 = the root) and its children; needs --model_id
-//   delete DIR TOKENS    delete the stored prefix of DIR's first TOKENS tokens and its subtree
+//   delete DIR TOKENS    delete the stored prefix of DIR's first TOKENS tokens and its subtree;
+//                        --erase: nothing of it stays on the server's disk (DeleteRequest.erase)
 //   pin DIR TOKENS       pin (unpin DIR TOKENS: unpin) that prefix against eviction, for
 //                        --pin_ttl_seconds (0 = until unpinned); with --pin_replicas=2 over
 //                        shards also on its second shard
@@ -61,6 +62,9 @@ ABSL_FLAG(std::string, layers, "",
 ABSL_FLAG(bool, verbose, false, "put: print every block's result");
 ABSL_FLAG(int, timeout_seconds, 60, "deadline of each call");
 ABSL_FLAG(int, pin_ttl_seconds, 0, "pin: the pin's time to live (0 = until unpinned)");
+ABSL_FLAG(bool, erase, false,
+          "delete: erase (nothing of the deleted blocks stays on the server's disk; "
+          "DeleteRequest.erase)");
 
 namespace kvtrie {
 namespace {
@@ -244,8 +248,9 @@ int Run(const std::vector<char*>& args) {
     if (!d.ok()) return Fail(d.status());
     if (n > d->token_ids.size()) return Usage("TOKENS is more than the manifest holds");
     const auto prefix = absl::MakeSpan(d->token_ids).subspan(0, n);
-    absl::StatusOr<v1::DeleteResponse> r =
-        sharded ? sharded->Delete(ModelId(*d), prefix) : client->Delete(ModelId(*d), prefix);
+    const bool erase = absl::GetFlag(FLAGS_erase);
+    absl::StatusOr<v1::DeleteResponse> r = sharded ? sharded->Delete(ModelId(*d), prefix, erase)
+                                                   : client->Delete(ModelId(*d), prefix, erase);
     if (!r.ok()) return Fail(r.status());
     Print(ProtoToJson(*r));
     return 0;

@@ -360,26 +360,27 @@ bool ShardedClient::WarmUpGet(const std::string& model_id, absl::Span<const uint
 }
 
 absl::StatusOr<v1::DeleteResponse> ShardedClient::Delete(const std::string& model_id,
-                                                         absl::Span<const uint32_t> token_ids) {
+                                                         absl::Span<const uint32_t> token_ids,
+                                                         bool erase) {
   const Shard owner = OwnerOf(model_id, token_ids);
   std::shared_ptr<Client> c = Acquire(owner);
   absl::StatusOr<v1::DeleteResponse> r =
       c == nullptr ? absl::StatusOr<v1::DeleteResponse>(absl::UnavailableError(
                          absl::StrCat("shard ", owner.name, " is down; not deleted there")))
-                   : c->Delete(model_id, token_ids);
+                   : c->Delete(model_id, token_ids, erase);
   if (c != nullptr) Lost(owner, r.status(), Call::kAdmin);
   // Inside the warm-up window the previous owner's copy must go too, or the next Get that
   // misses on the new owner would copy the deleted KV back.
   if (std::optional<Shard> prev =
           router_->PreviousOwner(options_.client.ns, model_id, token_ids, options_.warmup_window)) {
     if (std::shared_ptr<Client> p = Acquire(*prev)) {
-      absl::StatusOr<v1::DeleteResponse> d = p->Delete(model_id, token_ids);
+      absl::StatusOr<v1::DeleteResponse> d = p->Delete(model_id, token_ids, erase);
       Lost(*prev, d.status(), Call::kAdmin);
     }
   }
   Shard second;  // a replicated copy must not outlive its delete, even when the owner is down
   if (std::shared_ptr<Client> p = AcquireSecond(model_id, token_ids, &second)) {
-    absl::StatusOr<v1::DeleteResponse> d = p->Delete(model_id, token_ids);
+    absl::StatusOr<v1::DeleteResponse> d = p->Delete(model_id, token_ids, erase);
     Lost(second, d.status(), Call::kAdmin);
     if (!d.ok()) CountReplica(&Counters::replica_failures);
   } else if (options_.pin_replicas >= 2 && router_->Shards().size() >= 2) {

@@ -114,8 +114,10 @@ class ShardedClient {
                              const GetOptions& options = {});
   absl::Status GetInto(const std::string& model_id, absl::Span<const uint32_t> token_ids,
                        const GetOptions& options, KvDump* out);
+  // `erase` goes to every copy it reaches (owner, warm-up predecessor, replica).
   absl::StatusOr<v1::DeleteResponse> Delete(const std::string& model_id,
-                                            absl::Span<const uint32_t> token_ids);
+                                            absl::Span<const uint32_t> token_ids,
+                                            bool erase = false);
   absl::StatusOr<v1::PinResponse> Pin(const std::string& model_id,
                                       absl::Span<const uint32_t> token_ids,
                                       uint64_t ttl_seconds = 0, bool unpin = false);

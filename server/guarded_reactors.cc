@@ -14,6 +14,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "codec/crc32c.h"
@@ -302,6 +303,7 @@ class GuardedService::WriteReactor : public grpc::ServerWriteReactor<grpc::ByteB
           "{} stream of {}: its client read nothing for {} s, cancelled "
           "(--get_idle_timeout_seconds)",
           method(), context_->peer(), seconds);
+      cut_.store(true, std::memory_order_relaxed);
       context_->TryCancel();  // the client sees CANCELLED; the write outstanding fails
       Post([this, seconds] {
         Abandon(grpc::Status(grpc::StatusCode::CANCELLED,
@@ -312,6 +314,7 @@ class GuardedService::WriteReactor : public grpc::ServerWriteReactor<grpc::ByteB
       return;
     }
     if (age_ns > 0 && holds_snapshot() && now_ns - opened_ns_ >= age_ns && !aged_.exchange(true)) {
+      cut_.store(true, std::memory_order_relaxed);
       const double seconds = static_cast<double>(age_ns) / 1e9;
       spdlog::warn("{} stream of {}: open for {} s, ended ABORTED (--get_max_snapshot_seconds)",
                    method(), context_->peer(), seconds);
@@ -324,6 +327,32 @@ class GuardedService::WriteReactor : public grpc::ServerWriteReactor<grpc::ByteB
                          "rest again")));
       });
     }
+  }
+
+  // Whether the folder rule may cut it at `now_ns`: a Get holding its snapshot (not ended by the
+  // watchdog yet) that began at least `min_age_ns` ago.
+  bool Cuttable(int64_t now_ns, int64_t min_age_ns) const {
+    return holds_snapshot() && !cut_.load(std::memory_order_relaxed) &&
+           now_ns - opened_ns_ >= min_age_ns;
+  }
+  int64_t opened_ns() const { return opened_ns_; }
+  // The folder rule (GuardedService::WatchLoop, under writers_mu_): ends the call ABORTED after
+  // the write outstanding and releases its snapshot now.
+  void CutForDisk(uint64_t folder_bytes, uint64_t cut_bytes, uint64_t bound_bytes) {
+    if (cut_.exchange(true)) return;
+    spdlog::warn(
+        "{} stream of {}: ended ABORTED: the data folder holds {} bytes (cut at {}, bound "
+        "{}) and it holds a store snapshot",
+        method(), context_->peer(), folder_bytes, cut_bytes, bound_bytes);
+    Post([this, folder_bytes, cut_bytes, bound_bytes] {
+      Abandon(grpc::Status(
+          grpc::StatusCode::ABORTED,
+          absl::StrCat("get: cut to keep the data folder under its disk bound (", folder_bytes,
+                       " bytes, cut at ", cut_bytes, ", bound ", bound_bytes,
+                       " = 3 x --disk_bytes + 2 MiB): its store snapshot keeps the payloads "
+                       "deleted or evicted since it began on disk; the blocks received are valid: "
+                       "Get the rest again")));
+    });
   }
 
  protected:
@@ -465,6 +494,7 @@ class GuardedService::WriteReactor : public grpc::ServerWriteReactor<grpc::ByteB
   std::atomic<int64_t> write_since_ns_{0};
   const int64_t opened_ns_;
   std::atomic<bool> idle_expired_{false}, aged_{false};  // the watchdog acted (once each)
+  std::atomic<bool> cut_{false};  // the watchdog ended it (any rule): the folder rule skips it
 };
 
 // Get: KvCacheService::GetCall makes the messages; blocks are framed around their stored (or
@@ -626,17 +656,38 @@ void GuardedService::WatchLoop() {
   for (absl::Duration d : {options_.get_idle_timeout, options_.get_max_snapshot_age}) {
     if (d > absl::ZeroDuration()) period = std::min(period, d / 4);
   }
+  const bool folder_rule = options_.get_cut_folder_bytes > 0 && store_ != nullptr;
+  if (folder_rule) period = std::min(period, absl::Milliseconds(50));
   period = std::max(period, absl::Milliseconds(10));
   const int64_t idle_ns = absl::ToInt64Nanoseconds(options_.get_idle_timeout);
   const int64_t age_ns = absl::ToInt64Nanoseconds(options_.get_max_snapshot_age);
-  absl::MutexLock lock(&writers_mu_);
+  constexpr int64_t kMinCutAgeNs = 100'000'000;  // a Get this young holds little: left be
   for (;;) {
-    writers_mu_.AwaitWithTimeout(absl::Condition(&stop_watch_), period);
+    // The folder is measured with no lock held (a directory scan).
+    const uint64_t folder = folder_rule ? store_->DataFolderBytes() : 0;
+    absl::MutexLock lock(&writers_mu_);
     if (stop_watch_) return;
     const int64_t now = absl::GetCurrentTimeNanos();
     // Watch posts steps and may TryCancel, which only marks the call and schedules its callbacks
     // (PutLimits' watchdog relies on the same): no reactor code runs here to want writers_mu_.
     for (WriteReactor* w : writers_) w->Watch(now, idle_ns, age_ns);
+    if (folder_rule && folder >= options_.get_cut_folder_bytes) {
+      // Every Get holding a snapshot older than kMinCutAgeNs, oldest first: a spike past the line
+      // (a garbage collection relocating the live blobs) is short, and each snapshot left keeps
+      // what was deleted or evicted since it began.
+      std::vector<WriteReactor*> cut;
+      for (WriteReactor* w : writers_) {
+        if (w->Cuttable(now, kMinCutAgeNs)) cut.push_back(w);
+      }
+      std::sort(cut.begin(), cut.end(), [](const WriteReactor* a, const WriteReactor* b) {
+        return a->opened_ns() < b->opened_ns();
+      });
+      for (WriteReactor* w : cut) {
+        w->CutForDisk(folder, options_.get_cut_folder_bytes, options_.folder_bound_bytes);
+      }
+    }
+    writers_mu_.AwaitWithTimeout(absl::Condition(&stop_watch_), period);
+    if (stop_watch_) return;
   }
 }
 

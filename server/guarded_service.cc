@@ -24,7 +24,8 @@ GuardedService::GuardedService(KvCacheService* inner, const Authenticator* auth,
       options_(options),
       handlers_(std::make_unique<TaskPool>(std::max(1, options.handler_threads))) {
   if (options_.get_idle_timeout > absl::ZeroDuration() ||
-      options_.get_max_snapshot_age > absl::ZeroDuration()) {
+      options_.get_max_snapshot_age > absl::ZeroDuration() ||
+      (options_.get_cut_folder_bytes > 0 && store_ != nullptr)) {
     watchdog_ = std::thread([this] { WatchLoop(); });
   }
 }

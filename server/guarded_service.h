@@ -43,7 +43,15 @@
 //          `get_max_snapshot_age` ends ABORTED naming --get_max_snapshot_seconds after the
 //          message on the wire: its RocksDB snapshot keeps every payload deleted or evicted since
 //          it began on disk, so a slow reader cannot hold the --disk_bytes bound hostage (the
-//          reader is cut, never the budget). One watchdog thread checks both (when either is set).
+//          reader is cut, never the budget). With a disk budget the disk bound is also a space
+//          rule: every ~50 ms the watchdog measures the data folder (KvStore::DataFolderBytes),
+//          and while it is at `get_cut_folder_bytes` or more (2 x --disk_bytes + 2 MiB, a whole
+//          --disk_bytes under the bound 3 x --disk_bytes + 2 MiB) it ends every Get holding a
+//          snapshot, the oldest first (each snapshot keeps the payloads deleted or evicted since
+//          it began; the spikes past the line, garbage collections relocating the live blobs, are
+//          short, so one check must free them all), ABORTED naming the folder and the bound after
+//          the message on the wire. Gets younger than 100 ms are left be. One watchdog thread
+//          checks all three (when any is set).
 //   Messages  a request larger than `max_message_bytes` is RESOURCE_EXHAUSTED naming its size
 //          and the limit (a Put's names what to send instead: server/put_call.h).
 //
@@ -87,6 +95,9 @@ struct GuardedServiceOptions {
   absl::Duration get_idle_timeout = absl::ZeroDuration();      // 0 = none
   absl::Duration get_max_snapshot_age = absl::ZeroDuration();  // 0 = none
   uint64_t max_message_bytes = 0;                              // 0 = none
+  // The data folder's size from which Gets are cut (see the top of this file); 0 = none.
+  uint64_t get_cut_folder_bytes = 0;
+  uint64_t folder_bound_bytes = 0;  // the bound it protects (named in the Gets' status)
 };
 
 class GuardedService final : public GuardedServiceBase {
@@ -172,7 +183,7 @@ class GuardedService final : public GuardedServiceBase {
   // Every Get and GetPredictor reactor gRPC has not released (OnDone).
   absl::flat_hash_set<WriteReactor*> writers_ ABSL_GUARDED_BY(writers_mu_);
   bool stop_watch_ ABSL_GUARDED_BY(writers_mu_) = false;
-  std::thread watchdog_;                // WatchLoop, when a Get limit is set
+  std::thread watchdog_;                // WatchLoop, when a Get limit or the folder rule is set
   std::unique_ptr<TaskPool> handlers_;  // the calls' work (StopHandlers resets it)
 };
 

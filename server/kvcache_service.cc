@@ -247,7 +247,8 @@ grpc::Status KvCacheService::Delete(grpc::ServerContext*, const v1::DeleteReques
   if (auto s = CheckName("model_id", request->model_id(), true); !s.ok()) return s;
   if (auto s = CheckTokens("token_ids", request->token_ids_size(), options_.max_tokens); !s.ok())
     return s;
-  auto r = store_->Delete(request->namespace_(), request->model_id(), request->token_ids());
+  auto r = store_->Delete(request->namespace_(), request->model_id(), request->token_ids(),
+                          request->erase());
   if (!r.ok()) return ToGrpcStatus(r.status());
   response->set_nodes_deleted(r->nodes_deleted);
   response->set_bytes_freed(r->bytes_freed);
@@ -255,6 +256,8 @@ grpc::Status KvCacheService::Delete(grpc::ServerContext*, const v1::DeleteReques
   response->set_centroids_reelected(r->centroids_reelected);
   response->set_centroids_retained(r->centroids_retained);
   response->set_nodes_retained(r->nodes_retained);
+  response->set_erase_bytes_rewritten(r->erase_bytes_rewritten);
+  response->set_erased(r->compacted);
   return grpc::Status::OK;
 }
 

@@ -45,6 +45,7 @@
 #include "server/parse_failure_interceptor.h"
 #include "server/tls.h"
 #include "trie/kv_store.h"
+#include "trie/record_store.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "HOST:PORT to serve gRPC on; port 0 picks a free port (see --port_file)");
@@ -181,6 +182,10 @@ ABSL_FLAG(bool, cluster_retain_deleted_centroids, kvtrie::NearDupOptions().retai
           "(no lookup matches it), until its last member goes: the namespace's bytes stay as "
           "they were; false: its members elect a new centroid and are all stored again "
           "bit-exact (losslessly), so the deleted KV leaves at once but the bytes grow ~3x");
+ABSL_FLAG(bool, delete_erases, false,
+          "every Delete erases (as DeleteRequest.erase): no deleted centroid is retained (its "
+          "lossy members are re-coded bit-exact against their own reconstructions) and the "
+          "database is flushed and compacted, so nothing of the deleted blocks stays on disk");
 ABSL_FLAG(uint32_t, cluster_ngram_tokens, kvtrie::NearDupOptions().ngram_tokens,
           "tokens per window of the n-gram index (at most half a block is used)");
 ABSL_FLAG(uint32_t, cluster_ngram_stride, kvtrie::NearDupOptions().ngram_stride,
@@ -275,6 +280,7 @@ int Run() {
   store_options.near_dup.ngram_index = absl::GetFlag(FLAGS_cluster_ngram_index);
   store_options.near_dup.retain_lossy_centroids =
       absl::GetFlag(FLAGS_cluster_retain_deleted_centroids);
+  store_options.delete_erases = absl::GetFlag(FLAGS_delete_erases);
   store_options.near_dup.ngram_tokens = absl::GetFlag(FLAGS_cluster_ngram_tokens);
   store_options.near_dup.ngram_stride = absl::GetFlag(FLAGS_cluster_ngram_stride);
   store_options.near_dup.ngram_max_per_hash = absl::GetFlag(FLAGS_cluster_ngram_max_per_hash);
@@ -368,6 +374,11 @@ int Run() {
   guarded_options.get_max_snapshot_age =
       absl::Seconds(std::max(0.0, absl::GetFlag(FLAGS_get_max_snapshot_seconds)));
   guarded_options.max_message_bytes = message_limit;
+  if (store_options.disk_bytes > 0) {  // the folder rule (server/guarded_service.h)
+    guarded_options.folder_bound_bytes = RecordStore::FolderBound(store_options.disk_bytes);
+    guarded_options.get_cut_folder_bytes =
+        2 * store_options.disk_bytes + RecordStore::kFolderSlackBytes;
+  }
   GuardedService guarded(&service, auth->get(), store->get(), metrics.get(), guarded_options);
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
       MakeServerCredentials(ops.tls);

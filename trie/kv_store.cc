@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <filesystem>
 #include <map>
 
 #include "absl/cleanup/cleanup.h"
@@ -343,10 +344,32 @@ absl::Status NoModel(const std::string& ns, const std::string& model_id) {
 }  // namespace
 
 absl::StatusOr<DeleteSummary> KvStore::Delete(const std::string& ns, const std::string& model_id,
-                                              absl::Span<const uint32_t> token_ids) {
+                                              absl::Span<const uint32_t> token_ids, bool erase) {
   ModelShard* shard = impl_->Find(ns, model_id);
   if (shard == nullptr) return NoModel(ns, model_id);
-  return shard->Delete(token_ids);
+  erase |= impl_->options_.delete_erases;
+  absl::StatusOr<DeleteSummary> summary = shard->Delete(token_ids, erase);
+  if (!summary.ok() || !erase) return summary;
+  // With no shard lock held: the deleted records' bytes leave the WAL, SST and blob files.
+  if (absl::Status s = impl_->records_->Compact(); !s.ok()) {
+    return absl::Status(s.code(),
+                        absl::StrCat("deleted, but not yet erased from disk: ", s.message()));
+  }
+  summary->compacted = true;
+  return summary;
+}
+
+uint64_t KvStore::DataFolderBytes() const {
+  uint64_t total = 0;
+  std::error_code ec;
+  for (std::filesystem::recursive_directory_iterator it(impl_->options_.data_dir, ec), end;
+       !ec && it != end; it.increment(ec)) {
+    std::error_code size_ec;  // a file deleted meanwhile counts 0
+    if (!it->is_regular_file(size_ec)) continue;
+    const uintmax_t size = it->file_size(size_ec);
+    if (!size_ec) total += size;
+  }
+  return total;
 }
 
 absl::StatusOr<uint64_t> KvStore::Pin(const std::string& ns, const std::string& model_id,

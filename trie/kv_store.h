@@ -133,8 +133,14 @@ class KvStore {
   // rewritten) and the centroids re-elected. Gets that started before still read what they listed.
   // Errors: NOT_FOUND naming `token_ids` or `model_id`; INVALID_ARGUMENT if not block-aligned;
   // the write's (then nothing is deleted).
+  // `erase` (or StoreOptions::delete_erases): nothing of the deleted blocks stays readable or on
+  // disk after the call: a centroid with lossy members is re-elected too, never retained (its
+  // members are re-coded bit-exact against their own reconstructions:
+  // DeleteSummary::erase_bytes_rewritten), then RocksDB is flushed and compacted
+  // (RecordStore::Compact; bytes a Get that started before still holds stay until it ends). A
+  // failed compaction is its error, the prefix deleted.
   absl::StatusOr<DeleteSummary> Delete(const std::string& ns, const std::string& model_id,
-                                       absl::Span<const uint32_t> token_ids);
+                                       absl::Span<const uint32_t> token_ids, bool erase = false);
 
   // Pins the node of the last full block of `token_ids` for `ttl_seconds` (0 = until unpinned),
   // or unpins it: a pinned node and so its ancestors are never evicted for the disk budget.
@@ -142,6 +148,10 @@ class KvStore {
   absl::StatusOr<uint64_t> Pin(const std::string& ns, const std::string& model_id,
                                absl::Span<const uint32_t> token_ids, uint64_t ttl_seconds,
                                bool unpin);
+
+  // Bytes of every file under data_dir now (what the disk bound promises, obsolete files and
+  // those a Get's snapshot keeps included). A directory scan: a few stat calls.
+  uint64_t DataFolderBytes() const;
 
   // The token ids of the prefix that ends with node `node_id` (root first). NOT_FOUND naming
   // `model_id` or `node_id`.

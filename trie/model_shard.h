@@ -260,7 +260,8 @@ class ModelShard {
                                                absl::Span<const uint32_t> token_ids,
                                                absl::Span<const float> surprisal_bits,
                                                const std::vector<NewBlock>& blocks);
-  absl::StatusOr<DeleteSummary> Delete(absl::Span<const uint32_t> token_ids);
+  // `erase`: no centroid is retained (each cluster with a lossy member re-elects too).
+  absl::StatusOr<DeleteSummary> Delete(absl::Span<const uint32_t> token_ids, bool erase = false);
   absl::StatusOr<uint64_t> Pin(absl::Span<const uint32_t> token_ids, uint64_t ttl_seconds,
                                bool unpin);
   // Evicts those of `ids` that are still evictable leaves. Returns the bytes freed.
@@ -394,8 +395,11 @@ class ModelShard {
   // Every member's reconstruction stays bit-exact. Counts the bytes replaced and written, the
   // nodes re-encoded and the centroids re-elected in *summary. With `retain` set, a centroid with
   // a lossy member is not re-elected but added to *retain (see "Retained centroids" above).
+  // `erasing`: an erasing Delete that would otherwise retain; the bytes written for the clusters
+  // with a lossy member are added to summary->erase_bytes_rewritten.
   absl::Status ReleaseDependentsLocked(absl::Span<const uint64_t> roots, DeleteSummary* summary,
-                                       absl::flat_hash_set<uint64_t>* retain = nullptr)
+                                       absl::flat_hash_set<uint64_t>* retain = nullptr,
+                                       bool erasing = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
   // Deletes root_id's subtree but `retain` (centroids inside it) and their ancestors inside it,
   // which are marked retained, in one batch. Adds to the summary's nodes_deleted, bytes_freed and

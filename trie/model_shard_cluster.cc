@@ -157,7 +157,8 @@ bool ModelShard::RetireReferencesLocked(uint64_t node_id) {
 
 absl::Status ModelShard::ReleaseDependentsLocked(absl::Span<const uint64_t> roots,
                                                  DeleteSummary* summary,
-                                                 absl::flat_hash_set<uint64_t>* retain) {
+                                                 absl::flat_hash_set<uint64_t>* retain,
+                                                 bool erasing) {
   // The clusters whose centroid is inside a root's subtree, with their members outside them all.
   std::map<uint64_t, std::vector<uint64_t>> clusters;  // centroid -> members outside, by id
   absl::flat_hash_set<uint64_t> leaving;               // the subtrees: never a new centroid
@@ -188,7 +189,11 @@ absl::Status ModelShard::ReleaseDependentsLocked(absl::Span<const uint64_t> root
       continue;
     }
     std::sort(members.begin(), members.end());  // ids grow with depth along a path
+    const uint64_t rewritten = summary->bytes_rewritten;
     if (auto s = ReelectLocked(centroid, members, leaving, summary); !s.ok()) return s;
+    if (erasing && lossy.contains(centroid)) {
+      summary->erase_bytes_rewritten += summary->bytes_rewritten - rewritten;
+    }
   }
   return absl::OkStatus();
 }

@@ -361,7 +361,7 @@ absl::StatusOr<std::vector<uint64_t>> ModelShard::Commit(const ModelInfo& model,
   return ids;
 }
 
-absl::StatusOr<DeleteSummary> ModelShard::Delete(absl::Span<const uint32_t> token_ids) {
+absl::StatusOr<DeleteSummary> ModelShard::Delete(absl::Span<const uint32_t> token_ids, bool erase) {
   absl::MutexLock writer(&write_mu_);
   uint64_t id = 0;
   {
@@ -389,11 +389,14 @@ absl::StatusOr<DeleteSummary> ModelShard::Delete(absl::Span<const uint32_t> toke
   });
   // Near-duplicates coded against a node of the subtree are re-encoded first. Only writers add
   // dependents, and write_mu_ keeps them out until the subtree is gone.
-  // Those with a lossy member stay, retained, for them ("Retained centroids", model_shard.h).
+  // Those with a lossy member stay, retained, for them ("Retained centroids", model_shard.h),
+  // unless the Delete erases.
   DeleteSummary summary;
   absl::flat_hash_set<uint64_t> retain;
   const bool may_retain = context_->options->near_dup.retain_lossy_centroids;
-  if (auto s = ReleaseDependentsLocked({id}, &summary, may_retain ? &retain : nullptr); !s.ok()) {
+  if (auto s = ReleaseDependentsLocked({id}, &summary, may_retain && !erase ? &retain : nullptr,
+                                       may_retain && erase);
+      !s.ok()) {
     return s;
   }
   if (context_->delete_hook_for_test) context_->delete_hook_for_test();

@@ -454,4 +454,22 @@ absl::Status RecordStore::Flush() {
   return FromRocks(db_->Flush(rocksdb::FlushOptions(), handles_), "flush");
 }
 
+absl::Status RecordStore::Compact() {
+  if (absl::Status s = Flush(); !s.ok()) return s;
+  rocksdb::CompactRangeOptions o;
+  o.blob_garbage_collection_policy = rocksdb::BlobGarbageCollectionPolicy::kForce;
+  o.blob_garbage_collection_age_cutoff = 1.0;
+  o.bottommost_level_compaction = rocksdb::BottommostLevelCompaction::kForce;
+  for (rocksdb::ColumnFamilyHandle* h : handles_) {
+    if (auto s = db_->CompactRange(o, h, nullptr, nullptr); !s.ok()) {
+      return FromRocks(s, absl::StrCat("compaction of ", h->GetName()));
+    }
+  }
+  // The compactions' obsolete files (and the WAL files the flush made obsolete) may still be
+  // queued for deletion on a background thread: re-enabling deletions scans for obsolete files
+  // and deletes them on this thread before it returns.
+  if (auto s = db_->DisableFileDeletions(); !s.ok()) return FromRocks(s, "file deletions");
+  return FromRocks(db_->EnableFileDeletions(/*force=*/false), "obsolete file deletion");
+}
+
 }  // namespace kvtrie

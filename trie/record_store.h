@@ -209,6 +209,12 @@ class RecordStore {
   absl::Status CollectGarbage();
   // Forces memtables to files (the WAL can then be recycled).
   absl::Status Flush();
+  // Flushes, then rewrites every column family (bottommost level forced, every live blob
+  // relocated), so the bytes of deleted records leave the folder: the WAL files that held them
+  // and the SST and blob files they were in are obsolete and deleted (an erasing Delete). A record
+  // a live snapshot (a Get that started before the Delete) still sees stays until it is released
+  // and the next compaction. I/O proportional to the whole store.
+  absl::Status Compact();
 
  private:
   friend class RecordBatch;

@@ -73,6 +73,8 @@ struct StoreOptions {
   uint64_t put_parent_cache_bytes = 16ull << 20;
   BlockTrie::TokenHash token_hash = BlockTrie::DefaultTokenHash;  // a seam for collision tests
   NearDupOptions near_dup;  // near-duplicate clusters (trie/cluster_index.h)
+  // Every Delete erases (as KvStore::Delete with erase set): --delete_erases.
+  bool delete_erases = false;
   // The background cluster pass (trie/cluster_pass.h): every cluster_pass_interval_ms it codes
   // standalone near-duplicates (e.g. client-encoded Put blocks) against their elected centroid,
   // at most cluster_pass_blocks_per_round encodings per round. 0 = off (the library's default;
@@ -166,6 +168,11 @@ struct DeleteSummary {
   // centroids"), and the nodes kept for them: those centroids and their ancestors in the prefix.
   uint64_t centroids_retained = 0;
   uint64_t nodes_retained = 0;
+  // An erasing Delete (KvStore::Delete): payload bytes written to re-code the members of the
+  // centroids with a lossy member that a Delete without erase would have retained (their replaced
+  // encodings are in bytes_freed); 0 without erase or with retention off.
+  uint64_t erase_bytes_rewritten = 0;
+  bool compacted = false;  // an erasing Delete: RocksDB was flushed and compacted after it
 };
 
 enum class BlockOutcome { kStored, kDeduplicated, kResidualOfCentroid };

@@ -441,11 +441,11 @@ class PyClient {
     return Json(*r);
   }
 
-  py::object Delete(const Tokens& tokens) {
+  py::object Delete(const Tokens& tokens, bool erase) {
     absl::StatusOr<v1::DeleteResponse> r;
     {
       py::gil_scoped_release release;
-      r = client_->Delete(model_id_, SpanOf(tokens));
+      r = client_->Delete(model_id_, SpanOf(tokens), erase);
     }
     Check(r.status());
     return Json(*r);
@@ -526,6 +526,6 @@ PYBIND11_MODULE(_kvtrie, m) {
       .def("cancel_calls", &PyClient::CancelCalls)
       .def("stats", &PyClient::Stats, py::arg("namespace"))
       .def("inspect", &PyClient::Inspect, py::arg("node_id"))
-      .def("delete", &PyClient::Delete, py::arg("tokens"))
+      .def("delete", &PyClient::Delete, py::arg("tokens"), py::arg("erase") = false)
       .def("pin", &PyClient::Pin, py::arg("tokens"), py::arg("ttl_seconds"), py::arg("unpin"));
 }

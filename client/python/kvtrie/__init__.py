@@ -597,16 +597,19 @@ class Client:
         (kvtrie.v1.InspectResponse: ``model``, ``node``, ``children``)."""
         return self._c.inspect(int(node_id))
 
-    def delete(self, tokens: TokenIds) -> dict:
+    def delete(self, tokens: TokenIds, erase: bool = False) -> dict:
         """Deletes the stored prefix ``tokens``' last block and its subtree.
 
         Returns ``{"nodes_deleted": n, "bytes_freed": b, "bytes_rewritten": r, ...}``
         (kvtrie.v1.DeleteResponse; zero fields left out): bit-exact near-duplicates coded
         against the prefix are re-encoded first (``centroids_reelected``), so the store changes
         by ``b - r`` bytes; a centroid with lossy members stays, unnamed, until its last member
-        goes (``centroids_retained``, ``nodes_retained``). Raises NotFoundError if not stored.
+        goes (``centroids_retained``, ``nodes_retained``). ``erase=True`` (DeleteRequest.erase):
+        nothing of the deleted blocks stays on the server's disk; no centroid is retained, its
+        members are re-coded bit-exact (``erase_bytes_rewritten``) and the server compacts its
+        database (``erased``). Raises NotFoundError if not stored.
         """
-        return self._c.delete(_tokens(tokens))
+        return self._c.delete(_tokens(tokens), bool(erase))
 
     def pin(self, tokens: TokenIds, ttl_seconds: int = 0, unpin: bool = False) -> int:
         """Keeps the stored prefix ``tokens`` from eviction for ``ttl_seconds`` (0 = until

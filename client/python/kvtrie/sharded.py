@@ -443,26 +443,27 @@ class ShardedClient:
                 k, v, n = r
         return k, v, n
 
-    def delete(self, tokens: Any) -> dict:
+    def delete(self, tokens: Any, erase: bool = False) -> dict:
         """As :meth:`kvtrie.Client.delete`, on the owner (raises when it is lost); with
         ``pin_replicas=2`` also on the second shard and, inside the warm-up window, on the
-        previous owner (a copy must not outlive its delete), even when the owner is lost."""
+        previous owner (a copy must not outlive its delete), even when the owner is lost;
+        ``erase`` goes to each of them."""
         t = np.ascontiguousarray(tokens, dtype=np.uint32)
         error: Optional[Error] = None
         try:
-            result = self._call(t, "admin", lambda c, t: c.delete(t), None)
+            result = self._call(t, "admin", lambda c, t: c.delete(t, erase), None)
         except Error as e:
             error = e
         owner = self._owner_or_none(t) if self._warmup_window > 0 else None
         if owner is not None:
-            self._warm_up(t, owner, lambda c: c.delete(t))
+            self._warm_up(t, owner, lambda c: c.delete(t, erase))
         second = self._second(t)
         if second is not None:
             client = self._acquire(second)
             try:
                 if client is None:
                     raise Error(StatusCode.UNAVAILABLE, f"shard {second[0]} is down")
-                client.delete(t)
+                client.delete(t, erase)
             except Error as e:
                 self._lost(second[0], e, "admin")
                 self._count("replica_failures")
