@@ -33,6 +33,8 @@ def main():
     ap.add_argument("--max_tokens", type=int, default=1024)
     ap.add_argument("--max_chars", type=int, default=0)
     ap.add_argument("--tol", type=float, default=1e-3, help="bits")
+    ap.add_argument("--write_reference", default="",
+                    help="write PyTorch's per-token surprisal (bits, one a line; BOS 0) here")
     args = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -61,6 +63,9 @@ def main():
     print(f"{len(ids)} tokens; mean surprisal worker {s_w[1:].mean():.6f} bits, "
           f"PyTorch {s_t[1:].mean():.6f} bits; max |difference| {diff.max():.2e} bits, "
           f"mean {diff.mean():.2e}; K max rel. diff {k_rel:.2e}, V {v_rel:.2e} (fp16 dump)")
+    if args.write_reference:
+        with open(args.write_reference, "w") as f:
+            f.write("".join(f"{x:.6f}\n" for x in s_t))
     ok = diff.max() <= args.tol and k_rel < 2e-3 and v_rel < 2e-3
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
