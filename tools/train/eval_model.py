@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from export_gguf import model_from_gguf  # noqa: E402
+from export_gguf import model_from_gguf, read_gguf  # noqa: E402
 
 V = 4096
 
@@ -111,7 +111,7 @@ def _worker_dump(worker, model, path, chars, out):
 def worker_bits_per_byte(worker, models, docs, chars, every):
     """Bits per UTF-8 byte of each model over the same texts; a text that does not fit every
     model's context whole is skipped."""
-    contexts = [model_from_gguf(m)[1]["llama.context_length"] for m in models]
+    contexts = [read_gguf(m)[0]["llama.context_length"] for m in models]
     bits = [0.0] * len(models)
     nbytes = n = 0
     with tempfile.TemporaryDirectory() as tmp:

@@ -167,10 +167,14 @@ def package_license(pkg, cache={}):
         names = []
         for m in re.finditer(r"^License:\s*(\S.*)$", text, re.M):
             n = m.group(1).strip()
+            if len(n) > 40 or " " in n.replace(" or ", "").replace(" and ", "").replace(
+                    " with ", ""):
+                continue  # the license's text, not its short name
             if n not in names:
                 names.append(n)
-        if not names:
-            names = [n for n, pat in _LICENSE_KEYWORDS if re.search(pat, text)]
+        if not names or len(names) < 2:
+            names += [n for n, pat in _LICENSE_KEYWORDS if re.search(pat, text) and
+                      n not in names]
         lic = ", ".join(names[:6]) if names else "see copyright (Debian main, DFSG-free)"
     cache[pkg] = lic
     return lic
@@ -248,7 +252,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--manifest_only", action="store_true",
+                    help="rewrite OUT/manifest.md from OUT/*.jsonl")
     args = ap.parse_args()
+    if args.manifest_only:
+        return write_manifest_from_jsonl(args.out)
     os.makedirs(args.out, exist_ok=True)
     owners = file_owners()
     stats = collections.defaultdict(lambda: [0, 0, 0])  # pkg -> [docs, bytes, heldout docs]
@@ -279,7 +287,39 @@ def main():
                 s[2] += held
                 kinds[kind] += len(text.encode())
             print(kind, kinds[kind], file=sys.stderr, flush=True)
-    with open(os.path.join(args.out, "manifest.md"), "w") as f:
+    write_manifest(args.out, stats, kinds)
+
+
+def _kind(path):
+    if path.startswith("/usr/lib/bible.data"):
+        return "bible"
+    if path.startswith("/usr/share/doc/python3.11/html/_sources/"):
+        return "python-doc"
+    if path.startswith("/usr/share/debian-reference/"):
+        return "debian-reference"
+    if path.startswith("/usr/share/man/"):
+        return "man"
+    return "usr-share-doc"
+
+
+def write_manifest_from_jsonl(out):
+    stats = collections.defaultdict(lambda: [0, 0, 0])
+    kinds = collections.Counter()
+    for split in ("train", "heldout"):
+        with open(os.path.join(out, f"{split}.jsonl")) as f:
+            for line in f:
+                rec = json.loads(line)
+                n = len(rec["text"].encode())
+                s = stats[rec["pkg"]]
+                s[0] += 1
+                s[1] += n
+                s[2] += split == "heldout"
+                kinds[_kind(rec["path"])] += n
+    write_manifest(out, stats, kinds)
+
+
+def write_manifest(out, stats, kinds):
+    with open(os.path.join(out, "manifest.md"), "w") as f:
         total = sum(s[1] for s in stats.values())
         f.write("# Training text manifest (tools/train/prepare_data.py)\n\n")
         f.write(f"{total:,} bytes in {sum(s[0] for s in stats.values()):,} documents from "
