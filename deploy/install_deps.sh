@@ -15,10 +15,14 @@ PACKAGES=(
   # (tests/python/engine.py: vLLM's tensors and layouts).
   pybind11-dev python3-dev python3-numpy python3-pytest python3-pip python3-setuptools
   python3-wheel python3-venv python3-torch
-  # tools/train (issue 29): the tokenizer, OpenBLAS for torch's CPU matmuls (Debian's torch
-  # links the reference BLAS otherwise, ~8x slower), and the packages whose text it trains on.
-  python3-sentencepiece libopenblas0-openmp bible-kjv-text python3.11-doc debian-reference-en
+  # tools/train (issue 29): the tokenizer and OpenBLAS for torch's CPU matmuls (Debian's torch
+  # links the reference BLAS otherwise, ~8x slower).
+  python3-sentencepiece libopenblas0-openmp
 )
+# `--with-train`: also the packages whose text tools/train trains on (tools/train/manifest.md).
+if [[ " $* " == *" --with-train "* ]]; then
+  PACKAGES+=(bible-kjv-text python3.11-doc debian-reference-en)
+fi
 # The sanitizer stages of tests/run_tests.sh (ASan + UBSan, TSan, libFuzzer): clang 14.
 if [[ "${1:-}" == "--with-node" || "${1:-}" == "--with-sanitizers" ]]; then
   PACKAGES+=(clang-14 libclang-rt-14-dev)
