@@ -70,7 +70,7 @@ ABSL_FLAG(int, codec_threads, 0,
           "(RAW and the fast profile; compact-profile blocks are encoded at the commit), and "
           "decode the next blocks of a RECONSTRUCTED Get while the current ones are sent; 0 = one "
           "per core");
-ABSL_FLAG(std::string, verify_encoded_puts, "structure",
+ABSL_FLAG(std::string, verify_encoded_puts, "sample",
           "how much of a block a client encoded itself (PutBlock.encoded) the server checks: "
           "structure (CRC, geometry, dtype, encoding, predictor version and fingerprint, every "
           "length and lane bound, without decoding), sample (and decode one block in 8, drawn per "

@@ -1,10 +1,11 @@
 // End-to-end tests of issue 30 rows 1 and 3 against a real kvtrie-server on loopback with the
-// default --verify_encoded_puts=structure: the issue's mutant — a real fast LOSSLESS envelope of
-// tests/data whose zstd frame was altered and its CRC-32C recomputed (codec/testing_mutants.h) —
-// sent as an encoded Put is accepted (its structure is sound); a RECONSTRUCTED Get of it answers
-// DATA_LOSS naming the node, the C++ client's Get of a longer prefix returns the blocks before
-// it, and a correct dense Put of the same tokens is stored and readable, also across a restart.
-// A hostile client-reported error is refused naming the field; Stats never read inf or nan.
+// --verify_encoded_puts=structure (the mode that stores a block unread): the issue's mutant — a
+// real fast LOSSLESS envelope of tests/data whose zstd frame was altered and its CRC-32C recomputed
+// (codec/testing_mutants.h) — sent as an encoded Put is accepted (its structure is sound); a
+// RECONSTRUCTED Get of it answers DATA_LOSS naming the node, the C++ client's Get of a longer
+// prefix returns the blocks before it, and a correct dense Put of the same tokens is stored and
+// readable, also across a restart. A hostile client-reported error is refused naming the field;
+// Stats never read inf or nan.
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
@@ -80,7 +81,7 @@ class UndecodableEndToEnd : public ::testing::Test {
     if (!HasFailure()) std::filesystem::remove_all(dir_);
   }
   void Start() {
-    auto s = ServerProcess::Start(dir_ + "/data");  // --verify_encoded_puts=structure
+    auto s = ServerProcess::Start(dir_ + "/data", {"--verify_encoded_puts=structure"});
     ASSERT_TRUE(s.ok()) << s.status();
     server_ = *std::move(s);
   }
