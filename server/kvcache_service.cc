@@ -206,6 +206,12 @@ grpc::Status KvCacheService::StatsIn(const std::string& ns, bool whole_server_if
   response->set_predictor_bytes_saved(s.predictor_bytes_saved);
   response->set_predictor_encoded_observations(s.predictor_encoded_observations);
   response->set_predictor_encoded_dropped(s.predictor_encoded_dropped);
+  if (ns.empty() && whole_server_if_empty) {
+    response->set_inflight_put_bytes(put_limits_.total_inflight_bytes());
+    response->set_open_put_streams(put_limits_.open_streams());
+  } else {
+    response->set_inflight_put_bytes(put_limits_.inflight_bytes(ns));
+  }
   return grpc::Status::OK;
 }
 

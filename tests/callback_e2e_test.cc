@@ -79,7 +79,7 @@ TEST_F(CallbackE2E, SixtyFourStalledPutStreamsHoldNoThreadsAndAnotherPutAndGetGo
     streams.push_back(std::make_unique<StalledPut>(client->stub(), Shifted(s0_, i + 1), "", 1));
     ASSERT_TRUE(streams.back()->ok) << "stream " << i;
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // every header and block read
+  ASSERT_TRUE(testing::AwaitPutStreams(client.get(), 64));  // every header read
   const int threads_64 = testing::ThreadCount(server_->pid());
   std::cout << "server threads: " << threads_before << " idle, " << threads_64
             << " with 64 stalled Put streams\n";
@@ -112,11 +112,11 @@ TEST_F(CallbackE2E, APutCancelledMidStreamOrWhileWaitingForMemoryReleasesWhatItH
   auto client = NewClient();
   auto holder = std::make_unique<StalledPut>(client->stub(), s0_, "", 5);  // mid-stream
   ASSERT_TRUE(holder->ok);
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ASSERT_TRUE(testing::AwaitPutStreams(client.get(), 1, 32 * kBlockBytes));
   // s1 waits at its header for memory (no thread waits); its client gives up.
   StalledPut waiter(client->stub(), Shifted(s1_, 1), "", 0);
   ASSERT_TRUE(waiter.ok);
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ASSERT_TRUE(testing::AwaitPutStreams(client.get(), 2, 32 * kBlockBytes));  // it waits
   auto t0 = std::chrono::steady_clock::now();
   grpc::Status w = waiter.Cancel();
   EXPECT_EQ(w.error_code(), grpc::StatusCode::CANCELLED) << w.error_message();
@@ -138,7 +138,7 @@ TEST_F(CallbackE2E, APutCancelledMidStreamOrWhileWaitingForMemoryReleasesWhatItH
   {
     StalledPut cancelled(c2->stub(), s0_, "", 3);
     ASSERT_TRUE(cancelled.ok);
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    ASSERT_TRUE(testing::AwaitPutStreams(c2.get(), 1, 32 * kBlockBytes));
     EXPECT_EQ(cancelled.Cancel().error_code(), grpc::StatusCode::CANCELLED);
   }
   absl::StatusOr<v1::PutResponse> again = c2->Put(s0_);

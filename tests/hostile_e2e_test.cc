@@ -246,7 +246,8 @@ TEST_F(Hostile, StalledPutIsCancelledAfterItsIdleDeadlineAndReleasesItsBudget) {
   {
     StalledPut stalled(client->stub(), s0_, "", 20);  // holds 20 of the 40 blocks' budget
     ASSERT_TRUE(stalled.ok);
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    // The server holds its reservation (the header's 32 blocks) before the other Put is sent.
+    ASSERT_TRUE(testing::AwaitPutStreams(client.get(), 1, 20 * kBlockBytes));
     // s1 needs 32 blocks: refused while the stalled stream holds its bytes.
     absl::StatusOr<v1::PutResponse> refused = other->Put(s1_);
     ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
@@ -301,7 +302,8 @@ TEST_F(Hostile, OneTenantHoldingManyStreamsDoesNotStarveAnother) {
   for (int i = 0; i < 16; ++i) {
     streams.push_back(std::make_unique<StalledPut>(greedy->stub(), s0_, "greedy", 4));
   }
-  std::this_thread::sleep_for(std::chrono::seconds(1));  // the server reads every block sent
+  // The server has admitted the greedy tenant's share before the other tenant's Put.
+  ASSERT_TRUE(testing::AwaitPutStreams(greedy.get(), 0, 32 * kBlockBytes, "greedy"));
   // Another tenant's 32-block Put fits in what the greedy namespace may not take.
   auto polite = NewClient("polite");
   absl::StatusOr<v1::PutResponse> r = polite->Put(s1_);
@@ -328,7 +330,7 @@ TEST_F(Hostile, ThreadCountStaysBoundedUnderManyIdleStreams) {
   for (int i = 0; i < 300; ++i) {
     streams.push_back(std::make_unique<StalledPut>(client->stub(), s0_, "", 0));
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  ASSERT_TRUE(testing::AwaitPutStreams(client.get(), 8));  // one host: half the 16 slots
   const int threads = testing::ThreadCount(server_->pid());
   EXPECT_LE(threads, threads_before + 60) << "before " << threads_before;
   // Other calls still get through while the streams are open.

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "client/client.h"
@@ -135,6 +136,24 @@ inline int ThreadCount(int pid) {
     if (line.rfind("Threads:", 0) == 0) return std::stoi(line.substr(8));
   }
   return -1;
+}
+
+// Waits (up to 30 s) until the server reports at least `streams` open Put streams (server-wide;
+// pass 0 with a namespace) and its Put streams in `ns` ("" = all) hold at least `bytes` of
+// reservation: a client's writes return before the server has read them, so a test that needs
+// the server to hold a stalled stream waits for it here instead of sleeping. Returns whether it
+// did.
+inline bool AwaitPutStreams(Client* client, uint64_t streams, uint64_t bytes = 0,
+                            const std::string& ns = "") {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  for (;;) {
+    absl::StatusOr<v1::StatsResponse> s = client->Stats(ns);
+    if (s.ok() && s->open_put_streams() >= streams && s->inflight_put_bytes() >= bytes) {
+      return true;
+    }
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
 }
 
 // A Put stream that sent a header and `blocks` of `d`, then stalls until finished, cancelled

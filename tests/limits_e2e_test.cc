@@ -371,7 +371,7 @@ TEST_F(Limits, SigtermWithAHundredStalledStreamsExitsWithinTheGrace) {
     puts.push_back(std::make_unique<StalledPut>(put_stubs.back().get(), s0_, "", 1));
     ASSERT_TRUE(puts.back()->ok) << i;
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ASSERT_TRUE(testing::AwaitPutStreams(client.get(), 50));
   const auto t0 = std::chrono::steady_clock::now();
   const int rc = server_->Stop();
   const double seconds = SecondsSince(t0);
@@ -391,7 +391,7 @@ TEST_F(Limits, OnePeerCannotHoldEveryPutStreamSlot) {
     held.push_back(std::make_unique<StalledPut>(greedy->stub(), s0_, "", 1));
     ASSERT_TRUE(held.back()->ok) << i;
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  ASSERT_TRUE(testing::AwaitPutStreams(greedy.get(), 2));
   {
     StalledPut third(greedy->stub(), s0_, "", 0);
     const grpc::Status s = third.Finish();
