@@ -224,7 +224,7 @@ absl::StatusOr<std::unique_ptr<ShardRouter>> ShardRouter::FromDns(
   r->resolver_ = std::move(resolver);
   if (absl::Status s = r->SetShards(*std::move(shards)); !s.ok()) return s;
   absl::MutexLock lock(&r->mu_);
-  r->next_refresh_ = absl::Now() + options.refresh_interval;
+  r->next_refresh_ = r->Now() + options.refresh_interval;
   return r;
 }
 
@@ -240,7 +240,7 @@ absl::Status ShardRouter::SetShards(std::vector<Shard> shards) {
     };
     if (!shards_.empty() && names(shards_) != names(shards)) {
       previous_ = std::move(shards_);
-      changed_at_ = absl::Now();
+      changed_at_ = Now();
     }
     shards_ = std::move(shards);
     ++generation_;
@@ -253,7 +253,7 @@ std::optional<Shard> ShardRouter::PreviousOwner(absl::string_view ns, absl::stri
                                                 absl::Duration window) {
   const uint64_t key = RouteKey(ns, model_id, token_ids, options_.route_tokens);
   absl::MutexLock lock(&mu_);
-  if (previous_.empty() || absl::Now() - changed_at_ > window) return std::nullopt;
+  if (previous_.empty() || Now() - changed_at_ > window) return std::nullopt;
   const int before = OwnerIndex(previous_, key), now = OwnerIndex(shards_, key);
   if (before < 0 || now < 0) return std::nullopt;
   const Shard& was = previous_[static_cast<size_t>(before)];
@@ -273,18 +273,18 @@ uint64_t ShardRouter::generation() const {
 void ShardRouter::ReportFailure() {
   if (resolver_ == nullptr) return;
   absl::MutexLock lock(&mu_);
-  next_refresh_ = std::min(next_refresh_, absl::Now() + options_.min_refresh_interval);
+  next_refresh_ = std::min(next_refresh_, Now() + options_.min_refresh_interval);
 }
 
 void ShardRouter::MaybeRefresh() {
   if (resolver_ == nullptr) return;
   {
     absl::MutexLock lock(&mu_);
-    if (refreshing_ || absl::Now() < next_refresh_) return;
+    if (refreshing_ || Now() < next_refresh_) return;
     refreshing_ = true;
     // Whatever the outcome, the next resolution is one interval away (a failed one keeps the
     // old set; ReportFailure brings it closer).
-    next_refresh_ = absl::Now() + options_.refresh_interval;
+    next_refresh_ = Now() + options_.refresh_interval;
   }
   absl::StatusOr<std::vector<Shard>> shards = resolver_->Resolve(dns_name_);  // no lock held
   if (shards.ok()) SetShards(*std::move(shards)).IgnoreError();

@@ -88,6 +88,8 @@ struct ShardRouterOptions {
   size_t route_tokens = 16;  // the first block; must be the same in every client of the shards
   absl::Duration refresh_interval = absl::Seconds(30);     // DNS membership: re-resolve pace
   absl::Duration min_refresh_interval = absl::Seconds(1);  // ... after ReportFailure
+  // The clock of the refresh pace and of PreviousOwner's window (tests step it; null = absl::Now).
+  std::function<absl::Time()> now;
 };
 
 class ShardRouter {
@@ -130,6 +132,7 @@ class ShardRouter {
  private:
   ShardRouter(const ShardRouterOptions& options) : options_(options) {}
   void MaybeRefresh();
+  absl::Time Now() const { return options_.now ? options_.now() : absl::Now(); }
 
   const ShardRouterOptions options_;
   std::string dns_name_;                     // empty: explicit list
