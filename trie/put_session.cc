@@ -105,7 +105,7 @@ absl::StatusOr<PutSession::Pending*> PutSession::Admit(uint32_t block_index, uin
   if (reserve == 0) reserve = g.num_bytes();
   Pending& p = pending_[block_index];
   if (p.have.empty()) {
-    if (buffered_bytes_ + reserve > context_->options->max_put_bytes) {
+    if (buffered_dense_bytes_ + g.num_bytes() > context_->options->max_put_bytes) {
       return Fail(absl::ResourceExhaustedError(absl::StrCat(
           "kv: this Put buffers more than max_put_bytes=", context_->options->max_put_bytes,
           " bytes; split it into several Puts")));
@@ -113,6 +113,7 @@ absl::StatusOr<PutSession::Pending*> PutSession::Admit(uint32_t block_index, uin
     const uint64_t inflight =
         context_->inflight_put_bytes.fetch_add(reserve, std::memory_order_relaxed) + reserve;
     buffered_bytes_ += reserve;  // released by the destructor
+    buffered_dense_bytes_ += g.num_bytes();
     if (inflight > context_->options->max_inflight_put_bytes) {
       return Fail(absl::ResourceExhaustedError(
           absl::StrCat("kv: unfinished Puts hold more than max_inflight_put_bytes=",

@@ -1,20 +1,20 @@
 // trie/put_session.h
 //
 // PutSession: one Put stream of a KvStore (started by KvStore::BeginPut). Blocks may arrive whole
-// or as layer ranges, in any order; they are buffered (at most max_put_bytes, and all sessions
-// together at most max_inflight_put_bytes), encoded, and committed together in one RocksDB batch
-// at Finish, so a Put is all or nothing: a failed or truncated stream stores nothing. A Put whose
-// prefix changes under it (a concurrent Put, Delete or eviction) matches and encodes again, up to
-// 4 times.
-// Encoding: blocks that read no other block (RAW, and RESIDUAL / LOSSLESS of the fast profile,
-// which ignores parent and reference contexts) are encoded as soon as their last layer arrives,
-// on the store's codec pool (ShardContext::codec_pool, --codec_threads; inline when null) while
-// the stream goes on, and their dense bytes are freed then; at most 2 per pool thread of one
-// session wait or run at once (AddLayers blocks past that: backpressure on the stream). Blocks
-// that were stored already when the session began are not encoded unless Finish needs them.
-// Compact-profile blocks are encoded at Finish, in order — each predicted from its parent's
-// reconstruction, or as a residual of a near-duplicate centroid when smaller.
-// Not thread-safe (one stream, one caller). The store must outlive it.
+// or as layer ranges, in any order; they are buffered (at most max_put_bytes of dense KV — a
+// client-encoded block counts its dense size, so an encoded RAW Put of max_put_bytes fits — and
+// all sessions together at most max_inflight_put_bytes of what they hold), encoded, and committed
+// together in one RocksDB batch at Finish, so a Put is all or nothing: a failed or truncated stream
+// stores nothing. A Put whose prefix changes under it (a concurrent Put, Delete or eviction)
+// matches and encodes again, up to 4 times. Encoding: blocks that read no other block (RAW, and
+// RESIDUAL / LOSSLESS of the fast profile, which ignores parent and reference contexts) are encoded
+// as soon as their last layer arrives, on the store's codec pool (ShardContext::codec_pool,
+// --codec_threads; inline when null) while the stream goes on, and their dense bytes are freed
+// then; at most 2 per pool thread of one session wait or run at once (AddLayers blocks past that:
+// backpressure on the stream). Blocks that were stored already when the session began are not
+// encoded unless Finish needs them. Compact-profile blocks are encoded at Finish, in order — each
+// predicted from its parent's reconstruction, or as a residual of a near-duplicate centroid when
+// smaller. Not thread-safe (one stream, one caller). The store must outlive it.
 #ifndef KVTRIE_TRIE_PUT_SESSION_H_
 #define KVTRIE_TRIE_PUT_SESSION_H_
 
@@ -117,7 +117,10 @@ class PutSession {
   const uint32_t num_blocks_;       // full blocks in token_ids_
   const bool early_;                // blocks read no other block: encode them on arrival
   const uint32_t stored_at_begin_;  // full blocks of token_ids_ stored when the session began
-  uint64_t buffered_bytes_ = 0;
+  uint64_t buffered_bytes_ = 0;     // held in memory (an encoded block: its size), against inflight
+  // Dense bytes of the blocks buffered: what max_put_bytes bounds (a Put's dense KV, as the
+  // server's PutLimits reserve it; an encoded RAW block's envelope is not counted against it).
+  uint64_t buffered_dense_bytes_ = 0;
   std::map<uint32_t, Pending> pending_;  // by block index
   bool failed_ = false;
   // early_ RESIDUAL: the latest learned state when the session began (null: none), acquired from

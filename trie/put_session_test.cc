@@ -1,11 +1,13 @@
 // PutSession's encoding on arrival (trie/put_session.h): on the codec pool and inline, the same
 // stored bytes; an abandoned session stores nothing and gives its bytes back; blocks stored when
-// the session began are encoded at Finish only if they went meanwhile.
+// the session began are encoded at Finish only if they went meanwhile; max_put_bytes counts an
+// encoded block's dense size.
 #include "trie/put_session.h"
 
 #include <string>
 #include <vector>
 
+#include "codec/block_codec.h"
 #include "codec/kv_layout.h"
 #include "gtest/gtest.h"
 #include "trie/kv_store.h"
@@ -21,12 +23,14 @@ class PutSessionTest : public ::testing::Test {
     store_.reset();
     std::filesystem::remove_all(dir_);
   }
-  void Open(int codec_threads, uint64_t max_inflight = 1ull << 30) {
+  void Open(int codec_threads, uint64_t max_inflight = 1ull << 30,
+            uint64_t max_put = 256ull << 20) {
     store_.reset();
     StoreOptions o;
     o.data_dir = (dir_ / std::to_string(++opened_)).string();
     o.codec_threads = codec_threads;
     o.max_inflight_put_bytes = max_inflight;
+    o.max_put_bytes = max_put;
     auto s = KvStore::Open(o);
     ASSERT_TRUE(s.ok()) << s.status();
     store_ = *std::move(s);
@@ -145,6 +149,51 @@ TEST_F(PutSessionTest, BlocksStoredAtTheStartAreEncodedOnlyIfTheyWentMeanwhile) 
   ASSERT_TRUE(r.ok()) << r.status();
   for (const BlockReport& b : r->blocks) EXPECT_EQ(b.outcome, BlockOutcome::kStored);
   EXPECT_EQ(testing_store::ExpectBitExact(store_.get(), "ns", d), blocks);
+}
+
+}  // namespace
+}  // namespace kvtrie
+
+namespace kvtrie {
+namespace {
+
+// Issue 34: max_put_bytes bounds a Put's dense KV. A client-encoded RAW block is its dense bytes
+// plus an envelope; a RAW Put of exactly max_put_bytes sent encoded (as kvtrie::Client sends it
+// by default) was refused ("buffers more than max_put_bytes") while the same Put sent dense
+// passed. One dense block more is still refused, naming the limit.
+TEST_F(PutSessionTest, AnEncodedRawPutOfExactlyMaxPutBytesFitsAndOneBlockMoreDoesNot) {
+  std::vector<KvDump> dumps;
+  testing_store::LoadTestDumps(std::vector<const char*>{"GPL-3"}, &dumps);
+  const KvDump& d = dumps[0];
+  const ModelInfo m = testing_store::DumpModel(d);
+  const size_t blocks = d.num_tokens() / 16;
+  ASSERT_GE(blocks, 2u);
+  Open(1, 1ull << 30, blocks * m.geometry.num_bytes());
+  const EncodeOptions raw{.encoding = Encoding::kRaw};
+  auto put_encoded = [&](size_t n) -> absl::Status {
+    auto session = store_->BeginPut("ns", m, d.token_ids, {}, raw);
+    if (!session.ok()) return session.status();
+    std::vector<uint8_t> block(m.geometry.num_bytes());
+    for (size_t b = 0; b < n; ++b) {
+      GatherBlock(m.geometry, d.num_tokens(), d.k.data(), d.v.data(), b, absl::MakeSpan(block));
+      absl::StatusOr<EncodedBlock> e = EncodeBlock(m.geometry, block, raw, PredictionContext{});
+      if (!e.ok()) return e.status();
+      EXPECT_GT(e->bytes.size(), block.size());  // the envelope
+      if (auto s = (*session)->AddEncodedBlock(static_cast<uint32_t>(b), std::move(e->bytes), {});
+          !s.ok()) {
+        return s;
+      }
+    }
+    return (*session)->Finish().status();
+  };
+  ASSERT_TRUE(put_encoded(blocks).ok());
+  EXPECT_EQ(testing_store::ExpectBitExact(store_.get(), "ns", d), blocks);
+  // A limit one block smaller: the last block is refused, and the Put stores nothing.
+  Open(1, 1ull << 30, (blocks - 1) * m.geometry.num_bytes());
+  const absl::Status s = put_encoded(blocks);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("max_put_bytes"), std::string::npos) << s;
+  EXPECT_EQ(testing_store::StoredBlocks(store_.get(), "ns", d), 0u);
 }
 
 }  // namespace
