@@ -21,6 +21,13 @@ Where it matters for a connector's data path it behaves as vLLM's scheduler and 
   returns True the request gets pages for the loaded tokens and waits (vLLM's
   WAITING_FOR_REMOTE_KVS) until every rank's ``get_finished`` reports it loaded, then is
   scheduled from its loaded tokens (from its first failed page, if any).
+* Asynchronous lookups (vllm/v1/core/sched/scheduler.py): ``add_request`` calls the
+  connector's ``on_new_request``; when ``get_num_new_matched_tokens`` answers ``None`` the
+  request is skipped for this step (nothing allocated, the next waiting request is tried) and put
+  back at the queue's head, as Scheduler.schedule's ``if ext_tokens is None`` branch.
+* ``skip_reading_prefix_cache`` (``prompt_logprobs``; vllm/sampling_params.py,
+  vllm/v1/request.py): no local prefix-cache hit (kv_cache_manager.get_computed_blocks); the
+  connector is still asked, with 0 local tokens.
 * Torch tensors in vLLM's layouts (``flash_attn`` [2, blocks, block_size, heads, head_dim],
   ``flash_infer`` [blocks, 2, block_size, heads, head_dim], ``flash_infer_hnd`` [blocks, 2,
   heads, block_size, head_dim], ``mla`` [blocks, block_size, latent] with the latent = K and V of
@@ -64,6 +71,12 @@ class Request:
     mm_features: List[MultiModalFeature] = field(default_factory=list)
     cache_salt: Optional[str] = None
     prompt_embeds: Any = None
+    # vLLM's SamplingParams.__post_init__ (vllm/sampling_params.py): skip_reading_prefix_cache
+    # left None becomes `prompt_logprobs is not None` (a hit would leave prompt positions without
+    # logprobs); pooling requests set it too (PoolingParams). vllm/v1/request.py copies it onto
+    # the Request (get_skip_reading_prefix_cache).
+    prompt_logprobs: Optional[int] = None
+    skip_reading_prefix_cache: Optional[bool] = None
     # Engine state.
     num_computed_tokens: int = 0
     output_token_ids: List[int] = field(default_factory=list)
@@ -76,6 +89,10 @@ class Request:
     logits: Dict[int, np.ndarray] = field(default_factory=dict)  # position -> row
     first_token_time: Optional[float] = None
     finished: bool = False
+
+    def __post_init__(self):
+        if self.skip_reading_prefix_cache is None:
+            self.skip_reading_prefix_cache = self.prompt_logprobs is not None
 
     @property
     def all_token_ids(self) -> List[int]:
@@ -184,6 +201,7 @@ class Engine:
         self.preemptions = 0
         self.hook_before_execute: Optional[Callable[[SchedulerOutput], None]] = None
         self.step_times: List[float] = []
+        self.lookup_deferrals = 0  # waiting requests skipped because the connector said None
 
     # ---------------- pages ----------------
 
@@ -217,7 +235,10 @@ class Engine:
         return out
 
     def _local_hit(self, req: Request) -> List[int]:
-        if not self.prefix_cache:
+        # vLLM 003df29 vllm/v1/core/kv_cache_manager.py, get_computed_blocks: no local hit when
+        # `not prefix_cache_lookup_enabled(request)` (caching off or
+        # request.skip_reading_prefix_cache). The scheduler still asks the connector (with 0).
+        if not self.prefix_cache or req.skip_reading_prefix_cache:
             return []
         pages = []
         for h in self._page_hashes(req, (len(req.prompt_token_ids) - 1) // self.block_size):
@@ -251,6 +272,9 @@ class Engine:
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        # vLLM's Scheduler.add_request tells the connector at once (connector.on_new_request).
+        if self.sched is not None and hasattr(self.sched, "on_new_request"):
+            self.sched.on_new_request(req)
 
     def _pages_for(self, req: Request, tokens: int) -> int:
         return max(0, -(-tokens // self.block_size) - len(req.block_ids))
@@ -279,6 +303,7 @@ class Engine:
             so.scheduled_cached_reqs.num_computed_tokens.append(req.num_computed_tokens)
             so.num_scheduled_tokens[req.request_id] = n
             budget -= n
+        skipped: List[Request] = []  # vLLM's skipped_waiting_requests
         while self.waiting and budget > 0:
             req = self.waiting[0]
             loaded = req.loaded_async >= 0
@@ -291,6 +316,15 @@ class Engine:
                 ext, is_async = 0, False
                 if self.sched is not None:
                     ext, is_async = self.sched.get_num_new_matched_tokens(req, local)
+                    if ext is None:
+                        # vLLM (vllm/v1/core/sched/scheduler.py, Scheduler.schedule, the
+                        # waiting loop: `if ext_tokens is None:`): the connector cannot tell
+                        # yet; the request is skipped this step (nothing allocated) and put
+                        # back at the queue's head after the loop; the next one is tried.
+                        self._release(hit)
+                        skipped.append(self.waiting.popleft())
+                        self.lookup_deferrals += 1
+                        continue
                 computed = local + ext
                 if is_async:  # pages for the loaded tokens only; not scheduled until loaded
                     req.block_ids = hit
@@ -339,6 +373,7 @@ class Engine:
             self.running.append(req)
             so.num_scheduled_tokens[req.request_id] = n
             budget -= n
+        self.waiting.extendleft(reversed(skipped))  # vLLM: waiting.prepend_requests(skipped)
         return so
 
     # ---------------- one step ----------------
@@ -420,8 +455,8 @@ class Engine:
             assert max_steps > 0, "the engine made no progress"
             max_steps -= 1
             self.step()
-            if self.remote and not self.running and not self.waiting:
-                time.sleep(0.001)  # only asynchronous loads in flight
+            if not self.running and (self.remote or self.waiting):
+                time.sleep(0.001)  # only asynchronous loads or lookups in flight
         while self.held:  # saves still committing: ask the workers until they report
             for w in self.workers:
                 done, _ = w.get_finished(self.finished_ids)

@@ -63,8 +63,11 @@ def assert_cold(model, req, dtype=torch.float16, layout="flash_attn"):
 
 
 def connectors(target, namespace, tp=1, client_wrap=None, **cfg):
+    # Blocking lookups unless a test asks: these tests act on a request's first step (hooks,
+    # answers); test_connector_vllm_rules.py runs the asynchronous ones (the default).
     config = {"target": target, "model_id": "stories260K", "namespace": namespace,
-              "encoding": "lossless", "tp_size": tp, "timeout": 10, **cfg}
+              "encoding": "lossless", "tp_size": tp, "timeout": 10, "async_lookup": False,
+              **cfg}
     sched = KvtrieConnector(role=KVConnectorRole.SCHEDULER, config=config)
     workers = []
     for r in range(tp):

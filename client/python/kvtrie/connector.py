@@ -3,9 +3,13 @@
 An inference engine with a paged KV cache calls it exactly as vLLM (v1) calls a KV connector:
 
 Scheduler side (one instance, ``role=KVConnectorRole.SCHEDULER``), per step:
+    ``on_new_request(request)`` when it is queued starts its Lookup on a lookup thread;
     ``get_num_new_matched_tokens(request, num_computed_tokens)`` -> ``(tokens to load, False)``
-    (a Lookup: the longest stored prefix beyond the engine's local prefix-cache hit
-    ``num_computed_tokens``; never the whole prompt, the last token is computed);
+    (the Lookup's answer: the longest stored prefix beyond the engine's local prefix-cache hit
+    ``num_computed_tokens``; never the whole prompt, the last token is computed), or ``(None,
+    False)`` while the Lookup is in flight: vLLM skips the request for the step and asks again
+    (the scheduler's loop never waits on the network; ``async_lookup: false`` does); ``(0,
+    False)`` for a request with ``skip_reading_prefix_cache`` (``prompt_logprobs``, pooling);
     ``update_state_after_alloc(request, blocks, num_external_tokens)`` once blocks are allocated
     (again, with all its new blocks, when a preempted request resumes);
     ``build_connector_meta(scheduler_output)`` -> :class:`KvtrieConnectorMetadata` (what to load
@@ -81,6 +85,9 @@ the bytes: the layers of a request are gathered during the forward pass and put 
 dense as it is saved (:meth:`kvtrie.Client.put_layers`), overlapping with the next layers'
 compute, and the server encodes. ``predictor_refresh`` (10 s): see :class:`kvtrie.Client`.
 ``async_load`` (false): loads run in the background across steps, reported by ``get_finished``.
+``async_lookup`` (true): Lookups run on ``lookup_threads`` (4) threads, never in the scheduler's
+loop (see ``get_num_new_matched_tokens``). ``min_load_tokens`` (0): a hit shorter than that
+(beyond the local one) is not loaded: the engine computes it.
 ``load_layer_groups`` (1): a load is that many Gets of consecutive layers (at most one per layer;
 ``"residual"`` get_mode always 1: its blocks travel whole), so layer 0 computes while later groups
 stream. The server reads and decodes whole blocks for every group (a range saves wire bytes, not
@@ -234,6 +241,13 @@ def _prompt(request: Any) -> Optional[List[int]]:
     return [int(t) for t in ids]
 
 
+def _skips_reading(request: Any) -> bool:
+    """vLLM's ``request.skip_reading_prefix_cache`` (set for ``prompt_logprobs`` and pooling
+    requests that need every prompt position computed): such a request loads nothing; it is
+    still saved (its KV is computed as any other's)."""
+    return bool(getattr(request, "skip_reading_prefix_cache", False))
+
+
 def request_identity(request: Any) -> str:
     """What, besides its token ids, vLLM puts in a request's block hashes (kv_cache_utils'
     extra keys): the LoRA adapter, the multimodal inputs' hashes and ``cache_salt``. ``""``
@@ -335,10 +349,21 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self._load_layer_groups = int(cfg.get("load_layer_groups", 1))
         if self._load_layer_groups < 1:
             raise ValueError(f"load_layer_groups: {self._load_layer_groups} is not >= 1")
+        self._async_lookup = _bool(cfg.get("async_lookup", True), "async_lookup")
+        self._min_load_tokens = int(cfg.get("min_load_tokens", 0))
+        if self._min_load_tokens < 0:
+            raise ValueError(f"min_load_tokens: {self._min_load_tokens} is not >= 0")
+        lookup_threads = int(cfg.get("lookup_threads", 4))
+        if lookup_threads < 1:
+            raise ValueError(f"lookup_threads: {lookup_threads} is not >= 1")
         # Scheduler side.
         self._tracked: Dict[str, _Tracked] = {}
         self._matched: Dict[str, Tuple[int, int, int]] = {}  # req -> (local hit, ext, stored)
         self._saving: Set[str] = set()  # requests a save was scheduled for (request_finished)
+        # Lookups in flight or answered, per request until it is admitted or finished (the
+        # scheduler thread only; the futures run on _lookup_pool).
+        self._lookups: Dict[str, concurrent.futures.Future] = {}
+        self._lookup_pool = concurrent.futures.ThreadPoolExecutor(lookup_threads, "kvtrie-lookup")
         # Worker side.
         self._meta: Optional[KvtrieConnectorMetadata] = None
         self._caches: Dict[str, Any] = {}  # layer name -> canonical view (register_kv_caches)
@@ -385,30 +410,71 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
 
     # ---------------- scheduler side ----------------
 
-    def get_num_new_matched_tokens(self, request: Any,
-                                   num_computed_tokens: int) -> Tuple[int, bool]:
-        """Tokens beyond ``num_computed_tokens`` (the engine's local prefix-cache hit) that
-        kvtrie holds under the request's identity (block-aligned, at most all but the last prompt
-        token, which the engine computes for its logits). ``(0, False)`` when the server cannot
-        be reached or the request has no token ids (``prompt_token_ids=None``, prompt
-        embeddings): a miss, never an error. The second value is True for a load with
-        ``async_load`` on: the engine waits for the request's id in :meth:`get_finished`'s
-        second set before it schedules it; off (the default) loads run within the step, layer by
-        layer, overlapping the forward pass."""
-        prompt = _prompt(request)
-        if prompt is None:
-            return 0, False
-        identity = request_identity(request)
+    def _lookup(self, identity: str, prompt: List[int]) -> int:
+        """The stored prefix of ``prompt`` in tokens (0 when the server cannot be reached)."""
         try:
             matched = self._client_for(identity).lookup(prompt)
         except Error as e:
             log.warning("kvtrie lookup failed, computing instead: %s", e)
-            return 0, False
+            return 0
         with self._lock:
             self.stats["lookups"] += 1
+        return int(matched)
+
+    def _start_lookup(self, request: Any) -> Optional[concurrent.futures.Future]:
+        prompt = _prompt(request)
+        if prompt is None or _skips_reading(request):
+            return None
+        req_id = str(request.request_id)
+        f = self._lookups.get(req_id)
+        if f is None:
+            f = self._lookups[req_id] = self._lookup_pool.submit(
+                self._lookup, request_identity(request), prompt)
+        return f
+
+    def on_new_request(self, request: Any) -> None:
+        """vLLM calls this when a request enters the waiting queue: its lookup starts now, on a
+        lookup thread (``async_lookup``), so it is usually answered by the time the scheduler
+        reaches the request."""
+        if self._async_lookup:
+            self._start_lookup(request)
+
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        """Tokens beyond ``num_computed_tokens`` (the engine's local prefix-cache hit) that
+        kvtrie holds under the request's identity (block-aligned, at most all but the last prompt
+        token, which the engine computes for its logits; 0 below ``min_load_tokens``).
+        ``(0, False)`` when the server cannot be reached, the request has no token ids
+        (``prompt_token_ids=None``, prompt embeddings) or sets ``skip_reading_prefix_cache``
+        (vLLM: ``prompt_logprobs``, pooling): a miss, never an error.
+
+        With ``async_lookup`` (the default) this never waits on the network: the first call
+        (or :meth:`on_new_request`) starts the Lookup on a lookup thread and returns ``(None,
+        False)`` until it is answered; vLLM's scheduler then skips the request for this step and
+        asks again in the next (Scheduler.schedule: ``if ext_tokens is None``). The answer is
+        kept for the request until it is allocated (:meth:`update_state_after_alloc`), so the
+        steps it waits for pages ask no more. ``async_lookup: false``: one blocking Lookup per
+        call, in the scheduler's loop.
+
+        The second value is True for a load with ``async_load`` on: the engine waits for the
+        request's id in :meth:`get_finished`'s second set before it schedules it; off (the
+        default) loads run within the step, layer by layer, overlapping the forward pass."""
+        prompt = _prompt(request)
+        if prompt is None or _skips_reading(request):
+            return 0, False
+        if self._async_lookup:
+            f = self._start_lookup(request)
+            assert f is not None
+            if not f.done():
+                return None, False
+            matched = f.result()
+        else:
+            matched = self._lookup(request_identity(request), prompt)
         stored = matched // self._block_tokens
         matched = min(matched, len(prompt) - 1)
         ext = max(0, matched - int(num_computed_tokens))
+        if ext < self._min_load_tokens:
+            ext = 0
         if ext > 0:
             with self._lock:
                 self.stats["lookup_hits"] += 1
@@ -427,6 +493,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
             return
         req_id = str(request.request_id)
         matched = self._matched.pop(req_id, None)
+        self._lookups.pop(req_id, None)  # admitted: a resumption after preemption asks anew
         t = self._tracked.get(req_id)
         if t is None:
             t = self._tracked[req_id] = _Tracked(request, request_identity(request))
@@ -509,6 +576,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         req_id = str(request.request_id)
         self._tracked.pop(req_id, None)
         self._matched.pop(req_id, None)
+        self._lookups.pop(req_id, None)
         saving = req_id in self._saving
         self._saving.discard(req_id)
         return saving, None
@@ -830,6 +898,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         return False
 
     def shutdown(self) -> None:
+        self._lookup_pool.shutdown(wait=True)
         self._loader.shutdown(wait=True)
         self._saver.shutdown(wait=True)
         self._committer.shutdown(wait=True)

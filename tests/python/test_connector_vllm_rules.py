@@ -1,0 +1,156 @@
+"""KvtrieConnector under the rules of vLLM's real scheduler and workers that the engine of
+test_connector_engine.py did not have (issue 32). Each test is one row of the issue's table; the
+engine (engine.py) first learns the behaviour from vLLM's source (the file and function are
+cited there), then the connector is checked against it, with the real stories260K model and a
+real kvtrie-server."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import kvtrie  # noqa: E402
+import test_connector_engine  # noqa: E402
+from conftest import MODEL, TESTDATA, read_dump  # noqa: E402
+from kvtrie.connector import KVConnectorRole, KvtrieConnector  # noqa: E402
+from test_connector_engine import (PREFIX, assert_cold, mixed_prompts,  # noqa: E402
+                                   req, session, tokens)
+
+pytestmark = pytest.mark.skipif(not MODEL.exists(),
+                                reason=f"needs the model {MODEL} (or $KVTRIE_MODEL)")
+
+
+def aengine(*args, cfg=None, **kw):
+    """test_connector_engine's engine with the connector's default, asynchronous lookups."""
+    return test_connector_engine.engine(*args, cfg={"async_lookup": True, **(cfg or {})}, **kw)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from llama_numpy import LlamaModel
+    return LlamaModel(str(MODEL))
+
+
+# ---------------- row 2: skip_reading_prefix_cache ----------------
+
+
+def test_prompt_logprobs_requests_load_nothing_but_are_saved(model, server):
+    e = aengine(model, server.target, "skip-read")
+    e.run([req("s0", session(0))])  # the preamble is stored (and in the local cache)
+    out = e.run([req("s1", session(1), prompt_logprobs=1)])["s1"]
+    assert out.skip_reading_prefix_cache  # vLLM's SamplingParams default for prompt_logprobs
+    assert out.local_hit_tokens == [0] and out.external_tokens == [0]
+    assert e.workers[0].stats["loaded_tokens"] == 0
+    assert set(range(len(out.prompt_token_ids))) <= set(out.logits)  # every prompt position
+    assert_cold(model, out)
+    # Its KV is computed as any request's: saved, and the next plain request loads it.
+    e2 = aengine(model, server.target, "skip-read", prefix_cache=False)
+    again = e2.run([req("s1b", session(1))])["s1b"]
+    assert again.external_tokens[0] > PREFIX  # s1's own blocks: saved by the skipping request
+    assert_cold(model, again)
+
+
+# ---------------- row 8: lookups off the scheduler's loop ----------------
+
+
+class GatedLookups:
+    """The scheduler's client, its Lookups of `prompt` held until `gate` is set (at most 20 s:
+    a blocking connector then shows as a slow step, not a hang)."""
+
+    def __init__(self, client, prompt):
+        self._c, self._prompt, self.gate, self.calls = client, list(prompt), threading.Event(), 0
+
+    def __getattr__(self, name):
+        return getattr(self._c, name)
+
+    def lookup(self, t):
+        self.calls += 1
+        if list(t) == self._prompt:
+            self.gate.wait(20)
+        return self._c.lookup(t)
+
+
+def gate_lookups(e, prompt):
+    g = GatedLookups(e.sched._client, prompt)
+    e.sched._client = e.sched._clients[""] = g
+    return g
+
+
+def test_a_pending_lookup_defers_its_request_and_the_others_run(model, server):
+    aengine(model, server.target, "async-lookup").run([req("s0", session(0))])  # stored
+    e = aengine(model, server.target, "async-lookup", prefix_cache=False)
+    g = gate_lookups(e, session(1))
+    e.add_request(req("s1", session(1)))
+    e.add_request(req("genesis", tokens("genesis_1-3")[:100]))
+    pending = getattr(e.sched, "_lookups", {}).get("genesis")  # started by on_new_request
+    if pending is not None:
+        pending.result(timeout=20)  # genesis's lookup is answered; s1's is held
+    t0 = time.monotonic()
+    e.step()  # s1's lookup is not answered: skipped, genesis runs
+    assert time.monotonic() - t0 < 10, "the scheduler waited for a lookup"
+    assert [r.request_id for r in e.running] == ["genesis"]
+    assert [r.request_id for r in e.waiting] == ["s1"] and e.lookup_deferrals >= 1
+    e.step()
+    assert [r.request_id for r in e.waiting] == ["s1"]  # still waiting, still at the head
+    g.gate.set()
+    out = e.run()["s1"]
+    assert out.external_tokens == [PREFIX]  # the answer, once it came
+    assert g.calls == 2  # one Lookup per request, however many steps asked
+    assert_cold(model, out)
+    assert_cold(model, e.requests["genesis"])
+
+
+def test_the_answer_is_kept_until_the_request_is_allocated(server):
+    t, _, k, v = read_dump(TESTDATA / "sessions" / "s0")  # the real KV of session 0
+    kvtrie.Client(server.target, "stories260K", namespace="answer-kept").put(t, k, v)
+    sched = KvtrieConnector(role=KVConnectorRole.SCHEDULER, config={
+        "target": server.target, "model_id": "stories260K", "namespace": "answer-kept"})
+    g = gate_lookups(type("E", (), {"sched": sched})(), session(1))
+    r = req("s1", session(1))
+    assert sched.get_num_new_matched_tokens(r, 0) == (None, False)  # returned at once
+    assert sched.get_num_new_matched_tokens(r, 0) == (None, False)
+    g.gate.set()
+    deadline = time.monotonic() + 20
+    while (n := sched.get_num_new_matched_tokens(r, 0)[0]) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert n == PREFIX and sched.get_num_new_matched_tokens(r, 32) == (PREFIX - 32, False)
+    assert g.calls == 1
+    sched.request_finished(r, [])  # forgotten: a new request of that id asks again
+    sched.get_num_new_matched_tokens(r, 0)
+    sched.shutdown()  # waits for the lookup threads
+    assert g.calls == 2
+
+
+def test_min_load_tokens_and_blocking_lookups(model, server):
+    aengine(model, server.target, "min-load").run([req("s0", session(0))])
+    e = aengine(model, server.target, "min-load", prefix_cache=False,
+               cfg={"min_load_tokens": PREFIX + 16})
+    assert e.run([req("s1", session(1))])["s1"].external_tokens == [0]  # below the threshold
+    e = aengine(model, server.target, "min-load", prefix_cache=False,
+               cfg={"async_lookup": False, "min_load_tokens": PREFIX})
+    out = e.run([req("s2", session(2))])["s2"]
+    assert out.external_tokens == [PREFIX] and e.lookup_deferrals == 0
+    assert_cold(model, out)
+
+
+def test_long_mixed_run_with_asynchronous_lookups(model, server):
+    # test_connector_engine's mixed run (waves of 3, chunks, preemptions, local hits, two TP
+    # ranks, bf16) with the connector's default lookups: deferred, never blocking, bit-exact.
+    e = aengine(model, server.target, "mixed-async-lookup", tp=2, dtype=torch.bfloat16,
+               num_blocks=64, max_tokens_per_step=96, max_chunk=48,
+               cfg={"load_layer_groups": 2})
+    prompts = mixed_prompts()
+    done = {}
+    for wave in range(0, len(prompts), 3):
+        done.update(e.run([req(rid, p) for rid, p in prompts[wave:wave + 3]]))
+    assert e.preemptions >= 1 and e.lookup_deferrals >= 1
+    assert sum(sum(r.external_tokens) > 0 for r in done.values()) >= 4
+    for w in e.workers:
+        assert w.stats["save_errors"] == 0 and w.stats["load_failed_tokens"] == 0
+    for r in done.values():
+        assert_cold(model, r, torch.bfloat16)
