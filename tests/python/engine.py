@@ -89,6 +89,7 @@ class Request:
     logits: Dict[int, np.ndarray] = field(default_factory=dict)  # position -> row
     first_token_time: Optional[float] = None
     finished: bool = False
+    failed: bool = False  # finished with an error (kv_load_failure_policy="fail")
 
     def __post_init__(self):
         if self.skip_reading_prefix_cache is None:
@@ -167,8 +168,14 @@ class Engine:
     def __init__(self, model, sched=None, workers=(), *, tp: int = 1,
                  dtype: torch.dtype = torch.float16, layout: str = "flash_attn",
                  num_blocks: int = 96, block_size: int = 16, max_tokens_per_step: int = 1024,
-                 max_chunk: Optional[int] = None, prefix_cache: bool = True, seed: int = 0):
+                 max_chunk: Optional[int] = None, prefix_cache: bool = True, seed: int = 0,
+                 kv_load_failure_policy: str = "recompute"):
         self.model, self.sched, self.workers = model, sched, list(workers)
+        # vLLM's KVTransferConfig.kv_load_failure_policy; the scheduler recomputes only under
+        # "recompute" (Scheduler.__init__: recompute_kv_load_failures), else a request with a
+        # block that failed to load is finished with an error (FINISHED_ERROR).
+        assert kv_load_failure_policy in ("recompute", "fail")
+        self.policy = kv_load_failure_policy
         assert not self.workers or len(self.workers) == tp
         assert model.num_kv_heads % tp == 0 and model.num_heads % tp == 0
         self.tp, self.layout, self.dtype = tp, layout, dtype
@@ -406,12 +413,18 @@ class Engine:
             req = self.remote.pop(r)
             bad = [i for i, p in enumerate(req.block_ids) if p in self.failed_pages]
             self.failed_pages -= set(req.block_ids)
+            if bad and self.policy == "fail":
+                self._fail(req)
+                continue
             if bad:
                 req.loaded_async = min(req.loaded_async, bad[0] * self.block_size)
             self.waiting.appendleft(req)
         now = time.perf_counter()
         for (req, n), rows in zip(batch, logits):
             bad = [i for i, p in enumerate(req.block_ids) if p in errors]
+            if bad and self.policy == "fail":
+                self._fail(req)
+                continue
             if bad:  # kv_load_failure_policy="recompute": again from the first failed block
                 req.num_computed_tokens = min(req.num_computed_tokens, bad[0] * self.block_size)
                 continue
@@ -428,6 +441,15 @@ class Engine:
                     self._finish(req)
         self.steps += 1
         self.step_times.append(time.perf_counter() - t0)
+
+    def _fail(self, req: Request) -> None:
+        """kv_load_failure_policy="fail": the request ends with an error, its output dropped."""
+        req.failed = True
+        if req in self.running:
+            self._finish(req)
+            return
+        self.running.append(req)  # (an asynchronous load's request: never ran)
+        self._finish(req)
 
     def _finish(self, req: Request) -> None:
         self.running.remove(req)

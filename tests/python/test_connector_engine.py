@@ -83,7 +83,8 @@ def connectors(target, namespace, tp=1, client_wrap=None, **cfg):
 def engine(model, target, namespace, tp=1, dtype=torch.float16, layout="flash_attn",
            client_wrap=None, cfg=None, **kw):
     from engine import Engine
-    sched, workers = connectors(target, namespace, tp, client_wrap, **(cfg or {}))
+    cfg = {"kv_load_failure_policy": kw.get("kv_load_failure_policy", "recompute"), **(cfg or {})}
+    sched, workers = connectors(target, namespace, tp, client_wrap, **cfg)
     return Engine(model, sched, workers, tp=tp, dtype=dtype, layout=layout, **kw)
 
 

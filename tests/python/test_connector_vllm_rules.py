@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 import kvtrie  # noqa: E402
 import test_connector_engine  # noqa: E402
-from conftest import MODEL, TESTDATA, read_dump  # noqa: E402
+from conftest import MODEL, TESTDATA, ServerProcess, read_dump  # noqa: E402
 from kvtrie.connector import KVConnectorRole, KvtrieConnector  # noqa: E402
 from test_connector_engine import (PREFIX, assert_cold, mixed_prompts,  # noqa: E402
                                    req, session, tokens)
@@ -154,3 +155,140 @@ def test_long_mixed_run_with_asynchronous_lookups(model, server):
         assert w.stats["save_errors"] == 0 and w.stats["load_failed_tokens"] == 0
     for r in done.values():
         assert_cold(model, r, torch.bfloat16)
+
+
+# ---------------- row 1: a lease on the promised prefix; kv_load_failure_policy ----------------
+
+
+@pytest.mark.parametrize("lease", [0, 30])
+def test_a_lease_keeps_the_promised_prefix_until_it_is_loaded(model, tmp_path, lease):
+    # A server whose disk budget holds 1.5 sessions: session 0 is stored; between s1's lookup
+    # (the preamble, PREFIX tokens) and its load, a Put of another 512 tokens needs room, and
+    # the server evicts session 0's least valuable leaves. Under vLLM's default policy "fail"
+    # a promised load that fails fails the request: the lease (a Pin with a TTL taken by the
+    # lookup) must keep the preamble; without it the request fails, and says so.
+    srv = ServerProcess(tmp_path / "data", ["--disk_bytes=450000"])
+    try:
+        aengine(model, srv.target, "lease").run([req("s0", session(0))])
+        e = aengine(model, srv.target, "lease", prefix_cache=False,
+                    kv_load_failure_policy="fail", cfg={"lease_seconds": lease})
+        t, _, k, v = read_dump(TESTDATA / "genesis_1-3")
+        other = kvtrie.Client(srv.target, "stories260K", namespace="lease")
+        put_errors = []
+
+        def evict(so):  # in the step that loads s1, before the workers load
+            if "s1" not in so.num_scheduled_tokens:
+                return
+            e.hook_before_execute = None
+            try:
+                other.put(t, k, v)
+            except kvtrie.Error as err:  # the lease holds the preamble: no room
+                put_errors.append(err.code)
+
+        e.hook_before_execute = evict
+        out = e.run([req("s1", session(1))])["s1"]
+        assert out.external_tokens == [PREFIX]
+        if lease:
+            assert not out.failed and e.workers[0].stats["load_failed_tokens"] == 0
+            assert e.sched.stats["leases"] >= 1
+            assert_cold(model, out)
+        else:  # the setup does evict the promised prefix
+            assert out.failed and e.workers[0].stats["failed_requests"] == 1
+            assert not put_errors
+    finally:
+        srv.stop()
+
+
+def test_policy_fail_is_reported_at_startup(caplog, server):
+    kt = SimpleNamespace(kv_role="kv_both", kv_connector_extra_config={
+        "target": server.target, "model_id": "m"})
+    with caplog.at_level("WARNING", logger="kvtrie.connector"):
+        KvtrieConnector(vllm_config(kt), KVConnectorRole.SCHEDULER).shutdown()
+    assert "kv_load_failure_policy is 'fail'" in caplog.text  # vLLM's default
+    caplog.clear()
+    kt.kv_load_failure_policy = "recompute"
+    with caplog.at_level("WARNING", logger="kvtrie.connector"):
+        KvtrieConnector(vllm_config(kt), KVConnectorRole.SCHEDULER).shutdown()
+    assert "kv_load_failure_policy" not in caplog.text
+
+
+def vllm_config(kt, **model):
+    return SimpleNamespace(
+        kv_transfer_config=kt,
+        model_config=SimpleNamespace(**{"model": "stories260K", "dtype": "float16",
+                                        "revision": None, "quantization": None,
+                                        "hf_config": SimpleNamespace(rope_scaling=None,
+                                                                     rope_theta=10000.0),
+                                        **model}),
+        cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
+                                        rank=0))
+
+
+def vengine(model, target, namespace, kv_role="kv_both", cache=None, **model_fields):
+    """An engine whose connectors vLLM's factory would build: from a vllm_config."""
+    from engine import Engine
+    kt = SimpleNamespace(kv_role=kv_role, kv_load_failure_policy="recompute",
+                         kv_connector_extra_config={"target": target, "namespace": namespace,
+                                                    "model_id": "stories260K", "timeout": 10,
+                                                    "encoding": "lossless"})
+    cfg = vllm_config(kt, **model_fields)
+    cfg.cache_config.__dict__.update(cache or {})
+    return Engine(model, KvtrieConnector(cfg, KVConnectorRole.SCHEDULER),
+                  [KvtrieConnector(cfg, KVConnectorRole.WORKER)], prefix_cache=False)
+
+
+# ---------------- row 4: the KV fingerprint; reset_cache ----------------
+
+
+@pytest.mark.parametrize("change", [{"revision": "v2"}, {"dtype": "bfloat16"},
+                                    {"quantization": "awq"},
+                                    {"hf_config": SimpleNamespace(rope_scaling={"factor": 4.0},
+                                                                  rope_theta=10000.0)},
+                                    {"cache": {"cache_dtype": "fp8_e4m3"}}])
+def test_a_changed_deployment_under_the_same_name_misses(model, server, change):
+    ns = "fingerprint-" + next(iter(change))
+    vengine(model, server.target, ns).run([req("s0", session(0))])
+    change = dict(change)
+    e = vengine(model, server.target, ns, cache=change.pop("cache", None), **change)
+    out = e.run([req("s1", session(1))])["s1"]
+    assert out.external_tokens == [0]  # another deployment's KV is never loaded
+    assert "~" in e.sched._base_model and e.sched._base_model.startswith("stories260K~")
+    same = vengine(model, server.target, ns)  # the first deployment again: hits
+    assert same.run([req("s2", session(2))])["s2"].external_tokens == [PREFIX]
+
+
+def test_reset_cache_bumps_an_epoch_that_reaches_the_workers(model, server):
+    e = vengine(model, server.target, "reset")
+    e.run([req("s0", session(0))])
+    assert e.sched.reset_cache() is True and e.workers[0].reset_cache() is None
+    assert e.run([req("s1", session(1))])["s1"].external_tokens == [0]  # nothing from before
+    out = e.run([req("s2", session(2))])["s2"]  # s1 was saved under the new epoch
+    assert out.external_tokens == [PREFIX]
+    assert_cold(model, out)
+
+
+# ---------------- row 9: kv_role; context parallelism refused ----------------
+
+
+def test_a_producer_only_saves_and_a_consumer_only_loads(model, server):
+    vengine(model, server.target, "roles").run([req("s0", session(0))])
+    p = vengine(model, server.target, "roles", kv_role="kv_producer")
+    assert p.run([req("s1", session(1))])["s1"].external_tokens == [0]  # no lookup, no load
+    assert p.sched.stats["lookups"] == 0
+    c = vengine(model, server.target, "roles", kv_role="kv_consumer")
+    out = c.run([req("s2", session(2))])["s2"]
+    assert out.external_tokens == [PREFIX]  # loads
+    assert_cold(model, out)
+    assert c.sched._client.lookup(session(1)) == 512  # the producer's save
+    assert c.sched._client.lookup(session(2)) == PREFIX  # the consumer saved nothing
+
+
+@pytest.mark.parametrize("name", ["decode_context_parallel_size",
+                                  "prefill_context_parallel_size"])
+def test_context_parallelism_is_refused_naming_it(name):
+    kt = SimpleNamespace(kv_role="kv_both", kv_connector_extra_config={"model_id": "m"})
+    cfg = vllm_config(kt)
+    setattr(cfg.parallel_config, name, 2)
+    with pytest.raises(ValueError, match=name):
+        KvtrieConnector(cfg, KVConnectorRole.WORKER)

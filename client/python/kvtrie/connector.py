@@ -87,7 +87,20 @@ compute, and the server encodes. ``predictor_refresh`` (10 s): see :class:`kvtri
 ``async_load`` (false): loads run in the background across steps, reported by ``get_finished``.
 ``async_lookup`` (true): Lookups run on ``lookup_threads`` (4) threads, never in the scheduler's
 loop (see ``get_num_new_matched_tokens``). ``min_load_tokens`` (0): a hit shorter than that
-(beyond the local one) is not loaded: the engine computes it.
+(beyond the local one) is not loaded: the engine computes it. ``lease_seconds`` (30): a lookup
+that hits pins the prefix for that long (the server's Pin with a TTL; never unpinned: the Pin
+of a node replaces its expiry, so an unpin would also end another request's lease), so it is
+not evicted before the load; 0 = no leases (a Delete still removes a leased prefix).
+``kv_load_failure_policy`` (vLLM's, from ``kv_transfer_config``; ``"fail"`` by default there):
+under ``"fail"`` the connector warns at startup, and logs an error naming each request a failed
+load fails. ``kv_role`` (vLLM's): ``kv_producer`` only saves, ``kv_consumer`` only loads.
+Decode / prefill context parallelism (``decode_context_parallel_size`` > 1) is refused.
+
+Fingerprint (under vLLM): the model_id is ``model_id~`` + 12 hex digits of a SHA-256 of what
+makes KV differ under one model name (:func:`kv_fingerprint`: model, revision, dtype,
+quantization, rope scaling / theta, KV cache dtype, block sizes, ``fingerprint_extra``);
+``fingerprint: false`` leaves it out. :meth:`reset_cache` (vLLM's prefix-cache reset) bumps a
+cache epoch, folded into later requests' model_ids as ``.e{epoch}`` (``cache_epoch``: the first).
 ``load_layer_groups`` (1): a load is that many Gets of consecutive layers (at most one per layer;
 ``"residual"`` get_mode always 1: its blocks travel whole), so layer 0 computes while later groups
 stream. The server reads and decodes whole blocks for every group (a range saves wire bytes, not
@@ -123,15 +136,17 @@ import concurrent.futures
 import enum
 import hashlib
 import importlib.util
+import json
 import logging
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from . import Error
+from . import Error, StatusCode
 
 from ._connector_io import _bool, _EncodedSave, _make_client
 from ._layouts import KvLayout, canonical, check_dtype, detect_layout, read, write
@@ -279,6 +294,33 @@ def request_identity(request: Any) -> str:
 _MAX_IDENTITIES = 64  # clients kept for adapters / salts / images (one per model_id)
 
 
+def _attr(obj: Any, *path: str) -> Any:
+    for name in path:
+        obj = getattr(obj, name, None) if obj is not None else None
+    return obj
+
+
+def kv_fingerprint(vllm_config: Any, block_tokens: int,
+                   extra: Optional[str] = None) -> Tuple[str, Dict[str, Any]]:
+    """``(12 hex digits, fields)``: what makes two deployments' KV differ under one model name
+    (vLLM's ``model_config``: model, revision, dtype, quantization, the HF config's rope
+    scaling / theta / parameters; ``cache_config``: KV cache dtype and block size; kvtrie's
+    ``block_tokens``; ``fingerprint_extra``, e.g. a hash of fine-tuned weights)."""
+    mc, cc = _attr(vllm_config, "model_config"), _attr(vllm_config, "cache_config")
+    hf = _attr(mc, "hf_config")
+    fields = {
+        "model": _attr(mc, "model"), "revision": _attr(mc, "revision"),
+        "dtype": _attr(mc, "dtype"), "quantization": _attr(mc, "quantization"),
+        "rope_scaling": _attr(hf, "rope_scaling"), "rope_theta": _attr(hf, "rope_theta"),
+        "rope_parameters": _attr(hf, "rope_parameters"),
+        "kv_cache_dtype": _attr(cc, "cache_dtype") or "auto",
+        "block_size": _attr(cc, "block_size"), "block_tokens": int(block_tokens),
+        "extra": extra}
+    canon = json.dumps({k: None if v is None else str(v) for k, v in fields.items()},
+                       sort_keys=True)
+    return hashlib.sha256(canon.encode()).hexdigest()[:12], fields
+
+
 def _parallel_suffix(cfg: Dict[str, Any], vllm_config: Any, scheduler: bool) -> str:
     """``@tp{rank}of{size}`` (and ``@pp{rank}of{size}``) when the model is split: each rank
     holds its own heads (layers), so it stores and loads under its own model_id. The scheduler
@@ -308,6 +350,18 @@ def _parallel_suffix(cfg: Dict[str, Any], vllm_config: Any, scheduler: bool) -> 
     return (f"@tp{tp_rank}of{tp}" if tp > 1 else "") + (f"@pp{pp_rank}of{pp}" if pp > 1 else "")
 
 
+def _refuse_context_parallel(vllm_config: Any) -> None:
+    """Decode / prefill context parallelism split a request's tokens (not heads) across
+    ranks: no rank holds a prompt's whole KV, which kvtrie stores per prompt. Refused."""
+    par = _attr(vllm_config, "parallel_config")
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        n = getattr(par, name, 1) if par is not None else 1
+        if n is not None and int(n) > 1:
+            raise ValueError(f"{name}: {n}: the kvtrie connector does not support context "
+                             "parallelism (each rank holds only some tokens' KV); run without "
+                             f"it (--{name.replace('_size', '-size').replace('_', '-')} 1)")
+
+
 class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
     """kvtrie as a vLLM-style KV connector (see the module docstring for the call order)."""
 
@@ -330,11 +384,40 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
             # must not stop the worker; block_size alone tells the layouts apart.
         self._role_value = role if role is not None else KVConnectorRole.WORKER
         scheduler = self._role_value == KVConnectorRole.SCHEDULER
+        _refuse_context_parallel(vllm_config)
+        self._block_tokens = int(cfg.get("block_tokens", 16))
         self._base_model = str(cfg.get("model_id", ""))
+        if vllm_config is not None and _bool(cfg.get("fingerprint", True), "fingerprint"):
+            fp, fields = kv_fingerprint(vllm_config, self._block_tokens,
+                                        cfg.get("fingerprint_extra"))
+            self._base_model += "~" + fp
+            log.info("kvtrie model_id %s: the KV fingerprint %s of %s", self._base_model, fp,
+                     fields)
+        kt = _attr(vllm_config, "kv_transfer_config")
+        self._kv_role = str(cfg.get("kv_role", getattr(kt, "kv_role", None) or "kv_both"))
+        if self._kv_role not in ("kv_both", "kv_producer", "kv_consumer"):
+            raise ValueError(f"kv_role: {self._kv_role!r} is not kv_both, kv_producer or "
+                             "kv_consumer")
+        self._loads_kv = self._kv_role != "kv_producer"  # a producer only saves
+        self._saves_kv = self._kv_role != "kv_consumer"  # a consumer only loads
+        # vLLM's KVTransferConfig.kv_load_failure_policy ("fail" unless set): under "fail" a
+        # promised load that fails fails the request (vLLM's scheduler, _handle_invalid_blocks).
+        self._failure_policy = str(cfg.get(
+            "kv_load_failure_policy", getattr(kt, "kv_load_failure_policy", None) or "fail"))
+        self._lease_seconds = int(cfg.get("lease_seconds", 30))
+        if self._lease_seconds < 0:
+            raise ValueError(f"lease_seconds: {self._lease_seconds} is not >= 0")
+        if vllm_config is not None and self._loads_kv and self._failure_policy == "fail":
+            log.warning(
+                "kvtrie: kv_load_failure_policy is 'fail': a request whose promised KV cannot "
+                "be loaded (deleted after its lookup, a lease of %d s expired, the server "
+                "unreachable) FAILS instead of being recomputed. Set "
+                "--kv-transfer-config '{..., \"kv_load_failure_policy\": \"recompute\"}' "
+                "unless failing is what you want.", self._lease_seconds)
+        self._epoch = int(cfg.get("cache_epoch", 0))  # reset_cache bumps it (scheduler side)
         self._model_suffix = _parallel_suffix(cfg, vllm_config, scheduler)
         self._split = "@" in self._model_suffix  # more than one rank computes each step
         self._cfg = cfg
-        self._block_tokens = int(cfg.get("block_tokens", 16))
         self._num_blocks = int(cfg["num_blocks"]) if cfg.get("num_blocks") else None
         self._engine_block_size = int(cfg["block_size"]) if cfg.get("block_size") else None
         self._kv_layout = KvLayout(cfg["kv_layout"]) if cfg.get("kv_layout") else None
@@ -389,7 +472,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self.stats: Dict[str, int] = {  # updated under _lock; see get_kv_connector_stats
             "lookups": 0, "lookup_hits": 0, "loaded_tokens": 0, "loaded_bytes": 0,
             "load_failed_tokens": 0, "load_failures": 0, "saved_blocks": 0, "saved_bytes": 0,
-            "save_errors": 0}
+            "save_errors": 0, "leases": 0, "failed_requests": 0}
         self._reported: Dict[str, int] = dict(self.stats)  # stats at the last get_kv_connector_stats
 
     @property
@@ -410,16 +493,39 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
 
     # ---------------- scheduler side ----------------
 
-    def _lookup(self, identity: str, prompt: List[int]) -> int:
-        """The stored prefix of ``prompt`` in tokens (0 when the server cannot be reached)."""
+    def _identity(self, request: Any) -> str:
+        """The request's key beyond its tokens (:func:`request_identity`) and, after
+        :meth:`reset_cache`, the cache epoch: folded into the model_id of its lookups, loads
+        and saves (it travels to the workers in the metadata)."""
+        return request_identity(request) + (f".e{self._epoch}" if self._epoch else "")
+
+    def _lookup(self, identity: str, prompt: List[int]) -> Tuple[int, float]:
+        """``(stored prefix of prompt in tokens, when)``: 0 when the server cannot be reached.
+        With ``lease_seconds`` a hit is leased: the prefix is pinned for that long (the server's
+        Pin with a TTL) so it is not evicted before the worker loads it; a prefix gone before
+        the pin is a miss (never promise what is not held)."""
+        t = time.monotonic()
+        client = self._client_for(identity)
         try:
-            matched = self._client_for(identity).lookup(prompt)
+            matched = int(client.lookup(prompt))
         except Error as e:
             log.warning("kvtrie lookup failed, computing instead: %s", e)
-            return 0
+            return 0, t
         with self._lock:
             self.stats["lookups"] += 1
-        return int(matched)
+        bt = self._block_tokens
+        if self._lease_seconds and matched >= bt and self._loads_kv:
+            try:
+                client.pin(prompt[:matched // bt * bt], ttl_seconds=self._lease_seconds)
+                with self._lock:
+                    self.stats["leases"] += 1
+            except Error as e:  # gone meanwhile, or pins not allowed: a miss, said once
+                if e.code == StatusCode.NOT_FOUND:
+                    return 0, t
+                log.warning("kvtrie: leasing looked-up prefixes failed (%s): leases are off; "
+                            "a prefix evicted before its load fails under policy 'fail'", e)
+                self._lease_seconds = 0
+        return matched, t
 
     def _start_lookup(self, request: Any) -> Optional[concurrent.futures.Future]:
         prompt = _prompt(request)
@@ -427,16 +533,19 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
             return None
         req_id = str(request.request_id)
         f = self._lookups.get(req_id)
+        if f is not None and f.done() and self._lease_seconds and (
+                time.monotonic() - f.result()[1] > self._lease_seconds / 2):
+            f = None  # answered long ago (waiting for pages): its lease may lapse, ask anew
         if f is None:
             f = self._lookups[req_id] = self._lookup_pool.submit(
-                self._lookup, request_identity(request), prompt)
+                self._lookup, self._identity(request), prompt)
         return f
 
     def on_new_request(self, request: Any) -> None:
         """vLLM calls this when a request enters the waiting queue: its lookup starts now, on a
         lookup thread (``async_lookup``), so it is usually answered by the time the scheduler
         reaches the request."""
-        if self._async_lookup:
+        if self._async_lookup and self._loads_kv:
             self._start_lookup(request)
 
     def get_num_new_matched_tokens(self, request: Any,
@@ -460,16 +569,16 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         request's id in :meth:`get_finished`'s second set before it schedules it; off (the
         default) loads run within the step, layer by layer, overlapping the forward pass."""
         prompt = _prompt(request)
-        if prompt is None or _skips_reading(request):
+        if prompt is None or _skips_reading(request) or not self._loads_kv:
             return 0, False
         if self._async_lookup:
             f = self._start_lookup(request)
             assert f is not None
             if not f.done():
                 return None, False
-            matched = f.result()
+            matched = f.result()[0]
         else:
-            matched = self._lookup(request_identity(request), prompt)
+            matched = self._lookup(self._identity(request), prompt)[0]
         stored = matched // self._block_tokens
         matched = min(matched, len(prompt) - 1)
         ext = max(0, matched - int(num_computed_tokens))
@@ -496,7 +605,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self._lookups.pop(req_id, None)  # admitted: a resumption after preemption asks anew
         t = self._tracked.get(req_id)
         if t is None:
-            t = self._tracked[req_id] = _Tracked(request, request_identity(request))
+            t = self._tracked[req_id] = _Tracked(request, self._identity(request))
         t.request = request
         t.block_ids = _block_ids(blocks)
         local = int(request.num_computed_tokens)
@@ -554,7 +663,8 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
                 # the engine discarded that step (begin went back) and recomputes, saving then.
                 t.save_next_step = False
                 save = full if begin >= full else 0
-            if not save and full > t.stored_blocks * bt and begin < full <= end:
+            if (not save and self._saves_kv and full > t.stored_blocks * bt
+                    and begin < full <= end):
                 if t.load_end and self._split:  # another rank's load may fail: save later
                     t.save_next_step = True
                 else:
@@ -718,9 +828,17 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
                 self._load_errors.update(int(b) for b in r.block_ids[first:last + 1])
                 self._failed_loads.add(r.req_id)
                 self.stats["load_failures"] += 1
+                if self._failure_policy == "fail":
+                    self.stats["failed_requests"] += 1
             self.stats["loaded_tokens"] += n - r.load_begin
             self.stats["loaded_bytes"] += nbytes
             self.stats["load_failed_tokens"] += r.load_end - n
+        if n < r.load_end and self._failure_policy == "fail":
+            log.error("kvtrie: request %s: only %d of the %d promised tokens [%d, %d) could be "
+                      "loaded (evicted or deleted after the lookup, or the server unreachable); "
+                      "kv_load_failure_policy is 'fail', so vLLM FAILS this request. With "
+                      "'recompute' it would be recomputed from token %d.", r.req_id,
+                      n - r.load_begin, r.load_end - r.load_begin, r.load_begin, r.load_end, n)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Blocks until this layer's KV of this step's loads is in the paged cache."""
@@ -858,7 +976,8 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         ``lookups`` and ``lookup_hits`` (an external hit beyond the local one); on a worker
         ``loaded_tokens`` / ``loaded_bytes`` (dense KV written into the paged cache),
         ``load_failed_tokens`` / ``load_failures`` (requests), ``saved_blocks`` (stored, not
-        deduplicated), ``saved_bytes`` (dense KV gathered for committed saves), ``save_errors``.
+        deduplicated), ``saved_bytes`` (dense KV gathered for committed saves), ``save_errors``;
+        ``leases`` (scheduler), ``failed_requests`` (loads that failed under policy "fail").
         """
         with self._lock:
             now = dict(self.stats)
@@ -883,6 +1002,21 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         vLLM (or a vLLM without that class)."""
         from ._metrics import build_prom_metrics
         return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def reset_cache(self) -> Optional[bool]:
+        """vLLM's prefix-cache reset (``reset_prefix_cache``; weights updated in place, RL):
+        on the scheduler, bumps the cache epoch folded into every later request's model_id,
+        so nothing stored before is loaded again (it ages out of the server by eviction). The
+        epoch starts at ``cache_epoch`` (0): a restarted engine is back there; set
+        ``cache_epoch`` to keep a reset across restarts. True; None on a worker."""
+        if self._role_value != KVConnectorRole.SCHEDULER:
+            return None
+        self._epoch += 1
+        self._lookups.clear()  # answers of the old epoch
+        self._matched.clear()
+        log.info("kvtrie cache reset: epoch %d (model_id %s%s)", self._epoch, self._base_model,
+                 f"*.e{self._epoch}")
+        return True
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
