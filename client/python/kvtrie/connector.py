@@ -350,6 +350,16 @@ def _parallel_suffix(cfg: Dict[str, Any], vllm_config: Any, scheduler: bool) -> 
     return (f"@tp{tp_rank}of{tp}" if tp > 1 else "") + (f"@pp{pp_rank}of{pp}" if pp > 1 else "")
 
 
+def _lease(client: Any, tokens: List[int], ttl_seconds: int) -> None:
+    """Pins ``tokens`` for ``ttl_seconds`` where they are stored: on a ShardedClient the owner
+    only (its ``pin`` with ``pin_replicas=2`` would also copy the prefix to a second shard)."""
+    call = getattr(client, "_call", None)
+    if call is not None:  # kvtrie.ShardedClient
+        call(tokens, "admin", lambda c, t: c.pin(t, ttl_seconds, False), None)
+    else:
+        client.pin(tokens, ttl_seconds=ttl_seconds)
+
+
 def _refuse_context_parallel(vllm_config: Any) -> None:
     """Decode / prefill context parallelism split a request's tokens (not heads) across
     ranks: no rank holds a prompt's whole KV, which kvtrie stores per prompt. Refused."""
@@ -516,15 +526,20 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         bt = self._block_tokens
         if self._lease_seconds and matched >= bt and self._loads_kv:
             try:
-                client.pin(prompt[:matched // bt * bt], ttl_seconds=self._lease_seconds)
+                _lease(client, prompt[:matched // bt * bt], self._lease_seconds)
                 with self._lock:
                     self.stats["leases"] += 1
-            except Error as e:  # gone meanwhile, or pins not allowed: a miss, said once
-                if e.code == StatusCode.NOT_FOUND:
+            except Error as e:
+                if e.code == StatusCode.NOT_FOUND:  # gone since the lookup: a miss
                     return 0, t
-                log.warning("kvtrie: leasing looked-up prefixes failed (%s): leases are off; "
-                            "a prefix evicted before its load fails under policy 'fail'", e)
-                self._lease_seconds = 0
+                if e.code in (StatusCode.PERMISSION_DENIED, StatusCode.UNAUTHENTICATED,
+                              StatusCode.UNIMPLEMENTED):  # never allowed: said once
+                    log.warning("kvtrie: leasing looked-up prefixes failed (%s): leases are "
+                                "off; a prefix evicted before its load fails under policy "
+                                "'fail'", e)
+                    self._lease_seconds = 0
+                else:  # this prefix unleased: its load may still fail (then said per request)
+                    log.info("kvtrie: no lease on a looked-up prefix: %s", e)
         return matched, t
 
     def _start_lookup(self, request: Any) -> Optional[concurrent.futures.Future]:
