@@ -169,13 +169,20 @@ class Engine:
                  dtype: torch.dtype = torch.float16, layout: str = "flash_attn",
                  num_blocks: int = 96, block_size: int = 16, max_tokens_per_step: int = 1024,
                  max_chunk: Optional[int] = None, prefix_cache: bool = True, seed: int = 0,
-                 kv_load_failure_policy: str = "recompute"):
+                 kv_load_failure_policy: str = "recompute", full_cudagraph: bool = False,
+                 skip_save_layers=()):
         self.model, self.sched, self.workers = model, sched, list(workers)
         # vLLM's KVTransferConfig.kv_load_failure_policy; the scheduler recomputes only under
         # "recompute" (Scheduler.__init__: recompute_kv_load_failures), else a request with a
         # block that failed to load is finished with an error (FINISHED_ERROR).
         assert kv_load_failure_policy in ("recompute", "fail")
         self.policy = kv_load_failure_policy
+        # The per-layer hooks run inside attention (vllm/attention/layer.py:
+        # wait_for_kv_layer_from_connector, maybe_save_kv_layer_to_connector); a full CUDA
+        # graph replays attention without them, custom attention may not call them. The model
+        # runner calls start_load_kv before and wait_for_save after the forward pass either way
+        # (vllm/v1/worker/kv_connector_model_runner_mixin.py).
+        self.full_cudagraph, self.skip_save_layers = full_cudagraph, set(skip_save_layers)
         assert not self.workers or len(self.workers) == tp
         assert model.num_kv_heads % tp == 0 and model.num_heads % tp == 0
         self.tp, self.layout, self.dtype = tp, layout, dtype
@@ -507,7 +514,7 @@ class Engine:
             xs.append(m.embd[np.asarray(toks, dtype=np.int64)].astype(np.float64))
         for l, L in enumerate(m.layers):
             name = self.names[l]
-            for w in self.workers:
+            for w in self.workers if not self.full_cudagraph else ():
                 w.wait_for_layer_load(name)
             qs = []
             for x, (pos, nb, no, _, _, _) in zip(xs, plans):
@@ -522,7 +529,8 @@ class Engine:
                     K[nb, no] = torch.from_numpy(k[:, r * hk:(r + 1) * hk].copy()).to(self.dtype)
                     V[nb, no] = torch.from_numpy(v[:, r * hk:(r + 1) * hk].copy()).to(self.dtype)
             for r, w in enumerate(self.workers):
-                w.save_kv_layer(name, self.caches[r][name], None)
+                if not self.full_cudagraph and l not in self.skip_save_layers:
+                    w.save_kv_layer(name, self.caches[r][name], None)
             for i, (q, (pos, _, _, ab, ao, mask)) in enumerate(zip(qs, plans)):
                 T = len(pos)
                 att = np.empty((T, m.num_heads, m.head_dim), np.float64)

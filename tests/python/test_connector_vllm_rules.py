@@ -292,3 +292,31 @@ def test_context_parallelism_is_refused_naming_it(name):
     setattr(cfg.parallel_config, name, 2)
     with pytest.raises(ValueError, match=name):
         KvtrieConnector(cfg, KVConnectorRole.WORKER)
+
+
+# ---------------- rows 6, 7: missed save_kv_layer calls; full CUDA graphs ----------------
+
+
+def test_a_layer_save_kv_layer_missed_is_gathered_in_wait_for_save(model, server):
+    e = aengine(model, server.target, "missed-layer", skip_save_layers={2})  # custom attention
+    e.run([req("s0", session(0))])
+    assert e.workers[0].stats["save_errors"] == 0
+    out = aengine(model, server.target, "missed-layer", prefix_cache=False).run(
+        [req("s1", session(1))])["s1"]
+    assert out.external_tokens == [PREFIX]  # every layer of s0's preamble was saved
+    assert_cold(model, out)
+
+
+def test_full_cuda_graphs_without_layerwise_hooks(model, server):
+    assert KvtrieConnector.requires_piecewise_for_cudagraph({}) is True  # layer-wise: default
+    assert KvtrieConnector.requires_piecewise_for_cudagraph({"layerwise": False}) is False
+    cfg = {"layerwise": False}
+    e = aengine(model, server.target, "full-graphs", full_cudagraph=True, cfg=cfg)
+    e.run([req("s0", session(0))])  # no save_kv_layer at all: saved in wait_for_save
+    e = aengine(model, server.target, "full-graphs", full_cudagraph=True, prefix_cache=False,
+                tp=2, cfg=cfg)
+    e.run([req("s0", session(0))])  # (each rank's heads)
+    out = e.run([req("s1", session(1))])["s1"]
+    assert out.external_tokens == [PREFIX]  # loaded before the forward pass, no layer waits
+    assert e.workers[0].stats["loaded_tokens"] == PREFIX
+    assert_cold(model, out)

@@ -95,6 +95,10 @@ not evicted before the load; 0 = no leases (a Delete still removes a leased pref
 under ``"fail"`` the connector warns at startup, and logs an error naming each request a failed
 load fails. ``kv_role`` (vLLM's): ``kv_producer`` only saves, ``kv_consumer`` only loads.
 Decode / prefill context parallelism (``decode_context_parallel_size`` > 1) is refused.
+``layerwise`` (true): loads and saves overlap the layers through ``wait_for_layer_load`` /
+``save_kv_layer``, so vLLM captures piecewise CUDA graphs (:meth:`requires_piecewise_for_cudagraph`);
+``false`` allows full graphs: :meth:`start_load_kv` waits for the step's loads. Either way a layer
+whose ``save_kv_layer`` did not come is gathered in :meth:`wait_for_save`.
 
 Fingerprint (under vLLM): the model_id is ``model_id~`` + 12 hex digits of a SHA-256 of what
 makes KV differ under one model name (:func:`kv_fingerprint`: model, revision, dtype,
@@ -442,6 +446,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self._load_layer_groups = int(cfg.get("load_layer_groups", 1))
         if self._load_layer_groups < 1:
             raise ValueError(f"load_layer_groups: {self._load_layer_groups} is not >= 1")
+        self._layerwise = _bool(cfg.get("layerwise", True), "layerwise")
         self._async_lookup = _bool(cfg.get("async_lookup", True), "async_lookup")
         self._min_load_tokens = int(cfg.get("min_load_tokens", 0))
         if self._min_load_tokens < 0:
@@ -475,6 +480,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self._save_failed: Set[str] = set()  # req ids with a failed layer save (saver thread)
         self._save_bytes: Dict[str, int] = {}  # req id -> dense bytes gathered (saver thread)
         self._save_futures: List[concurrent.futures.Future] = []
+        self._saved_layers: Set[int] = set()  # layers save_kv_layer was called for this step
         self._commits: Dict[str, List[concurrent.futures.Future]] = {}  # req -> commits in flight
         self._finishing: Set[str] = set()  # finished requests with saves, not yet reported
         self._async_loader = concurrent.futures.ThreadPoolExecutor(1, "kvtrie-async-load")
@@ -760,6 +766,8 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
             self._load_future = None
             return
         self._load_future = self._loader.submit(self._load, loads, self._layer_loaded)
+        if not self._layerwise:  # no wait_for_layer_load will come (full CUDA graphs)
+            self._load_future.result()
 
     def _layer_groups(self) -> List[Tuple[int, int]]:
         """The layer ranges a load is fetched in, in layer order (``load_layer_groups``)."""
@@ -865,10 +873,12 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         """Queues this layer of this step's saves; the saver thread gathers it from the paged
         cache (the layer registered under ``layer_name``; ``kv_layer`` is the same tensor) and,
         with ``encode_on_client`` off, sends it while the engine computes the next layer."""
-        meta = self._get_connector_metadata()
-        layer = self._layer_index[layer_name]
-        cache = self._caches[layer_name]
-        for r in meta.requests:
+        self._queue_layer_saves(self._layer_index[layer_name])
+
+    def _queue_layer_saves(self, layer: int) -> None:
+        self._saved_layers.add(layer)
+        cache = self._caches[self._names[layer]]
+        for r in self._get_connector_metadata().requests:
             if r.save_tokens > 0:
                 self._save_futures.append(self._saver.submit(self._save_layer, r, layer, cache))
 
@@ -928,6 +938,14 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         only costs a future cache miss."""
         if self._load_future is not None:
             self._load_future.result()  # the save decision needs the load outcome
+        if self._meta is not None:
+            # Layers whose save_kv_layer did not come (full CUDA graphs replay attention
+            # without the hook; custom attention may skip it): gathered now, after the forward
+            # pass wrote them, so a save is never dropped for a missing layer.
+            for layer in range(len(self._names)):
+                if layer not in self._saved_layers:
+                    self._queue_layer_saves(layer)
+        self._saved_layers = set()
         futures, self._save_futures = self._save_futures, []
         for f in futures:
             try:
@@ -1035,10 +1053,13 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
-        """True: the per-layer hooks (``wait_for_layer_load``, ``save_kv_layer``) run inside
-        the attention layers, which a full CUDA graph replays without calling them, so vLLM must
-        capture piecewise graphs (attention outside the graph)."""
-        return True
+        """``layerwise`` (true by default): the per-layer hooks (``wait_for_layer_load``,
+        ``save_kv_layer``) overlap loads and saves with the layers' compute, but run inside the
+        attention layers, which a full CUDA graph replays without calling them, so vLLM must
+        capture piecewise graphs (attention outside the graph). ``layerwise: false``: full
+        graphs are allowed; :meth:`start_load_kv` then waits for the step's loads and
+        :meth:`wait_for_save` gathers every layer."""
+        return _bool((extra_config or {}).get("layerwise", True), "layerwise")
 
     @property
     def requires_kv_delivery(self) -> bool:
