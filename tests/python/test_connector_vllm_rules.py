@@ -245,7 +245,7 @@ def vengine(model, target, namespace, kv_role="kv_both", cache=None, **model_fie
                                     {"quantization": "awq"},
                                     {"hf_config": SimpleNamespace(rope_scaling={"factor": 4.0},
                                                                   rope_theta=10000.0)},
-                                    {"cache": {"cache_dtype": "fp8_e4m3"}}])
+                                    {"cache": {"cache_dtype": "bfloat16"}}])
 def test_a_changed_deployment_under_the_same_name_misses(model, server, change):
     ns = "fingerprint-" + next(iter(change))
     vengine(model, server.target, ns).run([req("s0", session(0))])
@@ -320,3 +320,30 @@ def test_full_cuda_graphs_without_layerwise_hooks(model, server):
     assert out.external_tokens == [PREFIX]  # loaded before the forward pass, no layer waits
     assert e.workers[0].stats["loaded_tokens"] == PREFIX
     assert_cold(model, out)
+
+
+# ---------------- rows 3, 5: refused at startup, naming the setting (not stored yet) ----------
+
+
+def test_fp8_caches_and_hybrid_groups_are_refused_at_startup():
+    kt = SimpleNamespace(kv_role="kv_both", kv_connector_extra_config={"model_id": "m"})
+    cfg = vllm_config(kt)
+    cfg.cache_config.cache_dtype = "fp8_e4m3"
+    with pytest.raises(ValueError, match="cache_dtype: 'fp8_e4m3'"):
+        KvtrieConnector(cfg, KVConnectorRole.SCHEDULER)
+    worker = KvtrieConnector(role=KVConnectorRole.WORKER, config={"model_id": "m"})
+    with pytest.raises(ValueError, match="uint8"):  # vLLM's fp8 pages are uint8 tensors
+        worker.register_kv_caches({"l0": torch.zeros(2, 4, 16, 2, 8, dtype=torch.uint8)})
+    worker.shutdown()
+
+    class FullAttentionSpec:
+        pass
+
+    class MambaSpec:
+        pass
+    groups = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=FullAttentionSpec()),
+                                              SimpleNamespace(kv_cache_spec=MambaSpec())])
+    with pytest.raises(ValueError, match="kv_cache_groups: 2 groups .FullAttentionSpec, MambaSpec"):
+        KvtrieConnector(vllm_config(kt), KVConnectorRole.SCHEDULER, groups)
+    one = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=FullAttentionSpec())])
+    KvtrieConnector(vllm_config(kt), KVConnectorRole.SCHEDULER, one).shutdown()

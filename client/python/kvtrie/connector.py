@@ -94,7 +94,9 @@ not evicted before the load; 0 = no leases (a Delete still removes a leased pref
 ``kv_load_failure_policy`` (vLLM's, from ``kv_transfer_config``; ``"fail"`` by default there):
 under ``"fail"`` the connector warns at startup, and logs an error naming each request a failed
 load fails. ``kv_role`` (vLLM's): ``kv_producer`` only saves, ``kv_consumer`` only loads.
-Decode / prefill context parallelism (``decode_context_parallel_size`` > 1) is refused.
+Decode / prefill context parallelism (``decode_context_parallel_size`` > 1), FP8 caches
+(``cache_dtype`` fp8*, uint8 pages) and more than one KV cache group (hybrid models) are refused
+at startup, naming the setting.
 ``layerwise`` (true): loads and saves overlap the layers through ``wait_for_layer_load`` /
 ``save_kv_layer``, so vLLM captures piecewise CUDA graphs (:meth:`requires_piecewise_for_cudagraph`);
 ``false`` allows full graphs: :meth:`start_load_kv` waits for the step's loads. Either way a layer
@@ -364,6 +366,24 @@ def _lease(client: Any, tokens: List[int], ttl_seconds: int) -> None:
         client.pin(tokens, ttl_seconds=ttl_seconds)
 
 
+def _refuse_unsupported_caches(vllm_config: Any, kv_cache_config: Any) -> None:
+    """What kvtrie cannot store yet is refused at startup, naming the setting, instead of
+    every save failing later (issue 32 rows 3 and 5): FP8 KV caches (the server's dtypes are
+    FP16, BF16 and FP32), and more than one KV cache group (hybrid models: sliding window with
+    full attention under the hybrid allocator, Mamba; this connector is not ``SupportsHMA``)."""
+    cache_dtype = str(_attr(vllm_config, "cache_config", "cache_dtype") or "auto")
+    if cache_dtype.startswith("fp8"):
+        raise ValueError(f"cache_dtype: {cache_dtype!r}: the kvtrie connector stores fp16, bf16 "
+                         "and fp32 KV caches, not FP8; run without --kv-cache-dtype fp8")
+    groups = list(_attr(kv_cache_config, "kv_cache_groups") or [])
+    if len(groups) > 1:
+        kinds = [type(_attr(g, "kv_cache_spec")).__name__ for g in groups]
+        raise ValueError(f"kv_cache_groups: {len(groups)} groups ({', '.join(kinds)}): the "
+                         "kvtrie connector stores one group of attention layers; hybrid models "
+                         "(sliding window with --disable-hybrid-kv-cache-manager left off, Mamba) "
+                         "are not supported")
+
+
 def _refuse_context_parallel(vllm_config: Any) -> None:
     """Decode / prefill context parallelism split a request's tokens (not heads) across
     ranks: no rank holds a prompt's whole KV, which kvtrie stores per prompt. Refused."""
@@ -399,6 +419,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self._role_value = role if role is not None else KVConnectorRole.WORKER
         scheduler = self._role_value == KVConnectorRole.SCHEDULER
         _refuse_context_parallel(vllm_config)
+        _refuse_unsupported_caches(vllm_config, kv_cache_config)
         self._block_tokens = int(cfg.get("block_tokens", 16))
         self._base_model = str(cfg.get("model_id", ""))
         if vllm_config is not None and _bool(cfg.get("fingerprint", True), "fingerprint"):
@@ -721,6 +742,11 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self._layouts: Dict[str, KvLayout] = {}
         self._caches = {}
         for name, cache in kv_caches.items():
+            dtype = str(getattr(cache, "dtype", ""))
+            if any(d in dtype for d in ("int8", "float8")):  # vLLM's fp8 pages: uint8
+                raise ValueError(f"kv_caches[{name!r}]: dtype {dtype}: the kvtrie connector "
+                                 "stores fp16, bf16 and fp32 caches (FP8 / uint8 is not "
+                                 "supported)")
             layout = self._kv_layout or detect_layout(cache.shape, self._num_blocks,
                                                       self._engine_block_size)
             self._layouts[name] = layout
