@@ -15,7 +15,11 @@ Where it matters for a connector's data path it behaves as vLLM's scheduler and 
   computed tokens forgotten) and later resumed with new pages: ``update_state_after_alloc`` with
   all its pages again, and ``scheduled_cached_reqs.resumed_req_ids`` (its new_block_ids replace).
 * Load errors under ``kv_load_failure_policy="recompute"``: a request with a failed block
-  computes again from that block; its step's output is discarded.
+  computes again from that block; its step's output is discarded. Under ``"fail"`` (vLLM's
+  default) the request ends with an error (``failed``).
+* ``full_cudagraph``: the per-layer hooks (``wait_for_layer_load``, ``save_kv_layer``) are not
+  called, as a full CUDA graph replays attention; ``skip_save_layers``: layers whose attention
+  does not call ``save_kv_layer`` (custom attention).
 * Asynchronous saves: ``request_finished`` returning True keeps the pages until every rank's
   ``get_finished`` reported the request. Asynchronous loads: when ``get_num_new_matched_tokens``
   returns True the request gets pages for the loaded tokens and waits (vLLM's

@@ -322,8 +322,7 @@ def kv_fingerprint(vllm_config: Any, block_tokens: int,
         "kv_cache_dtype": _attr(cc, "cache_dtype") or "auto",
         "block_size": _attr(cc, "block_size"), "block_tokens": int(block_tokens),
         "extra": extra}
-    canon = json.dumps({k: None if v is None else str(v) for k, v in fields.items()},
-                       sort_keys=True)
+    canon = json.dumps(fields, sort_keys=True, default=str)  # nested dicts sorted too
     return hashlib.sha256(canon.encode()).hexdigest()[:12], fields
 
 
