@@ -85,6 +85,9 @@ the bytes: the layers of a request are gathered during the forward pass and put 
 dense as it is saved (:meth:`kvtrie.Client.put_layers`), overlapping with the next layers'
 compute, and the server encodes. ``predictor_refresh`` (10 s): see :class:`kvtrie.Client`.
 ``async_load`` (false): loads run in the background across steps, reported by ``get_finished``.
+``save_generated`` (true): decode steps save the blocks their generated tokens complete (a
+conversation's next turn loads them); false: only the prompt's blocks (saves are incremental
+either way: each step saves the blocks it completed, see :meth:`build_connector_meta`).
 ``async_lookup`` (true): Lookups run on ``lookup_threads`` (4) threads, never in the scheduler's
 loop (see ``get_num_new_matched_tokens``). ``min_load_tokens`` (0): a hit shorter than that
 (beyond the local one) is not loaded: the engine computes it. ``lease_seconds`` (30): a lookup
@@ -186,12 +189,12 @@ class RequestMeta:
     """One request's work in one step (picklable: vLLM ships it to the workers)."""
 
     req_id: str
-    token_ids: List[int]  #: the prompt
+    token_ids: List[int]  #: the prompt, and the generated tokens a save covers
     block_ids: List[int]  #: the request's engine blocks, in token order (all of them, this step)
     load_begin: int = 0  #: load tokens [load_begin, load_end): the engine's local hit ends at
     load_end: int = 0  #: load_begin (0 = no load)
     save_tokens: int = 0  #: save the full kvtrie blocks of tokens [0, save_tokens) (0 = no save)
-    stored_blocks: int = 0  #: kvtrie blocks the lookup found stored (not sent again)
+    stored_blocks: int = 0  #: kvtrie blocks stored (the lookup's, earlier steps' saves): not sent
     identity: str = ""  #: the request's key beyond its tokens, folded into the model_id
     async_load: bool = False  #: load in the background, reported by get_finished (not computed)
 
@@ -237,8 +240,9 @@ class _Tracked:  # scheduler side: a request between its first alloc and request
     block_ids: List[int] = field(default_factory=list)
     load_begin: int = 0  # pending load [load_begin, load_end), consumed by build_connector_meta
     load_end: int = 0
-    stored_blocks: int = 0
-    save_next_step: bool = False  # its prompt was completed in a step that also loaded
+    stored_blocks: int = 0  # kvtrie blocks the lookup found stored
+    saved_blocks: int = 0  # kvtrie blocks stored or saved by an earlier step (not sent again)
+    last_end: int = 0  # tokens computed by the end of its last scheduled step
     async_load: bool = False  # the pending load is asynchronous
 
 
@@ -259,6 +263,15 @@ def _prompt(request: Any) -> Optional[List[int]]:
     ids = getattr(request, "prompt_token_ids", None)
     if ids is None or getattr(request, "prompt_embeds", None) is not None:
         return None
+    return [int(t) for t in ids]
+
+
+def _all_tokens(request: Any, prompt: List[int]) -> List[int]:
+    """The prompt and the tokens generated so far (vLLM's ``Request.all_token_ids``)."""
+    ids = getattr(request, "all_token_ids", None)
+    if ids is None:
+        out = getattr(request, "output_token_ids", None) or []
+        return prompt + [int(t) for t in out]
     return [int(t) for t in ids]
 
 
@@ -463,6 +476,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self._target_rel_rms = float(cfg.get("target_rel_rms", 0.0))
         self._get_mode = cfg.get("get_mode", "reconstructed")
         self._async_load = _bool(cfg.get("async_load", False), "async_load")
+        self._save_generated = _bool(cfg.get("save_generated", True), "save_generated")
         self._load_layer_groups = int(cfg.get("load_layer_groups", 1))
         if self._load_layer_groups < 1:
             raise ValueError(f"load_layer_groups: {self._load_layer_groups} is not >= 1")
@@ -652,6 +666,8 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         local = int(request.num_computed_tokens)
         if matched is not None:
             local, _, t.stored_blocks = matched
+            t.saved_blocks = t.stored_blocks
+        t.last_end = 0  # admitted (again): computing from its hits on
         ext = int(num_external_tokens)
         t.load_begin, t.load_end = (local, local + ext) if ext > 0 else (0, 0)
         t.async_load = self._async_load and ext > 0
@@ -661,13 +677,16 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         the SchedulerOutput: a new request's ``block_ids``, a running one's
         ``scheduled_cached_reqs.new_block_ids`` appended (chunked prefill allocates per chunk),
         or replacing the list when it is in ``resumed_req_ids`` (``resumed_from_preemption`` in
-        older vLLM). A request is saved in the step that computes the last token of its prompt's
-        last full kvtrie block (a chunked prefill saves once, at the end; a recompute after a
-        load error or a preemption saves again). With more than one rank (TP / PP), when that
-        step also loaded, the save moves to the request's next step unless that step was
-        discarded: a load that failed on one rank makes the KV every rank computed in that step
-        wrong, and no rank knows of the others' failures (so there a request that loads and
-        finishes in one step is not saved). Resets the pending loads."""
+        older vLLM). Saves are incremental: each step saves the kvtrie blocks its computed tokens
+        completed (a chunk of a chunked prefill; with ``save_generated``, the default, decode
+        steps too, the generated tokens included, so a conversation's next turn, whose prompt is
+        this one's prompt and output, hits them), each a Put from the first block not stored or
+        saved before (committed after the step, in order, on the commit thread). A step that goes
+        back (a recompute after a load error) saves again from there. With more than one rank
+        (TP / PP), a step that also loaded saves nothing: a load that failed on one rank makes
+        the KV every rank computed in that step wrong, and no rank knows of the others' failures;
+        its blocks are saved by the request's next step, if that step was not discarded (so a
+        request that loads and finishes in one step is not saved). Resets the pending loads."""
         scheduled: Dict[str, int] = dict(getattr(scheduler_output, "num_scheduled_tokens", {}))
         computed: Dict[str, int] = {}
         for new in getattr(scheduler_output, "scheduled_new_reqs", None) or []:
@@ -695,27 +714,25 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
             if req_id not in scheduled and t.load_end == 0:
                 continue
             prompt = _prompt(t.request)
-            full = len(prompt) // bt * bt
+            tokens = _all_tokens(t.request, prompt) if self._save_generated else prompt
             begin = computed.get(req_id, int(t.request.num_computed_tokens))
             end = begin + scheduled.get(req_id, 0)
             save = 0
-            if t.save_next_step and req_id in scheduled:
-                # The step that completed the prompt also loaded: if any rank's load failed,
-                # the engine discarded that step (begin went back) and recomputes, saving then.
-                t.save_next_step = False
-                save = full if begin >= full else 0
-            if (not save and self._saves_kv and full > t.stored_blocks * bt
-                    and begin < full <= end):
-                if t.load_end and self._split:  # another rank's load may fail: save later
-                    t.save_next_step = True
-                else:
-                    save = full
+            if req_id in scheduled:
+                if begin < t.last_end:  # the engine went back (a load error): save again
+                    t.saved_blocks = min(t.saved_blocks, begin // bt)
+                t.last_end = end
+                done = min(end, len(tokens)) // bt  # kvtrie blocks whose KV exists after it
+                if (self._saves_kv and done > t.saved_blocks
+                        and not (t.load_end and self._split)):  # see the docstring
+                    save = done * bt
             if t.load_end or save:
-                meta.requests.append(RequestMeta(req_id, prompt, list(t.block_ids), t.load_begin,
-                                                 t.load_end, save, t.stored_blocks, t.identity,
-                                                 t.async_load))
+                meta.requests.append(RequestMeta(
+                    req_id, tokens[:max(len(prompt), save)], list(t.block_ids), t.load_begin,
+                    t.load_end, save, t.saved_blocks, t.identity, t.async_load))
             if save:
                 self._saving.add(req_id)
+                t.saved_blocks = save // bt
             t.load_begin = t.load_end = 0
         return meta
 
@@ -990,6 +1007,8 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
                 continue
             fut = self._committer.submit(self._commit, req_id, s, save_bytes.get(req_id, 0))
             with self._lock:
+                # Its load's end no longer bounds the next saves (they begin where this ends).
+                self._loaded_ok.pop(req_id, None)
                 self._commits.setdefault(req_id, []).append(fut)
         meta = self._meta
         for r in meta.requests if meta is not None else []:
