@@ -32,6 +32,12 @@ Where it matters for a connector's data path it behaves as vLLM's scheduler and 
 * ``skip_reading_prefix_cache`` (``prompt_logprobs``; vllm/sampling_params.py,
   vllm/v1/request.py): no local prefix-cache hit (kv_cache_manager.get_computed_blocks); the
   connector is still asked, with 0 local tokens.
+* KV cache events of the connector (vllm/v1/worker/kv_connector_model_runner_mixin.py: each
+  worker's ``get_kv_connector_kv_cache_events()`` after ``get_finished``, in forward and
+  no-forward steps; vllm/distributed/kv_transfer/kv_connector/utils.py, KVOutputAggregator:
+  the first worker's object, the others' ``add_events`` + ``increment_workers(1)``;
+  vllm/v1/core/sched/scheduler.py, update_from_output: ``update_connector_output``, then
+  ``take_events()`` published): ``kv_events`` is what the publisher got, in order.
 * Torch tensors in vLLM's layouts (``flash_attn`` [2, blocks, block_size, heads, head_dim],
   ``flash_infer`` [blocks, 2, block_size, heads, head_dim], ``flash_infer_hnd`` [blocks, 2,
   heads, block_size, head_dim], ``mla`` [blocks, block_size, latent] with the latent = K and V of
@@ -131,6 +137,11 @@ class CachedRequestData:
 
 
 @dataclass
+class KVConnectorOutput:  # the field of vLLM's KVConnectorOutput a connector's events travel in
+    kv_cache_events: Any = None
+
+
+@dataclass
 class SchedulerOutput:
     scheduled_new_reqs: List[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
@@ -220,6 +231,7 @@ class Engine:
         self.hook_before_execute: Optional[Callable[[SchedulerOutput], None]] = None
         self.step_times: List[float] = []
         self.lookup_deferrals = 0  # waiting requests skipped because the connector said None
+        self.kv_events: List[Any] = []  # the connector's KV cache events, as published
 
     # ---------------- pages ----------------
 
@@ -408,15 +420,18 @@ class Engine:
             w.start_load_kv(None)
         logits = self._forward(batch)
         errors: Set[int] = set()
+        events = []
         for w in self.workers:
             w.wait_for_save()
             done, received = w.get_finished(so.finished_req_ids)
             errors |= w.get_block_ids_with_load_errors()
+            events.append(self._worker_events(w))
             for r in done or ():
                 self.reported[r] = self.reported.get(r, 0) + 1
             for r in received or ():
                 self.received[r] = self.received.get(r, 0) + 1
             w.clear_connector_metadata()
+        self._publish(events)
         self._release_reported()
         self.failed_pages |= errors
         for r in [r for r, n in self.received.items() if n == len(self.workers)]:
@@ -452,6 +467,26 @@ class Engine:
                     self._finish(req)
         self.steps += 1
         self.step_times.append(time.perf_counter() - t0)
+
+    @staticmethod
+    def _worker_events(w) -> Any:
+        f = getattr(w, "get_kv_connector_kv_cache_events", None)
+        return f() if f is not None else None
+
+    def _publish(self, worker_events: List[Any]) -> None:
+        """vLLM's KVOutputAggregator combines the workers' events, the scheduler's connector
+        takes them (update_connector_output) and hands them to the publisher (take_events)."""
+        combined = None
+        for ev in worker_events:
+            if combined is None:
+                combined = ev
+            elif ev:
+                combined.add_events(ev.get_all_events())
+                combined.increment_workers(1)
+        if self.sched is None or not hasattr(self.sched, "take_events"):
+            return
+        self.sched.update_connector_output(KVConnectorOutput(combined or None))
+        self.kv_events.extend(self.sched.take_events())
 
     def _fail(self, req: Request) -> None:
         """kv_load_failure_policy="fail": the request ends with an error, its output dropped."""
@@ -491,10 +526,13 @@ class Engine:
             if not self.running and (self.remote or self.waiting):
                 time.sleep(0.001)  # only asynchronous loads or lookups in flight
         while self.held:  # saves still committing: ask the workers until they report
-            for w in self.workers:
+            events = []
+            for w in self.workers:  # vLLM's no-forward steps (kv_connector_no_forward)
                 done, _ = w.get_finished(self.finished_ids)
                 for r in done or ():
                     self.reported[r] = self.reported.get(r, 0) + 1
+                events.append(self._worker_events(w))
+            self._publish(events)
             self.finished_ids = set()
             self._release_reported()
             time.sleep(0.001)

@@ -85,6 +85,9 @@ the bytes: the layers of a request are gathered during the forward pass and put 
 dense as it is saved (:meth:`kvtrie.Client.put_layers`), overlapping with the next layers'
 compute, and the server encodes. ``predictor_refresh`` (10 s): see :class:`kvtrie.Client`.
 ``async_load`` (false): loads run in the background across steps, reported by ``get_finished``.
+``kv_events`` (vLLM's ``enable_kv_cache_events``; false standalone): KV cache events for
+routers, ``medium="KVTRIE"``: see :meth:`get_kv_connector_kv_cache_events` and
+:meth:`take_events`.
 ``save_generated`` (true): decode steps save the blocks their generated tokens complete (a
 conversation's next turn loads them); false: only the prompt's blocks (saves are incremental
 either way: each step saves the blocks it completed, see :meth:`build_connector_meta`).
@@ -158,6 +161,7 @@ import numpy as np
 from . import Error, StatusCode
 
 from ._connector_io import _bool, _EncodedSave, _make_client
+from ._kv_events import AllBlocksCleared, KvtrieKVEvents, removed_event, stored_event
 from ._layouts import KvLayout, canonical, check_dtype, detect_layout, read, write
 
 log = logging.getLogger("kvtrie.connector")
@@ -464,6 +468,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self._epoch = int(cfg.get("cache_epoch", 0))  # reset_cache bumps it (scheduler side)
         self._model_suffix = _parallel_suffix(cfg, vllm_config, scheduler)
         self._split = "@" in self._model_suffix  # more than one rank computes each step
+        self._first_rank = all(p[2:].startswith("0of") for p in self._model_suffix.split("@")[1:])
         self._cfg = cfg
         self._num_blocks = int(cfg["num_blocks"]) if cfg.get("num_blocks") else None
         self._engine_block_size = int(cfg["block_size"]) if cfg.get("block_size") else None
@@ -477,6 +482,12 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self._get_mode = cfg.get("get_mode", "reconstructed")
         self._async_load = _bool(cfg.get("async_load", False), "async_load")
         self._save_generated = _bool(cfg.get("save_generated", True), "save_generated")
+        # KV cache events for routers: on when vLLM publishes KV events (--kv-events-config
+        # enable_kv_cache_events), else as configured. Only the first rank reports (ranks
+        # commit at their own pace; vLLM's aggregator keeps only events every reporting worker
+        # sent in the same step).
+        self._kv_events = _bool(cfg.get("kv_events", bool(_attr(
+            vllm_config, "kv_events_config", "enable_kv_cache_events"))), "kv_events")
         self._load_layer_groups = int(cfg.get("load_layer_groups", 1))
         if self._load_layer_groups < 1:
             raise ValueError(f"load_layer_groups: {self._load_layer_groups} is not >= 1")
@@ -524,6 +535,9 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
             "load_failed_tokens": 0, "load_failures": 0, "saved_blocks": 0, "saved_bytes": 0,
             "save_errors": 0, "leases": 0, "failed_requests": 0}
         self._reported: Dict[str, int] = dict(self.stats)  # stats at the last get_kv_connector_stats
+        self._events: List[Any] = []  # worker: KV events since the last report (_lock)
+        self._sched_events: Optional[KvtrieKVEvents] = None  # scheduler: the workers' events
+        self._cleared = False  # scheduler: reset_cache since the last take_events
 
     @property
     def role(self) -> Any:
@@ -895,6 +909,10 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
                 self.stats["load_failures"] += 1
                 if self._failure_policy == "fail":
                     self.stats["failed_requests"] += 1
+                if self._kv_events and self._first_rank:  # the blocks are gone: routers learn it
+                    bt = self._block_tokens
+                    self._events.append(removed_event(self._base_model + r.identity, r.token_ids,
+                                                      bt, n // bt, -(-r.load_end // bt)))
             self.stats["loaded_tokens"] += n - r.load_begin
             self.stats["loaded_bytes"] += nbytes
             self.stats["load_failed_tokens"] += r.load_end - n
@@ -961,12 +979,15 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         s.write(layer, k, v, token_offset=begin)
         self._save_bytes[r.req_id] = self._save_bytes.get(r.req_id, 0) + k.nbytes + v.nbytes
 
-    def _commit(self, req_id: str, s: Any, nbytes: int) -> None:
+    def _commit(self, req_id: str, s: Any, nbytes: int, event: Optional[Tuple] = None) -> None:
         try:
             result = s.commit()
             with self._lock:
                 self.stats["saved_blocks"] += result.blocks_stored
                 self.stats["saved_bytes"] += nbytes
+                if event is not None:  # (key, tokens, first block, end block): now stored
+                    self._events.append(stored_event(event[0], event[1], self._block_tokens,
+                                                     event[2], event[3]))
         except Exception as e:  # noqa: BLE001 - any failure of a save is a future miss only
             with self._lock:
                 self.stats["save_errors"] += 1
@@ -999,13 +1020,20 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         saves, self._saves = self._saves, {}
         save_failed, self._save_failed = self._save_failed, set()
         save_bytes, self._save_bytes = self._save_bytes, {}
+        metas = {r.req_id: r for r in self._meta.requests} if self._meta is not None else {}
         for req_id, s in saves.items():
             with self._lock:
                 failed = req_id in self._failed_loads
             if failed or req_id in save_failed:  # a failed layer is counted in save_errors
                 s.cancel()
                 continue
-            fut = self._committer.submit(self._commit, req_id, s, save_bytes.get(req_id, 0))
+            event = None
+            r = metas.get(req_id)
+            if self._kv_events and self._first_rank and r is not None:
+                event = (self._base_model + r.identity, r.token_ids[:r.save_tokens],
+                         self._first_block(r), r.save_tokens // self._block_tokens)
+            fut = self._committer.submit(self._commit, req_id, s, save_bytes.get(req_id, 0),
+                                         event)
             with self._lock:
                 # Its load's end no longer bounds the next saves (they begin where this ends).
                 self._loaded_ok.pop(req_id, None)
@@ -1063,6 +1091,43 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         stats = KvtrieConnectorStats(delta)
         return None if stats.is_empty() else stats
 
+    def get_kv_connector_kv_cache_events(self) -> Optional[KvtrieKVEvents]:
+        """Worker: the KV cache events since the last call (``kv_events``; the first rank
+        only), or None: ``BlockStored`` (``medium="KVTRIE"``, kvtrie's ``block_tokens`` a block,
+        chained hashes of the model_id with the request's identity and the tokens) for each
+        committed save's new blocks, ``BlockRemoved`` for the promised blocks a load did not
+        find. vLLM hands them to the scheduler's :meth:`update_connector_output`."""
+        with self._lock:
+            events, self._events = self._events, []
+        if not events:
+            return None
+        out = KvtrieKVEvents(num_workers=1)
+        out.add_events(events)
+        return out
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Scheduler: keeps the workers' KV events of ``connector_output.kv_cache_events``
+        (vLLM's KVConnectorOutput, the workers' events combined) until :meth:`take_events`."""
+        events = getattr(connector_output, "kv_cache_events", None)
+        if not events or not isinstance(events, KvtrieKVEvents):
+            return
+        if self._sched_events is None:
+            self._sched_events = events
+        else:
+            self._sched_events.add_events(events.get_all_events())
+            self._sched_events.increment_workers(events.get_number_of_workers())
+
+    def take_events(self) -> Any:
+        """Scheduler: the KV cache events since the last call, for vLLM's KV event publisher
+        (``AllBlocksCleared`` first after :meth:`reset_cache`; then the events every reporting
+        worker sent)."""
+        if self._cleared:
+            self._cleared = False
+            yield AllBlocksCleared()
+        if self._sched_events is not None:
+            events, self._sched_events = self._sched_events, None
+            yield from events.aggregate().get_all_events()
+
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None
                                  ) -> Optional[KvtrieConnectorStats]:
@@ -1090,6 +1155,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
             return None
         self._epoch += 1
         self._lookups.clear()  # answers of the old epoch
+        self._cleared = self._kv_events  # routers forget what kvtrie held for this engine
         self._matched.clear()
         log.info("kvtrie cache reset: epoch %d (model_id %s%s)", self._epoch, self._base_model,
                  f"*.e{self._epoch}")
