@@ -85,3 +85,33 @@ def test_a_chunked_prefill_saves_each_chunk_as_it_completes(model, server):
         [req("c2", prompt)])["c2"]
     assert again.external_tokens == [len(prompt) - 1]  # all but the last, computed
     assert_cold(model, again)
+
+
+class RecordingClient:
+    """A worker's client that records its Puts: (kind, tokens, first_block)."""
+
+    def __init__(self, client, calls):
+        self._c, self.calls = client, calls
+
+    def __getattr__(self, name):
+        return getattr(self._c, name)
+
+    def put(self, tokens, k, v, **kw):
+        self.calls.append(("encoded", len(tokens), kw.get("first_block", 0)))
+        return self._c.put(tokens, k, v, **kw)
+
+    def put_layers(self, tokens, num_layers, **kw):
+        self.calls.append(("layers", len(tokens), kw.get("first_block", 0)))
+        return self._c.put_layers(tokens, num_layers, **kw)
+
+
+def test_small_saves_after_a_long_prefix_do_not_copy_the_prefix(model, server):
+    calls = []
+    e = engine(model, server.target, "small-saves", max_chunk=256,
+               client_wrap=lambda c: RecordingClient(c, calls))
+    out = e.run([req("d", session(2), max_tokens=40)])["d"]
+    assert_cold(model, out)
+    # The chunks are encoded here (16 new blocks after 0, 16); each decode block (one new block
+    # after 32, 33) goes layer-wise, dense: its cost is its block, not a copy of the prefix.
+    assert calls == [("encoded", 256, 0), ("encoded", 512, 16), ("layers", 528, 32),
+                     ("layers", 544, 33)]

@@ -83,7 +83,10 @@ by the client's put stream, so the worker does not see it (see :class:`kvtrie.Cl
 the bytes: the layers of a request are gathered during the forward pass and put whole at
 :meth:`wait_for_save` (encoding needs whole blocks). ``false`` (thin workers): each layer is sent
 dense as it is saved (:meth:`kvtrie.Client.put_layers`), overlapping with the next layers'
-compute, and the server encodes. ``predictor_refresh`` (10 s): see :class:`kvtrie.Client`.
+compute, and the server encodes. Either way a save of fewer new blocks than a quarter of the
+stored blocks before them (a decode step's block after a long prefix) goes the second way: an
+encoded Put copies arrays as wide as the whole prefix. ``predictor_refresh`` (10 s): see
+:class:`kvtrie.Client`.
 ``async_load`` (false): loads run in the background across steps, reported by ``get_finished``.
 ``kv_events`` (vLLM's ``enable_kv_cache_events``; false standalone): KV cache events for
 routers, ``medium="KVTRIE"``: see :meth:`get_kv_connector_kv_cache_events` and
@@ -314,6 +317,9 @@ def request_identity(request: Any) -> str:
     return "#" + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
+# A save encoded on the worker when at most this many stored blocks precede each new one (its
+# Put copies the whole prefix's arrays), else sent layer-wise, dense (see _save_layer_to).
+_MAX_UNSENT_PER_NEW_BLOCK = 4
 _MAX_IDENTITIES = 64  # clients kept for adapters / salts / images (one per model_id)
 
 
@@ -964,7 +970,12 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         first = self._first_block(r)
         if s is None:
             client = self._client_for(r.identity)
-            if self._encode_on_client:
+            # A Put encoded here copies arrays as wide as the whole prefix (the unsent blocks
+            # before `first` too; a copy is ~5x faster than encoding): for a block or two after
+            # a long stored prefix (a decode step's block) far more than encoding them. Such a
+            # save goes dense on a layer-wise Put instead (the server encodes the new blocks).
+            new_blocks = r.save_tokens // self._block_tokens - first
+            if self._encode_on_client and first <= _MAX_UNSENT_PER_NEW_BLOCK * new_blocks:
                 s = _EncodedSave(client, r.token_ids[:r.save_tokens], len(self._names),
                                  first, self._block_tokens, self._encoding, self._target_rel_rms)
             else:
