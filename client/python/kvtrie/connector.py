@@ -282,6 +282,14 @@ def _all_tokens(request: Any, prompt: List[int]) -> List[int]:
     return [int(t) for t in ids]
 
 
+def _num_tokens(request: Any, num_prompt: int) -> int:
+    """``len(request.all_token_ids)`` without copying them (vLLM's is a ConstantList)."""
+    ids = getattr(request, "all_token_ids", None)
+    if ids is not None:
+        return len(ids)
+    return num_prompt + len(getattr(request, "output_token_ids", None) or [])
+
+
 def _skips_reading(request: Any) -> bool:
     """vLLM's ``request.skip_reading_prefix_cache`` (set for ``prompt_logprobs`` and pooling
     requests that need every prompt position computed): such a request loads nothing; it is
@@ -733,8 +741,8 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         for req_id, t in self._tracked.items():
             if req_id not in scheduled and t.load_end == 0:
                 continue
-            prompt = _prompt(t.request)
-            tokens = _all_tokens(t.request, prompt) if self._save_generated else prompt
+            n_prompt = len(t.request.prompt_token_ids)
+            n_tokens = _num_tokens(t.request, n_prompt) if self._save_generated else n_prompt
             begin = computed.get(req_id, int(t.request.num_computed_tokens))
             end = begin + scheduled.get(req_id, 0)
             save = 0
@@ -742,14 +750,17 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
                 if begin < t.last_end:  # the engine went back (a load error): save again
                     t.saved_blocks = min(t.saved_blocks, begin // bt)
                 t.last_end = end
-                done = min(end, len(tokens)) // bt  # kvtrie blocks whose KV exists after it
+                done = min(end, n_tokens) // bt  # kvtrie blocks whose KV exists after it
                 if (self._saves_kv and done > t.saved_blocks
                         and not (t.load_end and self._split)):  # see the docstring
                     save = done * bt
-            if t.load_end or save:
+            if t.load_end or save:  # the token ids only now (a decode step saves 1 in bt)
+                tokens = _prompt(t.request)
+                if save > len(tokens):
+                    tokens = _all_tokens(t.request, tokens)[:save]
                 meta.requests.append(RequestMeta(
-                    req_id, tokens[:max(len(prompt), save)], list(t.block_ids), t.load_begin,
-                    t.load_end, save, t.saved_blocks, t.identity, t.async_load))
+                    req_id, tokens, list(t.block_ids), t.load_begin, t.load_end, save,
+                    t.saved_blocks, t.identity, t.async_load))
             if save:
                 self._saving.add(req_id)
                 t.saved_blocks = save // bt
