@@ -15,12 +15,29 @@ Where it matters for a connector's data path it behaves as vLLM's scheduler and 
   computed tokens forgotten) and later resumed with new pages: ``update_state_after_alloc`` with
   all its pages again, and ``scheduled_cached_reqs.resumed_req_ids`` (its new_block_ids replace).
 * Load errors under ``kv_load_failure_policy="recompute"``: a request with a failed block
-  computes again from that block; its step's output is discarded.
+  computes again from that block; its step's output is discarded. Under ``"fail"`` (vLLM's
+  default) the request ends with an error (``failed``).
+* ``full_cudagraph``: the per-layer hooks (``wait_for_layer_load``, ``save_kv_layer``) are not
+  called, as a full CUDA graph replays attention; ``skip_save_layers``: layers whose attention
+  does not call ``save_kv_layer`` (custom attention).
 * Asynchronous saves: ``request_finished`` returning True keeps the pages until every rank's
   ``get_finished`` reported the request. Asynchronous loads: when ``get_num_new_matched_tokens``
   returns True the request gets pages for the loaded tokens and waits (vLLM's
   WAITING_FOR_REMOTE_KVS) until every rank's ``get_finished`` reports it loaded, then is
   scheduled from its loaded tokens (from its first failed page, if any).
+* Asynchronous lookups (vllm/v1/core/sched/scheduler.py): ``add_request`` calls the
+  connector's ``on_new_request``; when ``get_num_new_matched_tokens`` answers ``None`` the
+  request is skipped for this step (nothing allocated, the next waiting request is tried) and put
+  back at the queue's head, as Scheduler.schedule's ``if ext_tokens is None`` branch.
+* ``skip_reading_prefix_cache`` (``prompt_logprobs``; vllm/sampling_params.py,
+  vllm/v1/request.py): no local prefix-cache hit (kv_cache_manager.get_computed_blocks); the
+  connector is still asked, with 0 local tokens.
+* KV cache events of the connector (vllm/v1/worker/kv_connector_model_runner_mixin.py: each
+  worker's ``get_kv_connector_kv_cache_events()`` after ``get_finished``, in forward and
+  no-forward steps; vllm/distributed/kv_transfer/kv_connector/utils.py, KVOutputAggregator:
+  the first worker's object, the others' ``add_events`` + ``increment_workers(1)``;
+  vllm/v1/core/sched/scheduler.py, update_from_output: ``update_connector_output``, then
+  ``take_events()`` published): ``kv_events`` is what the publisher got, in order.
 * Torch tensors in vLLM's layouts (``flash_attn`` [2, blocks, block_size, heads, head_dim],
   ``flash_infer`` [blocks, 2, block_size, heads, head_dim], ``flash_infer_hnd`` [blocks, 2,
   heads, block_size, head_dim], ``mla`` [blocks, block_size, latent] with the latent = K and V of
@@ -64,6 +81,12 @@ class Request:
     mm_features: List[MultiModalFeature] = field(default_factory=list)
     cache_salt: Optional[str] = None
     prompt_embeds: Any = None
+    # vLLM's SamplingParams.__post_init__ (vllm/sampling_params.py): skip_reading_prefix_cache
+    # left None becomes `prompt_logprobs is not None` (a hit would leave prompt positions without
+    # logprobs); pooling requests set it too (PoolingParams). vllm/v1/request.py copies it onto
+    # the Request (get_skip_reading_prefix_cache).
+    prompt_logprobs: Optional[int] = None
+    skip_reading_prefix_cache: Optional[bool] = None
     # Engine state.
     num_computed_tokens: int = 0
     output_token_ids: List[int] = field(default_factory=list)
@@ -76,6 +99,11 @@ class Request:
     logits: Dict[int, np.ndarray] = field(default_factory=dict)  # position -> row
     first_token_time: Optional[float] = None
     finished: bool = False
+    failed: bool = False  # finished with an error (kv_load_failure_policy="fail")
+
+    def __post_init__(self):
+        if self.skip_reading_prefix_cache is None:
+            self.skip_reading_prefix_cache = self.prompt_logprobs is not None
 
     @property
     def all_token_ids(self) -> List[int]:
@@ -106,6 +134,11 @@ class CachedRequestData:
     resumed_req_ids: Set[str] = field(default_factory=set)
     new_block_ids: list = field(default_factory=list)  # tuple of lists, or None
     num_computed_tokens: List[int] = field(default_factory=list)
+
+
+@dataclass
+class KVConnectorOutput:  # the field of vLLM's KVConnectorOutput a connector's events travel in
+    kv_cache_events: Any = None
 
 
 @dataclass
@@ -150,8 +183,21 @@ class Engine:
     def __init__(self, model, sched=None, workers=(), *, tp: int = 1,
                  dtype: torch.dtype = torch.float16, layout: str = "flash_attn",
                  num_blocks: int = 96, block_size: int = 16, max_tokens_per_step: int = 1024,
-                 max_chunk: Optional[int] = None, prefix_cache: bool = True, seed: int = 0):
+                 max_chunk: Optional[int] = None, prefix_cache: bool = True, seed: int = 0,
+                 kv_load_failure_policy: str = "recompute", full_cudagraph: bool = False,
+                 skip_save_layers=()):
         self.model, self.sched, self.workers = model, sched, list(workers)
+        # vLLM's KVTransferConfig.kv_load_failure_policy; the scheduler recomputes only under
+        # "recompute" (Scheduler.__init__: recompute_kv_load_failures), else a request with a
+        # block that failed to load is finished with an error (FINISHED_ERROR).
+        assert kv_load_failure_policy in ("recompute", "fail")
+        self.policy = kv_load_failure_policy
+        # The per-layer hooks run inside attention (vllm/attention/layer.py:
+        # wait_for_kv_layer_from_connector, maybe_save_kv_layer_to_connector); a full CUDA
+        # graph replays attention without them, custom attention may not call them. The model
+        # runner calls start_load_kv before and wait_for_save after the forward pass either way
+        # (vllm/v1/worker/kv_connector_model_runner_mixin.py).
+        self.full_cudagraph, self.skip_save_layers = full_cudagraph, set(skip_save_layers)
         assert not self.workers or len(self.workers) == tp
         assert model.num_kv_heads % tp == 0 and model.num_heads % tp == 0
         self.tp, self.layout, self.dtype = tp, layout, dtype
@@ -184,6 +230,8 @@ class Engine:
         self.preemptions = 0
         self.hook_before_execute: Optional[Callable[[SchedulerOutput], None]] = None
         self.step_times: List[float] = []
+        self.lookup_deferrals = 0  # waiting requests skipped because the connector said None
+        self.kv_events: List[Any] = []  # the connector's KV cache events, as published
 
     # ---------------- pages ----------------
 
@@ -217,7 +265,10 @@ class Engine:
         return out
 
     def _local_hit(self, req: Request) -> List[int]:
-        if not self.prefix_cache:
+        # vLLM 003df29 vllm/v1/core/kv_cache_manager.py, get_computed_blocks: no local hit when
+        # `not prefix_cache_lookup_enabled(request)` (caching off or
+        # request.skip_reading_prefix_cache). The scheduler still asks the connector (with 0).
+        if not self.prefix_cache or req.skip_reading_prefix_cache:
             return []
         pages = []
         for h in self._page_hashes(req, (len(req.prompt_token_ids) - 1) // self.block_size):
@@ -251,6 +302,9 @@ class Engine:
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        # vLLM's Scheduler.add_request tells the connector at once (connector.on_new_request).
+        if self.sched is not None and hasattr(self.sched, "on_new_request"):
+            self.sched.on_new_request(req)
 
     def _pages_for(self, req: Request, tokens: int) -> int:
         return max(0, -(-tokens // self.block_size) - len(req.block_ids))
@@ -279,6 +333,7 @@ class Engine:
             so.scheduled_cached_reqs.num_computed_tokens.append(req.num_computed_tokens)
             so.num_scheduled_tokens[req.request_id] = n
             budget -= n
+        skipped: List[Request] = []  # vLLM's skipped_waiting_requests
         while self.waiting and budget > 0:
             req = self.waiting[0]
             loaded = req.loaded_async >= 0
@@ -291,6 +346,15 @@ class Engine:
                 ext, is_async = 0, False
                 if self.sched is not None:
                     ext, is_async = self.sched.get_num_new_matched_tokens(req, local)
+                    if ext is None:
+                        # vLLM (vllm/v1/core/sched/scheduler.py, Scheduler.schedule, the
+                        # waiting loop: `if ext_tokens is None:`): the connector cannot tell
+                        # yet; the request is skipped this step (nothing allocated) and put
+                        # back at the queue's head after the loop; the next one is tried.
+                        self._release(hit)
+                        skipped.append(self.waiting.popleft())
+                        self.lookup_deferrals += 1
+                        continue
                 computed = local + ext
                 if is_async:  # pages for the loaded tokens only; not scheduled until loaded
                     req.block_ids = hit
@@ -339,6 +403,7 @@ class Engine:
             self.running.append(req)
             so.num_scheduled_tokens[req.request_id] = n
             budget -= n
+        self.waiting.extendleft(reversed(skipped))  # vLLM: waiting.prepend_requests(skipped)
         return so
 
     # ---------------- one step ----------------
@@ -355,15 +420,18 @@ class Engine:
             w.start_load_kv(None)
         logits = self._forward(batch)
         errors: Set[int] = set()
+        events = []
         for w in self.workers:
             w.wait_for_save()
             done, received = w.get_finished(so.finished_req_ids)
             errors |= w.get_block_ids_with_load_errors()
+            events.append(self._worker_events(w))
             for r in done or ():
                 self.reported[r] = self.reported.get(r, 0) + 1
             for r in received or ():
                 self.received[r] = self.received.get(r, 0) + 1
             w.clear_connector_metadata()
+        self._publish(events)
         self._release_reported()
         self.failed_pages |= errors
         for r in [r for r, n in self.received.items() if n == len(self.workers)]:
@@ -371,12 +439,18 @@ class Engine:
             req = self.remote.pop(r)
             bad = [i for i, p in enumerate(req.block_ids) if p in self.failed_pages]
             self.failed_pages -= set(req.block_ids)
+            if bad and self.policy == "fail":
+                self._fail(req)
+                continue
             if bad:
                 req.loaded_async = min(req.loaded_async, bad[0] * self.block_size)
             self.waiting.appendleft(req)
         now = time.perf_counter()
         for (req, n), rows in zip(batch, logits):
             bad = [i for i, p in enumerate(req.block_ids) if p in errors]
+            if bad and self.policy == "fail":
+                self._fail(req)
+                continue
             if bad:  # kv_load_failure_policy="recompute": again from the first failed block
                 req.num_computed_tokens = min(req.num_computed_tokens, bad[0] * self.block_size)
                 continue
@@ -393,6 +467,35 @@ class Engine:
                     self._finish(req)
         self.steps += 1
         self.step_times.append(time.perf_counter() - t0)
+
+    @staticmethod
+    def _worker_events(w) -> Any:
+        f = getattr(w, "get_kv_connector_kv_cache_events", None)
+        return f() if f is not None else None
+
+    def _publish(self, worker_events: List[Any]) -> None:
+        """vLLM's KVOutputAggregator combines the workers' events, the scheduler's connector
+        takes them (update_connector_output) and hands them to the publisher (take_events)."""
+        combined = None
+        for ev in worker_events:
+            if combined is None:
+                combined = ev
+            elif ev:
+                combined.add_events(ev.get_all_events())
+                combined.increment_workers(1)
+        if self.sched is None or not hasattr(self.sched, "take_events"):
+            return
+        self.sched.update_connector_output(KVConnectorOutput(combined or None))
+        self.kv_events.extend(self.sched.take_events())
+
+    def _fail(self, req: Request) -> None:
+        """kv_load_failure_policy="fail": the request ends with an error, its output dropped."""
+        req.failed = True
+        if req in self.running:
+            self._finish(req)
+            return
+        self.running.append(req)  # (an asynchronous load's request: never ran)
+        self._finish(req)
 
     def _finish(self, req: Request) -> None:
         self.running.remove(req)
@@ -420,13 +523,16 @@ class Engine:
             assert max_steps > 0, "the engine made no progress"
             max_steps -= 1
             self.step()
-            if self.remote and not self.running and not self.waiting:
-                time.sleep(0.001)  # only asynchronous loads in flight
+            if not self.running and (self.remote or self.waiting):
+                time.sleep(0.001)  # only asynchronous loads or lookups in flight
         while self.held:  # saves still committing: ask the workers until they report
-            for w in self.workers:
+            events = []
+            for w in self.workers:  # vLLM's no-forward steps (kv_connector_no_forward)
                 done, _ = w.get_finished(self.finished_ids)
                 for r in done or ():
                     self.reported[r] = self.reported.get(r, 0) + 1
+                events.append(self._worker_events(w))
+            self._publish(events)
             self.finished_ids = set()
             self._release_reported()
             time.sleep(0.001)
@@ -450,7 +556,7 @@ class Engine:
             xs.append(m.embd[np.asarray(toks, dtype=np.int64)].astype(np.float64))
         for l, L in enumerate(m.layers):
             name = self.names[l]
-            for w in self.workers:
+            for w in self.workers if not self.full_cudagraph else ():
                 w.wait_for_layer_load(name)
             qs = []
             for x, (pos, nb, no, _, _, _) in zip(xs, plans):
@@ -465,7 +571,8 @@ class Engine:
                     K[nb, no] = torch.from_numpy(k[:, r * hk:(r + 1) * hk].copy()).to(self.dtype)
                     V[nb, no] = torch.from_numpy(v[:, r * hk:(r + 1) * hk].copy()).to(self.dtype)
             for r, w in enumerate(self.workers):
-                w.save_kv_layer(name, self.caches[r][name], None)
+                if not self.full_cudagraph and l not in self.skip_save_layers:
+                    w.save_kv_layer(name, self.caches[r][name], None)
             for i, (q, (pos, _, _, ab, ao, mask)) in enumerate(zip(qs, plans)):
                 T = len(pos)
                 att = np.empty((T, m.num_heads, m.head_dim), np.float64)

@@ -89,6 +89,10 @@ class Engine:
         ext = 0
         if self.sched is not None:
             ext, is_async = self.sched.get_num_new_matched_tokens(req, req.num_computed_tokens)
+            while ext is None:  # vLLM: not schedulable yet (an asynchronous lookup), ask again
+                time.sleep(0.001)
+                ext, is_async = self.sched.get_num_new_matched_tokens(req,
+                                                                      req.num_computed_tokens)
             assert not is_async
         need = (n + decode_steps + self.block_size - 1) // self.block_size
         req.block_ids = [int(self.free.pop()) for _ in range(need)]

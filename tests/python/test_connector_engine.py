@@ -63,8 +63,11 @@ def assert_cold(model, req, dtype=torch.float16, layout="flash_attn"):
 
 
 def connectors(target, namespace, tp=1, client_wrap=None, **cfg):
+    # Blocking lookups unless a test asks: these tests act on a request's first step (hooks,
+    # answers); test_connector_vllm_rules.py runs the asynchronous ones (the default).
     config = {"target": target, "model_id": "stories260K", "namespace": namespace,
-              "encoding": "lossless", "tp_size": tp, "timeout": 10, **cfg}
+              "encoding": "lossless", "tp_size": tp, "timeout": 10, "async_lookup": False,
+              **cfg}
     sched = KvtrieConnector(role=KVConnectorRole.SCHEDULER, config=config)
     workers = []
     for r in range(tp):
@@ -80,7 +83,8 @@ def connectors(target, namespace, tp=1, client_wrap=None, **cfg):
 def engine(model, target, namespace, tp=1, dtype=torch.float16, layout="flash_attn",
            client_wrap=None, cfg=None, **kw):
     from engine import Engine
-    sched, workers = connectors(target, namespace, tp, client_wrap, **(cfg or {}))
+    cfg = {"kv_load_failure_policy": kw.get("kv_load_failure_policy", "recompute"), **(cfg or {})}
+    sched, workers = connectors(target, namespace, tp, client_wrap, **cfg)
     return Engine(model, sched, workers, tp=tp, dtype=dtype, layout=layout, **kw)
 
 

@@ -336,8 +336,18 @@ def test_factory_loads_it_and_return_contracts_hold(vllm_mode, server):
             time.sleep(0.05)
 
     # 1: nothing stored; the forward pass writes the real KV, the connector saves it.
+    def matched_tokens(req: Request) -> Any:
+        # vLLM's Scheduler.schedule skips a request while the connector answers None (an
+        # asynchronous lookup in flight) and asks again in a later step.
+        deadline = time.monotonic() + 30
+        while (got := sched.get_num_new_matched_tokens(req, 0))[0] is None:
+            assert isinstance(got, tuple) and got[1] is False
+            assert time.monotonic() < deadline, "a lookup never answered"
+            time.sleep(0.01)
+        return got
+
     first = Request("r1", prompt)
-    got = sched.get_num_new_matched_tokens(first, 0)
+    got = matched_tokens(first)
     assert isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], bool)
     assert got == (0, False)
     blocks1 = [3, 7, 1]
@@ -353,7 +363,7 @@ def test_factory_loads_it_and_return_contracts_hold(vllm_mode, server):
 
     # 2: the same prompt: matched (all but the last token), loaded into other blocks.
     second = Request("r2", prompt)
-    matched, is_async = sched.get_num_new_matched_tokens(second, 0)
+    matched, is_async = matched_tokens(second)
     assert isinstance(matched, int) and 32 <= matched < n
     blocks2 = [9, 2, 12]
     assert sched.update_state_after_alloc(second, KVCacheBlocks(blocks2), matched) is None

@@ -24,6 +24,8 @@ COUNTERS: Dict[str, str] = {
     "saved_blocks": "kvtrie blocks stored by the connector's saves.",
     "saved_bytes": "Bytes of dense KV gathered for committed kvtrie saves.",
     "save_errors": "kvtrie saves that failed (a future miss).",
+    "leases": "Looked-up prefixes leased (pinned with a TTL) until their load.",
+    "failed_requests": "Requests failed by a KV load under kv_load_failure_policy 'fail'.",
 }
 
 _cls: Optional[type] = None

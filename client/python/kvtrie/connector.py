@@ -3,9 +3,13 @@
 An inference engine with a paged KV cache calls it exactly as vLLM (v1) calls a KV connector:
 
 Scheduler side (one instance, ``role=KVConnectorRole.SCHEDULER``), per step:
+    ``on_new_request(request)`` when it is queued starts its Lookup on a lookup thread;
     ``get_num_new_matched_tokens(request, num_computed_tokens)`` -> ``(tokens to load, False)``
-    (a Lookup: the longest stored prefix beyond the engine's local prefix-cache hit
-    ``num_computed_tokens``; never the whole prompt, the last token is computed);
+    (the Lookup's answer: the longest stored prefix beyond the engine's local prefix-cache hit
+    ``num_computed_tokens``; never the whole prompt, the last token is computed), or ``(None,
+    False)`` while the Lookup is in flight: vLLM skips the request for the step and asks again
+    (the scheduler's loop never waits on the network; ``async_lookup: false`` does); ``(0,
+    False)`` for a request with ``skip_reading_prefix_cache`` (``prompt_logprobs``, pooling);
     ``update_state_after_alloc(request, blocks, num_external_tokens)`` once blocks are allocated
     (again, with all its new blocks, when a preempted request resumes);
     ``build_connector_meta(scheduler_output)`` -> :class:`KvtrieConnectorMetadata` (what to load
@@ -79,8 +83,39 @@ by the client's put stream, so the worker does not see it (see :class:`kvtrie.Cl
 the bytes: the layers of a request are gathered during the forward pass and put whole at
 :meth:`wait_for_save` (encoding needs whole blocks). ``false`` (thin workers): each layer is sent
 dense as it is saved (:meth:`kvtrie.Client.put_layers`), overlapping with the next layers'
-compute, and the server encodes. ``predictor_refresh`` (10 s): see :class:`kvtrie.Client`.
+compute, and the server encodes. Either way a save of fewer new blocks than a quarter of the
+stored blocks before them (a decode step's block after a long prefix) goes the second way: an
+encoded Put copies arrays as wide as the whole prefix. ``predictor_refresh`` (10 s): see
+:class:`kvtrie.Client`.
 ``async_load`` (false): loads run in the background across steps, reported by ``get_finished``.
+``kv_events`` (vLLM's ``enable_kv_cache_events``; false standalone): KV cache events for
+routers, ``medium="KVTRIE"``: see :meth:`get_kv_connector_kv_cache_events` and
+:meth:`take_events`.
+``save_generated`` (true): decode steps save the blocks their generated tokens complete (a
+conversation's next turn loads them); false: only the prompt's blocks (saves are incremental
+either way: each step saves the blocks it completed, see :meth:`build_connector_meta`).
+``async_lookup`` (true): Lookups run on ``lookup_threads`` (4) threads, never in the scheduler's
+loop (see ``get_num_new_matched_tokens``). ``min_load_tokens`` (0): a hit shorter than that
+(beyond the local one) is not loaded: the engine computes it. ``lease_seconds`` (30): a lookup
+that hits pins the prefix for that long (the server's Pin with a TTL; never unpinned: the Pin
+of a node replaces its expiry, so an unpin would also end another request's lease), so it is
+not evicted before the load; 0 = no leases (a Delete still removes a leased prefix).
+``kv_load_failure_policy`` (vLLM's, from ``kv_transfer_config``; ``"fail"`` by default there):
+under ``"fail"`` the connector warns at startup, and logs an error naming each request a failed
+load fails. ``kv_role`` (vLLM's): ``kv_producer`` only saves, ``kv_consumer`` only loads.
+Decode / prefill context parallelism (``decode_context_parallel_size`` > 1), FP8 caches
+(``cache_dtype`` fp8*, uint8 pages) and more than one KV cache group (hybrid models) are refused
+at startup, naming the setting.
+``layerwise`` (true): loads and saves overlap the layers through ``wait_for_layer_load`` /
+``save_kv_layer``, so vLLM captures piecewise CUDA graphs (:meth:`requires_piecewise_for_cudagraph`);
+``false`` allows full graphs: :meth:`start_load_kv` waits for the step's loads. Either way a layer
+whose ``save_kv_layer`` did not come is gathered in :meth:`wait_for_save`.
+
+Fingerprint (under vLLM): the model_id is ``model_id~`` + 12 hex digits of a SHA-256 of what
+makes KV differ under one model name (:func:`kv_fingerprint`: model, revision, dtype,
+quantization, rope scaling / theta, KV cache dtype, block sizes, ``fingerprint_extra``);
+``fingerprint: false`` leaves it out. :meth:`reset_cache` (vLLM's prefix-cache reset) bumps a
+cache epoch, folded into later requests' model_ids as ``.e{epoch}`` (``cache_epoch``: the first).
 ``load_layer_groups`` (1): a load is that many Gets of consecutive layers (at most one per layer;
 ``"residual"`` get_mode always 1: its blocks travel whole), so layer 0 computes while later groups
 stream. The server reads and decodes whole blocks for every group (a range saves wire bytes, not
@@ -116,17 +151,20 @@ import concurrent.futures
 import enum
 import hashlib
 import importlib.util
+import json
 import logging
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from . import Error
+from . import Error, StatusCode
 
 from ._connector_io import _bool, _EncodedSave, _make_client
+from ._kv_events import AllBlocksCleared, KvtrieKVEvents, removed_event, stored_event
 from ._layouts import KvLayout, canonical, check_dtype, detect_layout, read, write
 
 log = logging.getLogger("kvtrie.connector")
@@ -158,12 +196,12 @@ class RequestMeta:
     """One request's work in one step (picklable: vLLM ships it to the workers)."""
 
     req_id: str
-    token_ids: List[int]  #: the prompt
+    token_ids: List[int]  #: the prompt, and the generated tokens a save covers
     block_ids: List[int]  #: the request's engine blocks, in token order (all of them, this step)
     load_begin: int = 0  #: load tokens [load_begin, load_end): the engine's local hit ends at
     load_end: int = 0  #: load_begin (0 = no load)
     save_tokens: int = 0  #: save the full kvtrie blocks of tokens [0, save_tokens) (0 = no save)
-    stored_blocks: int = 0  #: kvtrie blocks the lookup found stored (not sent again)
+    stored_blocks: int = 0  #: kvtrie blocks stored (the lookup's, earlier steps' saves): not sent
     identity: str = ""  #: the request's key beyond its tokens, folded into the model_id
     async_load: bool = False  #: load in the background, reported by get_finished (not computed)
 
@@ -209,8 +247,9 @@ class _Tracked:  # scheduler side: a request between its first alloc and request
     block_ids: List[int] = field(default_factory=list)
     load_begin: int = 0  # pending load [load_begin, load_end), consumed by build_connector_meta
     load_end: int = 0
-    stored_blocks: int = 0
-    save_next_step: bool = False  # its prompt was completed in a step that also loaded
+    stored_blocks: int = 0  # kvtrie blocks the lookup found stored
+    saved_blocks: int = 0  # kvtrie blocks stored or saved by an earlier step (not sent again)
+    last_end: int = 0  # tokens computed by the end of its last scheduled step
     async_load: bool = False  # the pending load is asynchronous
 
 
@@ -232,6 +271,30 @@ def _prompt(request: Any) -> Optional[List[int]]:
     if ids is None or getattr(request, "prompt_embeds", None) is not None:
         return None
     return [int(t) for t in ids]
+
+
+def _all_tokens(request: Any, prompt: List[int]) -> List[int]:
+    """The prompt and the tokens generated so far (vLLM's ``Request.all_token_ids``)."""
+    ids = getattr(request, "all_token_ids", None)
+    if ids is None:
+        out = getattr(request, "output_token_ids", None) or []
+        return prompt + [int(t) for t in out]
+    return [int(t) for t in ids]
+
+
+def _num_tokens(request: Any, num_prompt: int) -> int:
+    """``len(request.all_token_ids)`` without copying them (vLLM's is a ConstantList)."""
+    ids = getattr(request, "all_token_ids", None)
+    if ids is not None:
+        return len(ids)
+    return num_prompt + len(getattr(request, "output_token_ids", None) or [])
+
+
+def _skips_reading(request: Any) -> bool:
+    """vLLM's ``request.skip_reading_prefix_cache`` (set for ``prompt_logprobs`` and pooling
+    requests that need every prompt position computed): such a request loads nothing; it is
+    still saved (its KV is computed as any other's)."""
+    return bool(getattr(request, "skip_reading_prefix_cache", False))
 
 
 def request_identity(request: Any) -> str:
@@ -262,7 +325,36 @@ def request_identity(request: Any) -> str:
     return "#" + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
+# A save encoded on the worker when at most this many stored blocks precede each new one (its
+# Put copies the whole prefix's arrays), else sent layer-wise, dense (see _save_layer_to).
+_MAX_UNSENT_PER_NEW_BLOCK = 4
 _MAX_IDENTITIES = 64  # clients kept for adapters / salts / images (one per model_id)
+
+
+def _attr(obj: Any, *path: str) -> Any:
+    for name in path:
+        obj = getattr(obj, name, None) if obj is not None else None
+    return obj
+
+
+def kv_fingerprint(vllm_config: Any, block_tokens: int,
+                   extra: Optional[str] = None) -> Tuple[str, Dict[str, Any]]:
+    """``(12 hex digits, fields)``: what makes two deployments' KV differ under one model name
+    (vLLM's ``model_config``: model, revision, dtype, quantization, the HF config's rope
+    scaling / theta / parameters; ``cache_config``: KV cache dtype and block size; kvtrie's
+    ``block_tokens``; ``fingerprint_extra``, e.g. a hash of fine-tuned weights)."""
+    mc, cc = _attr(vllm_config, "model_config"), _attr(vllm_config, "cache_config")
+    hf = _attr(mc, "hf_config")
+    fields = {
+        "model": _attr(mc, "model"), "revision": _attr(mc, "revision"),
+        "dtype": _attr(mc, "dtype"), "quantization": _attr(mc, "quantization"),
+        "rope_scaling": _attr(hf, "rope_scaling"), "rope_theta": _attr(hf, "rope_theta"),
+        "rope_parameters": _attr(hf, "rope_parameters"),
+        "kv_cache_dtype": _attr(cc, "cache_dtype") or "auto",
+        "block_size": _attr(cc, "block_size"), "block_tokens": int(block_tokens),
+        "extra": extra}
+    canon = json.dumps(fields, sort_keys=True, default=str)  # nested dicts sorted too
+    return hashlib.sha256(canon.encode()).hexdigest()[:12], fields
 
 
 def _parallel_suffix(cfg: Dict[str, Any], vllm_config: Any, scheduler: bool) -> str:
@@ -294,6 +386,46 @@ def _parallel_suffix(cfg: Dict[str, Any], vllm_config: Any, scheduler: bool) -> 
     return (f"@tp{tp_rank}of{tp}" if tp > 1 else "") + (f"@pp{pp_rank}of{pp}" if pp > 1 else "")
 
 
+def _lease(client: Any, tokens: List[int], ttl_seconds: int) -> None:
+    """Pins ``tokens`` for ``ttl_seconds`` where they are stored: on a ShardedClient the owner
+    only (its ``pin`` with ``pin_replicas=2`` would also copy the prefix to a second shard)."""
+    call = getattr(client, "_call", None)
+    if call is not None:  # kvtrie.ShardedClient
+        call(tokens, "admin", lambda c, t: c.pin(t, ttl_seconds, False), None)
+    else:
+        client.pin(tokens, ttl_seconds=ttl_seconds)
+
+
+def _refuse_unsupported_caches(vllm_config: Any, kv_cache_config: Any) -> None:
+    """What kvtrie cannot store yet is refused at startup, naming the setting, instead of
+    every save failing later (issue 32 rows 3 and 5): FP8 KV caches (the server's dtypes are
+    FP16, BF16 and FP32), and more than one KV cache group (hybrid models: sliding window with
+    full attention under the hybrid allocator, Mamba; this connector is not ``SupportsHMA``)."""
+    cache_dtype = str(_attr(vllm_config, "cache_config", "cache_dtype") or "auto")
+    if cache_dtype.startswith("fp8"):
+        raise ValueError(f"cache_dtype: {cache_dtype!r}: the kvtrie connector stores fp16, bf16 "
+                         "and fp32 KV caches, not FP8; run without --kv-cache-dtype fp8")
+    groups = list(_attr(kv_cache_config, "kv_cache_groups") or [])
+    if len(groups) > 1:
+        kinds = [type(_attr(g, "kv_cache_spec")).__name__ for g in groups]
+        raise ValueError(f"kv_cache_groups: {len(groups)} groups ({', '.join(kinds)}): the "
+                         "kvtrie connector stores one group of attention layers; hybrid models "
+                         "(sliding window with --disable-hybrid-kv-cache-manager left off, Mamba) "
+                         "are not supported")
+
+
+def _refuse_context_parallel(vllm_config: Any) -> None:
+    """Decode / prefill context parallelism split a request's tokens (not heads) across
+    ranks: no rank holds a prompt's whole KV, which kvtrie stores per prompt. Refused."""
+    par = _attr(vllm_config, "parallel_config")
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        n = getattr(par, name, 1) if par is not None else 1
+        if n is not None and int(n) > 1:
+            raise ValueError(f"{name}: {n}: the kvtrie connector does not support context "
+                             "parallelism (each rank holds only some tokens' KV); run without "
+                             f"it (--{name.replace('_size', '-size').replace('_', '-')} 1)")
+
+
 class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
     """kvtrie as a vLLM-style KV connector (see the module docstring for the call order)."""
 
@@ -316,11 +448,42 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
             # must not stop the worker; block_size alone tells the layouts apart.
         self._role_value = role if role is not None else KVConnectorRole.WORKER
         scheduler = self._role_value == KVConnectorRole.SCHEDULER
+        _refuse_context_parallel(vllm_config)
+        _refuse_unsupported_caches(vllm_config, kv_cache_config)
+        self._block_tokens = int(cfg.get("block_tokens", 16))
         self._base_model = str(cfg.get("model_id", ""))
+        if vllm_config is not None and _bool(cfg.get("fingerprint", True), "fingerprint"):
+            fp, fields = kv_fingerprint(vllm_config, self._block_tokens,
+                                        cfg.get("fingerprint_extra"))
+            self._base_model += "~" + fp
+            log.info("kvtrie model_id %s: the KV fingerprint %s of %s", self._base_model, fp,
+                     fields)
+        kt = _attr(vllm_config, "kv_transfer_config")
+        self._kv_role = str(cfg.get("kv_role", getattr(kt, "kv_role", None) or "kv_both"))
+        if self._kv_role not in ("kv_both", "kv_producer", "kv_consumer"):
+            raise ValueError(f"kv_role: {self._kv_role!r} is not kv_both, kv_producer or "
+                             "kv_consumer")
+        self._loads_kv = self._kv_role != "kv_producer"  # a producer only saves
+        self._saves_kv = self._kv_role != "kv_consumer"  # a consumer only loads
+        # vLLM's KVTransferConfig.kv_load_failure_policy ("fail" unless set): under "fail" a
+        # promised load that fails fails the request (vLLM's scheduler, _handle_invalid_blocks).
+        self._failure_policy = str(cfg.get(
+            "kv_load_failure_policy", getattr(kt, "kv_load_failure_policy", None) or "fail"))
+        self._lease_seconds = int(cfg.get("lease_seconds", 30))
+        if self._lease_seconds < 0:
+            raise ValueError(f"lease_seconds: {self._lease_seconds} is not >= 0")
+        if vllm_config is not None and self._loads_kv and self._failure_policy == "fail":
+            log.warning(
+                "kvtrie: kv_load_failure_policy is 'fail': a request whose promised KV cannot "
+                "be loaded (deleted after its lookup, a lease of %d s expired, the server "
+                "unreachable) FAILS instead of being recomputed. Set "
+                "--kv-transfer-config '{..., \"kv_load_failure_policy\": \"recompute\"}' "
+                "unless failing is what you want.", self._lease_seconds)
+        self._epoch = int(cfg.get("cache_epoch", 0))  # reset_cache bumps it (scheduler side)
         self._model_suffix = _parallel_suffix(cfg, vllm_config, scheduler)
         self._split = "@" in self._model_suffix  # more than one rank computes each step
+        self._first_rank = all(p[2:].startswith("0of") for p in self._model_suffix.split("@")[1:])
         self._cfg = cfg
-        self._block_tokens = int(cfg.get("block_tokens", 16))
         self._num_blocks = int(cfg["num_blocks"]) if cfg.get("num_blocks") else None
         self._engine_block_size = int(cfg["block_size"]) if cfg.get("block_size") else None
         self._kv_layout = KvLayout(cfg["kv_layout"]) if cfg.get("kv_layout") else None
@@ -332,13 +495,32 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self._target_rel_rms = float(cfg.get("target_rel_rms", 0.0))
         self._get_mode = cfg.get("get_mode", "reconstructed")
         self._async_load = _bool(cfg.get("async_load", False), "async_load")
+        self._save_generated = _bool(cfg.get("save_generated", True), "save_generated")
+        # KV cache events for routers: on when vLLM publishes KV events (--kv-events-config
+        # enable_kv_cache_events), else as configured. Only the first rank reports (ranks
+        # commit at their own pace; vLLM's aggregator keeps only events every reporting worker
+        # sent in the same step).
+        self._kv_events = _bool(cfg.get("kv_events", bool(_attr(
+            vllm_config, "kv_events_config", "enable_kv_cache_events"))), "kv_events")
         self._load_layer_groups = int(cfg.get("load_layer_groups", 1))
         if self._load_layer_groups < 1:
             raise ValueError(f"load_layer_groups: {self._load_layer_groups} is not >= 1")
+        self._layerwise = _bool(cfg.get("layerwise", True), "layerwise")
+        self._async_lookup = _bool(cfg.get("async_lookup", True), "async_lookup")
+        self._min_load_tokens = int(cfg.get("min_load_tokens", 0))
+        if self._min_load_tokens < 0:
+            raise ValueError(f"min_load_tokens: {self._min_load_tokens} is not >= 0")
+        lookup_threads = int(cfg.get("lookup_threads", 4))
+        if lookup_threads < 1:
+            raise ValueError(f"lookup_threads: {lookup_threads} is not >= 1")
         # Scheduler side.
         self._tracked: Dict[str, _Tracked] = {}
         self._matched: Dict[str, Tuple[int, int, int]] = {}  # req -> (local hit, ext, stored)
         self._saving: Set[str] = set()  # requests a save was scheduled for (request_finished)
+        # Lookups in flight or answered, per request until it is admitted or finished (the
+        # scheduler thread only; the futures run on _lookup_pool).
+        self._lookups: Dict[str, concurrent.futures.Future] = {}
+        self._lookup_pool = concurrent.futures.ThreadPoolExecutor(lookup_threads, "kvtrie-lookup")
         # Worker side.
         self._meta: Optional[KvtrieConnectorMetadata] = None
         self._caches: Dict[str, Any] = {}  # layer name -> canonical view (register_kv_caches)
@@ -357,6 +539,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self._save_failed: Set[str] = set()  # req ids with a failed layer save (saver thread)
         self._save_bytes: Dict[str, int] = {}  # req id -> dense bytes gathered (saver thread)
         self._save_futures: List[concurrent.futures.Future] = []
+        self._saved_layers: Set[int] = set()  # layers save_kv_layer was called for this step
         self._commits: Dict[str, List[concurrent.futures.Future]] = {}  # req -> commits in flight
         self._finishing: Set[str] = set()  # finished requests with saves, not yet reported
         self._async_loader = concurrent.futures.ThreadPoolExecutor(1, "kvtrie-async-load")
@@ -364,8 +547,11 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self.stats: Dict[str, int] = {  # updated under _lock; see get_kv_connector_stats
             "lookups": 0, "lookup_hits": 0, "loaded_tokens": 0, "loaded_bytes": 0,
             "load_failed_tokens": 0, "load_failures": 0, "saved_blocks": 0, "saved_bytes": 0,
-            "save_errors": 0}
+            "save_errors": 0, "leases": 0, "failed_requests": 0}
         self._reported: Dict[str, int] = dict(self.stats)  # stats at the last get_kv_connector_stats
+        self._events: List[Any] = []  # worker: KV events since the last report (_lock)
+        self._sched_events: Optional[KvtrieKVEvents] = None  # scheduler: the workers' events
+        self._cleared = False  # scheduler: reset_cache since the last take_events
 
     @property
     def role(self) -> Any:
@@ -385,30 +571,102 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
 
     # ---------------- scheduler side ----------------
 
-    def get_num_new_matched_tokens(self, request: Any,
-                                   num_computed_tokens: int) -> Tuple[int, bool]:
-        """Tokens beyond ``num_computed_tokens`` (the engine's local prefix-cache hit) that
-        kvtrie holds under the request's identity (block-aligned, at most all but the last prompt
-        token, which the engine computes for its logits). ``(0, False)`` when the server cannot
-        be reached or the request has no token ids (``prompt_token_ids=None``, prompt
-        embeddings): a miss, never an error. The second value is True for a load with
-        ``async_load`` on: the engine waits for the request's id in :meth:`get_finished`'s
-        second set before it schedules it; off (the default) loads run within the step, layer by
-        layer, overlapping the forward pass."""
-        prompt = _prompt(request)
-        if prompt is None:
-            return 0, False
-        identity = request_identity(request)
+    def _identity(self, request: Any) -> str:
+        """The request's key beyond its tokens (:func:`request_identity`) and, after
+        :meth:`reset_cache`, the cache epoch: folded into the model_id of its lookups, loads
+        and saves (it travels to the workers in the metadata)."""
+        return request_identity(request) + (f".e{self._epoch}" if self._epoch else "")
+
+    def _lookup(self, identity: str, prompt: List[int]) -> Tuple[int, float]:
+        """``(stored prefix of prompt in tokens, when)``: 0 when the server cannot be reached.
+        With ``lease_seconds`` a hit is leased: the prefix is pinned for that long (the server's
+        Pin with a TTL) so it is not evicted before the worker loads it; a prefix gone before
+        the pin is a miss (never promise what is not held)."""
+        t = time.monotonic()
+        client = self._client_for(identity)
         try:
-            matched = self._client_for(identity).lookup(prompt)
+            matched = int(client.lookup(prompt))
         except Error as e:
             log.warning("kvtrie lookup failed, computing instead: %s", e)
-            return 0, False
+            return 0, t
         with self._lock:
             self.stats["lookups"] += 1
+        bt = self._block_tokens
+        if self._lease_seconds and matched >= bt and self._loads_kv:
+            try:
+                _lease(client, prompt[:matched // bt * bt], self._lease_seconds)
+                with self._lock:
+                    self.stats["leases"] += 1
+            except Error as e:
+                if e.code == StatusCode.NOT_FOUND:  # gone since the lookup: a miss
+                    return 0, t
+                if e.code in (StatusCode.PERMISSION_DENIED, StatusCode.UNAUTHENTICATED,
+                              StatusCode.UNIMPLEMENTED):  # never allowed: said once
+                    log.warning("kvtrie: leasing looked-up prefixes failed (%s): leases are "
+                                "off; a prefix evicted before its load fails under policy "
+                                "'fail'", e)
+                    self._lease_seconds = 0
+                else:  # this prefix unleased: its load may still fail (then said per request)
+                    log.info("kvtrie: no lease on a looked-up prefix: %s", e)
+        return matched, t
+
+    def _start_lookup(self, request: Any) -> Optional[concurrent.futures.Future]:
+        prompt = _prompt(request)
+        if prompt is None or _skips_reading(request):
+            return None
+        req_id = str(request.request_id)
+        f = self._lookups.get(req_id)
+        if f is not None and f.done() and self._lease_seconds and (
+                time.monotonic() - f.result()[1] > self._lease_seconds / 2):
+            f = None  # answered long ago (waiting for pages): its lease may lapse, ask anew
+        if f is None:
+            f = self._lookups[req_id] = self._lookup_pool.submit(
+                self._lookup, self._identity(request), prompt)
+        return f
+
+    def on_new_request(self, request: Any) -> None:
+        """vLLM calls this when a request enters the waiting queue: its lookup starts now, on a
+        lookup thread (``async_lookup``), so it is usually answered by the time the scheduler
+        reaches the request."""
+        if self._async_lookup and self._loads_kv:
+            self._start_lookup(request)
+
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        """Tokens beyond ``num_computed_tokens`` (the engine's local prefix-cache hit) that
+        kvtrie holds under the request's identity (block-aligned, at most all but the last prompt
+        token, which the engine computes for its logits; 0 below ``min_load_tokens``).
+        ``(0, False)`` when the server cannot be reached, the request has no token ids
+        (``prompt_token_ids=None``, prompt embeddings) or sets ``skip_reading_prefix_cache``
+        (vLLM: ``prompt_logprobs``, pooling): a miss, never an error.
+
+        With ``async_lookup`` (the default) this never waits on the network: the first call
+        (or :meth:`on_new_request`) starts the Lookup on a lookup thread and returns ``(None,
+        False)`` until it is answered; vLLM's scheduler then skips the request for this step and
+        asks again in the next (Scheduler.schedule: ``if ext_tokens is None``). The answer is
+        kept for the request until it is allocated (:meth:`update_state_after_alloc`), so the
+        steps it waits for pages ask no more. ``async_lookup: false``: one blocking Lookup per
+        call, in the scheduler's loop.
+
+        The second value is True for a load with ``async_load`` on: the engine waits for the
+        request's id in :meth:`get_finished`'s second set before it schedules it; off (the
+        default) loads run within the step, layer by layer, overlapping the forward pass."""
+        prompt = _prompt(request)
+        if prompt is None or _skips_reading(request) or not self._loads_kv:
+            return 0, False
+        if self._async_lookup:
+            f = self._start_lookup(request)
+            assert f is not None
+            if not f.done():
+                return None, False
+            matched = f.result()[0]
+        else:
+            matched = self._lookup(self._identity(request), prompt)[0]
         stored = matched // self._block_tokens
         matched = min(matched, len(prompt) - 1)
         ext = max(0, matched - int(num_computed_tokens))
+        if ext < self._min_load_tokens:
+            ext = 0
         if ext > 0:
             with self._lock:
                 self.stats["lookup_hits"] += 1
@@ -427,14 +685,17 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
             return
         req_id = str(request.request_id)
         matched = self._matched.pop(req_id, None)
+        self._lookups.pop(req_id, None)  # admitted: a resumption after preemption asks anew
         t = self._tracked.get(req_id)
         if t is None:
-            t = self._tracked[req_id] = _Tracked(request, request_identity(request))
+            t = self._tracked[req_id] = _Tracked(request, self._identity(request))
         t.request = request
         t.block_ids = _block_ids(blocks)
         local = int(request.num_computed_tokens)
         if matched is not None:
             local, _, t.stored_blocks = matched
+            t.saved_blocks = t.stored_blocks
+        t.last_end = 0  # admitted (again): computing from its hits on
         ext = int(num_external_tokens)
         t.load_begin, t.load_end = (local, local + ext) if ext > 0 else (0, 0)
         t.async_load = self._async_load and ext > 0
@@ -444,13 +705,16 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         the SchedulerOutput: a new request's ``block_ids``, a running one's
         ``scheduled_cached_reqs.new_block_ids`` appended (chunked prefill allocates per chunk),
         or replacing the list when it is in ``resumed_req_ids`` (``resumed_from_preemption`` in
-        older vLLM). A request is saved in the step that computes the last token of its prompt's
-        last full kvtrie block (a chunked prefill saves once, at the end; a recompute after a
-        load error or a preemption saves again). With more than one rank (TP / PP), when that
-        step also loaded, the save moves to the request's next step unless that step was
-        discarded: a load that failed on one rank makes the KV every rank computed in that step
-        wrong, and no rank knows of the others' failures (so there a request that loads and
-        finishes in one step is not saved). Resets the pending loads."""
+        older vLLM). Saves are incremental: each step saves the kvtrie blocks its computed tokens
+        completed (a chunk of a chunked prefill; with ``save_generated``, the default, decode
+        steps too, the generated tokens included, so a conversation's next turn, whose prompt is
+        this one's prompt and output, hits them), each a Put from the first block not stored or
+        saved before (committed after the step, in order, on the commit thread). A step that goes
+        back (a recompute after a load error) saves again from there. With more than one rank
+        (TP / PP), a step that also loaded saves nothing: a load that failed on one rank makes
+        the KV every rank computed in that step wrong, and no rank knows of the others' failures;
+        its blocks are saved by the request's next step, if that step was not discarded (so a
+        request that loads and finishes in one step is not saved). Resets the pending loads."""
         scheduled: Dict[str, int] = dict(getattr(scheduler_output, "num_scheduled_tokens", {}))
         computed: Dict[str, int] = {}
         for new in getattr(scheduler_output, "scheduled_new_reqs", None) or []:
@@ -477,27 +741,29 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         for req_id, t in self._tracked.items():
             if req_id not in scheduled and t.load_end == 0:
                 continue
-            prompt = _prompt(t.request)
-            full = len(prompt) // bt * bt
+            n_prompt = len(t.request.prompt_token_ids)
+            n_tokens = _num_tokens(t.request, n_prompt) if self._save_generated else n_prompt
             begin = computed.get(req_id, int(t.request.num_computed_tokens))
             end = begin + scheduled.get(req_id, 0)
             save = 0
-            if t.save_next_step and req_id in scheduled:
-                # The step that completed the prompt also loaded: if any rank's load failed,
-                # the engine discarded that step (begin went back) and recomputes, saving then.
-                t.save_next_step = False
-                save = full if begin >= full else 0
-            if not save and full > t.stored_blocks * bt and begin < full <= end:
-                if t.load_end and self._split:  # another rank's load may fail: save later
-                    t.save_next_step = True
-                else:
-                    save = full
-            if t.load_end or save:
-                meta.requests.append(RequestMeta(req_id, prompt, list(t.block_ids), t.load_begin,
-                                                 t.load_end, save, t.stored_blocks, t.identity,
-                                                 t.async_load))
+            if req_id in scheduled:
+                if begin < t.last_end:  # the engine went back (a load error): save again
+                    t.saved_blocks = min(t.saved_blocks, begin // bt)
+                t.last_end = end
+                done = min(end, n_tokens) // bt  # kvtrie blocks whose KV exists after it
+                if (self._saves_kv and done > t.saved_blocks
+                        and not (t.load_end and self._split)):  # see the docstring
+                    save = done * bt
+            if t.load_end or save:  # the token ids only now (a decode step saves 1 in bt)
+                tokens = _prompt(t.request)
+                if save > len(tokens):
+                    tokens = _all_tokens(t.request, tokens)[:save]
+                meta.requests.append(RequestMeta(
+                    req_id, tokens, list(t.block_ids), t.load_begin, t.load_end, save,
+                    t.saved_blocks, t.identity, t.async_load))
             if save:
                 self._saving.add(req_id)
+                t.saved_blocks = save // bt
             t.load_begin = t.load_end = 0
         return meta
 
@@ -509,6 +775,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         req_id = str(request.request_id)
         self._tracked.pop(req_id, None)
         self._matched.pop(req_id, None)
+        self._lookups.pop(req_id, None)
         saving = req_id in self._saving
         self._saving.discard(req_id)
         return saving, None
@@ -522,6 +789,11 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self._layouts: Dict[str, KvLayout] = {}
         self._caches = {}
         for name, cache in kv_caches.items():
+            dtype = str(getattr(cache, "dtype", ""))
+            if any(d in dtype for d in ("int8", "float8")):  # vLLM's fp8 pages: uint8
+                raise ValueError(f"kv_caches[{name!r}]: dtype {dtype}: the kvtrie connector "
+                                 "stores fp16, bf16 and fp32 caches (FP8 / uint8 is not "
+                                 "supported)")
             layout = self._kv_layout or detect_layout(cache.shape, self._num_blocks,
                                                       self._engine_block_size)
             self._layouts[name] = layout
@@ -567,6 +839,8 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
             self._load_future = None
             return
         self._load_future = self._loader.submit(self._load, loads, self._layer_loaded)
+        if not self._layerwise:  # no wait_for_layer_load will come (full CUDA graphs)
+            self._load_future.result()
 
     def _layer_groups(self) -> List[Tuple[int, int]]:
         """The layer ranges a load is fetched in, in layer order (``load_layer_groups``)."""
@@ -650,9 +924,21 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
                 self._load_errors.update(int(b) for b in r.block_ids[first:last + 1])
                 self._failed_loads.add(r.req_id)
                 self.stats["load_failures"] += 1
+                if self._failure_policy == "fail":
+                    self.stats["failed_requests"] += 1
+                if self._kv_events and self._first_rank:  # the blocks are gone: routers learn it
+                    bt = self._block_tokens
+                    self._events.append(removed_event(self._base_model + r.identity, r.token_ids,
+                                                      bt, n // bt, -(-r.load_end // bt)))
             self.stats["loaded_tokens"] += n - r.load_begin
             self.stats["loaded_bytes"] += nbytes
             self.stats["load_failed_tokens"] += r.load_end - n
+        if n < r.load_end and self._failure_policy == "fail":
+            log.error("kvtrie: request %s: only %d of the %d promised tokens [%d, %d) could be "
+                      "loaded (evicted or deleted after the lookup, or the server unreachable); "
+                      "kv_load_failure_policy is 'fail', so vLLM FAILS this request. With "
+                      "'recompute' it would be recomputed from token %d.", r.req_id,
+                      n - r.load_begin, r.load_end - r.load_begin, r.load_begin, r.load_end, n)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Blocks until this layer's KV of this step's loads is in the paged cache."""
@@ -664,10 +950,12 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         """Queues this layer of this step's saves; the saver thread gathers it from the paged
         cache (the layer registered under ``layer_name``; ``kv_layer`` is the same tensor) and,
         with ``encode_on_client`` off, sends it while the engine computes the next layer."""
-        meta = self._get_connector_metadata()
-        layer = self._layer_index[layer_name]
-        cache = self._caches[layer_name]
-        for r in meta.requests:
+        self._queue_layer_saves(self._layer_index[layer_name])
+
+    def _queue_layer_saves(self, layer: int) -> None:
+        self._saved_layers.add(layer)
+        cache = self._caches[self._names[layer]]
+        for r in self._get_connector_metadata().requests:
             if r.save_tokens > 0:
                 self._save_futures.append(self._saver.submit(self._save_layer, r, layer, cache))
 
@@ -693,7 +981,12 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         first = self._first_block(r)
         if s is None:
             client = self._client_for(r.identity)
-            if self._encode_on_client:
+            # A Put encoded here copies arrays as wide as the whole prefix (the unsent blocks
+            # before `first` too; a copy is ~5x faster than encoding): for a block or two after
+            # a long stored prefix (a decode step's block) far more than encoding them. Such a
+            # save goes dense on a layer-wise Put instead (the server encodes the new blocks).
+            new_blocks = r.save_tokens // self._block_tokens - first
+            if self._encode_on_client and first <= _MAX_UNSENT_PER_NEW_BLOCK * new_blocks:
                 s = _EncodedSave(client, r.token_ids[:r.save_tokens], len(self._names),
                                  first, self._block_tokens, self._encoding, self._target_rel_rms)
             else:
@@ -708,12 +1001,15 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         s.write(layer, k, v, token_offset=begin)
         self._save_bytes[r.req_id] = self._save_bytes.get(r.req_id, 0) + k.nbytes + v.nbytes
 
-    def _commit(self, req_id: str, s: Any, nbytes: int) -> None:
+    def _commit(self, req_id: str, s: Any, nbytes: int, event: Optional[Tuple] = None) -> None:
         try:
             result = s.commit()
             with self._lock:
                 self.stats["saved_blocks"] += result.blocks_stored
                 self.stats["saved_bytes"] += nbytes
+                if event is not None:  # (key, tokens, first block, end block): now stored
+                    self._events.append(stored_event(event[0], event[1], self._block_tokens,
+                                                     event[2], event[3]))
         except Exception as e:  # noqa: BLE001 - any failure of a save is a future miss only
             with self._lock:
                 self.stats["save_errors"] += 1
@@ -727,6 +1023,14 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         only costs a future cache miss."""
         if self._load_future is not None:
             self._load_future.result()  # the save decision needs the load outcome
+        if self._meta is not None:
+            # Layers whose save_kv_layer did not come (full CUDA graphs replay attention
+            # without the hook; custom attention may skip it): gathered now, after the forward
+            # pass wrote them, so a save is never dropped for a missing layer.
+            for layer in range(len(self._names)):
+                if layer not in self._saved_layers:
+                    self._queue_layer_saves(layer)
+        self._saved_layers = set()
         futures, self._save_futures = self._save_futures, []
         for f in futures:
             try:
@@ -738,14 +1042,23 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         saves, self._saves = self._saves, {}
         save_failed, self._save_failed = self._save_failed, set()
         save_bytes, self._save_bytes = self._save_bytes, {}
+        metas = {r.req_id: r for r in self._meta.requests} if self._meta is not None else {}
         for req_id, s in saves.items():
             with self._lock:
                 failed = req_id in self._failed_loads
             if failed or req_id in save_failed:  # a failed layer is counted in save_errors
                 s.cancel()
                 continue
-            fut = self._committer.submit(self._commit, req_id, s, save_bytes.get(req_id, 0))
+            event = None
+            r = metas.get(req_id)
+            if self._kv_events and self._first_rank and r is not None:
+                event = (self._base_model + r.identity, r.token_ids[:r.save_tokens],
+                         self._first_block(r), r.save_tokens // self._block_tokens)
+            fut = self._committer.submit(self._commit, req_id, s, save_bytes.get(req_id, 0),
+                                         event)
             with self._lock:
+                # Its load's end no longer bounds the next saves (they begin where this ends).
+                self._loaded_ok.pop(req_id, None)
                 self._commits.setdefault(req_id, []).append(fut)
         meta = self._meta
         for r in meta.requests if meta is not None else []:
@@ -790,7 +1103,8 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         ``lookups`` and ``lookup_hits`` (an external hit beyond the local one); on a worker
         ``loaded_tokens`` / ``loaded_bytes`` (dense KV written into the paged cache),
         ``load_failed_tokens`` / ``load_failures`` (requests), ``saved_blocks`` (stored, not
-        deduplicated), ``saved_bytes`` (dense KV gathered for committed saves), ``save_errors``.
+        deduplicated), ``saved_bytes`` (dense KV gathered for committed saves), ``save_errors``;
+        ``leases`` (scheduler), ``failed_requests`` (loads that failed under policy "fail").
         """
         with self._lock:
             now = dict(self.stats)
@@ -798,6 +1112,43 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self._reported = now
         stats = KvtrieConnectorStats(delta)
         return None if stats.is_empty() else stats
+
+    def get_kv_connector_kv_cache_events(self) -> Optional[KvtrieKVEvents]:
+        """Worker: the KV cache events since the last call (``kv_events``; the first rank
+        only), or None: ``BlockStored`` (``medium="KVTRIE"``, kvtrie's ``block_tokens`` a block,
+        chained hashes of the model_id with the request's identity and the tokens) for each
+        committed save's new blocks, ``BlockRemoved`` for the promised blocks a load did not
+        find. vLLM hands them to the scheduler's :meth:`update_connector_output`."""
+        with self._lock:
+            events, self._events = self._events, []
+        if not events:
+            return None
+        out = KvtrieKVEvents(num_workers=1)
+        out.add_events(events)
+        return out
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Scheduler: keeps the workers' KV events of ``connector_output.kv_cache_events``
+        (vLLM's KVConnectorOutput, the workers' events combined) until :meth:`take_events`."""
+        events = getattr(connector_output, "kv_cache_events", None)
+        if not events or not isinstance(events, KvtrieKVEvents):
+            return
+        if self._sched_events is None:
+            self._sched_events = events
+        else:
+            self._sched_events.add_events(events.get_all_events())
+            self._sched_events.increment_workers(events.get_number_of_workers())
+
+    def take_events(self) -> Any:
+        """Scheduler: the KV cache events since the last call, for vLLM's KV event publisher
+        (``AllBlocksCleared`` first after :meth:`reset_cache`; then the events every reporting
+        worker sent)."""
+        if self._cleared:
+            self._cleared = False
+            yield AllBlocksCleared()
+        if self._sched_events is not None:
+            events, self._sched_events = self._sched_events, None
+            yield from events.aggregate().get_all_events()
 
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None
@@ -816,12 +1167,31 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         from ._metrics import build_prom_metrics
         return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+    def reset_cache(self) -> Optional[bool]:
+        """vLLM's prefix-cache reset (``reset_prefix_cache``; weights updated in place, RL):
+        on the scheduler, bumps the cache epoch folded into every later request's model_id,
+        so nothing stored before is loaded again (it ages out of the server by eviction). The
+        epoch starts at ``cache_epoch`` (0): a restarted engine is back there; set
+        ``cache_epoch`` to keep a reset across restarts. True; None on a worker."""
+        if self._role_value != KVConnectorRole.SCHEDULER:
+            return None
+        self._epoch += 1
+        self._lookups.clear()  # answers of the old epoch
+        self._cleared = self._kv_events  # routers forget what kvtrie held for this engine
+        self._matched.clear()
+        log.info("kvtrie cache reset: epoch %d (model_id %s%s)", self._epoch, self._base_model,
+                 f"*.e{self._epoch}")
+        return True
+
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
-        """True: the per-layer hooks (``wait_for_layer_load``, ``save_kv_layer``) run inside
-        the attention layers, which a full CUDA graph replays without calling them, so vLLM must
-        capture piecewise graphs (attention outside the graph)."""
-        return True
+        """``layerwise`` (true by default): the per-layer hooks (``wait_for_layer_load``,
+        ``save_kv_layer``) overlap loads and saves with the layers' compute, but run inside the
+        attention layers, which a full CUDA graph replays without calling them, so vLLM must
+        capture piecewise graphs (attention outside the graph). ``layerwise: false``: full
+        graphs are allowed; :meth:`start_load_kv` then waits for the step's loads and
+        :meth:`wait_for_save` gathers every layer."""
+        return _bool((extra_config or {}).get("layerwise", True), "layerwise")
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -830,6 +1200,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         return False
 
     def shutdown(self) -> None:
+        self._lookup_pool.shutdown(wait=True)
         self._loader.shutdown(wait=True)
         self._saver.shutdown(wait=True)
         self._committer.shutdown(wait=True)
