@@ -6,13 +6,14 @@
 // (the codec and the reference model of client/worker; no server).
 //
 //   heldout_bench --model=GGUF --heldout=DATA/heldout.jsonl [--train=DATA/train.jsonl]
-//                 [--windows=40] [--block_tokens=16] [--continuation=128]
+//                 [--windows=40] [--context=W] [--block_tokens=16] [--continuation=128]
 //                 [--settings=int8,kivi2,turboquant/4,...] [--csv=FILE]
 //
 // Windows, split by document: each held-out document ({"path", "text"} per JSONL line; a document
 // whose name, extensions stripped, also names a --train document is skipped, as
 // tools/train/eval_model.py does) gives at most one window, its first W tokens as the model's
-// tokenizer encodes them (BOS first), W = min(the model's context, 1024); documents shorter than
+// tokenizer encodes them (BOS first), W = --context, by default min(the GGUF's context length,
+// 1024) (stories260K: --context=512, its trained context); documents shorter than
 // W tokens are skipped. The first C = W - continuation tokens are the context (its KV is coded
 // block by block), the next `continuation` tokens are scored.
 //
@@ -29,8 +30,10 @@
 // residual-fast@E, residual-compact@E (E = target rel RMS per plane), and residual-fast@tqB /
 // residual-compact@tqB: the target set to turboquant/B's measured error in this run (the smaller
 // of its K and V rel RMS; turboquant/B must come earlier in the list), and kvtc@E / kvtc@tqB: the
-// KVTC-style baseline below, fitted on --kvtc_docs (24) context windows of every --kvtc_stride-th
-// (97th) --train document.
+// KVTC-style baseline below, and learned-fast@E / learned-fast@tqB / learned-lossless-fast: the
+// fast profile coded against a PredictorState (codec/predictor_state.h, default LearnerOptions)
+// learned from the same training KV. Both are fitted on the context KV of --kvtc_docs (32) --train
+// documents with >= W tokens, taken from every --kvtc_stride-th (61st) line: training split only.
 #include <algorithm>
 #include <cctype>
 #include <cmath>
@@ -50,6 +53,7 @@
 #include "codec/block_geometry.h"
 #include "codec/kv_dump.h"
 #include "codec/kv_layout.h"
+#include "codec/predictor_state.h"
 
 namespace kvtrie {
 namespace {
@@ -424,8 +428,9 @@ class Kvtc {
 struct Setting {
   std::string name;
   EncodeOptions options;
-  std::string tq_ref;  // "turboquant/B": target from that row's measured error
-  bool kvtc = false;   // the Kvtc coder at options.target_rel_rms
+  std::string tq_ref;    // "turboquant/B": target from that row's measured error
+  bool kvtc = false;     // the Kvtc coder at options.target_rel_rms
+  bool learned = false;  // coded against the PredictorState learned from the training split
 };
 
 bool ParseSetting(const std::string& s, Setting* out) {
@@ -434,9 +439,10 @@ bool ParseSetting(const std::string& s, Setting* out) {
   const size_t at = s.find('@');
   const std::string head = s.substr(0, at);
   const std::string arg = at == std::string::npos ? "" : s.substr(at + 1);
-  if (head == "lossless-fast" || head == "lossless-compact") {
+  if (head == "lossless-fast" || head == "lossless-compact" || head == "learned-lossless-fast") {
     o.encoding = Encoding::kLossless;
-    o.profile = head == "lossless-fast" ? Profile::kFast : Profile::kCompact;
+    o.profile = head == "lossless-compact" ? Profile::kCompact : Profile::kFast;
+    out->learned = o.learned_lossless = head == "learned-lossless-fast";
   } else if (head == "int8") {
     o.encoding = Encoding::kInt8;
   } else if (head == "kivi2") {
@@ -444,10 +450,12 @@ bool ParseSetting(const std::string& s, Setting* out) {
   } else if (head.rfind("turboquant/", 0) == 0) {
     o.encoding = Encoding::kTurboQuant;
     o.turboquant_bits = std::stoi(head.substr(11));
-  } else if (head == "residual-fast" || head == "residual-compact" || head == "kvtc") {
+  } else if (head == "residual-fast" || head == "residual-compact" || head == "kvtc" ||
+             head == "learned-fast") {
     o.encoding = Encoding::kResidual;
     o.profile = head == "residual-compact" ? Profile::kCompact : Profile::kFast;
     out->kvtc = head == "kvtc";
+    out->learned = head == "learned-fast";
     if (arg.rfind("tq", 0) == 0) {
       out->tq_ref = "turboquant/" + arg.substr(2);
     } else {
@@ -468,6 +476,7 @@ struct Row {
   std::string worst_plane_name;
   double nll = 0, delta_pct = 0, se_pct = 0, kl = 0, kl_se = 0;
   std::vector<double> win_delta_pct, win_kl;  // per window
+  std::string error;                          // the encoder's error, if it failed
 };
 
 double Mean(const std::vector<double>& x) {
@@ -483,7 +492,7 @@ double Se(const std::vector<double>& x) {
 }
 
 Row Run(const worker::LlamaModel& model, const BlockGeometry& g, std::vector<Window>& windows,
-        const Setting& s, size_t scored, Kvtc* kvtc) {
+        const Setting& s, size_t scored, Kvtc* kvtc, const PredictorState* state) {
   Row r;
   r.name = s.name;
   r.target = s.options.target_rel_rms;
@@ -502,10 +511,18 @@ Row Run(const worker::LlamaModel& model, const BlockGeometry& g, std::vector<Win
       GatherBlock(g, C, w.prefix.k.data(), w.prefix.v.data(), b, absl::MakeSpan(block));
       PredictionContext ctx;
       if (!parent.empty()) ctx.parent = parent;
+      std::vector<int32_t> toks(w.tokens.begin() + b * g.block_tokens,
+                                w.tokens.begin() + (b + 1) * g.block_tokens);
+      if (s.learned) {
+        ctx.learned = state;
+        ctx.tokens = toks;
+        ctx.first_position = static_cast<uint32_t>(b * g.block_tokens);
+        ctx.previous_token = b ? static_cast<int32_t>(w.tokens[b * g.block_tokens - 1]) : -1;
+      }
       absl::StatusOr<EncodedBlock> e = EncodeBlock(g, block, s.options, ctx);
-      if (!e.ok()) {
-        std::fprintf(stderr, "%s: encode: %s\n", s.name.c_str(), e.status().ToString().c_str());
-        std::exit(3);
+      if (!e.ok()) {  // reported as the row's result (e.g. a target the coder cannot meet)
+        r.error = std::string(e.status().message());
+        return r;
       }
       std::vector<uint8_t> out(g.num_bytes());
       absl::Status st = DecodeBlock(e->bytes, absl::MakeSpan(out), ctx);
@@ -587,11 +604,12 @@ int Main(int argc, char** argv) {
   const std::string csv = Flag(argc, argv, "csv", "");
   const std::string settings_flag =
       Flag(argc, argv, "settings",
-           "lossless-fast,lossless-compact,int8,kivi2,turboquant/4,turboquant/3,turboquant/2,"
-           "residual-fast@0.05,residual-fast@0.1,residual-fast@0.2,residual-fast@0.3,"
-           "residual-fast@0.5,residual-fast@0.7,residual-compact@0.05,residual-compact@0.1,"
-           "residual-compact@0.3,residual-compact@0.7,residual-fast@tq4,residual-fast@tq3,"
-           "residual-compact@tq3,kvtc@0.05,kvtc@0.1,kvtc@0.2,kvtc@0.3,kvtc@tq3");
+           "lossless-fast,lossless-compact,learned-lossless-fast,int8,kivi2,turboquant/4,"
+           "turboquant/3,turboquant/2,residual-fast@0.05,residual-fast@0.1,residual-fast@0.2,"
+           "residual-fast@0.3,residual-fast@0.5,residual-fast@0.7,residual-compact@0.05,"
+           "residual-compact@0.3,residual-compact@0.7,learned-fast@0.1,learned-fast@0.3,"
+           "learned-fast@0.5,learned-fast@0.7,residual-fast@tq3,residual-compact@tq3,"
+           "learned-fast@tq3,learned-fast@tq4,kvtc@0.1,kvtc@0.2,kvtc@0.3,kvtc@tq3");
   std::vector<Setting> settings;
   for (absl::string_view s : absl::StrSplit(settings_flag, ',', absl::SkipEmpty())) {
     Setting st;
@@ -608,7 +626,10 @@ int Main(int argc, char** argv) {
   }
   const worker::LlamaModel& model = **model_or;
   const worker::LlamaConfig& cfg = model.config();
-  const size_t W = std::min<size_t>(cfg.context_length, 1024);
+  // --context: the window length W (default: the GGUF's context length, at most 1024; a GGUF may
+  // state more than the model was trained on, e.g. stories260K: 1024 stated, 512 trained).
+  const size_t W = std::stoul(
+      Flag(argc, argv, "context", std::to_string(std::min<size_t>(cfg.context_length, 1024))));
   const size_t C = (W - cont) / T * T;
 
   std::set<std::string> train_keys;
@@ -654,17 +675,20 @@ int Main(int argc, char** argv) {
     return 1;
   }
   BlockGeometry g{cfg.num_layers, cfg.num_kv_heads, T, cfg.head_dim(), DType::kFp16};
-  // The KVTC baseline's fit: the context KV of every --kvtc_stride-th --train document that has
-  // W tokens, --kvtc_docs of them.
+  // The KVTC baseline's fit and the learned state: the context KV of every --kvtc_stride-th
+  // --train document that has W tokens, --kvtc_docs of them.
   std::unique_ptr<Kvtc> kvtc;
+  std::unique_ptr<PredictorLearner> learner;
+  std::shared_ptr<const PredictorState> state;
   size_t kvtc_docs = 0;
-  if (std::any_of(settings.begin(), settings.end(), [](const Setting& s) { return s.kvtc; })) {
+  if (std::any_of(settings.begin(), settings.end(),
+                  [](const Setting& s) { return s.kvtc || s.learned; })) {
     if (train.empty()) {
       std::fprintf(stderr, "kvtc settings need --train\n");
       return 1;
     }
-    const size_t want_docs = std::stoul(Flag(argc, argv, "kvtc_docs", "24"));
-    const size_t stride = std::stoul(Flag(argc, argv, "kvtc_stride", "97"));
+    const size_t want_docs = std::stoul(Flag(argc, argv, "kvtc_docs", "32"));
+    const size_t stride = std::stoul(Flag(argc, argv, "kvtc_stride", "61"));
     kvtc = std::make_unique<Kvtc>(cfg);
     std::ifstream f(train);
     std::string line, text;
@@ -674,10 +698,34 @@ int Main(int argc, char** argv) {
       if (ids.size() < W) continue;
       worker::Sequence seq(&model, C, DType::kFp16);
       if (!seq.Extend({ids.data(), C}).ok()) std::exit(2);
-      kvtc->Observe(seq.ToKvDump(DType::kFp16, C));
+      const KvDump d = seq.ToKvDump(DType::kFp16, C);
+      kvtc->Observe(d);
+      if (!learner) {
+        absl::StatusOr<std::unique_ptr<PredictorLearner>> l = PredictorLearner::Create(g, {});
+        if (!l.ok()) {
+          std::fprintf(stderr, "learner: %s\n", l.status().ToString().c_str());
+          return 1;
+        }
+        learner = *std::move(l);
+      }
+      std::vector<uint8_t> block(g.num_bytes());
+      for (size_t b = 0; b < C / T; ++b) {
+        GatherBlock(g, C, d.k.data(), d.v.data(), b, absl::MakeSpan(block));
+        const std::vector<int32_t> toks(ids.begin() + b * T, ids.begin() + (b + 1) * T);
+        if (!learner->Observe(block, toks, b * T, b ? static_cast<int32_t>(ids[b * T - 1]) : -1)
+                 .ok()) {
+          std::exit(2);
+        }
+      }
       ++kvtc_docs;
     }
     kvtc->Fit();
+    absl::StatusOr<std::shared_ptr<const PredictorState>> st = learner->Fit(1);
+    if (!st.ok()) {
+      std::fprintf(stderr, "learner fit: %s\n", st.status().ToString().c_str());
+      return 1;
+    }
+    state = *std::move(st);
   }
   size_t scored = 0;
   double ref_bits = 0;
@@ -694,9 +742,11 @@ int Main(int argc, char** argv) {
       "# heldout_bench: model %s (%u layers, %u KV heads, head_dim %u), %zu held-out windows (one "
       "per document; %zu documents skipped as named in the train split, %zu shorter than %zu "
       "tokens) of %zu tokens: context %zu (%zu blocks of %u), %zu scored tokens; reference NLL "
-      "%.4f bits/token; kvtc fitted on %zu train documents\n\n",
+      "%.4f bits/token; kvtc and the learned state (%s) fitted on the context KV of %zu train "
+      "documents\n\n",
       model.model_id().c_str(), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim(), windows.size(),
-      skipped_name, skipped_short, W, W, C, C / T, T, scored, ref_bits / scored, kvtc_docs);
+      skipped_name, skipped_short, W, W, C, C / T, T, scored, ref_bits / scored,
+      state ? state->Describe().c_str() : "none", kvtc_docs);
   std::printf(
       "| setting | bits/component | ratio vs fp16 | rel RMS K | rel RMS V | worst plane | NLL "
       "bits/token | ΔNLL %% | s.e. %% | KL bits/token | s.e. |\n"
@@ -719,7 +769,12 @@ int Main(int argc, char** argv) {
       }
       s.options.target_rel_rms = std::min(it->second.rel_k, it->second.rel_v);
     }
-    const Row r = Run(model, g, windows, s, scored, kvtc.get());
+    const Row r = Run(model, g, windows, s, scored, kvtc.get(), state.get());
+    if (!r.error.empty()) {
+      std::printf("| %s | encode failed: %s |\n", s.name.c_str(), r.error.c_str());
+      std::fflush(stdout);
+      continue;
+    }
     char label[96];
     if (!s.tq_ref.empty()) {
       std::snprintf(label, sizeof(label), "%s (%.4f)", s.name.c_str(), s.options.target_rel_rms);
