@@ -11,18 +11,18 @@
 //
 // Windows, split by document: each held-out document ({"path", "text"} per JSONL line; a document
 // whose name, extensions stripped, also names a --train document is skipped, as
-// tools/train/eval_model.py does) gives at most one window, its first W tokens as the model's
-// tokenizer encodes them (BOS first), W = --context, by default min(the GGUF's context length,
-// 1024) (stories260K: --context=512, its trained context); documents shorter than
-// W tokens are skipped. The first C = W - continuation tokens are the context (its KV is coded
-// block by block), the next `continuation` tokens are scored.
+// tools/train/eval_model.py does) gives at most --per_doc (1) windows, its first W tokens as
+// the model's tokenizer encodes them (BOS first; then the next W, ...), W = --context, by default
+// min(the GGUF's context length, 1024) (stories260K: --context=512, its trained context); documents
+// shorter than W tokens are skipped. The first C = W - continuation tokens are the context (its KV
+// is coded block by block), the next `continuation` tokens are scored.
 //
 // Per window the model runs the context with fp16 KV (what an fp16 engine holds); that KV is the
 // reference. Each setting encodes the context KV block by block (a block's parent is the previous
 // decoded block, as the store gives it), decodes it, loads it into a fresh sequence and runs the
 // continuation; the reference is the same path with the uncoded KV (so lossless gives exactly 0).
 // Per scored token: KL(p_ref || p_coded) in bits and the surprisal. Reported: pooled means, with
-// s.e. from the per-window spread (one window per document, so per document). ΔNLL % =
+// s.e. from the spread over documents (per-window values averaged per document). ΔNLL % =
 // 100 * (summed surprisal - reference) / reference. Lossless settings are checked bit-exact
 // against the reference KV instead of being rescored (their KL and ΔNLL are 0 by construction).
 //
@@ -163,6 +163,7 @@ std::string DocKey(const std::string& path) {
 
 struct Window {
   std::string path;
+  size_t doc = 0;                // index of its document among the kept ones
   std::vector<uint32_t> tokens;  // W tokens
   size_t context = 0;            // coded tokens [0, context), scored [context, W)
   KvDump prefix;                 // the context's fp16 KV
@@ -475,7 +476,7 @@ struct Row {
   double rel_k = 0, rel_v = 0, worst_plane = 0;
   std::string worst_plane_name;
   double nll = 0, delta_pct = 0, se_pct = 0, kl = 0, kl_se = 0;
-  std::vector<double> win_delta_pct, win_kl;  // per window
+  std::vector<double> win_delta_pct, win_kl;  // per document (ByDoc)
   std::string error;                          // the encoder's error, if it failed
 };
 
@@ -489,6 +490,19 @@ double Se(const std::vector<double>& x) {
   double var = 0;
   for (double v : x) var += (v - m) * (v - m) / (x.size() - 1);
   return std::sqrt(var / x.size());
+}
+
+// Per-window values averaged per document (windows of a document are correlated: the s.e. and
+// the paired differences are taken over documents).
+std::vector<double> ByDoc(const std::vector<Window>& windows, const std::vector<double>& v) {
+  std::vector<double> sum, n;
+  for (size_t i = 0; i < windows.size(); ++i) {
+    if (windows[i].doc >= sum.size()) sum.resize(windows[i].doc + 1), n.resize(windows[i].doc + 1);
+    sum[windows[i].doc] += v[i];
+    n[windows[i].doc] += 1;
+  }
+  for (size_t d = 0; d < sum.size(); ++d) sum[d] /= n[d];
+  return sum;
 }
 
 Row Run(const worker::LlamaModel& model, const BlockGeometry& g, std::vector<Window>& windows,
@@ -580,9 +594,11 @@ Row Run(const worker::LlamaModel& model, const BlockGeometry& g, std::vector<Win
   r.bpc = 8 * bytes / comps;
   r.nll = bits / scored;
   r.delta_pct = 100 * (bits - ref) / ref;
+  r.win_delta_pct = ByDoc(windows, r.win_delta_pct);
+  r.win_kl = ByDoc(windows, r.win_kl);
   r.se_pct = Se(r.win_delta_pct);
   r.kl = kl / scored;
-  r.kl_se = Se(r.win_kl);
+  r.kl_se = Se(r.win_kl);  // both s.e. per document
   return r;
 }
 
@@ -599,6 +615,9 @@ int Main(int argc, char** argv) {
   const std::string heldout = Flag(argc, argv, "heldout", "/work/train-run/data/heldout.jsonl");
   const std::string train = Flag(argc, argv, "train", "");
   const size_t want = std::stoul(Flag(argc, argv, "windows", "40"));
+  // --per_doc=K: up to K consecutive W-token windows per document (only the first starts with
+  // BOS); s.e. are then taken per document.
+  const size_t per_doc = std::stoul(Flag(argc, argv, "per_doc", "1"));
   const uint32_t T = std::stoul(Flag(argc, argv, "block_tokens", "16"));
   const size_t cont = std::stoul(Flag(argc, argv, "continuation", "128"));
   const std::string csv = Flag(argc, argv, "csv", "");
@@ -645,12 +664,13 @@ int Main(int argc, char** argv) {
     }
   }
   std::vector<Window> windows;
-  size_t skipped_name = 0, skipped_short = 0;
+  size_t skipped_name = 0, skipped_short = 0, docs = 0;
   {
     std::ifstream f(heldout);
     std::string line, path, text;
     while (windows.size() < want && std::getline(f, line)) {
-      if (!JsonString(line, "path", 4096, &path) || !JsonString(line, "text", 5 * W, &text)) {
+      if (!JsonString(line, "path", 4096, &path) ||
+          !JsonString(line, "text", 5 * W * per_doc, &text)) {
         std::fprintf(stderr, "--heldout: a line without path and text in %s\n", heldout.c_str());
         return 1;
       }
@@ -663,14 +683,18 @@ int Main(int argc, char** argv) {
         ++skipped_short;
         continue;
       }
-      Window w;
-      w.path = path;
-      w.tokens.assign(ids.begin(), ids.begin() + W);
-      w.context = C;
-      windows.push_back(std::move(w));
+      for (size_t k = 0; k < per_doc && (k + 1) * W <= ids.size() && windows.size() < want; ++k) {
+        Window w;
+        w.path = path;
+        w.doc = docs;
+        w.tokens.assign(ids.begin() + k * W, ids.begin() + (k + 1) * W);
+        w.context = C;
+        windows.push_back(std::move(w));
+      }
+      ++docs;
     }
   }
-  if (windows.size() < 2) {
+  if (docs < 2) {
     std::fprintf(stderr, "only %zu windows\n", windows.size());
     return 1;
   }
@@ -739,13 +763,14 @@ int Main(int argc, char** argv) {
     ref_bits += w.ref_bits;
   }
   std::printf(
-      "# heldout_bench: model %s (%u layers, %u KV heads, head_dim %u), %zu held-out windows (one "
-      "per document; %zu documents skipped as named in the train split, %zu shorter than %zu "
+      "# heldout_bench: model %s (%u layers, %u KV heads, head_dim %u), %zu held-out windows from "
+      "%zu documents (at most %zu per document; %zu documents skipped as named in the train split, "
+      "%zu shorter than %zu "
       "tokens) of %zu tokens: context %zu (%zu blocks of %u), %zu scored tokens; reference NLL "
       "%.4f bits/token; kvtc and the learned state (%s) fitted on the context KV of %zu train "
       "documents\n\n",
       model.model_id().c_str(), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim(), windows.size(),
-      skipped_name, skipped_short, W, W, C, C / T, T, scored, ref_bits / scored,
+      docs, per_doc, skipped_name, skipped_short, W, W, C, C / T, T, scored, ref_bits / scored,
       state ? state->Describe().c_str() : "none", kvtc_docs);
   std::printf(
       "| setting | bits/component | ratio vs fp16 | rel RMS K | rel RMS V | worst plane | NLL "
@@ -806,7 +831,7 @@ int Main(int argc, char** argv) {
     if (!rows.count(a) || !rows.count(b)) continue;
     if (!any) {
       std::printf(
-          "\nSensitivity (paired per-window differences, later minus earlier; separated = "
+          "\nSensitivity (paired per-document differences, later minus earlier; separated = "
           "difference > 2 s.e.):\n\n| step | ΔKL bits/token | s.e. | separated | Δ(ΔNLL %%) | "
           "s.e. | separated |\n|---|---|---|---|---|---|---|\n");
     }
