@@ -856,13 +856,14 @@ absl::StatusOr<v1::DeleteResponse> Client::Delete(const std::string& model_id,
 
 absl::StatusOr<v1::PinResponse> Client::Pin(const std::string& model_id,
                                             absl::Span<const uint32_t> token_ids,
-                                            uint64_t ttl_seconds, bool unpin) {
+                                            uint64_t ttl_seconds, bool unpin, bool extend_only) {
   v1::PinRequest req;
   req.set_namespace_(options_.ns);
   req.set_model_id(model_id);
   req.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
   req.set_ttl_seconds(ttl_seconds);
   req.set_unpin(unpin);
+  req.set_extend_only(extend_only);
   v1::PinResponse resp;
   auto ctx = NewContext();
   if (auto s = FromGrpc(stub_->Pin(ctx.get(), req, &resp)); !s.ok()) return s;

@@ -187,10 +187,12 @@ class Client {
                                             absl::Span<const uint32_t> token_ids,
                                             bool erase = false);
   // Pins the stored prefix `token_ids` for `ttl_seconds` (0 = until unpinned), or unpins it.
+  // `extend_only` (PinRequest.extend_only): a lease that never shortens an existing pin.
   // NOT_FOUND if it is not stored.
   absl::StatusOr<v1::PinResponse> Pin(const std::string& model_id,
                                       absl::Span<const uint32_t> token_ids,
-                                      uint64_t ttl_seconds = 0, bool unpin = false);
+                                      uint64_t ttl_seconds = 0, bool unpin = false,
+                                      bool extend_only = false);
 
   // The underlying stub, for calls this class does not wrap, and a context for them with this
   // client's deadline and token (in flight until it is freed: see calls()).

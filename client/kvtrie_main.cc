@@ -10,7 +10,8 @@
 //   delete DIR TOKENS    delete the stored prefix of DIR's first TOKENS tokens and its subtree;
 //                        --erase: nothing of it stays on the server's disk (DeleteRequest.erase)
 //   pin DIR TOKENS       pin (unpin DIR TOKENS: unpin) that prefix against eviction, for
-//                        --pin_ttl_seconds (0 = until unpinned); with --pin_replicas=2 over
+//                        --pin_ttl_seconds (0 = until unpinned; --pin_extend_only: a lease
+//                        that never shortens an existing pin); with --pin_replicas=2 over
 //                        shards also on its second shard
 //   call METHOD JSON     any kvtrie.v1.KVCache call from a JSON request (client/call_command.h)
 //
@@ -62,6 +63,8 @@ ABSL_FLAG(std::string, layers, "",
 ABSL_FLAG(bool, verbose, false, "put: print every block's result");
 ABSL_FLAG(int, timeout_seconds, 60, "deadline of each call");
 ABSL_FLAG(int, pin_ttl_seconds, 0, "pin: the pin's time to live (0 = until unpinned)");
+ABSL_FLAG(bool, pin_extend_only, false,
+          "pin: a lease that never shortens the node's pin (PinRequest.extend_only)");
 ABSL_FLAG(bool, erase, false,
           "delete: erase (nothing of the deleted blocks stays on the server's disk; "
           "DeleteRequest.erase)");
@@ -267,9 +270,10 @@ int Run(const std::vector<char*>& args) {
     const int ttl = absl::GetFlag(FLAGS_pin_ttl_seconds);
     if (ttl < 0) return Usage("--pin_ttl_seconds: must be >= 0");
     const bool unpin = cmd == "unpin";
+    const bool extend_only = absl::GetFlag(FLAGS_pin_extend_only);
     absl::StatusOr<v1::PinResponse> r =
-        sharded ? sharded->Pin(ModelId(*d), prefix, static_cast<uint64_t>(ttl), unpin)
-                : client->Pin(ModelId(*d), prefix, static_cast<uint64_t>(ttl), unpin);
+        sharded ? sharded->Pin(ModelId(*d), prefix, static_cast<uint64_t>(ttl), unpin, extend_only)
+                : client->Pin(ModelId(*d), prefix, static_cast<uint64_t>(ttl), unpin, extend_only);
     if (!r.ok()) return Fail(r.status());
     nlohmann::json out = ProtoToJson(*r);
     if (sharded) {

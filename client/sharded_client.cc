@@ -286,7 +286,7 @@ std::shared_ptr<Client> ShardedClient::AcquireSecond(const std::string& model_id
 }
 
 void ShardedClient::PinReplica(const std::string& model_id, absl::Span<const uint32_t> token_ids,
-                               uint64_t ttl_seconds, bool unpin, Client* owner) {
+                               uint64_t ttl_seconds, bool unpin, bool extend_only, Client* owner) {
   Shard second;
   std::shared_ptr<Client> p = AcquireSecond(model_id, token_ids, &second);
   if (options_.pin_replicas < 2 || router_->Shards().size() < 2) return;
@@ -312,7 +312,8 @@ void ShardedClient::PinReplica(const std::string& model_id, absl::Span<const uin
       return;
     }
   }
-  absl::StatusOr<v1::PinResponse> pin = p->Pin(model_id, token_ids, ttl_seconds, unpin);
+  absl::StatusOr<v1::PinResponse> pin =
+      p->Pin(model_id, token_ids, ttl_seconds, unpin, extend_only);
   Lost(second, pin.status(), Call::kAdmin);
   if (!pin.ok()) {
     CountReplica(&Counters::replica_failures);
@@ -391,15 +392,16 @@ absl::StatusOr<v1::DeleteResponse> ShardedClient::Delete(const std::string& mode
 
 absl::StatusOr<v1::PinResponse> ShardedClient::Pin(const std::string& model_id,
                                                    absl::Span<const uint32_t> token_ids,
-                                                   uint64_t ttl_seconds, bool unpin) {
+                                                   uint64_t ttl_seconds, bool unpin,
+                                                   bool extend_only) {
   const Shard owner = OwnerOf(model_id, token_ids);
   std::shared_ptr<Client> c = Acquire(owner);
   if (c == nullptr) {
     return absl::UnavailableError(absl::StrCat("shard ", owner.name, " is down; nothing pinned"));
   }
-  absl::StatusOr<v1::PinResponse> r = c->Pin(model_id, token_ids, ttl_seconds, unpin);
+  absl::StatusOr<v1::PinResponse> r = c->Pin(model_id, token_ids, ttl_seconds, unpin, extend_only);
   Lost(owner, r.status(), Call::kAdmin);
-  if (r.ok()) PinReplica(model_id, token_ids, ttl_seconds, unpin, c.get());
+  if (r.ok()) PinReplica(model_id, token_ids, ttl_seconds, unpin, extend_only, c.get());
   return r;
 }
 

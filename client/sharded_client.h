@@ -118,9 +118,11 @@ class ShardedClient {
   absl::StatusOr<v1::DeleteResponse> Delete(const std::string& model_id,
                                             absl::Span<const uint32_t> token_ids,
                                             bool erase = false);
+  // `extend_only`: as Client::Pin's, on the owner and the replica.
   absl::StatusOr<v1::PinResponse> Pin(const std::string& model_id,
                                       absl::Span<const uint32_t> token_ids,
-                                      uint64_t ttl_seconds = 0, bool unpin = false);
+                                      uint64_t ttl_seconds = 0, bool unpin = false,
+                                      bool extend_only = false);
 
   // One answer per shard of the current membership, sorted by name; a lost shard has its status
   // (and is marked down), the others their response.
@@ -188,7 +190,7 @@ class ShardedClient {
                   const GetOptions& options, KvDump* out);
   // Pin (or unpin) the prefix's copy on its second shard, copying it from `owner` first.
   void PinReplica(const std::string& model_id, absl::Span<const uint32_t> token_ids,
-                  uint64_t ttl_seconds, bool unpin, Client* owner);
+                  uint64_t ttl_seconds, bool unpin, bool extend_only, Client* owner);
   void CountReplica(uint64_t Counters::*counter);
 
   struct Entry {

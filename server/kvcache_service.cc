@@ -278,8 +278,11 @@ grpc::Status KvCacheService::Pin(grpc::ServerContext*, const v1::PinRequest* req
                                 " is more than 100 years (", kMaxPinTtlSeconds,
                                 "); use 0 to pin until unpinned"));
   }
+  if (request->extend_only() && request->unpin()) {
+    return Invalid("extend_only: set together with unpin (a lease cannot remove a pin)");
+  }
   auto r = store_->Pin(request->namespace_(), request->model_id(), request->token_ids(),
-                       request->ttl_seconds(), request->unpin());
+                       request->ttl_seconds(), request->unpin(), request->extend_only());
   if (!r.ok()) return ToGrpcStatus(r.status());
   response->set_node_id(*r);
   return grpc::Status::OK;

@@ -374,10 +374,10 @@ uint64_t KvStore::DataFolderBytes() const {
 
 absl::StatusOr<uint64_t> KvStore::Pin(const std::string& ns, const std::string& model_id,
                                       absl::Span<const uint32_t> token_ids, uint64_t ttl_seconds,
-                                      bool unpin) {
+                                      bool unpin, bool extend_only) {
   ModelShard* shard = impl_->Find(ns, model_id);
   if (shard == nullptr) return NoModel(ns, model_id);
-  return shard->Pin(token_ids, ttl_seconds, unpin);
+  return shard->Pin(token_ids, ttl_seconds, unpin, extend_only);
 }
 
 absl::StatusOr<std::vector<uint32_t>> KvStore::PathTokens(const std::string& ns,

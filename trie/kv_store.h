@@ -144,10 +144,12 @@ class KvStore {
 
   // Pins the node of the last full block of `token_ids` for `ttl_seconds` (0 = until unpinned),
   // or unpins it: a pinned node and so its ancestors are never evicted for the disk budget.
-  // Persisted. Returns the node's id. Errors as Delete's (a failed write changes nothing).
+  // Persisted. `extend_only`: never shortens the node's pin (a longer one, or one until
+  // unpinned, is kept and nothing is written). Returns the node's id. Errors as Delete's (a
+  // failed write changes nothing).
   absl::StatusOr<uint64_t> Pin(const std::string& ns, const std::string& model_id,
                                absl::Span<const uint32_t> token_ids, uint64_t ttl_seconds,
-                               bool unpin);
+                               bool unpin, bool extend_only = false);
 
   // Bytes of every file under data_dir now (what the disk bound promises, obsolete files and
   // those a Get's snapshot keeps included). A directory scan: a few stat calls.

@@ -283,5 +283,41 @@ TEST_F(TierTest, GetsConcurrentWithPutsSeeWholeBlocksOrNothing) {
   EXPECT_LE(store_->Stats("").hot_bytes, 64u << 10);
 }
 
+// PinRequest.extend_only (a lease, e.g. the vLLM connector's between its lookup and its load):
+// never shortens a pin — one until unpinned, or a longer one, stays — and extends a shorter one.
+// A plain pin with a shorter TTL does shorten it (the control).
+TEST_F(TierTest, AnExtendOnlyPinNeverShortensAPinAndExtendsAShorterOne) {
+  Open({.disk_bytes = 1 << 20});
+  const KvDump& a = dumps_[4];
+  ASSERT_TRUE(Put("ns", a).ok());
+  int round = 0;
+  auto pressure = [&] {  // Puts that need the whole disk budget, in a fresh namespace
+    const std::string ns = "fill" + std::to_string(++round);
+    for (size_t i = 5; i < std::size(kDumps); ++i) ASSERT_TRUE(Put(ns, dumps_[i]).ok());
+  };
+  auto pin = [&](uint64_t ttl, bool extend_only) {
+    auto id = store_->Pin("ns", a.model_id, a.token_ids, ttl, false, extend_only);
+    ASSERT_TRUE(id.ok()) << id.status();
+  };
+  pin(0, false);  // until unpinned
+  pin(30, true);
+  now_ += 31;
+  pressure();
+  EXPECT_EQ(Stored("ns", a), 32u);  // the lease did not turn it into a 30 s pin
+  pin(100, false);
+  pin(10, true);
+  now_ += 50;
+  pressure();
+  EXPECT_EQ(Stored("ns", a), 32u);  // still the 100 s pin
+  pin(200, true);                   // extends it to now + 200
+  now_ += 60;
+  pressure();
+  EXPECT_EQ(Stored("ns", a), 32u);
+  pin(10, false);  // a plain pin shortens it
+  now_ += 11;
+  pressure();
+  EXPECT_LT(Stored("ns", a), 32u);
+}
+
 }  // namespace
 }  // namespace kvtrie

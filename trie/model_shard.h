@@ -263,7 +263,7 @@ class ModelShard {
   // `erase`: no centroid is retained (each cluster with a lossy member re-elects too).
   absl::StatusOr<DeleteSummary> Delete(absl::Span<const uint32_t> token_ids, bool erase = false);
   absl::StatusOr<uint64_t> Pin(absl::Span<const uint32_t> token_ids, uint64_t ttl_seconds,
-                               bool unpin);
+                               bool unpin, bool extend_only = false);
   // Evicts those of `ids` that are still evictable leaves. Returns the bytes freed.
   absl::StatusOr<uint64_t> Evict(const std::vector<uint64_t>& ids);
   // Counts a finished Put.

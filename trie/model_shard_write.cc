@@ -413,7 +413,7 @@ absl::StatusOr<DeleteSummary> ModelShard::Delete(absl::Span<const uint32_t> toke
 }
 
 absl::StatusOr<uint64_t> ModelShard::Pin(absl::Span<const uint32_t> token_ids, uint64_t ttl_seconds,
-                                         bool unpin) {
+                                         bool unpin, bool extend_only) {
   absl::MutexLock writer(&write_mu_);
   RecordBatch batch(context_->records);
   uint64_t id = 0, until = 0;
@@ -436,6 +436,8 @@ absl::StatusOr<uint64_t> ModelShard::Pin(absl::Span<const uint32_t> token_ids, u
                              ? context_->options->now_seconds()
                              : static_cast<uint64_t>(absl::ToUnixSeconds(absl::Now()));
     until = unpin ? 0 : ttl_seconds == 0 ? TierManager::kPinForever : now + ttl_seconds;
+    // A lease never shortens a pin: kPinForever is the largest `until`.
+    if (extend_only && !unpin && context_->tiers->PinnedUntil(Ref(id)) >= until) return id;
     NodeMeta m = MetaOf(*n);
     m.pinned_until = until;
     batch.PutNode(shard_id_, id, m, nullptr);

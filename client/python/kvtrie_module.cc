@@ -451,11 +451,11 @@ class PyClient {
     return Json(*r);
   }
 
-  uint64_t Pin(const Tokens& tokens, uint64_t ttl_seconds, bool unpin) {
+  uint64_t Pin(const Tokens& tokens, uint64_t ttl_seconds, bool unpin, bool extend_only) {
     absl::StatusOr<v1::PinResponse> r;
     {
       py::gil_scoped_release release;
-      r = client_->Pin(model_id_, SpanOf(tokens), ttl_seconds, unpin);
+      r = client_->Pin(model_id_, SpanOf(tokens), ttl_seconds, unpin, extend_only);
     }
     Check(r.status());
     return r->node_id();
@@ -527,5 +527,6 @@ PYBIND11_MODULE(_kvtrie, m) {
       .def("stats", &PyClient::Stats, py::arg("namespace"))
       .def("inspect", &PyClient::Inspect, py::arg("node_id"))
       .def("delete", &PyClient::Delete, py::arg("tokens"), py::arg("erase") = false)
-      .def("pin", &PyClient::Pin, py::arg("tokens"), py::arg("ttl_seconds"), py::arg("unpin"));
+      .def("pin", &PyClient::Pin, py::arg("tokens"), py::arg("ttl_seconds"), py::arg("unpin"),
+           py::arg("extend_only") = false);
 }

@@ -286,6 +286,10 @@ def test_miss_stats_inspect_pin_delete(server):
     assert c.inspect(child["node_id"])["node"]["token_ids"] == tokens[:16].tolist()
     node = c.pin(tokens[:64], ttl_seconds=60)
     assert node > 0 and c.stats()["pinned_nodes"] >= 1
+    # A lease (extend_only) never shortens a pin, and cannot unpin.
+    assert c.pin(tokens[:64], ttl_seconds=1, extend_only=True) == node
+    with pytest.raises(kvtrie.InvalidArgumentError, match="extend_only"):
+        c.pin(tokens[:64], unpin=True, extend_only=True)
     assert c.pin(tokens[:64], unpin=True) == node
     d = c.delete(tokens[:256])
     assert d["nodes_deleted"] == 32 - 15 and d["bytes_freed"] > 0

@@ -199,6 +199,30 @@ def test_a_lease_keeps_the_promised_prefix_until_it_is_loaded(model, tmp_path, l
         srv.stop()
 
 
+def test_a_lease_never_shortens_an_operators_pin(model, tmp_path):
+    # An operator pins the preamble until unpinned; the connector's lookup of s1 then leases that
+    # very node for 1 s. A lease is a Pin with extend_only: the operator's pin stays, so once the
+    # lease has long expired a Put that needs the room still cannot evict the preamble. (A plain
+    # Pin with a TTL replaced the node's expiry: the preamble went after 1 s.)
+    srv = ServerProcess(tmp_path / "data", ["--disk_bytes=450000"])
+    try:
+        aengine(model, srv.target, "lease").run([req("s0", session(0))])
+        op = kvtrie.Client(srv.target, "stories260K", namespace="lease")
+        op.pin(session(0)[:PREFIX])
+        e = aengine(model, srv.target, "lease", prefix_cache=False, cfg={"lease_seconds": 1})
+        out = e.run([req("s1", session(1))])["s1"]
+        assert out.external_tokens == [PREFIX] and e.sched.stats["leases"] >= 1
+        time.sleep(2.5)  # past the lease (a margin in the safe direction: longer is stricter)
+        t, _, k, v = read_dump(TESTDATA / "genesis_1-3")
+        try:
+            op.put(t, k, v)
+        except kvtrie.Error:
+            pass  # the pinned preamble leaves no room
+        assert op.lookup(session(0)) >= PREFIX
+    finally:
+        srv.stop()
+
+
 def test_policy_fail_is_reported_at_startup(caplog, server):
     kt = SimpleNamespace(kv_role="kv_both", kv_connector_extra_config={
         "target": server.target, "model_id": "m"})

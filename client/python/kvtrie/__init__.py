@@ -611,11 +611,14 @@ class Client:
         """
         return self._c.delete(_tokens(tokens), bool(erase))
 
-    def pin(self, tokens: TokenIds, ttl_seconds: int = 0, unpin: bool = False) -> int:
+    def pin(
+        self, tokens: TokenIds, ttl_seconds: int = 0, unpin: bool = False, extend_only: bool = False
+    ) -> int:
         """Keeps the stored prefix ``tokens`` from eviction for ``ttl_seconds`` (0 = until
-        unpinned), or removes the pin (``unpin=True``). Returns the pinned node's id.
-        Raises NotFoundError if the prefix is not stored."""
-        return int(self._c.pin(_tokens(tokens), int(ttl_seconds), bool(unpin)))
+        unpinned), or removes the pin (``unpin=True``). ``extend_only=True`` is a lease: it never
+        shortens the node's pin (one until unpinned, or a longer one, stays). Returns the pinned
+        node's id. Raises NotFoundError if the prefix is not stored."""
+        return int(self._c.pin(_tokens(tokens), int(ttl_seconds), bool(unpin), bool(extend_only)))
 
     def close(self) -> None:
         """Drops the connection (calls in flight on other threads finish first); later calls

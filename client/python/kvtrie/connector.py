@@ -391,9 +391,9 @@ def _lease(client: Any, tokens: List[int], ttl_seconds: int) -> None:
     only (its ``pin`` with ``pin_replicas=2`` would also copy the prefix to a second shard)."""
     call = getattr(client, "_call", None)
     if call is not None:  # kvtrie.ShardedClient
-        call(tokens, "admin", lambda c, t: c.pin(t, ttl_seconds, False), None)
+        call(tokens, "admin", lambda c, t: c.pin(t, ttl_seconds, False, True), None)
     else:
-        client.pin(tokens, ttl_seconds=ttl_seconds)
+        client.pin(tokens, ttl_seconds=ttl_seconds, extend_only=True)
 
 
 def _refuse_unsupported_caches(vllm_config: Any, kv_cache_config: Any) -> None:

@@ -471,11 +471,15 @@ class ShardedClient:
             raise error
         return result
 
-    def pin(self, tokens: Any, ttl_seconds: int = 0, unpin: bool = False) -> int:
+    def pin(
+        self, tokens: Any, ttl_seconds: int = 0, unpin: bool = False, extend_only: bool = False
+    ) -> int:
         """As :meth:`kvtrie.Client.pin`, on the owner (raises when it is lost); with
         ``pin_replicas=2`` the prefix is then copied to its second shard and pinned there (a
         failed copy is counted in ``counters["replica_failures"]``, not raised)."""
-        result = self._call(tokens, "admin", lambda c, t: c.pin(t, ttl_seconds, unpin), None)
+        result = self._call(
+            tokens, "admin", lambda c, t: c.pin(t, ttl_seconds, unpin, extend_only), None
+        )
         t = np.ascontiguousarray(tokens, dtype=np.uint32)
         second = self._second(t)
         if second is None:
@@ -489,7 +493,7 @@ class ShardedClient:
                 if n == 0:
                     raise Error(StatusCode.NOT_FOUND, "the owner no longer stores it")
                 replica.put(t[:n], k, v, **self._warmup_put)
-            replica.pin(t, ttl_seconds, unpin)
+            replica.pin(t, ttl_seconds, unpin, extend_only)
             if not unpin:
                 self._count("replica_copies")
         except Error as e:
