@@ -54,6 +54,7 @@
 #include "codec/kv_dump.h"
 #include "codec/kv_layout.h"
 #include "codec/predictor_state.h"
+#include "codec/predictor_state_internal.h"
 
 namespace kvtrie {
 namespace {
@@ -258,7 +259,8 @@ class Kvtc {
       }
       for (size_t i = 0; i < n_; ++i)
         for (size_t j = 0; j < i; ++j) cov[j * n_ + i] = cov[i * n_ + j];
-      pl.basis = Eigenvectors(cov, n_);
+      std::vector<double> eigenvalues;  // the codec's cyclic Jacobi (its KLT's)
+      internal::SymmetricEigen(cov, n_, &eigenvalues, &pl.basis);
       for (size_t t = 0; t < m; ++t) Project(pl, &pl.samples[t * n_]);
     }
   }
@@ -346,46 +348,6 @@ class Kvtc {
     for (size_t i = 0; i < n_; ++i)
       for (size_t k = 0; k < n_; ++k) x[i] += pl.basis[i * n_ + k] * c[k];
     std::copy(x.begin(), x.end(), c);
-  }
-  // Cyclic Jacobi: eigenvectors (columns) of the symmetric n x n matrix `a`.
-  static std::vector<double> Eigenvectors(std::vector<double> a, size_t n) {
-    std::vector<double> v(n * n, 0);
-    for (size_t i = 0; i < n; ++i) v[i * n + i] = 1;
-    for (int sweep = 0; sweep < 100; ++sweep) {
-      double off = 0, diag = 0;
-      for (size_t i = 0; i < n; ++i) {
-        diag += a[i * n + i] * a[i * n + i];
-        for (size_t j = 0; j < n; ++j)
-          if (i != j) off += a[i * n + j] * a[i * n + j];
-      }
-      if (off <= 1e-24 * diag) break;
-      for (size_t p = 0; p < n; ++p) {
-        for (size_t q = p + 1; q < n; ++q) {
-          const double apq = a[p * n + q];
-          if (std::fabs(apq) < 1e-300) continue;
-          const double theta = (a[q * n + q] - a[p * n + p]) / (2 * apq);
-          const double t =
-              (theta >= 0 ? 1 : -1) / (std::fabs(theta) + std::sqrt(theta * theta + 1));
-          const double c = 1 / std::sqrt(t * t + 1), s = t * c;
-          for (size_t k = 0; k < n; ++k) {  // columns p, q
-            const double akp = a[k * n + p], akq = a[k * n + q];
-            a[k * n + p] = c * akp - s * akq;
-            a[k * n + q] = s * akp + c * akq;
-          }
-          for (size_t k = 0; k < n; ++k) {  // rows p, q
-            const double apk = a[p * n + k], aqk = a[q * n + k];
-            a[p * n + k] = c * apk - s * aqk;
-            a[q * n + k] = s * apk + c * aqk;
-          }
-          for (size_t k = 0; k < n; ++k) {
-            const double vkp = v[k * n + p], vkq = v[k * n + q];
-            v[k * n + p] = c * vkp - s * vkq;
-            v[k * n + q] = s * vkp + c * vkq;
-          }
-        }
-      }
-    }
-    return v;
   }
   // Training-KV squared error of plane `pl` at `step`, relative to its energy.
   double RelErr2(const Plane& pl, double step) const {
