@@ -32,8 +32,12 @@
 // of its K and V rel RMS; turboquant/B must come earlier in the list), and kvtc@E / kvtc@tqB: the
 // KVTC-style baseline below, and learned-fast@E / learned-fast@tqB / learned-lossless-fast: the
 // fast profile coded against a PredictorState (codec/predictor_state.h, default LearnerOptions)
-// learned from the same training KV. Both are fitted on the context KV of --kvtc_docs (32) --train
-// documents with >= W tokens, taken from every --kvtc_stride-th (61st) line: training split only.
+// learned from the same training KV. bf16-lossless-fast / bf16-learned-lossless-fast: the context
+// KV rounded to bf16 (round to nearest even) and coded losslessly as bf16 blocks (checked
+// bit-exact against the rounded KV); bits/component against bf16's 16 bits, and ΔNLL / KL are
+// the rounding's own (the model's KV is fp16). Both are fitted on the context KV of --kvtc_docs
+// (32) --train documents with >= W tokens, taken from every --kvtc_stride-th (61st) line: training
+// split only.
 #include <algorithm>
 #include <cctype>
 #include <cmath>
@@ -394,13 +398,19 @@ struct Setting {
   std::string tq_ref;    // "turboquant/B": target from that row's measured error
   bool kvtc = false;     // the Kvtc coder at options.target_rel_rms
   bool learned = false;  // coded against the PredictorState learned from the training split
+  bool bf16 = false;     // the fp16 KV rounded to bf16 and coded as bf16 blocks
 };
 
 bool ParseSetting(const std::string& s, Setting* out) {
   out->name = s;
   EncodeOptions& o = out->options;
   const size_t at = s.find('@');
-  const std::string head = s.substr(0, at);
+  std::string head = s.substr(0, at);
+  if (head.rfind("bf16-", 0) == 0) {
+    head = head.substr(5);
+    out->bf16 = true;
+    if (head != "lossless-fast" && head != "learned-lossless-fast") return false;
+  }
   const std::string arg = at == std::string::npos ? "" : s.substr(at + 1);
   if (head == "lossless-fast" || head == "lossless-compact" || head == "learned-lossless-fast") {
     o.encoding = Encoding::kLossless;
@@ -495,7 +505,13 @@ Row Run(const worker::LlamaModel& model, const BlockGeometry& g, std::vector<Win
         ctx.first_position = static_cast<uint32_t>(b * g.block_tokens);
         ctx.previous_token = b ? static_cast<int32_t>(w.tokens[b * g.block_tokens - 1]) : -1;
       }
-      absl::StatusOr<EncodedBlock> e = EncodeBlock(g, block, s.options, ctx);
+      BlockGeometry gb = g;
+      if (s.bf16) {  // fp16 -> bf16 in place (bf16 -> fp16 below is exact at KV magnitudes)
+        gb.dtype = DType::kBf16;
+        uint16_t* h = reinterpret_cast<uint16_t*>(block.data());
+        for (size_t i = 0; i < g.num_elements(); ++i) h[i] = FloatToBf16(HalfToFloat(h[i]));
+      }
+      absl::StatusOr<EncodedBlock> e = EncodeBlock(gb, block, s.options, ctx);
       if (!e.ok()) {  // reported as the row's result (e.g. a target the coder cannot meet)
         r.error = std::string(e.status().message());
         return r;
@@ -506,10 +522,18 @@ Row Run(const worker::LlamaModel& model, const BlockGeometry& g, std::vector<Win
         std::fprintf(stderr, "%s: decode: %s\n", s.name.c_str(), st.ToString().c_str());
         std::exit(3);
       }
+      if (s.bf16) {
+        if (out != block) {
+          std::fprintf(stderr, "%s: not bit-exact\n", s.name.c_str());
+          std::exit(3);
+        }
+        uint16_t* h = reinterpret_cast<uint16_t*>(out.data());
+        for (size_t i = 0; i < g.num_elements(); ++i) h[i] = FloatToHalf(Bf16ToFloat(h[i]));
+      }
       bytes += e->bytes.size();
       comps += g.num_elements();
       ScatterBlock(g, C, out, b, dec.k.data(), dec.v.data());
-      parent = std::move(out);
+      parent = s.bf16 ? block : std::move(out);
     }
     for (size_t kv = 0; kv < 2; ++kv) {
       const uint16_t* x =
@@ -525,7 +549,7 @@ Row Run(const worker::LlamaModel& model, const BlockGeometry& g, std::vector<Win
       }
     }
     double wb = w.ref_bits, wkl = 0;
-    if (s.options.encoding == Encoding::kLossless && !s.kvtc) {
+    if (s.options.encoding == Encoding::kLossless && !s.kvtc && !s.bf16) {
       // Bit-exact, so the scores are the reference's: checked, not rerun.
       if (dec.k != w.prefix.k || dec.v != w.prefix.v) {
         std::fprintf(stderr, "%s: not bit-exact\n", s.name.c_str());
