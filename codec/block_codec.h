@@ -99,7 +99,9 @@ enum class StepGroups : uint8_t {
   kChannelKeysTokenValues = 1,
 };
 
-// Which coder a kResidual or kLossless block uses. Values match kvtrie.v1.EncodingSpec.Profile.
+// Which coder a kResidual or kLossless block uses. The values are the envelope's flags bit 0, NOT
+// kvtrie.v1.EncodingSpec.Profile's (PROFILE_FAST = 1, PROFILE_COMPACT = 2): map them by name, as
+// server/put_call.cc and client/put_encode.cc do (issue 34).
 enum class Profile : uint8_t {
   // kResidual: adaptive context-modelled rANS, predictors incl. the parent (residual_codec.h);
   // kLossless: context-modelled half words (lossless.h). Smallest.

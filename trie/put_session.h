@@ -4,17 +4,20 @@
 // or as layer ranges, in any order; they are buffered (at most max_put_bytes of dense KV — a
 // client-encoded block counts its dense size, so an encoded RAW Put of max_put_bytes fits — and
 // all sessions together at most max_inflight_put_bytes of what they hold), encoded, and committed
-// together in one RocksDB batch at Finish, so a Put is all or nothing: a failed or truncated stream
-// stores nothing. A Put whose prefix changes under it (a concurrent Put, Delete or eviction)
-// matches and encodes again, up to 4 times. Encoding: blocks that read no other block (RAW, and
-// RESIDUAL / LOSSLESS of the fast profile, which ignores parent and reference contexts) are encoded
-// as soon as their last layer arrives, on the store's codec pool (ShardContext::codec_pool,
-// --codec_threads; inline when null) while the stream goes on, and their dense bytes are freed
-// then; at most 2 per pool thread of one session wait or run at once (AddLayers blocks past that:
-// backpressure on the stream). Blocks that were stored already when the session began are not
-// encoded unless Finish needs them. Compact-profile blocks are encoded at Finish, in order — each
-// predicted from its parent's reconstruction, or as a residual of a near-duplicate centroid when
-// smaller. Not thread-safe (one stream, one caller). The store must outlive it.
+// together in one RocksDB batch at Finish, so a Put is all or nothing: a failed or truncated
+// stream stores nothing. A Put whose prefix changes under it (a concurrent Put, Delete or
+// eviction) matches and encodes again, up to 4 times.
+//
+// Encoding: blocks that read no other block (RAW, and RESIDUAL / LOSSLESS of the fast profile,
+// which ignores parent and reference contexts) are encoded as soon as their last layer arrives,
+// on the store's codec pool (ShardContext::codec_pool, --codec_threads; inline when null) while
+// the stream goes on, and their dense bytes are freed then; at most 2 per pool thread of one
+// session wait or run at once (AddLayers blocks past that: backpressure on the stream). Blocks
+// that were stored already when the session began are not encoded unless Finish needs them.
+// Compact-profile blocks are encoded at Finish, in order — each predicted from its parent's
+// reconstruction, or as a residual of a near-duplicate centroid when smaller.
+//
+// Not thread-safe (one stream, one caller). The store must outlive it.
 #ifndef KVTRIE_TRIE_PUT_SESSION_H_
 #define KVTRIE_TRIE_PUT_SESSION_H_
 
