@@ -52,6 +52,7 @@
 #include <vector>
 
 #include "absl/strings/str_split.h"
+#include "bench/bench_flags.h"
 #include "client/worker/llama_model.h"
 #include "codec/block_codec.h"
 #include "codec/block_geometry.h"
@@ -63,13 +64,7 @@
 namespace kvtrie {
 namespace {
 
-std::string Flag(int argc, char** argv, const std::string& name, const std::string& def) {
-  const std::string prefix = "--" + name + "=";
-  for (int i = 1; i < argc; ++i) {
-    if (std::strncmp(argv[i], prefix.c_str(), prefix.size()) == 0) return argv[i] + prefix.size();
-  }
-  return def;
-}
+using bench::Flag;
 
 // Appends code point `c` to `out` as UTF-8.
 void AppendUtf8(uint32_t c, std::string* out) {

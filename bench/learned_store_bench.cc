@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_flags.h"
 #include "bench/learned_data.h"
 #include "trie/kv_store.h"
 #include "trie/kv_store_testing.h"
@@ -25,13 +26,7 @@
 namespace kvtrie {
 namespace {
 
-std::string Flag(int argc, char** argv, const std::string& name, const std::string& def) {
-  const std::string prefix = "--" + name + "=";
-  for (int i = 1; i < argc; ++i) {
-    if (std::strncmp(argv[i], prefix.c_str(), prefix.size()) == 0) return argv[i] + prefix.size();
-  }
-  return def;
-}
+using bench::Flag;
 
 struct Result {
   double bits = 0;        // bits/component of the stored test blocks

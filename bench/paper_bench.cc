@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_flags.h"
 #include "bench/paper_eval.h"
 #include "client/worker/worker_ops.h"
 
@@ -32,13 +33,7 @@ int RunWorkload(const worker::LlamaModel& model, const BlockGeometry& g,
 
 namespace {
 
-std::string Flag(int argc, char** argv, const std::string& name, const std::string& def) {
-  const std::string prefix = "--" + name + "=";
-  for (int i = 1; i < argc; ++i) {
-    if (std::strncmp(argv[i], prefix.c_str(), prefix.size()) == 0) return argv[i] + prefix.size();
-  }
-  return def;
-}
+using bench::Flag;
 
 struct Data {
   const worker::LlamaModel* model = nullptr;
