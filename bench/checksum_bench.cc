@@ -1,6 +1,6 @@
 // bench/checksum_bench.cc
 //
-// What the envelope's content checksum costs (issue 30 row 4, codec/block_codec.h flags bit 2),
+// What the envelope's content checksum costs (issue 30 row 4, codec/envelope.h flags bit 2),
 // in one run on one core: Llama-3-8B-shaped blocks, [32][2][8][16][128] fp16 = 2 MiB each, tiled
 // from the real genesis_1-3 values of tests/data (each run of 8 channels from another layer, head
 // and block of the dump, as bench/fast_codec_bench.cc). Rows:

@@ -24,7 +24,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
-#include "codec/block_codec.h"
+#include "codec/envelope.h"
 #include "codec/residual_codec.h"
 
 namespace kvtrie {

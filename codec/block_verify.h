@@ -1,7 +1,7 @@
 // codec/block_verify.h
 //
 // Checks a block a client encoded itself (an encoded Put, kvtrie.v1.PutBlock.encoded) without
-// decoding it: the envelope of block_codec.h (magic, format version, lengths, CRC-32C), the
+// decoding it: the envelope of envelope.h (magic, format version, lengths, CRC-32C), the
 // geometry and dtype against the model it is put to, the encoding (RAW, LOSSLESS fast, RESIDUAL
 // fast: the formats whose blocks decode without another block), reference node id 0, and every
 // length, table and lane bound inside the payload (codec/FORMAT.md). What it cannot see without
@@ -20,8 +20,8 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "codec/block_codec.h"
 #include "codec/block_geometry.h"
+#include "codec/envelope.h"
 
 namespace kvtrie {
 

@@ -1,4 +1,4 @@
-// Tests of the envelope's content checksum and state fingerprint (block_codec.h flags bits 2
+// Tests of the envelope's content checksum and state fingerprint (envelope.h flags bits 2
 // and 3, issue 30): every encoding writes the checksum of what its decoder returns, a forged
 // block (payload or params changed, CRC-32C recomputed) is DATA_LOSS instead of wrong values, a
 // block names the state it was coded against, and blocks without either still decode.

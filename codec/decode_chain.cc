@@ -2,22 +2,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "codec/block_codec.h"
+#include "codec/envelope.h"
 #include "codec/predictor_state.h"
 
 namespace kvtrie {
-namespace {
-
-// The predictor version named by the envelope's flags bit 1 (block_codec.h), read without checking
-// the block (DecodeBlock checks it); 0 when the block names none.
-uint32_t PeekPredictorVersion(absl::string_view encoded) {
-  if (encoded.size() < 28 || !(static_cast<uint8_t>(encoded[7]) & 2)) return 0;
-  uint32_t v = 0;
-  for (int i = 0; i < 4; ++i)
-    v |= static_cast<uint32_t>(static_cast<uint8_t>(encoded[24 + i])) << (8 * i);
-  return v;
-}
-
-}  // namespace
 
 DecodeChain::DecodeChain(const BlockGeometry& geometry, FetchReference fetch,
                          FetchPredictor fetch_predictor)

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "codec/fast_residual.h"
+#include "codec/predictor_state.h"
 #include "codec/rans_interleaved.h"
 
 namespace kvtrie {

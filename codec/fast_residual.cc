@@ -320,19 +320,6 @@ void EncodePlane(const Dims& n, DType dtype, const float* x, double target, bool
 
 }  // namespace
 
-absl::Status CheckLearnedGeometry(const PredictorState& state, const BlockGeometry& g) {
-  const BlockGeometry& sg = state.geometry();
-  if (sg.num_layers != g.num_layers || sg.num_kv_heads != g.num_kv_heads ||
-      sg.head_dim != g.head_dim || sg.dtype != g.dtype) {
-    BlockGeometry shown = sg;
-    shown.block_tokens = g.block_tokens;
-    return absl::InvalidArgumentError(
-        absl::StrCat("learned: predictor state version ", state.version(), " predicts ",
-                     shown.DebugString(), ", the block is ", g.DebugString()));
-  }
-  return absl::OkStatus();
-}
-
 absl::Status EncodeFastResidual(const BlockGeometry& g, absl::Span<const uint8_t> kv,
                                 const EncodeOptions& o, const PredictionContext& context,
                                 FastOutput* out) {

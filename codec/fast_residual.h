@@ -46,7 +46,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "codec/block_codec.h"
+#include "codec/block_geometry.h"
+#include "codec/envelope.h"
 
 namespace kvtrie {
 namespace internal {
@@ -83,10 +84,6 @@ absl::Status EncodeFastResidual(const BlockGeometry& geometry, absl::Span<const 
 absl::Status DecodeFastResidual(const BlockGeometry& geometry, absl::string_view params,
                                 absl::string_view payload, absl::Span<uint8_t> out,
                                 const PredictionContext& context = {});
-
-// OK if `state` predicts blocks of `geometry` (layers, KV heads, head_dim, dtype), else
-// INVALID_ARGUMENT naming both.
-absl::Status CheckLearnedGeometry(const PredictorState& state, const BlockGeometry& geometry);
 
 }  // namespace internal
 }  // namespace kvtrie

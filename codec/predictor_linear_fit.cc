@@ -6,7 +6,6 @@
 #include <vector>
 
 #include "codec/predictor_state_internal.h"
-#include "codec/residual_kernels.h"
 
 namespace kvtrie {
 namespace internal {

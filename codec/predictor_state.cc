@@ -9,9 +9,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "codec/crc32c.h"
+#include "codec/det_math.h"
 #include "codec/little_endian.h"
 #include "codec/predictor_state_internal.h"
-#include "codec/residual_kernels.h"
 #include "xxhash.h"
 
 namespace kvtrie {
@@ -56,7 +56,7 @@ void RopeCosSin(double angle, double* c, double* s) {
   if (r > kPi) r -= kTwoPi;
   if (r < -kPi) r += kTwoPi;
   double cc, ss;
-  residual::DetCosSin(r / 4.0, &cc, &ss);
+  DetCosSin(r / 4.0, &cc, &ss);
   for (int k = 0; k < 2; ++k) {
     const double c2 = cc * cc - ss * ss, s2 = 2.0 * ss * cc;
     cc = c2;
@@ -72,8 +72,8 @@ class State final : public PredictorState {
     const size_t D = d_.geometry.head_dim;
     thetas_.assign(D / 2, 0.0);
     for (size_t i = 0; i < D / 2; ++i) {
-      thetas_[i] = residual::DetExp(-2.0 * static_cast<double>(i) / static_cast<double>(D) *
-                                    kRopeLogBaseOf[d_.rope_code]);
+      thetas_[i] = DetExp(-2.0 * static_cast<double>(i) / static_cast<double>(D) *
+                          kRopeLogBaseOf[d_.rope_code]);
     }
     // The weights as floats, transposed per head to [i][o] so that the product runs over the
     // outputs in the inner loop (vectorized; each output still sums over i ascending).
@@ -368,6 +368,19 @@ absl::Status ReadMeans(const char** q, size_t n, std::vector<uint16_t>* out, con
 
 std::shared_ptr<const PredictorState> MakeState(StateData data) {
   return std::make_shared<State>(std::move(data));
+}
+
+absl::Status CheckLearnedGeometry(const PredictorState& state, const BlockGeometry& g) {
+  const BlockGeometry& sg = state.geometry();
+  if (sg.num_layers != g.num_layers || sg.num_kv_heads != g.num_kv_heads ||
+      sg.head_dim != g.head_dim || sg.dtype != g.dtype) {
+    BlockGeometry shown = sg;
+    shown.block_tokens = g.block_tokens;
+    return absl::InvalidArgumentError(
+        absl::StrCat("learned: predictor state version ", state.version(), " predicts ",
+                     shown.DebugString(), ", the block is ", g.DebugString()));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace internal

@@ -179,6 +179,13 @@ class PredictorLearner {
   virtual size_t memory_bytes() const = 0;
 };
 
+namespace internal {
+// OK if `state` predicts blocks of `geometry` (layers, KV heads, head_dim, dtype; any
+// block_tokens), else INVALID_ARGUMENT naming both: "learned: predictor state version 3 predicts
+// ..., the block is ...". What every coder that codes against a state checks first.
+absl::Status CheckLearnedGeometry(const PredictorState& state, const BlockGeometry& geometry);
+}  // namespace internal
+
 }  // namespace kvtrie
 
 #endif  // KVTRIE_CODEC_PREDICTOR_STATE_H_

@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "codec/det_math.h"  // DetExp, DetCosSin: the same bits on every machine
 #include "codec/little_endian.h"
-#include "codec/residual_kernels.h"  // DetExp, DetCosSin: the same bits on every machine
 
 namespace kvtrie {
 namespace internal {
@@ -22,14 +22,14 @@ constexpr float kMaxLogBase = 40.0f;
 // cos and sin of a, |a| <= 2^16 * 1.6: Cody-Waite reduction by pi / 2 (fdlibm's 33-bit split, so
 // k * kPio2Hi is exact for |k| < 2^20), then the series. IEEE operations only: the same bits on
 // every machine.
-void DetCosSin(double a, double* c, double* s) {
+void ReducedCosSin(double a, double* c, double* s) {
   constexpr double kTwoOverPi = 6.36619772367581382433e-01;
   constexpr double kPio2Hi = 1.57079632673412561417e+00;
   constexpr double kPio2Lo = 6.07710050650619224932e-11;
   const double k = std::floor(a * kTwoOverPi + 0.5);
   const double r = (a - k * kPio2Hi) - k * kPio2Lo;
   double cr, sr;
-  residual::DetCosSin(r, &cr, &sr);  // |r| <= pi / 4 + a little: the Taylor series
+  DetCosSin(r, &cr, &sr);  // |r| <= pi / 4 + a little: the Taylor series
   switch (static_cast<int64_t>(k) & 3) {
     case 0:
       *c = cr, *s = sr;
@@ -89,9 +89,9 @@ Turn MakeTurn(uint32_t head_dim, int32_t rotation, float log_base, bool half_spl
     t.first.push_back(half_split ? i : 2 * i);
     t.second.push_back(half_split ? i + pairs : 2 * i + 1);
     const double theta =
-        residual::DetExp(-2.0 * static_cast<double>(i) / static_cast<double>(head_dim) * log_base);
+        DetExp(-2.0 * static_cast<double>(i) / static_cast<double>(head_dim) * log_base);
     double c, s;
-    DetCosSin(static_cast<double>(rotation) * theta, &c, &s);
+    ReducedCosSin(static_cast<double>(rotation) * theta, &c, &s);
     t.cos.push_back(c);
     t.sin.push_back(s);
   }

@@ -25,7 +25,7 @@
 // adjacent (2i, 2i + 1) (llama2.c, GGML; stories260K with base 10000) or, with `half_split`,
 // (i, i + head_dim / 2) (GPT-NeoX / Hugging Face). An odd head_dim's last channel is not turned.
 //
-// In the envelope (block_codec.h): flags bit 7 marks a block coded against a shifted reference;
+// In the envelope (envelope.h): flags bit 7 marks a block coded against a shifted reference;
 // its params then start with this prefix (the encoding's own params follow), 4-5 bytes typically:
 //   u8 flags: bit 0 = half_split; bits 1-2 = the RoPE base: 0 = keys not turned, 1 = 10000,
 //     2 = 500000, 3 = an f32 ln(base) follows (finite, in (0, 40]); bit 3 = tail; other bits 0;

@@ -49,7 +49,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
-#include "codec/block_codec.h"
+#include "codec/envelope.h"
 
 namespace kvtrie {
 namespace internal {

@@ -4,43 +4,12 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "codec/fast_residual.h"
+#include "codec/det_math.h"
 #include "codec/predictor_state.h"
 
 namespace kvtrie {
 namespace internal {
 namespace residual {
-
-double DetExp(double y) {  // e^y for |y| <= ~40: Taylor series of e^(y / 2^12), squared 12 times
-  const double z = y / 4096.0;
-  double term = 1, sum = 1;
-  for (int k = 1; k < 12; ++k) sum += term *= z / k;
-  for (int k = 0; k < 12; ++k) sum *= sum;
-  return sum;
-}
-
-void DetCosSin(double a, double* c, double* s) {  // |a| <= 1: Taylor series
-  double term = 1, cs = 1, sn = 0;
-  for (int k = 1; k < 24; ++k) {
-    term *= a / k;
-    switch (k % 4) {
-      case 1:
-        sn += term;
-        break;
-      case 2:
-        cs -= term;
-        break;
-      case 3:
-        sn -= term;
-        break;
-      default:
-        cs += term;
-        break;
-    }
-  }
-  *c = cs;
-  *s = sn;
-}
 
 float Bf16Round(float f) { return Bf16ToFloat(FloatToBf16(f)); }
 

@@ -19,7 +19,8 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
-#include "codec/block_codec.h"
+#include "codec/block_geometry.h"
+#include "codec/envelope.h"
 #include "codec/rotation.h"
 
 namespace kvtrie {
@@ -73,12 +74,8 @@ inline float RoundHalfEven(float u) {
 // radians per token (theta_0 = 1 rad: plain temporal prediction of that pair is worse than none).
 // Rotating the previous token's reconstruction by theta_i first predicts the pair as if its
 // pre-RoPE key were constant. The cos / sin table is computed from log(base) (a float in params)
-// with +, *, / only (no libm), so encoder and decoder agree bit for bit on any IEEE machine.
-
-// e^y for |y| <= ~40 and cos, sin of |a| <= 1, with +, *, / only (deterministic on any IEEE
-// machine).
-double DetExp(double y);
-void DetCosSin(double a, double* c, double* s);
+// with +, *, / only (no libm: det_math.h), so encoder and decoder agree bit for bit on any IEEE
+// machine.
 
 // Per-lane factors of the turn, 2 * D floats: cos[] = {c_0, c_0, c_1, c_1, ...} then
 // sin[] = {-s_0, s_0, -s_1, s_1, ...}, with c_i, s_i = cos, sin theta_i (an odd last channel:

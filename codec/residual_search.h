@@ -12,8 +12,8 @@
 #include <utility>
 #include <vector>
 
-#include "codec/block_codec.h"
 #include "codec/block_geometry.h"
+#include "codec/envelope.h"
 #include "codec/residual_kernels.h"
 #include "codec/rotation.h"
 

@@ -1,6 +1,6 @@
 // codec/testing_mutate.h
 //
-// Test helper: a hostile client's forgery of a real envelope (block_codec.h) — bytes of its
+// Test helper: a hostile client's forgery of a real envelope (envelope.h) — bytes of its
 // params or payload changed and the CRC-32C recomputed, so that the envelope still parses and
 // only decoding (and the content checksum) can tell. Not part of the library.
 #ifndef KVTRIE_CODEC_TESTING_MUTATE_H_
@@ -11,8 +11,8 @@
 #include <string>
 
 #include "absl/strings/string_view.h"
-#include "codec/block_codec.h"
 #include "codec/crc32c.h"
+#include "codec/envelope.h"
 #include "codec/little_endian.h"
 
 namespace kvtrie::testing {

@@ -8,10 +8,17 @@ one line per violation: file:line: what it includes and what the layer may inclu
 includes a layer that its own layer's rule does not allow. Paths that are no layer (the standard
 library, absl, gtest, ...) are not checked, except the external libraries in EXTERNAL.
 
-Before checking the repository it checks itself on a synthetic tree with known violations, so a
+Inside codec/ it checks the codec's own layers (CODEC_LAYERS, lowest first): every codec source
+file belongs to a module placed in one layer, no include points from a module to a module of a
+higher layer, and the modules' include graph has no cycle (not even inside one layer). Tests,
+test helpers (testing_*.h) and fuzzers sit above every layer; no library file includes them.
+
+Before checking the repository it checks itself on synthetic trees with known violations, so a
 rule table or parser that stops matching anything fails the test too.
 
 Usage: tests/check_layers.py [REPO_ROOT]   (default: the folder above this script)
+       tests/check_layers.py --codec-stats [REPO_ROOT]   (counts only, never fails: modules in
+           include cycles and their lines, upward includes, files in no layer)
 """
 
 import os
@@ -51,6 +58,36 @@ SOURCE_EXT = (".h", ".hh", ".hpp", ".cc", ".cpp", ".cxx", ".inc")
 SKIP_DIRS = {"node_modules", "build", ".git", "__pycache__"}
 INCLUDE_RE = re.compile(r'^\s*#\s*include\s*([<"])([^">]+)[">]')
 
+# The codec's inner layers, lowest first: a module may include modules of its own layer and of
+# the layers before it. A module is a file name without its extension (codec/envelope.h and
+# codec/envelope.cc are module "envelope"), wherever under codec/ the file lies; CODEC_PARTS
+# names the files that are part of another module. Derived from the includes (issue 31):
+#   base: byte order, checksums, deterministic math, geometry, rotations, codebooks, pools, dumps;
+#   entropy: the rANS coders;   format: the envelope every block shares (envelope.h), and the
+#   shifted reference's params prefix it parses;   learned: the learned predictor state;
+#   kernels: the arithmetic and layouts the coders share;   coders: one encoding's encoder and
+#   decoder each;   dispatch: block_codec (EncodeBlock, DecodeBlock);   chain: what runs blocks
+#   through the dispatch or checks them (chains, batches, a block alone, an encoded Put's check).
+CODEC_LAYERS = [
+    ("base", ["little_endian", "crc32c", "det_math", "block_geometry", "rotation", "lloyd_max",
+              "thread_pool", "task_pool", "kv_layout", "kv_dump"]),
+    ("entropy", ["rans", "rans_interleaved"]),
+    ("format", ["reference_shift", "envelope"]),
+    ("learned", ["predictor_state"]),
+    ("kernels", ["residual_kernels", "residual_search", "fast_residual_kernels",
+                 "fast_residual_format"]),
+    ("coders", ["lossless", "centroid_lossless", "fast_lossless", "fast_lossless_learned",
+                "residual_codec", "baselines", "fast_residual"]),
+    ("dispatch", ["block_codec"]),
+    ("chain", ["decode_chain", "decode_alone", "block_batch", "block_verify"]),
+]
+CODEC_PARTS = {
+    "predictor_state_internal": "predictor_state",
+    "predictor_learner": "predictor_state",
+    "predictor_linear_fit": "predictor_state",
+    "fast_residual_decode": "fast_residual",
+}
+
 
 def layer_of_include(path):
     for prefix, layer in INCLUDE_LAYER:
@@ -59,8 +96,31 @@ def layer_of_include(path):
     return None
 
 
+def source_files(top):
+    """Yields every C/C++ source under `top`, sorted, skipping SKIP_DIRS."""
+    for dirpath, dirnames, filenames in os.walk(top):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+        for name in sorted(filenames):
+            if name.endswith(SOURCE_EXT):
+                yield os.path.join(dirpath, name)
+
+
+def includes_of(file):
+    """Yields (line number, included path) of every #include line of `file`."""
+    with open(file, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            m = INCLUDE_RE.match(line)
+            if m:
+                yield lineno, m.group(2)
+
+
 def check(root):
     """Returns a list of violation strings for the tree at `root`."""
+    return check_folders(root) + check_codec(root, CODEC_LAYERS, CODEC_PARTS)
+
+
+def check_folders(root):
+    """The top-level layers (ALLOWED, EXTERNAL): violation strings for the tree at `root`."""
     violations = []
     for layer in sorted(ALLOWED):
         top = os.path.join(root, layer)
@@ -90,6 +150,218 @@ def check(root):
     return violations
 
 
+def module_of(path, parts):
+    """The codec module of a path (a file or an #include of one): its name without extension."""
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return parts.get(stem, stem)
+
+
+def is_codec_test(rel):
+    """Tests, test helpers and fuzzers: above every codec layer (rel: path under codec/)."""
+    name = os.path.basename(rel)
+    return (name.endswith("_test.cc") or name.startswith("testing_") or
+            rel.split(os.sep)[0] == "fuzz")
+
+
+def codec_graph(root, layers, parts):
+    """Reads codec/: returns (files, edges, unplaced, layer_of).
+
+    files: {module: [relative paths]} of library files; edges: [(file rel, line, included path,
+    from module, to module)] between two library modules; unplaced: library files whose module is
+    in no layer; layer_of: {module: layer index}; test files and their includes are in `tests`:
+    [(file rel, line, included path)] of includes that reach a test helper from a library file.
+    """
+    layer_of = {}
+    for i, (_, modules) in enumerate(layers):
+        for m in modules:
+            layer_of[m] = i
+    files, edges, unplaced, to_tests = {}, [], [], []
+    top = os.path.join(root, "codec")
+    for file in source_files(top):
+        rel = os.path.relpath(file, root)
+        if is_codec_test(os.path.relpath(file, top)):
+            continue
+        src = module_of(file, parts)
+        files.setdefault(src, []).append(rel)
+        if src not in layer_of:
+            unplaced.append(rel)
+        for lineno, inc in includes_of(file):
+            if not inc.startswith("codec/"):
+                continue
+            if is_codec_test(inc[len("codec/"):]):
+                to_tests.append((rel, lineno, inc))
+                continue
+            dst = module_of(inc, parts)
+            if dst != src:
+                edges.append((rel, lineno, inc, src, dst))
+    return files, edges, unplaced, layer_of, to_tests
+
+
+def codec_cycles(edges):
+    """Strongly connected components of more than one module, each sorted, in sorted order."""
+    graph = {}
+    for _, _, _, src, dst in edges:
+        graph.setdefault(src, set()).add(dst)
+        graph.setdefault(dst, set())
+    index, low, on_stack, stack, sccs = {}, {}, set(), [], []
+
+    def visit(v):  # Tarjan; the codec has ~50 modules, so recursion depth is no concern
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                sccs.append(sorted(scc))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(sccs), graph
+
+
+def cycle_path(scc, graph):
+    """One cycle through scc[0] inside the component, as "a -> b -> a" (shortest, BFS)."""
+    members, start = set(scc), scc[0]
+    prev, queue = {start: None}, [start]
+    while queue:
+        v = queue.pop(0)
+        for w in sorted(graph[v]):
+            if w == start:
+                path = [v]
+                while prev[path[-1]] is not None:
+                    path.append(prev[path[-1]])
+                return " -> ".join([start] + list(reversed(path))[1:] + [start]) if len(
+                    path) > 1 else f"{start} -> {start}"
+            if w in members and w not in prev:
+                prev[w] = v
+                queue.append(w)
+    return start
+
+
+def check_codec(root, layers, parts):
+    """The codec's inner layers: violation strings for codec/ of the tree at `root`."""
+    violations = []
+    seen = {}
+    for name, modules in layers:
+        for m in modules:
+            if m in seen:
+                violations.append(f"CODEC_LAYERS: module {m} is in layers {seen[m]} and {name}")
+            seen[m] = name
+    for part, owner in sorted(parts.items()):
+        if owner not in seen:
+            violations.append(f"CODEC_PARTS: {part} is part of {owner}, which is in no layer")
+    if not os.path.isdir(os.path.join(root, "codec")):
+        return violations
+    files, edges, unplaced, layer_of, to_tests = codec_graph(root, layers, parts)
+    for rel in unplaced:
+        violations.append(f"{rel}: module {module_of(rel, parts)} is in no codec layer; add it "
+                          f"to CODEC_LAYERS (or CODEC_PARTS) in tests/check_layers.py")
+    for name, modules in layers:
+        for m in modules:
+            if m not in files:
+                violations.append(f"CODEC_LAYERS: module {m} ({name}) has no file in codec/")
+    for rel, lineno, inc, src, dst in edges:
+        if src in layer_of and dst in layer_of and layer_of[dst] > layer_of[src]:
+            below = [n for n, _ in layers[:layer_of[src] + 1]]
+            violations.append(
+                f"{rel}:{lineno}: includes {inc} ({layers[layer_of[dst]][0]}); {src} is in "
+                f"{layers[layer_of[src]][0]}, which may include only {', '.join(below)}")
+    for rel, lineno, inc in to_tests:
+        violations.append(f"{rel}:{lineno}: includes {inc}, a test helper; only tests may")
+    sccs, graph = codec_cycles(edges)
+    for scc in sccs:
+        violations.append(f"codec include cycle among {len(scc)} modules ({', '.join(scc)}): "
+                          f"{cycle_path(scc, graph)}")
+    return violations
+
+
+def codec_stats(root):
+    """Counts for a before/after comparison; the table's stale modules are not counted."""
+    files, edges, unplaced, layer_of, _ = codec_graph(root, CODEC_LAYERS, CODEC_PARTS)
+    sccs, _ = codec_cycles(edges)
+    in_cycles = sorted(m for scc in sccs for m in scc)
+    lines = 0
+    for m in in_cycles:
+        for rel in files.get(m, []):
+            with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as f:
+                lines += sum(1 for _ in f)
+    upward = [e for e in edges
+              if e[3] in layer_of and e[4] in layer_of and layer_of[e[4]] > layer_of[e[3]]]
+    print(f"codec modules in include cycles: {len(in_cycles)} ({lines} lines) in {len(sccs)} "
+          f"cycle(s): {', '.join(in_cycles)}")
+    print(f"codec upward includes: {len(upward)}")
+    for rel, lineno, inc, src, dst in upward:
+        print(f"  {rel}:{lineno}: {src} ({CODEC_LAYERS[layer_of[src]][0]}) -> {inc} "
+              f"({CODEC_LAYERS[layer_of[dst]][0]})")
+    print(f"codec files in no layer: {len(unplaced)} {' '.join(unplaced)}")
+    return 0
+
+
+def self_test_codec():
+    """check_codec must flag each synthetic violation of its own table and nothing else."""
+    layers = [("low", ["a", "b"]), ("mid", ["c", "d", "m"]), ("top", ["e", "leaf", "ghost"])]
+    parts = {"c_impl": "c", "twin": "nowhere"}
+    files = {
+        "codec/a.h": '#include "codec/b.h"\n#include <vector>\n',   # same layer, down: fine
+        "codec/a.cc": '#include "codec/a.h"\n#include "codec/testing_x.h"\n',  # a test helper
+        "codec/b.h": '#include "codec/leaf.h"\n',                   # low -> top: upward
+        "codec/leaf.h": '#include <string>\n',
+        "codec/c.h": '#include "codec/d.h"\n',                      # c -> d -> c: a cycle
+        "codec/c_impl.cc": '#include "codec/c.h"\n#include "codec/a.h"\n',  # part of c: fine
+        "codec/d.h": '#include "codec/sub/c.h"\n',                  # a module anywhere in codec/
+        "codec/m.h": '#include "codec/c_impl.h"\n',                 # into c, downward: fine
+        "codec/sub/e.cc": '#include "codec/c.h"\n',                 # top -> mid: fine
+        "codec/stray.h": '#include "codec/a.h"\n',                  # in no layer
+        "codec/e_test.cc": '#include "codec/e.h"\n#include "codec/testing_x.h"\n',
+        "codec/testing_x.h": '#include "codec/e.h"\n#include "codec/stray.h"\n',
+        "codec/fuzz/f.cc": '#include "codec/block_codec.h"\n',
+        "codec/README.md": '#include "codec/e.h"\n',               # not a source file
+    }
+    expected = {
+        "CODEC_LAYERS: module ghost (top) has no file in codec/",
+        "CODEC_PARTS: twin is part of nowhere, which is in no layer",
+        "codec/a.cc:2", "codec/b.h:1", "codec/stray.h",
+        "codec include cycle among 2 modules (c, d)",
+    }
+    dup = check_codec("/nonexistent", [("x", ["a"]), ("y", ["a"])], {})
+    with tempfile.TemporaryDirectory() as root:
+        for rel, text in files.items():
+            path = os.path.join(root, rel)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                f.write(text)
+        found = set()
+        for v in check_codec(root, layers, parts):
+            if v.startswith("codec/"):
+                found.add(v.split(": ", 1)[0])  # file[:line]
+            elif v.startswith("codec include cycle"):
+                found.add(v.split(":", 1)[0])  # which modules
+            else:
+                found.add(v)
+    ok = True
+    if found != expected:
+        print("check_layers codec self-test FAILED: flagged", sorted(found), "expected",
+              sorted(expected))
+        ok = False
+    if dup != ["CODEC_LAYERS: module a is in layers x and y"]:
+        print("check_layers codec self-test FAILED: a module in two layers gave", dup)
+        ok = False
+    return ok
+
+
 def self_test():
     """The checker must flag each synthetic violation and nothing in the clean files."""
     files = {
@@ -112,7 +384,7 @@ def self_test():
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w") as f:
                 f.write(text)
-        found = {v.split(": ", 1)[0] for v in check(root)}
+        found = {v.split(": ", 1)[0] for v in check_folders(root)}
     if found != expected:
         print("check_layers self-test FAILED: flagged", sorted(found), "expected",
               sorted(expected))
@@ -121,9 +393,14 @@ def self_test():
 
 
 def main():
-    root = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(
-        os.path.dirname(os.path.abspath(__file__)))
-    if not self_test():
+    args = sys.argv[1:]
+    stats = bool(args) and args[0] == "--codec-stats"
+    if stats:
+        args = args[1:]
+    root = args[0] if args else os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if stats:
+        return codec_stats(root)
+    if not self_test() or not self_test_codec():
         return 1
     violations = check(root)
     for v in violations:
@@ -131,7 +408,8 @@ def main():
     if violations:
         print(f"{len(violations)} include(s) point up the layers")
         return 1
-    print("include graph OK: no upward arrow")
+    print("include graph OK: no upward arrow; the codec's inner layers have no upward include and "
+          "no cycle")
     return 0
 
 
