@@ -527,7 +527,11 @@ def _refuse_context_parallel(vllm_config: Any) -> None:
                              f"it (--{name.replace('_size', '-size').replace('_', '-')} 1)")
 
 
-class KvtrieConnector(_Base, _HMA):  # type: ignore[misc, valid-type]
+# vLLM's SupportsHMA beside its base when it has one (object twice is no class).
+_BASES: Tuple[type, ...] = (_Base,) if _HMA is object else (_Base, _HMA)
+
+
+class KvtrieConnector(*_BASES):  # type: ignore[misc, valid-type]
     """kvtrie as a vLLM-style KV connector (see the module docstring for the call order).
 
     Hybrid-aware (vLLM's ``SupportsHMA``): with the hybrid allocator's KV cache groups (full and
