@@ -103,9 +103,12 @@ not evicted before the load; 0 = no leases (a Delete still removes a leased pref
 ``kv_load_failure_policy`` (vLLM's, from ``kv_transfer_config``; ``"fail"`` by default there):
 under ``"fail"`` the connector warns at startup, and logs an error naming each request a failed
 load fails. ``kv_role`` (vLLM's): ``kv_producer`` only saves, ``kv_consumer`` only loads.
-Decode / prefill context parallelism (``decode_context_parallel_size`` > 1), FP8 caches
-(``cache_dtype`` fp8*, uint8 pages) and more than one KV cache group (hybrid models) are refused
-at startup, naming the setting.
+Decode / prefill context parallelism (``decode_context_parallel_size`` > 1) is refused at
+startup, naming the setting. FP8 caches (``cache_dtype`` ``fp8`` / ``fp8_e4m3`` / ``fp8_e5m2``,
+uint8 pages; ``kv_dtype`` in the config standalone) are stored bit-exact as kvtrie's FP8 dtypes
+(``encoding`` lossless or raw; a lossy one, ``fp8_inc`` / ``fp8_ds_mla`` and
+``calculate_kv_scales`` are refused at startup: :func:`kv_dtype_of`). Hybrid models: see
+:class:`KvtrieConnector` and :func:`kv_cache_groups`.
 ``layerwise`` (true): loads and saves overlap the layers through ``wait_for_layer_load`` /
 ``save_kv_layer``, so vLLM captures piecewise CUDA graphs (:meth:`requires_piecewise_for_cudagraph`);
 ``false`` allows full graphs: :meth:`start_load_kv` waits for the step's loads. Either way a layer
