@@ -147,8 +147,8 @@ class ModelSpec:
     num_kv_heads: int
     head_dim: int
     dtype: np.dtype  #: float16, float32, uint16 (= bfloat16 bit patterns), or uint8
-    #: the stored dtype's name: "fp16", "bf16", "fp32", "fp8_e4m3", "fp8_e5m2" or "uint8"
-    #: (None when learned from arrays without a kv_dtype)
+    #: what uint8 arrays hold: "fp8_e4m3", "fp8_e5m2" or "uint8"; None for float16, float32
+    #: and bfloat16 (the numpy dtype tells them apart)
     kv_dtype: Optional[str] = None
 
 
@@ -282,7 +282,12 @@ def _kv_dtype(kv_dtype: Optional[str]) -> int:
 
 
 def _kv_dtype_name(value: int) -> Optional[str]:
-    return {1: "fp16", 2: "bf16", 3: "fp32", 4: "fp8_e4m3", 5: "fp8_e5m2", 6: "uint8"}.get(value)
+    """ModelSpec.kv_dtype of a DType value: the one-byte dtypes' names, else None."""
+    return {4: "fp8_e4m3", 5: "fp8_e5m2", 6: "uint8"}.get(value)
+
+
+def _one_byte(name: Optional[str]) -> Optional[str]:
+    return name if name in ("fp8_e4m3", "fp8_e5m2", "uint8") else None
 
 
 def _mode(mode: Union[str, int, GetMode]) -> int:
@@ -533,7 +538,6 @@ class Client:
             encode_on_client=encode, profile=_profile(profile),
             learned_lossless=bool(learned_lossless), kv_dtype=_kv_dtype(kv_dtype)))
         self._learn(ModelSpec(k.shape[0], k.shape[1], k.shape[3], k.dtype,
-                              kv_dtype if kv_dtype is None else
                               _kv_dtype_name(_kv_dtype(kv_dtype))))
         return result
 
@@ -595,7 +599,7 @@ class Client:
         k, v, n, spec = self._c.get(_tokens(tokens), _mode(mode), int(max_blocks), lb, le)
         if spec is not None:
             if layers is None:  # a range's spec holds only its layers
-                self._learn(ModelSpec(*spec))
+                self._learn(ModelSpec(*spec[:4], _one_byte(spec[4])))
             return k, v, int(n)
         if layers is not None:
             return k, v, 0
@@ -617,7 +621,7 @@ class Client:
             return None
         np_dtype, name = dtypes[m["dtype"]]
         spec = ModelSpec(int(m["num_layers"]), int(m["num_kv_heads"]), int(m["head_dim"]),
-                         np.dtype(np_dtype), name)
+                         np.dtype(np_dtype), _one_byte(name))
         self._learn(spec)
         return spec
 
