@@ -520,3 +520,30 @@ def test_hybrid_request_finished_all_groups_keeps_the_pages_of_a_save(model, ser
     assert sched.request_finished_all_groups(r, ([1, 2], [0, 3])) == (True, None)
     sched.shutdown()
     worker.shutdown()
+
+
+def test_hybrid_saves_never_read_pages_that_slid_out_of_the_window(model):
+    # vLLM frees a sliding-window group's pages as they slide out without telling the connector
+    # (its tables keep the old ids, which may belong to another request by now): a save that
+    # would read tokens before the step's window start is dropped, counted, never stored.
+    from engine import layer_names, make_cache
+    from kvtrie.connector import KvtrieConnectorMetadata, RequestMeta
+    sched, worker = hybrid_connectors(model, "127.0.0.1:1", "slid-out")
+    worker.register_kv_caches({n: make_cache("flash_attn", 16, 16, 4, 8, torch.float16)
+                               for n in layer_names(model.num_layers)})
+    pages = list(range(1, 9))
+    meta = KvtrieConnectorMetadata([RequestMeta(
+        "r", list(range(128)), pages, save_tokens=128, stored_blocks=0,
+        group_block_ids=[pages, pages], group_valid_from=[0, 64])])
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    for name in worker._names:
+        worker.save_kv_layer(name, worker._caches[name], None)
+    worker.wait_for_save()
+    assert worker.stats["save_errors"] == 1  # the first sliding-window layer: request dropped
+    assert worker.stats["saved_blocks"] == 0
+    # The scheduler computes where a step's window starts (vLLM's get_num_skipped_tokens).
+    assert sched._valid_from(200) == [0, (200 - WINDOW + 1) // 16 * 16]
+    assert sched._valid_from(10) == [0, 0]
+    sched.shutdown()
+    worker.shutdown()
