@@ -332,12 +332,17 @@ absl::StatusOr<v1::PutResponse> Client::Put(const KvDump& kv, const PutOptions& 
       encoded.encoding = default_encoding_;
     }
   }
+  if (IsByteDType(g.dtype) && options.encoding == v1::ENCODING_UNSPECIFIED) {
+    // FP8 / uint8 blocks: the server stores an unnamed encoding LOSSLESS whatever its default.
+    encoded.encoding = v1::ENCODING_LOSSLESS;
+  }
   const bool encode = options.encode_on_client && encoded.encoding != v1::ENCODING_UNSPECIFIED &&
                       CheckClientEncoding(encoded).ok();
   encoded.profile = v1::EncodingSpec::PROFILE_FAST;
   for (int attempt = 1;; ++attempt) {
     absl::StatusOr<v1::PutResponse> r = PutOnce(kv, g, encode ? encoded : options, encode);
-    if (r.ok() && !encode && options.encoding == v1::ENCODING_UNSPECIFIED) {
+    if (r.ok() && !encode && options.encoding == v1::ENCODING_UNSPECIFIED &&
+        !IsByteDType(g.dtype)) {
       // The encoding the server stored a new block in is its default: later Puts encode it here.
       for (const v1::BlockResult& b : r->blocks()) {
         if (b.disposition() != v1::BLOCK_STORED || b.encoding() == v1::ENCODING_UNSPECIFIED) {

@@ -51,6 +51,10 @@ absl::Status CheckFinite(const BlockGeometry& g, uint32_t layer_begin,
         nan = std::isnan(f);
         break;
       }
+      case DType::kFp8E4m3:
+      case DType::kFp8E5m2:
+      case DType::kUint8:
+        break;  // stored as bytes (no lossy encoding takes them)
     }
     if (finite) continue;
     // Block layout: [layer][K/V][head][token][channel].
@@ -114,6 +118,21 @@ absl::StatusOr<EncodedBlock> EncodeUnchecked(const BlockGeometry& geometry,
     return absl::InvalidArgumentError(absl::StrCat("kv: expected ", geometry.num_bytes(),
                                                    " bytes for ", geometry.DebugString(), ", got ",
                                                    kv.size()));
+  }
+  if (IsByteDType(geometry.dtype)) {
+    // FP8 and uint8 caches are stored bit-exact: the lossy coders' float models (steps, scales,
+    // predictors) are not defined on them, and a learned or shifted prediction is float too.
+    if (IsLossyEncoding(options.encoding)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("dtype: ", DTypeName(geometry.dtype),
+                       " blocks can be stored RAW or LOSSLESS only (encoding ",
+                       EncodingName(options.encoding), " is lossy)"));
+    }
+    if (options.reference_shift.enabled) {
+      return absl::InvalidArgumentError(absl::StrCat("reference_shift: ", DTypeName(geometry.dtype),
+                                                     " blocks are not predicted from a "
+                                                     "shifted (RoPE-rotated) reference"));
+    }
   }
   const absl::string_view raw(reinterpret_cast<const char*>(kv.data()), kv.size());
   EncodedBlock result;

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #if defined(__x86_64__)
 #include <cpuid.h>
@@ -12,7 +13,10 @@
 
 namespace kvtrie {
 
-size_t DTypeBytes(DType dtype) { return dtype == DType::kFp32 ? 4 : 2; }
+size_t DTypeBytes(DType dtype) {
+  if (dtype == DType::kFp32) return 4;
+  return IsByteDType(dtype) ? 1 : 2;
+}
 
 absl::string_view DTypeName(DType dtype) {
   switch (dtype) {
@@ -22,11 +26,17 @@ absl::string_view DTypeName(DType dtype) {
       return "bf16";
     case DType::kFp32:
       return "fp32";
+    case DType::kFp8E4m3:
+      return "fp8_e4m3";
+    case DType::kFp8E5m2:
+      return "fp8_e5m2";
+    case DType::kUint8:
+      return "uint8";
   }
   return "unknown";
 }
 
-bool IsValidDType(uint32_t value) { return value >= 1 && value <= 3; }
+bool IsValidDType(uint32_t value) { return value >= 1 && value <= 6; }
 
 absl::Status BlockGeometry::Validate() const {
   constexpr uint32_t kMax = 65535;
@@ -121,7 +131,41 @@ uint16_t FloatToBf16(float f) {
   return static_cast<uint16_t>(x >> 16);
 }
 
+float Fp8E4m3ToFloat(uint8_t b) {
+  const float sign = (b & 0x80) ? -1.0f : 1.0f;
+  const int exp = (b >> 3) & 0xf, mant = b & 7;
+  if (exp == 0xf && mant == 7) return std::numeric_limits<float>::quiet_NaN();
+  if (exp == 0) return sign * std::ldexp(static_cast<float>(mant), -9);  // subnormal: m/8 * 2^-6
+  return sign * std::ldexp(1.0f + mant / 8.0f, exp - 7);
+}
+
+float Fp8E5m2ToFloat(uint8_t b) { return HalfToFloat(static_cast<uint16_t>(b) << 8); }
+
 namespace {
+
+// The one-byte code of `dtype` nearest to `f` (ties to the even code), saturating to the
+// largest finite magnitude; NaN to a NaN code. A linear scan: no hot path reaches it.
+uint8_t NearestByteCode(DType dtype, float f) {
+  if (dtype == DType::kUint8) {
+    if (!(f > 0)) return 0;  // NaN too
+    if (f >= 255) return 255;
+    return static_cast<uint8_t>(std::nearbyint(f));
+  }
+  if (std::isnan(f)) return dtype == DType::kFp8E4m3 ? 0x7f : 0x7e;
+  const uint8_t sign = std::signbit(f) ? 0x80 : 0;
+  const float a = std::fabs(f);
+  uint8_t best = 0;
+  float best_err = std::numeric_limits<float>::infinity();
+  for (int c = 0; c < 0x80; ++c) {
+    const float v = dtype == DType::kFp8E4m3 ? Fp8E4m3ToFloat(static_cast<uint8_t>(c))
+                                             : Fp8E5m2ToFloat(static_cast<uint8_t>(c));
+    if (!std::isfinite(v)) continue;
+    const float err = std::fabs(v - a);
+    if (err < best_err || (err == best_err && (c & 1) == 0))
+      best = static_cast<uint8_t>(c), best_err = err;
+  }
+  return sign | best;
+}
 
 // fp16 <-> float for many elements at once. With F16C (checked at run time; the build targets
 // baseline x86-64) eight elements convert per instruction; any group holding a half inf/nan or a
@@ -195,6 +239,17 @@ void ToFloat(DType dtype, const void* src, size_t n, float* dst) {
       for (size_t i = 0; i < n; ++i) dst[i] = Bf16ToFloat(s[i]);
       return;
     }
+    case DType::kFp8E4m3:
+    case DType::kFp8E5m2:
+    case DType::kUint8: {
+      const auto* s = static_cast<const uint8_t*>(src);
+      for (size_t i = 0; i < n; ++i) {
+        dst[i] = dtype == DType::kUint8     ? static_cast<float>(s[i])
+                 : dtype == DType::kFp8E4m3 ? Fp8E4m3ToFloat(s[i])
+                                            : Fp8E5m2ToFloat(s[i]);
+      }
+      return;
+    }
   }
 }
 
@@ -214,6 +269,13 @@ void FromFloat(DType dtype, const float* src, size_t n, void* dst) {
     case DType::kBf16: {
       auto* d = static_cast<uint16_t*>(dst);
       for (size_t i = 0; i < n; ++i) d[i] = FloatToBf16(src[i]);
+      return;
+    }
+    case DType::kFp8E4m3:
+    case DType::kFp8E5m2:
+    case DType::kUint8: {
+      auto* d = static_cast<uint8_t*>(dst);
+      for (size_t i = 0; i < n; ++i) d[i] = NearestByteCode(dtype, src[i]);
       return;
     }
   }

@@ -21,14 +21,27 @@
 namespace kvtrie {
 
 // Element type of a KV tensor. Values match kvtrie.v1.DType.
-enum class DType : uint8_t { kFp16 = 1, kBf16 = 2, kFp32 = 3 };
+enum class DType : uint8_t {
+  kFp16 = 1,
+  kBf16 = 2,
+  kFp32 = 3,
+  // One-byte dtypes (vLLM's --kv-cache-dtype fp8 caches, uint8 pages): stored bit-exact only
+  // (RAW or LOSSLESS; the codec treats them as bytes and refuses every lossy encoding).
+  kFp8E4m3 = 4,  // OCP FP8 E4M3 ("e4m3fn": no infinities, 0x7f / 0xff are NaN)
+  kFp8E5m2 = 5,  // OCP FP8 E5M2 (the high byte of an fp16)
+  kUint8 = 6,    // opaque bytes
+};
 
-// Bytes per element: 2 for fp16/bf16, 4 for fp32.
+// Bytes per element: 1 for fp8 / uint8, 2 for fp16/bf16, 4 for fp32.
 size_t DTypeBytes(DType dtype);
-// "fp16", "bf16", "fp32".
+// "fp16", "bf16", "fp32", "fp8_e4m3", "fp8_e5m2", "uint8".
 absl::string_view DTypeName(DType dtype);
 // True if `value` is one of the DType enumerators.
 bool IsValidDType(uint32_t value);
+// True for the one-byte dtypes (fp8_e4m3, fp8_e5m2, uint8): RAW or LOSSLESS only.
+inline bool IsByteDType(DType dtype) {
+  return dtype == DType::kFp8E4m3 || dtype == DType::kFp8E5m2 || dtype == DType::kUint8;
+}
 
 struct BlockGeometry {
   uint32_t num_layers = 0;
@@ -82,16 +95,26 @@ inline float MaxFiniteValue(DType dtype) {
       return 65504.0f;
     case DType::kBf16:
       return Bf16ToFloat(0x7f7f);
+    case DType::kFp8E4m3:
+      return 448.0f;
+    case DType::kFp8E5m2:
+      return 57344.0f;
+    case DType::kUint8:
+      return 255.0f;
     case DType::kFp32:
       break;
   }
   return std::numeric_limits<float>::max();
 }
 uint16_t FloatToBf16(float f);
+// OCP FP8 decodes (E4M3 "fn": 0x7f / 0xff are NaN, no infinities; E5M2: an fp16's high byte).
+float Fp8E4m3ToFloat(uint8_t b);
+float Fp8E5m2ToFloat(uint8_t b);
 
-// Converts `n` elements of `dtype` starting at `src` to float.
+// Converts `n` elements of `dtype` starting at `src` to float (fp8 decoded, uint8 as 0..255).
 void ToFloat(DType dtype, const void* src, size_t n, float* dst);
-// Converts `n` floats to `dtype` (rounding to nearest even).
+// Converts `n` floats to `dtype` (rounding to nearest even; one-byte dtypes to the nearest
+// representable value, saturating; no lossy path of the codec reaches them).
 void FromFloat(DType dtype, const float* src, size_t n, void* dst);
 
 }  // namespace kvtrie

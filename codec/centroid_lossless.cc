@@ -44,7 +44,9 @@ void Undiff(absl::Span<const uint8_t> zigzag, absl::Span<const uint8_t> referenc
 void CompressCentroidDiff(absl::Span<const uint8_t> data, absl::Span<const uint8_t> reference,
                           size_t element_bytes, std::string* out) {
   std::vector<uint8_t> zigzag;
-  if (element_bytes == 2) {
+  if (element_bytes == 1) {  // fp8 / uint8 (block_geometry.h): their bytes
+    Diff<uint8_t, int8_t>(data, reference, &zigzag);
+  } else if (element_bytes == 2) {
     Diff<uint16_t, int16_t>(data, reference, &zigzag);
   } else {
     Diff<uint32_t, int32_t>(data, reference, &zigzag);
@@ -59,14 +61,16 @@ absl::Status DecompressCentroidDiff(absl::string_view compressed,
     return absl::InvalidArgumentError(
         absl::StrCat("reference: ", reference.size(), " bytes, the block needs ", out.size()));
   }
-  if (element_bytes != 2 && element_bytes != 4) {
+  if (element_bytes != 1 && element_bytes != 2 && element_bytes != 4) {
     return absl::DataLossError(absl::StrCat("centroid diff: element size ", element_bytes));
   }
   std::vector<uint8_t> zigzag(out.size());
   if (auto s = DecompressBytePlanes(compressed, element_bytes, absl::MakeSpan(zigzag)); !s.ok()) {
     return s;
   }
-  if (element_bytes == 2) {
+  if (element_bytes == 1) {
+    Undiff<uint8_t>(zigzag, reference, out);
+  } else if (element_bytes == 2) {
     Undiff<uint16_t>(zigzag, reference, out);
   } else {
     Undiff<uint32_t>(zigzag, reference, out);

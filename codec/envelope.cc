@@ -176,6 +176,18 @@ absl::StatusOr<BlockHeader> ParseEnvelope(absl::string_view encoded, bool check_
       encoding != static_cast<uint8_t>(Encoding::kLossless)) {
     return absl::DataLossError("encoded block: fast profile of an encoding that has none");
   }
+  if (IsByteDType(static_cast<DType>(dtype)) &&
+      (IsLossyEncoding(static_cast<Encoding>(encoding)) ||
+       (flags & (kFlagPredictorVersion | kFlagShiftedReference)))) {
+    // The encoder never writes these (EncodeBlock refuses them): a forged or damaged block.
+    return absl::DataLossError(absl::StrCat(
+        "encoded block: dtype ", DTypeName(static_cast<DType>(dtype)), " with encoding ",
+        EncodingName(static_cast<Encoding>(encoding)),
+        (flags & (kFlagPredictorVersion | kFlagShiftedReference)) ? " and a learned or shifted "
+                                                                    "prediction"
+                                                                  : "",
+        ": one-byte dtypes are stored RAW or LOSSLESS only"));
+  }
   h.profile = (flags & kFlagFastProfile) ? Profile::kFast : Profile::kCompact;
   h.encoding = static_cast<Encoding>(encoding);
   h.geometry.dtype = static_cast<DType>(dtype);

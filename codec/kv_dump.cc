@@ -77,9 +77,11 @@ absl::StatusOr<NpyArray> ReadNpy(const std::string& path) {
     a.dtype = DType::kFp32;
   } else if (descr == "<V2" || descr == "|V2") {
     a.dtype = DType::kBf16;
+  } else if (descr == "|u1" || descr == "<u1" || descr == "|V1") {
+    a.dtype = DType::kUint8;  // the manifest's dtype says which one-byte dtype (fp8_e4m3, ...)
   } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, ": descr: unsupported dtype '", descr, "' (want <f2, <f4 or bf16)"));
+    return absl::InvalidArgumentError(absl::StrCat(path, ": descr: unsupported dtype '", descr,
+                                                   "' (want <f2, <f4, bf16 or |u1)"));
   }
   if (absl::StripAsciiWhitespace(HeaderField(header, "fortran_order")) != "False") {
     return absl::InvalidArgumentError(absl::StrCat(path, ": fortran_order: must be False"));
@@ -113,6 +115,7 @@ absl::Status WriteNpy(const std::string& path, const NpyArray& array) {
   if (array.shape.size() == 1) shape += ",";
   const char* descr = array.dtype == DType::kFp16   ? "<f2"
                       : array.dtype == DType::kFp32 ? "<f4"
+                      : IsByteDType(array.dtype)    ? "|u1"
                                                     : "<V2";
   std::string header =
       absl::StrCat("{'descr': '", descr, "', 'fortran_order': False, 'shape': (", shape, "), }");
@@ -155,6 +158,12 @@ absl::StatusOr<KvDump> ReadKvManifest(const std::string& dir) {
     d.dtype = DType::kBf16;
   } else if (dtype == "float32") {
     d.dtype = DType::kFp32;
+  } else if (dtype == "fp8_e4m3" || dtype == "float8_e4m3fn") {
+    d.dtype = DType::kFp8E4m3;
+  } else if (dtype == "fp8_e5m2" || dtype == "float8_e5m2") {
+    d.dtype = DType::kFp8E5m2;
+  } else if (dtype == "uint8") {
+    d.dtype = DType::kUint8;
   } else {
     return absl::InvalidArgumentError(absl::StrCat(path, ": dtype: unsupported '", dtype, "'"));
   }
@@ -202,7 +211,8 @@ absl::StatusOr<KvDump> ReadKvDump(const std::string& dir) {
           path, ": shape [", absl::StrJoin(a->shape, ", "), "] does not match the manifest [",
           absl::StrJoin(want, ", "), "] (layers, kv_heads, token_ids, head_dim)"));
     }
-    if (a->dtype != d->dtype) {
+    // An npy file's |u1 holds any one-byte dtype: the manifest names which.
+    if (a->dtype != d->dtype && !(a->dtype == DType::kUint8 && IsByteDType(d->dtype))) {
       return absl::InvalidArgumentError(
           absl::StrCat(path, ": dtype ", DTypeName(a->dtype), " does not match the manifest"));
     }
@@ -226,7 +236,8 @@ absl::Status WriteKvDump(const std::string& dir, const KvDump& dump) {
   m["model_file"] = dump.model_id + ".gguf";
   m["dtype"] = dump.dtype == DType::kFp16   ? "float16"
                : dump.dtype == DType::kBf16 ? "bfloat16"
-                                            : "float32";
+               : dump.dtype == DType::kFp32 ? "float32"
+                                            : std::string(DTypeName(dump.dtype));
   m["kv_layout"] = "[layers, kv_heads, tokens, head_dim]; K after RoPE";
   m["layers"] = dump.num_layers;
   m["kv_heads"] = dump.num_kv_heads;

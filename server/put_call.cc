@@ -57,7 +57,9 @@ grpc::Status AppendTokens(absl::string_view field,
 grpc::Status ToModelInfo(const v1::ModelSpec& spec, ModelInfo* out) {
   if (auto s = CheckName("model.model_id", spec.model_id(), true); !s.ok()) return s;
   if (spec.dtype() == v1::DTYPE_UNSPECIFIED) {
-    return Invalid("model.dtype: required (DTYPE_FP16, DTYPE_BF16 or DTYPE_FP32)");
+    return Invalid(
+        "model.dtype: required (DTYPE_FP16, DTYPE_BF16, DTYPE_FP32, DTYPE_FP8_E4M3, "
+        "DTYPE_FP8_E5M2 or DTYPE_UINT8)");
   }
   if (!IsValidDType(static_cast<uint32_t>(spec.dtype()))) {
     return Invalid(absl::StrCat("model.dtype: unknown value ", static_cast<int>(spec.dtype())));
@@ -248,6 +250,18 @@ PutCall::Next PutCall::Header(v1::PutRequest* request) {
     return Fail(s);
   if (auto s = ToEncodeOptions(h.encoding(), options_.default_encoding, &encode_); !s.ok())
     return Fail(s);
+  if (IsByteDType(model_.geometry.dtype) && IsLossyEncoding(encode_.encoding)) {
+    // FP8 / uint8 blocks are stored bit-exact. A lossy server default gives way (the Put named
+    // no encoding); a lossy encoding the Put names is refused.
+    if (h.encoding().encoding() != v1::ENCODING_UNSPECIFIED) {
+      return Fail(Invalid(absl::StrCat("model.dtype: ", DTypeName(model_.geometry.dtype),
+                                       " blocks can be stored RAW or LOSSLESS only; "
+                                       "encoding.encoding ",
+                                       v1::Encoding_Name(h.encoding().encoding()), " is lossy")));
+    }
+    encode_.encoding = Encoding::kLossless;
+    encode_.profile = Profile::kFast;
+  }
   if (auto s = AppendTokens("token_ids", h.token_ids(), h.token_ids_packed(), options_.max_tokens,
                             &token_ids_);
       !s.ok()) {

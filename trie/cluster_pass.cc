@@ -92,6 +92,8 @@ absl::StatusOr<uint32_t> ModelShard::RunClusterPass(uint32_t budget, uint64_t* g
   {
     absl::MutexLock lock(&mu_);
     if (!committed_ || !context_->options->near_dup.enabled) return 0;
+    // FP8 / uint8 models: no centroids (their blocks stay RAW or LOSSLESS, standalone).
+    if (IsByteDType(model_.geometry.dtype)) return 0;
     dirty = clusters_.DirtyGroups(kMaxGroupsPerRound);
     sweep = !retained_ids_.empty();
   }

@@ -26,7 +26,9 @@ absl::StatusOr<ModelShard::NearDupEncoded> ModelShard::EncodeNewBlock(
   out.encoded = *std::move(standalone);
   const NearDupOptions& nd = context_->options->near_dup;
   // The fast profile ignores a reference context: no candidate could be smaller.
-  if (!nd.enabled || !Clusterable(options.encoding) || options.profile == Profile::kFast) {
+  // FP8 / uint8 blocks are never coded against a centroid (the cluster pass skips them too).
+  if (!nd.enabled || !Clusterable(options.encoding) || options.profile == Profile::kFast ||
+      IsByteDType(g.dtype)) {
     return out;
   }
 

@@ -115,8 +115,10 @@ absl::Status ModelShard::DecodeNext(const BlockRead& block, const std::string& p
 void ModelShard::QueueLearning(absl::Span<const uint32_t> token_ids,
                                std::vector<LearnBlock> blocks) {
   if (context_->learn_queue == nullptr || blocks.empty()) return;
-  std::shared_ptr<PredictorRegistry> registry = predictors();
   const BlockGeometry& g = model().geometry;
+  // A learned state predicts floats: FP8 / uint8 blocks (RAW or LOSSLESS only) teach it nothing.
+  if (IsByteDType(g.dtype)) return;
+  std::shared_ptr<PredictorRegistry> registry = predictors();
   const uint32_t bt = g.block_tokens;
   std::vector<LearnQueue::Job> jobs;
   jobs.reserve(blocks.size());

@@ -69,8 +69,22 @@ std::string DTypeString(const py::array& a) {
   return py::str(static_cast<py::handle>(a.dtype())).cast<std::string>();
 }
 
-DType DTypeOf(const py::dtype& dt, const char* name) {
+// `kv_dtype` (a DType value, 0 = from the array) names what one-byte arrays hold: uint8 arrays
+// are vLLM's fp8 pages as well as plain bytes, so only the caller knows (ml_dtypes' float8 arrays
+// say it themselves).
+DType DTypeOf(const py::dtype& dt, const char* name, int kv_dtype = 0) {
   const std::string shown = py::str(static_cast<const py::handle&>(dt)).cast<std::string>();
+  if (kv_dtype != 0) {
+    if (!IsValidDType(static_cast<uint32_t>(kv_dtype))) {
+      InvalidArgument(absl::StrCat("kv_dtype: unknown value ", kv_dtype));
+    }
+    const DType d = static_cast<DType>(kv_dtype);
+    if (static_cast<size_t>(dt.itemsize()) != DTypeBytes(d)) {
+      InvalidArgument(absl::StrCat(name, ".dtype: ", shown, " does not hold kv_dtype ",
+                                   DTypeName(d), " (", DTypeBytes(d), " byte elements)"));
+    }
+    return d;
+  }
   if (py::str(dt.attr("byteorder")).cast<std::string>() == ">") {
     InvalidArgument(absl::StrCat(name, ".dtype: ", shown,
                                  " is big-endian; convert with .astype(dtype.newbyteorder('<'))"));
@@ -80,12 +94,22 @@ DType DTypeOf(const py::dtype& dt, const char* name) {
   if (kind == 'f' && size == 2) return DType::kFp16;
   if (kind == 'f' && size == 4) return DType::kFp32;
   if (kind == 'u' && size == 2) return DType::kBf16;
-  if (size == 2 && py::str(dt.attr("name")).cast<std::string>() == "bfloat16") return DType::kBf16;
+  const std::string dname = py::str(dt.attr("name")).cast<std::string>();
+  if (size == 2 && dname == "bfloat16") return DType::kBf16;
+  if (size == 1 && dname == "float8_e4m3fn") return DType::kFp8E4m3;
+  if (size == 1 && dname == "float8_e5m2") return DType::kFp8E5m2;
+  if (size == 1 && (kind == 'u' || kind == 'i' || kind == 'V')) {
+    InvalidArgument(absl::StrCat(name, ".dtype: ", shown,
+                                 " is ambiguous: pass kv_dtype='fp8_e4m3', 'fp8_e5m2' or 'uint8'"));
+  }
   InvalidArgument(absl::StrCat(name, ".dtype: ", shown,
-                               " is not float16, float32 or bfloat16 (as uint16 bit patterns)"));
+                               " is not float16, float32, bfloat16 (as uint16 bit patterns), or a "
+                               "one-byte cache with kv_dtype"));
 }
 
-DType ArrayDType(const py::array& a, const char* name) { return DTypeOf(a.dtype(), name); }
+DType ArrayDType(const py::array& a, const char* name, int kv_dtype = 0) {
+  return DTypeOf(a.dtype(), name, kv_dtype);
+}
 
 py::dtype NumpyDType(DType d) {
   switch (d) {
@@ -95,6 +119,10 @@ py::dtype NumpyDType(DType d) {
       return py::dtype("float32");
     case DType::kBf16:
       return py::dtype("uint16");
+    case DType::kFp8E4m3:
+    case DType::kFp8E5m2:
+    case DType::kUint8:
+      return py::dtype("uint8");  // the bytes as stored (vLLM's fp8 pages are uint8 tensors)
   }
   return py::dtype("uint8");
 }
@@ -108,7 +136,7 @@ struct KvArrays {
   size_t bytes;
 };
 
-KvArrays CheckKv(const py::array& k, const py::array& v) {
+KvArrays CheckKv(const py::array& k, const py::array& v, int kv_dtype = 0) {
   for (const auto& [a, name] : {std::pair{&k, "k"}, std::pair{&v, "v"}}) {
     if (a->ndim() != 4) {
       InvalidArgument(absl::StrCat(
@@ -119,8 +147,8 @@ KvArrays CheckKv(const py::array& k, const py::array& v) {
     }
   }
   KvArrays out;
-  out.dtype = ArrayDType(k, "k");
-  const DType vd = ArrayDType(v, "v");
+  out.dtype = ArrayDType(k, "k", kv_dtype);
+  const DType vd = ArrayDType(v, "v", kv_dtype);
   if (vd != out.dtype || k.dtype().kind() != v.dtype().kind()) {
     InvalidArgument(
         absl::StrCat("v.dtype: ", DTypeString(v), " differs from k.dtype ", DTypeString(k)));
@@ -212,8 +240,8 @@ class PyPutStream {
   explicit PyPutStream(std::unique_ptr<PutStream> s) : stream_(std::move(s)) {}
 
   void Write(uint32_t layer_begin, size_t token_offset, const py::array& k, const py::array& v) {
-    const KvArrays kv = CheckKv(k, v);
     const BlockGeometry& g = stream_->geometry();
+    const KvArrays kv = CheckKv(k, v, IsByteDType(g.dtype) ? static_cast<int>(g.dtype) : 0);
     if (kv.dtype != g.dtype || kv.dims[1] != g.num_kv_heads || kv.dims[3] != g.head_dim) {
       InvalidArgument(absl::StrCat("k: shape ", ShapeString(k), " ", DTypeString(k),
                                    " does not fit the stream's ", g.DebugString()));
@@ -316,8 +344,8 @@ class PyClient {
                  const std::optional<Floats>& surprisal, int encoding, double target_rel_rms,
                  uint32_t bits, uint32_t block_tokens, uint32_t first_block,
                  uint32_t layers_per_message, bool encode_on_client, int profile,
-                 bool learned_lossless) {
-    const KvArrays kv = CheckKv(k, v);
+                 bool learned_lossless, int kv_dtype) {
+    const KvArrays kv = CheckKv(k, v, kv_dtype);
     if (static_cast<ssize_t>(kv.dims[2]) != tokens.size()) {
       InvalidArgument(absl::StrCat("tokens: ", tokens.size(), " token ids, but k has ", kv.dims[2],
                                    " tokens (k.shape ", ShapeString(k), ", axis 2)"));
@@ -359,8 +387,8 @@ class PyClient {
                                        uint32_t layers, uint32_t heads, uint32_t head_dim,
                                        const py::dtype& dtype, int encoding, double target_rel_rms,
                                        uint32_t bits, uint32_t block_tokens, uint32_t first_block,
-                                       uint32_t layers_per_message, int profile) {
-    const DType d = DTypeOf(dtype, "k");
+                                       uint32_t layers_per_message, int profile, int kv_dtype) {
+    const DType d = DTypeOf(dtype, "k", kv_dtype);
     const KvDump header = Header(model_id_, tokens, surprisal, layers, heads, head_dim, d);
     const PutOptions options = MakePutOptions(encoding, target_rel_rms, bits, block_tokens,
                                               first_block, layers_per_message, profile);
@@ -373,7 +401,8 @@ class PyClient {
     return std::make_unique<PyPutStream>(*std::move(s));
   }
 
-  // (k, v, matched_tokens, spec): spec = (layers, kv_heads, head_dim, numpy dtype) on a hit,
+  // (k, v, matched_tokens, spec): spec = (layers, kv_heads, head_dim, numpy dtype, kv dtype
+  // name: "fp16", "bf16", "fp32", "fp8_e4m3", "fp8_e5m2", "uint8") on a hit,
   // None on a miss (then k and v are empty).
   py::tuple Get(const Tokens& tokens, int mode, uint32_t max_blocks, uint32_t layer_begin,
                 uint32_t layer_end) {
@@ -401,7 +430,8 @@ class PyClient {
     py::array k(dt, shape, {}, dump->k.data(), owner);
     py::array v(dt, shape, {}, dump->v.data(), owner);
     return py::make_tuple(k, v, n,
-                          py::make_tuple(dump->num_layers, dump->num_kv_heads, dump->head_dim, dt));
+                          py::make_tuple(dump->num_layers, dump->num_kv_heads, dump->head_dim, dt,
+                                         std::string(DTypeName(dump->dtype))));
   }
 
   // grpc.health.v1.Health/Check with its own deadline (seconds); raises when not SERVING.
@@ -514,11 +544,12 @@ PYBIND11_MODULE(_kvtrie, m) {
            py::arg("surprisal"), py::arg("encoding"), py::arg("target_rel_rms"), py::arg("bits"),
            py::arg("block_tokens"), py::arg("first_block"), py::arg("layers_per_message"),
            py::arg("encode_on_client") = true, py::arg("profile") = 0,
-           py::arg("learned_lossless") = false)
+           py::arg("learned_lossless") = false, py::arg("kv_dtype") = 0)
       .def("open_put", &PyClient::OpenPut, py::arg("tokens"), py::arg("surprisal"),
            py::arg("layers"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("dtype"),
            py::arg("encoding"), py::arg("target_rel_rms"), py::arg("bits"), py::arg("block_tokens"),
-           py::arg("first_block"), py::arg("layers_per_message"), py::arg("profile") = 0)
+           py::arg("first_block"), py::arg("layers_per_message"), py::arg("profile") = 0,
+           py::arg("kv_dtype") = 0)
       .def("get", &PyClient::Get, py::arg("tokens"), py::arg("mode"), py::arg("max_blocks"),
            py::arg("layer_begin") = 0, py::arg("layer_end") = 0)
       .def("check_health", &PyClient::CheckHealth, py::arg("deadline"))

@@ -31,6 +31,11 @@ double Mean(const std::vector<float>& v, size_t begin, size_t end) {
 template <typename C>
 absl::StatusOr<RunResult> RunWithCacheImpl(const LlamaModel& model, C& client,
                                            absl::string_view prompt, const RunOptions& options) {
+  if (IsByteDType(options.kv_dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv_dtype: ", DTypeName(options.kv_dtype),
+        ": the reference worker computes with fp16, bf16 or fp32 KV caches, not FP8 / uint8"));
+  }
   RunResult r;
   r.prompt_tokens = model.tokenizer().Encode(prompt, /*bos=*/true, /*eos=*/false);
   const std::vector<uint32_t>& tokens = r.prompt_tokens;
@@ -98,6 +103,11 @@ absl::StatusOr<RunResult> RunWithCache(const LlamaModel& model, ShardedClient& c
 
 absl::StatusOr<RunResult> RunWithoutCache(const LlamaModel& model, absl::string_view prompt,
                                           const RunOptions& options) {
+  if (IsByteDType(options.kv_dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv_dtype: ", DTypeName(options.kv_dtype),
+        ": the reference worker computes with fp16, bf16 or fp32 KV caches, not FP8 / uint8"));
+  }
   RunResult r;
   r.prompt_tokens = model.tokenizer().Encode(prompt, /*bos=*/true, /*eos=*/false);
   Sequence seq(&model, 0, options.kv_dtype);

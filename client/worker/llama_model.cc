@@ -195,6 +195,11 @@ absl::Status Sequence::LoadPrefix(const KvDump& prefix) {
         "prefix: num_layers/num_kv_heads/head_dim ", prefix.num_layers, "/", prefix.num_kv_heads,
         "/", prefix.head_dim, ", model has ", cfg_.num_layers, "/", cfg_.num_kv_heads, "/", hd));
   }
+  if (IsByteDType(prefix.dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefix: dtype ", DTypeName(prefix.dtype),
+        ": the reference worker computes with fp16, bf16 or fp32 KV, not FP8 / uint8 caches"));
+  }
   const size_t n = prefix.num_tokens();
   if (n > capacity_) {
     return absl::OutOfRangeError(

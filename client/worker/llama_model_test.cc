@@ -166,6 +166,20 @@ TEST(Sequence, RejectsPrefixOfAnotherGeometry) {
   EXPECT_NE(s.message().find("num_layers"), absl::string_view::npos) << s;
 }
 
+// FP8 / uint8 caches (issue 32 row 3) are stored by kvtrie, but the reference worker computes
+// with fp16 / bf16 / fp32 KV: such a prefix is refused naming its dtype, never read as floats.
+TEST(Sequence, RefusesAnFp8Prefix) {
+  KVTRIE_LOAD_MODEL_OR_SKIP(model);
+  Sequence full(model, 32, DType::kFp16);
+  ASSERT_TRUE(full.Extend({1, 2, 3, 4}).ok());
+  KvDump prefix = full.ToKvDump(DType::kFp16, 4);
+  prefix.dtype = DType::kFp8E4m3;  // the same bytes, called fp8 (half as many would be needed)
+  Sequence seq(model, 16);
+  absl::Status s = seq.LoadPrefix(prefix);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("prefix: dtype fp8_e4m3"), absl::string_view::npos) << s;
+}
+
 TEST(Sequence, ExtendPastCapacityIsOutOfRange) {
   KVTRIE_LOAD_MODEL_OR_SKIP(model);
   Sequence seq(model, 2);

@@ -38,6 +38,27 @@ Where it matters for a connector's data path it behaves as vLLM's scheduler and 
   the first worker's object, the others' ``add_events`` + ``increment_workers(1)``;
   vllm/v1/core/sched/scheduler.py, update_from_output: ``update_connector_output``, then
   ``take_events()`` published): ``kv_events`` is what the publisher got, in order.
+* FP8 KV caches (``kv_cache_dtype="fp8_e4m3"`` / ``"fp8_e5m2"``, vLLM's ``--kv-cache-dtype``):
+  vLLM keeps them as uint8 pages (vllm/v1/worker/gpu_model_runner.py allocates the KV cache in
+  the spec's dtype, uint8 for ``fp8*`` per vllm/utils/torch_utils.py STR_DTYPE_TO_TORCH_DTYPE);
+  each new K/V is rounded to the nearest FP8 value (scale 1) when written and attention reads
+  the decoded values, so an FP8 run's logits differ from an fp16 run's and wrong bytes show.
+* Hybrid models: ``sliding_layers`` with ``sliding_window`` tokens. With a connector that is
+  ``SupportsHMA`` (it has ``request_finished_all_groups``), two KV cache groups as vLLM's hybrid
+  allocator makes them (vllm/v1/core/kv_cache_utils.py, get_kv_cache_configs: one group per
+  spec type; vllm/v1/kv_cache_interface.py: FullAttentionSpec, SlidingWindowSpec): group 0
+  the full-attention layers, group 1 the sliding-window ones, each with its own block table
+  from one page pool whose page 0 is the null block (vllm/v1/core/block_pool.py). A group-1
+  page whose tokens all slid out of the window is freed and replaced by the null block
+  (vllm/v1/core/single_type_kv_cache_manager.py, SlidingWindowManager.remove_skipped_blocks,
+  called before each allocation, external tokens included); the SchedulerOutput's block ids,
+  ``KVCacheBlocks.get_block_ids()`` and ``request_finished_all_groups`` carry every group
+  (vllm/v1/core/sched/scheduler.py, Scheduler._connector_finished). A load error reported
+  with two groups raises, as vLLM's Scheduler._update_requests_with_invalid_blocks does
+  (``(req_block_ids,) = get_block_ids(req_id)``). Without ``SupportsHMA`` vLLM turns the
+  hybrid allocator off (one group; the sliding-window layers keep every page). The local
+  prefix cache is off in hybrid mode (vLLM's hybrid coordinator's hit rules are not modelled).
+  The sliding-window layers attend to the last ``sliding_window`` positions either way.
 * Torch tensors in vLLM's layouts (``flash_attn`` [2, blocks, block_size, heads, head_dim],
   ``flash_infer`` [blocks, 2, block_size, heads, head_dim], ``flash_infer_hnd`` [blocks, 2,
   heads, block_size, head_dim], ``mla`` [blocks, block_size, latent] with the latent = K and V of
@@ -91,6 +112,7 @@ class Request:
     num_computed_tokens: int = 0
     output_token_ids: List[int] = field(default_factory=list)
     block_ids: List[int] = field(default_factory=list)
+    sw_block_ids: List[int] = field(default_factory=list)  # hybrid: the sliding-window group's
     preempted: bool = False
     loaded_async: int = -1  # tokens an asynchronous load brought (-1: none pending)
     num_preemptions: int = 0
@@ -111,11 +133,12 @@ class Request:
 
 
 class KVCacheBlocks:
-    def __init__(self, block_ids: List[int]):
+    def __init__(self, block_ids: List[int], *groups: List[int]):
         self._ids = list(block_ids)
+        self._groups = [list(g) for g in groups]  # groups 1.. (hybrid)
 
     def get_block_ids(self):
-        return (self._ids,)
+        return (self._ids, *self._groups)
 
 
 @dataclass
@@ -147,6 +170,103 @@ class SchedulerOutput:
     scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: Dict[str, int]
     finished_req_ids: Set[str]
+
+
+# ---------------- FP8 (OCP E4M3 "fn" and E5M2), as vLLM's uint8 pages hold them ----------------
+
+
+def _fp8_values(kind: str) -> np.ndarray:
+    """The float64 value of each of the 256 codes (NaN for NaN codes, +-inf for E5M2's)."""
+    out = np.empty(256, np.float64)
+    for c in range(256):
+        sign = -1.0 if c & 0x80 else 1.0
+        if kind == "fp8_e4m3":
+            e, m = (c >> 3) & 0xF, c & 7
+            if e == 0xF and m == 7:
+                v = np.nan
+            elif e == 0:
+                v = m / 8.0 * 2.0 ** -6
+            else:
+                v = (1 + m / 8.0) * 2.0 ** (e - 7)
+        else:  # fp8_e5m2
+            e, m = (c >> 2) & 0x1F, c & 3
+            if e == 0x1F:
+                v = np.inf if m == 0 else np.nan
+            elif e == 0:
+                v = m / 4.0 * 2.0 ** -14
+            else:
+                v = (1 + m / 4.0) * 2.0 ** (e - 15)
+        out[c] = sign * v
+    return out
+
+
+FP8_VALUES = {k: _fp8_values(k) for k in ("fp8_e4m3", "fp8_e5m2")}
+
+
+def fp8_encode(x: np.ndarray, kind: str) -> np.ndarray:
+    """The nearest finite FP8 code of each value (saturating), as uint8."""
+    vals = FP8_VALUES[kind][:128]  # the non-negative codes, increasing with the code
+    codes = np.nonzero(np.isfinite(vals))[0]
+    pos = vals[codes]
+    a = np.minimum(np.abs(x), pos[-1])
+    i = np.clip(np.searchsorted(pos, a), 1, len(pos) - 1)
+    nearer = np.where(a - pos[i - 1] <= pos[i] - a, i - 1, i)
+    return (codes[nearer] | np.where(np.signbit(x), 0x80, 0)).astype(np.uint8)
+
+
+# ---------------- KV cache groups, as vllm/v1/kv_cache_interface.py names the specs ----------
+
+
+@dataclass
+class KVCacheSpec:
+    block_size: int
+
+
+class AttentionSpec(KVCacheSpec):
+    pass
+
+
+class FullAttentionSpec(AttentionSpec):
+    pass
+
+
+@dataclass
+class SlidingWindowSpec(AttentionSpec):
+    sliding_window: int = 0
+
+
+class MambaSpec(KVCacheSpec):
+    pass
+
+
+@dataclass
+class KVCacheGroupSpec:  # vLLM's KVCacheGroupSpec: the group's layers and their spec
+    layer_names: List[str]
+    kv_cache_spec: KVCacheSpec
+
+
+@dataclass
+class KVCacheConfig:  # the part of vLLM's KVCacheConfig a connector reads
+    kv_cache_groups: List[KVCacheGroupSpec]
+
+
+def layer_names(num_layers: int) -> List[str]:
+    return [f"model.layers.{l}.self_attn.attn" for l in range(num_layers)]
+
+
+def kv_cache_config(num_layers: int, block_size: int = 16, sliding_layers=(),
+                    sliding_window: int = 0, hybrid: bool = True) -> KVCacheConfig:
+    """What vLLM hands a connector (and the engine uses): with sliding-window layers and the
+    hybrid allocator on, a full-attention group and a sliding-window group; else one group."""
+    names = layer_names(num_layers)
+    sw = set(sliding_layers)
+    if not sw or not hybrid:
+        return KVCacheConfig([KVCacheGroupSpec(names, FullAttentionSpec(block_size))])
+    return KVCacheConfig([
+        KVCacheGroupSpec([n for i, n in enumerate(names) if i not in sw],
+                         FullAttentionSpec(block_size)),
+        KVCacheGroupSpec([n for i, n in enumerate(names) if i in sw],
+                         SlidingWindowSpec(block_size, sliding_window))])
 
 
 def make_cache(layout: str, num_blocks: int, block_size: int, heads: int, head_dim: int,
@@ -185,8 +305,22 @@ class Engine:
                  num_blocks: int = 96, block_size: int = 16, max_tokens_per_step: int = 1024,
                  max_chunk: Optional[int] = None, prefix_cache: bool = True, seed: int = 0,
                  kv_load_failure_policy: str = "recompute", full_cudagraph: bool = False,
-                 skip_save_layers=()):
+                 skip_save_layers=(), kv_cache_dtype: Optional[str] = None,
+                 sliding_layers=(), sliding_window: int = 0,
+                 disable_hybrid_kv_cache_manager: bool = False):
         self.model, self.sched, self.workers = model, sched, list(workers)
+        self.fp8 = kv_cache_dtype  # None, "fp8_e4m3" or "fp8_e5m2": uint8 pages
+        if self.fp8 is not None:
+            assert self.fp8 in FP8_VALUES
+            dtype = torch.uint8
+        self.sw_layers, self.window = set(sliding_layers), int(sliding_window)
+        assert not self.sw_layers or self.window > 0
+        # The hybrid allocator stays on only for a SupportsHMA connector (else vLLM turns it off
+        # and every layer is in one full-attention group).
+        self.hybrid = (bool(self.sw_layers) and sched is not None and hasattr(
+            sched, "request_finished_all_groups") and not disable_hybrid_kv_cache_manager)
+        if self.hybrid:
+            prefix_cache = False  # (the hybrid coordinator's local hits are not modelled)
         # vLLM's KVTransferConfig.kv_load_failure_policy; the scheduler recomputes only under
         # "recompute" (Scheduler.__init__: recompute_kv_load_failures), else a request with a
         # block that failed to load is finished with an error (FINISHED_ERROR).
@@ -211,9 +345,10 @@ class Engine:
         for w, caches in zip(self.workers, self.caches):
             w.register_kv_caches(caches)
         # Pages: free ones in LRU order (scattered at first), reference counts, prefix cache.
+        # Hybrid: page 0 is vLLM's null block, never allocated (BlockPool.null_block).
         order = np.random.RandomState(seed).permutation(num_blocks)
         self.free: "collections.OrderedDict[int, None]" = collections.OrderedDict(
-            (int(p), None) for p in order)
+            (int(p), None) for p in order if not (self.hybrid and p == 0))
         self.refs: Dict[int, int] = {}
         self.page_hash: Dict[int, int] = {}
         self.cached: Dict[int, int] = {}  # hash -> page
@@ -248,8 +383,29 @@ class Engine:
             pages.append(p)
         return pages
 
+    def _alloc_groups(self, n: int):
+        """n pages for group 0 and, hybrid, n for the sliding-window group (one pool)."""
+        pages = self._alloc(n * (2 if self.hybrid else 1))
+        if pages is None:
+            return None, None
+        return pages[:n], pages[n:]
+
+    def _remove_skipped(self, req: Request, computed: int) -> None:
+        """vLLM's SlidingWindowManager.remove_skipped_blocks(total_computed_tokens): the
+        sliding-window pages whose tokens are all before ``computed - window + 1`` are freed
+        and become the null block (the connector is not told; its tables keep the old ids)."""
+        if not self.hybrid:
+            return
+        skipped = max(0, computed - self.window + 1) // self.block_size
+        for i in range(min(skipped, len(req.sw_block_ids))):
+            if req.sw_block_ids[i] != 0:
+                self._release([req.sw_block_ids[i]])
+                req.sw_block_ids[i] = 0
+
     def _release(self, pages: List[int]) -> None:
         for p in pages:
+            if self.hybrid and p == 0:  # the null block
+                continue
             self.refs[p] -= 1
             if self.refs[p] == 0:
                 self.free[p] = None
@@ -290,8 +446,8 @@ class Engine:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self._release(req.block_ids)
-        req.block_ids, req.num_computed_tokens = [], 0
+        self._release(req.block_ids + req.sw_block_ids)
+        req.block_ids, req.sw_block_ids, req.num_computed_tokens = [], [], 0
         req.preempted = True
         req.num_preemptions += 1
         self.preemptions += 1
@@ -317,9 +473,11 @@ class Engine:
             if budget == 0 or req not in self.running:
                 continue
             n = min(len(req.all_token_ids) - req.num_computed_tokens, budget, self.max_chunk)
-            new = None
+            new = sw_new = None
+            self._remove_skipped(req, req.num_computed_tokens)
             while new is None:
-                new = self._alloc(self._pages_for(req, req.num_computed_tokens + n))
+                new, sw_new = self._alloc_groups(
+                    self._pages_for(req, req.num_computed_tokens + n))
                 if new is None:
                     victim = self.running[-1]
                     self._preempt(victim)
@@ -328,8 +486,10 @@ class Engine:
             if new is None:
                 continue
             req.block_ids += new
+            req.sw_block_ids += sw_new
             so.scheduled_cached_reqs.req_ids.append(req.request_id)
-            so.scheduled_cached_reqs.new_block_ids.append((new,) if new else None)
+            so.scheduled_cached_reqs.new_block_ids.append(
+                ((new, sw_new) if self.hybrid else (new,)) if new else None)
             so.scheduled_cached_reqs.num_computed_tokens.append(req.num_computed_tokens)
             so.num_scheduled_tokens[req.request_id] = n
             budget -= n
@@ -373,7 +533,7 @@ class Engine:
                     continue
             n = min(len(req.all_token_ids) - computed, budget, self.max_chunk)
             req.block_ids = hit
-            new = self._alloc(self._pages_for(req, computed + n))
+            new, sw_new = self._alloc_groups(self._pages_for(req, computed + n))
             if new is None:
                 if loaded:  # the pages its load filled stay the request's
                     req.loaded_async = computed
@@ -383,8 +543,12 @@ class Engine:
                 break
             self.waiting.popleft()
             req.block_ids = hit + new
+            if self.hybrid:  # (no local hits in hybrid mode: hit is empty)
+                req.sw_block_ids = list(sw_new)
+                self._remove_skipped(req, computed)  # the external hit's slid-out pages: null
             if self.sched is not None:  # vLLM: all the request's blocks, before it counts them
-                self.sched.update_state_after_alloc(req, KVCacheBlocks(req.block_ids), ext)
+                self.sched.update_state_after_alloc(req, KVCacheBlocks(
+                    req.block_ids, *([req.sw_block_ids] if self.hybrid else [])), ext)
             req.num_computed_tokens = computed
             if not loaded:
                 req.local_hit_tokens.append(local)
@@ -393,12 +557,15 @@ class Engine:
                 c = so.scheduled_cached_reqs
                 c.req_ids.append(req.request_id)
                 c.resumed_req_ids.add(req.request_id)
-                c.new_block_ids.append((list(req.block_ids),))
+                c.new_block_ids.append((list(req.block_ids),
+                                        *([list(req.sw_block_ids)] if self.hybrid else [])))
                 c.num_computed_tokens.append(computed)
                 req.preempted = False
             else:
                 so.scheduled_new_reqs.append(NewRequestData(
-                    req.request_id, req.prompt_token_ids, (list(req.block_ids),), computed,
+                    req.request_id, req.prompt_token_ids,
+                    (list(req.block_ids), *([list(req.sw_block_ids)] if self.hybrid else [])),
+                    computed,
                     req.lora_request, req.mm_features))
             self.running.append(req)
             so.num_scheduled_tokens[req.request_id] = n
@@ -425,6 +592,11 @@ class Engine:
             w.wait_for_save()
             done, received = w.get_finished(so.finished_req_ids)
             errors |= w.get_block_ids_with_load_errors()
+            if errors and self.hybrid:
+                # vLLM's Scheduler._update_requests_with_invalid_blocks:
+                # `(req_block_ids,) = self.kv_cache_manager.get_block_ids(req_id)` with two groups
+                raise ValueError("too many values to unpack (expected 1): load errors reported "
+                                 "with more than one KV cache group")
             events.append(self._worker_events(w))
             for r in done or ():
                 self.reported[r] = self.reported.get(r, 0) + 1
@@ -501,19 +673,23 @@ class Engine:
         self.running.remove(req)
         req.finished = True
         keep = False
-        if self.sched is not None:
+        if self.sched is not None and self.hybrid:  # Scheduler._connector_finished
+            self._remove_skipped(req, len(req.all_token_ids))
+            keep, _ = self.sched.request_finished_all_groups(
+                req, (list(req.block_ids), list(req.sw_block_ids)))
+        elif self.sched is not None:
             keep, _ = self.sched.request_finished(req, req.block_ids)
         self.finished_ids.add(req.request_id)
         if keep:
             self.held[req.request_id] = req
         else:
-            self._release(req.block_ids)
+            self._release(req.block_ids + req.sw_block_ids)
 
     def _release_reported(self) -> None:
         for r in [r for r, n in self.reported.items() if n == len(self.workers)]:
             del self.reported[r]
             req = self.held.pop(r)
-            self._release(req.block_ids)
+            self._release(req.block_ids + req.sw_block_ids)
 
     def run(self, requests=(), max_steps: int = 10000) -> Dict[str, Request]:
         """Adds ``requests`` and steps until every request finished and its pages came back."""
@@ -549,17 +725,25 @@ class Engine:
             start = req.num_computed_tokens
             toks = req.all_token_ids[start:start + n]
             pos = np.arange(start, start + n)
-            blocks = torch.as_tensor(req.block_ids, dtype=torch.int64)
             all_pos = torch.arange(start + n)
-            plans.append((pos, blocks[pos // bs], torch.as_tensor(pos % bs),
-                          blocks[all_pos // bs], all_pos % bs, all_pos.numpy()[None, :] > pos[:, None]))
+            mask = all_pos.numpy()[None, :] > pos[:, None]
+            plan = {}
+            for sw in (False, True):  # the full-attention layers' pages and mask, the window's
+                ids = req.sw_block_ids if sw and self.hybrid else req.block_ids
+                blocks = torch.as_tensor(ids, dtype=torch.int64)
+                m_ = mask | (all_pos.numpy()[None, :] <= pos[:, None] - self.window) if sw else mask
+                plan[sw] = (pos, blocks[pos // bs], torch.as_tensor(pos % bs),
+                            blocks[all_pos // bs], all_pos % bs, m_)
+            plans.append(plan)
             xs.append(m.embd[np.asarray(toks, dtype=np.int64)].astype(np.float64))
         for l, L in enumerate(m.layers):
             name = self.names[l]
             for w in self.workers if not self.full_cudagraph else ():
                 w.wait_for_layer_load(name)
+            sw = l in self.sw_layers
             qs = []
-            for x, (pos, nb, no, _, _, _) in zip(xs, plans):
+            for x, plan in zip(xs, plans):
+                pos, nb, no, _, _, _ = plan[sw]
                 xb = m._rmsnorm(x, L.attn_norm)
                 T = len(pos)
                 q = m._rope((xb @ L.wq.T).reshape(T, m.num_heads, m.head_dim), pos)
@@ -568,18 +752,31 @@ class Engine:
                 qs.append(q)
                 for r in range(self.tp):
                     K, V = kv_pages(self.caches[r][name], self.layout, hk, m.head_dim)
-                    K[nb, no] = torch.from_numpy(k[:, r * hk:(r + 1) * hk].copy()).to(self.dtype)
-                    V[nb, no] = torch.from_numpy(v[:, r * hk:(r + 1) * hk].copy()).to(self.dtype)
+                    kr, vr = k[:, r * hk:(r + 1) * hk].copy(), v[:, r * hk:(r + 1) * hk].copy()
+                    if self.fp8 is not None:  # vLLM's FP8 cache write: the nearest FP8 bytes
+                        K[nb, no] = torch.from_numpy(fp8_encode(kr, self.fp8))
+                        V[nb, no] = torch.from_numpy(fp8_encode(vr, self.fp8))
+                    else:
+                        K[nb, no] = torch.from_numpy(kr).to(self.dtype)
+                        V[nb, no] = torch.from_numpy(vr).to(self.dtype)
             for r, w in enumerate(self.workers):
                 if not self.full_cudagraph and l not in self.skip_save_layers:
                     w.save_kv_layer(name, self.caches[r][name], None)
-            for i, (q, (pos, _, _, ab, ao, mask)) in enumerate(zip(qs, plans)):
+            for i, (q, plan) in enumerate(zip(qs, plans)):
+                pos, _, _, ab, ao, mask = plan[sw]
                 T = len(pos)
                 att = np.empty((T, m.num_heads, m.head_dim), np.float64)
                 for r in range(self.tp):
                     K, V = kv_pages(self.caches[r][name], self.layout, hk, m.head_dim)
-                    Ks = K[ab, ao].double().numpy()
-                    Vs = V[ab, ao].double().numpy()
+                    if self.fp8 is not None:  # attention reads the FP8 values
+                        Ks = FP8_VALUES[self.fp8][K[ab, ao].numpy()]
+                        Vs = FP8_VALUES[self.fp8][V[ab, ao].numpy()]
+                    else:
+                        Ks = K[ab, ao].double().numpy()
+                        Vs = V[ab, ao].double().numpy()
+                    if sw:  # slid-out (null or reused) pages are masked: never read as values
+                        Ks, Vs = np.where(mask.all(0)[:, None, None], 0.0, Ks), np.where(
+                            mask.all(0)[:, None, None], 0.0, Vs)
                     for h in range(r * hq, (r + 1) * hq):
                         kh = h // rep - r * hk
                         s = (q[:, h, :] @ Ks[:, kh, :].T) / np.sqrt(m.head_dim)

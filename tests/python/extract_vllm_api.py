@@ -10,6 +10,14 @@ Regenerate from a vLLM checkout (any Python >= 3.9; vLLM need not be installable
         > tests/python/data/vllm_kv_connector_v1.json
 
 The commit is `git rev-parse HEAD` of the checkout, or --commit when it is not a git checkout.
+Besides KVConnectorBase_V1 it extracts, under "interfaces", the other classes of base.py a
+connector meets: SupportsHMA (the hybrid allocator's `request_finished_all_groups`),
+KVConnectorWorkerMetadata (worker -> scheduler metadata, `aggregate`),
+KVConnectorHandshakeMetadata and KVConnectorMetadata (bases and methods), and the module-level
+`supports_hma` function. vLLM's metrics.py (KVConnectorStats, KVConnectorPromMetrics) and
+factory.py (KVConnectorFactory) are extracted when --with-metrics-and-factory is given (they
+were not readable at the pinned commit through the source index, so the committed JSON has
+none).
 The committed JSON (vLLM 003df2961dd8830c317a61f9745ccd557da9fa06) was made with --commit from a
 signatures-only transcription of that commit's base.py, read through a source index (the whole
 vLLM snapshot, 1.1 GB, could not be fetched here); regenerating it from a real checkout of that
@@ -26,7 +34,12 @@ import sys
 from pathlib import Path
 
 BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
+METRICS = "vllm/distributed/kv_transfer/kv_connector/v1/metrics.py"
+FACTORY = "vllm/distributed/kv_transfer/kv_connector/factory.py"
 CLASS = "KVConnectorBase_V1"
+INTERFACES = ("SupportsHMA", "KVConnectorWorkerMetadata", "KVConnectorHandshakeMetadata",
+              "KVConnectorMetadata")
+FUNCTIONS = ("supports_hma",)
 DECORATORS = ("abstractmethod", "staticmethod", "classmethod", "property")
 
 
@@ -76,6 +89,20 @@ def method(fn: ast.FunctionDef) -> dict:
             "returns": ast.unparse(fn.returns) if fn.returns else None}
 
 
+def interface(node: ast.ClassDef) -> dict:
+    """A class's bases and its methods (as `method`)."""
+    return {"bases": [ast.unparse(b) for b in node.bases],
+            "methods": [method(n) for n in node.body
+                        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]}
+
+
+def extract_classes(source: str, names) -> dict:
+    """`interface` of each class of `source` named in `names` (those present)."""
+    tree = ast.parse(source)
+    return {n.name: interface(n) for n in tree.body
+            if isinstance(n, ast.ClassDef) and n.name in names}
+
+
 def extract(source: str) -> dict:
     tree = ast.parse(source)
     classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
@@ -93,6 +120,9 @@ def extract(source: str) -> dict:
         "KVConnectorRole": {"bases": [ast.unparse(b) for b in role.bases], "members": members},
         "KVConnectorMetadata": {
             "bases": [ast.unparse(b) for b in classes["KVConnectorMetadata"].bases]},
+        "interfaces": extract_classes(source, INTERFACES),
+        "functions": [method(n) for n in tree.body
+                      if isinstance(n, ast.FunctionDef) and n.name in FUNCTIONS],
     }
 
 
@@ -100,10 +130,17 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("vllm_root", type=Path, help="a vLLM checkout (its top directory)")
     p.add_argument("--commit", help="the checkout's commit (default: git rev-parse HEAD)")
+    p.add_argument("--with-metrics-and-factory", action="store_true",
+                   help=f"also extract {METRICS} and {FACTORY}")
     args = p.parse_args()
     commit = args.commit or subprocess.check_output(
         ["git", "-C", str(args.vllm_root), "rev-parse", "HEAD"], text=True).strip()
     api = extract((args.vllm_root / BASE).read_text())
+    if args.with_metrics_and_factory:
+        api["interfaces"].update(extract_classes(
+            (args.vllm_root / METRICS).read_text(), ("KVConnectorStats", "KVConnectorPromMetrics")))
+        api["interfaces"].update(extract_classes(
+            (args.vllm_root / FACTORY).read_text(), ("KVConnectorFactory",)))
     doc = {"vllm_repository": "https://github.com/vllm-project/vllm", "vllm_commit": commit,
            "source": BASE,
            "generated_by": "tests/python/extract_vllm_api.py <vllm checkout> (see its docstring)",

@@ -10,6 +10,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -346,28 +347,203 @@ def test_full_cuda_graphs_without_layerwise_hooks(model, server):
     assert_cold(model, out)
 
 
-# ---------------- rows 3, 5: refused at startup, naming the setting (not stored yet) ----------
+# ---------------- row 3: FP8 caches (uint8 pages), stored bit-exact ----------------
 
 
-def test_fp8_caches_and_hybrid_groups_are_refused_at_startup():
+def fp8_engine(model, target, namespace, cache_dtype, kind, **cfg):
+    """vLLM's --kv-cache-dtype ``cache_dtype``: the connectors from a vllm_config, the engine's
+    pages uint8 holding ``kind`` (engine.py)."""
+    from engine import Engine
+    kt = SimpleNamespace(kv_role="kv_both", kv_load_failure_policy="recompute",
+                         kv_connector_extra_config={
+                             "target": target, "namespace": namespace, "model_id": "stories260K",
+                             "timeout": 10, "async_lookup": False, **cfg})
+    c = vllm_config(kt)
+    c.cache_config.cache_dtype = cache_dtype
+    return Engine(model, KvtrieConnector(c, KVConnectorRole.SCHEDULER),
+                  [KvtrieConnector(c, KVConnectorRole.WORKER)], prefix_cache=False,
+                  kv_cache_dtype=kind)
+
+
+def cold_like(model, prompt, max_tokens=4, **engine_kw):
+    """The logits and outputs of `prompt` alone in an engine of that kind, no connector."""
+    from engine import Engine, Request
+    e = Engine(model, prefix_cache=False, num_blocks=48, **engine_kw)
+    return e.run([Request("cold", list(prompt), max_tokens)])["cold"]
+
+
+def assert_same(out, cold):
+    assert out.output_token_ids == cold.output_token_ids, out.request_id
+    assert len(out.prompt_token_ids) - 1 in out.logits
+    for pos, row in out.logits.items():
+        assert np.array_equal(row, cold.logits[pos]), f"{out.request_id}: position {pos}"
+
+
+@pytest.mark.parametrize("cache_dtype,kind", [("fp8", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2")])
+def test_fp8_caches_are_saved_and_loaded_bit_exact(model, server, cache_dtype, kind):
+    e = fp8_engine(model, server.target, f"fp8-{cache_dtype}", cache_dtype, kind)
+    assert isinstance(e.caches[0][e.names[0]], torch.Tensor)
+    assert e.caches[0][e.names[0]].dtype == torch.uint8  # vLLM's FP8 pages
+    e.run([req("s0", session(0))])
+    out = e.run([req("s1", session(1))])["s1"]
+    assert out.external_tokens == [PREFIX]  # s0's preamble, loaded into uint8 pages
+    w = e.workers[0]
+    assert w.stats["loaded_tokens"] == PREFIX and w.stats["save_errors"] == 0
+    cold = cold_like(model, session(1), kv_cache_dtype=kind)
+    assert_same(out, cold)  # every byte came back: the same logits as computing them
+    # (and FP8 is not fp16: the test would see a cache that silently held fp16)
+    c16 = cold_like(model, session(1))
+    assert not np.array_equal(c16.logits[PREFIX], cold.logits[PREFIX])
+    # Stored as the FP8 dtype, losslessly: the server's model says so.
+    k, _, n = w._client.get(session(0))
+    assert k.dtype == np.uint8 and n == 512 and w._client.spec.kv_dtype == kind
+
+
+def test_fp8_settings_the_connector_cannot_store_are_refused_at_startup():
     kt = SimpleNamespace(kv_role="kv_both", kv_connector_extra_config={"model_id": "m"})
     cfg = vllm_config(kt)
-    cfg.cache_config.cache_dtype = "fp8_e4m3"
-    with pytest.raises(ValueError, match="cache_dtype: 'fp8_e4m3'"):
+    cfg.cache_config.cache_dtype = "fp8_inc"
+    with pytest.raises(ValueError, match="cache_dtype: 'fp8_inc'"):
         KvtrieConnector(cfg, KVConnectorRole.SCHEDULER)
+    cfg.cache_config.cache_dtype = "fp8"
+    cfg.cache_config.calculate_kv_scales = True
+    with pytest.raises(ValueError, match="calculate_kv_scales"):
+        KvtrieConnector(cfg, KVConnectorRole.SCHEDULER)
+    cfg.cache_config.calculate_kv_scales = False
+    kt.kv_connector_extra_config = {"model_id": "m", "encoding": "residual"}
+    with pytest.raises(ValueError, match="encoding: 'residual' is lossy; fp8_e4m3"):
+        KvtrieConnector(cfg, KVConnectorRole.SCHEDULER)  # (cfg holds kt)
     worker = KvtrieConnector(role=KVConnectorRole.WORKER, config={"model_id": "m"})
-    with pytest.raises(ValueError, match="uint8"):  # vLLM's fp8 pages are uint8 tensors
+    with pytest.raises(ValueError, match="no FP8 KV dtype is configured"):
         worker.register_kv_caches({"l0": torch.zeros(2, 4, 16, 2, 8, dtype=torch.uint8)})
     worker.shutdown()
+    fp8 = KvtrieConnector(role=KVConnectorRole.WORKER, config={"model_id": "m",
+                                                              "kv_dtype": "fp8_e4m3"})
+    with pytest.raises(ValueError, match="kv_dtype is fp8_e4m3"):
+        fp8.register_kv_caches({"l0": torch.zeros(2, 4, 16, 2, 8, dtype=torch.float16)})
+    fp8.register_kv_caches({"l0": torch.zeros(2, 4, 16, 2, 8, dtype=torch.uint8)})
+    fp8.shutdown()
 
-    class FullAttentionSpec:
-        pass
 
-    class MambaSpec:
+# ---------------- row 5: hybrid models (SupportsHMA) ----------------
+
+SLIDING = (1, 3)  # stories260K's layers 1 and 3 attend to a window
+WINDOW = 48
+
+
+def hybrid_connectors(model, target, namespace, hma=True, groups=None, **cfg):
+    from engine import kv_cache_config
+    kcfg = groups or kv_cache_config(model.num_layers, 16, SLIDING, WINDOW, hybrid=hma)
+    config = {"target": target, "model_id": "stories260K", "namespace": namespace,
+              "encoding": "lossless", "timeout": 10, "async_lookup": False,
+              "kv_load_failure_policy": "recompute", **cfg}
+    sched = KvtrieConnector(role=KVConnectorRole.SCHEDULER, config=config, kv_cache_config=kcfg)
+    worker = KvtrieConnector(role=KVConnectorRole.WORKER, config=config, kv_cache_config=kcfg)
+    return sched, worker
+
+
+def hybrid_engine(model, target, namespace, hma=True, max_chunk=None, **cfg):
+    from engine import Engine
+    sched, worker = hybrid_connectors(model, target, namespace, hma, **cfg)
+    return Engine(model, sched, [worker], prefix_cache=False, sliding_layers=SLIDING,
+                  sliding_window=WINDOW, disable_hybrid_kv_cache_manager=not hma,
+                  max_chunk=max_chunk)
+
+
+@pytest.mark.parametrize("max_chunk", [None, 40])
+def test_sliding_window_and_full_attention_groups_save_and_load(model, server, max_chunk):
+    ns = f"hybrid-{max_chunk}"
+    e = hybrid_engine(model, server.target, ns, max_chunk=max_chunk)
+    assert e.hybrid  # the connector is SupportsHMA: vLLM keeps the hybrid allocator on
+    s0 = e.run([req("s0", session(0))])["s0"]
+    assert 0 in s0.sw_block_ids  # its window's pages slid out (the null block)
+    w = e.workers[0]
+    assert w.stats["save_errors"] == 0 and w.stats["saved_blocks"] == 32
+    out = e.run([req("s1", session(1))])["s1"]
+    assert out.external_tokens == [PREFIX]
+    assert w.stats["loaded_tokens"] == PREFIX
+    cold = cold_like(model, session(1), sliding_layers=SLIDING, sliding_window=WINDOW)
+    assert_same(out, cold)
+    # The window matters: a full-attention run of the same prompt differs.
+    assert not np.array_equal(cold_like(model, session(1)).logits[PREFIX], cold.logits[PREFIX])
+
+
+def test_hybrid_allocator_off_is_one_group(model, server):
+    # vLLM with --disable-hybrid-kv-cache-manager: one full-attention group; the sliding layers
+    # keep every page (and still attend to their window).
+    e = hybrid_engine(model, server.target, "hybrid-off", hma=False)
+    assert not e.hybrid
+    e.run([req("s0", session(0))])
+    out = e.run([req("s1", session(1))])["s1"]
+    assert out.external_tokens == [PREFIX]
+    assert_same(out, cold_like(model, session(1), sliding_layers=SLIDING,
+                               sliding_window=WINDOW))
+
+
+def test_hybrid_groups_the_connector_cannot_store_are_refused_at_startup(model):
+    from engine import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec,
+                        MambaSpec, SlidingWindowSpec, kv_cache_config, layer_names)
+    names = layer_names(model.num_layers)
+
+    def groups(*specs):
+        return KVCacheConfig([KVCacheGroupSpec([n], sp) for n, sp in zip(names, specs)])
+    with pytest.raises(ValueError, match=r"kv_cache_groups\[1\]: MambaSpec: a Mamba"):
+        hybrid_connectors(model, "127.0.0.1:1", "x",
+                          groups=groups(FullAttentionSpec(16), MambaSpec(16)))
+    with pytest.raises(ValueError, match="block sizes .* differ"):
+        hybrid_connectors(model, "127.0.0.1:1", "x",
+                          groups=groups(FullAttentionSpec(16), SlidingWindowSpec(32, 64)))
+
+    class UniformTypeKVCacheSpecs(KVCacheSpec):  # vLLM's: layers of different specs, one group
         pass
-    groups = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=FullAttentionSpec()),
-                                              SimpleNamespace(kv_cache_spec=MambaSpec())])
-    with pytest.raises(ValueError, match="kv_cache_groups: 2 groups .FullAttentionSpec, MambaSpec"):
-        KvtrieConnector(vllm_config(kt), KVConnectorRole.SCHEDULER, groups)
-    one = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=FullAttentionSpec())])
-    KvtrieConnector(vllm_config(kt), KVConnectorRole.SCHEDULER, one).shutdown()
+    with pytest.raises(ValueError, match="different cache specs in one group"):
+        hybrid_connectors(model, "127.0.0.1:1", "x",
+                          groups=groups(UniformTypeKVCacheSpecs(16)))
+    with pytest.raises(ValueError, match="async_load: true with 2 KV cache groups"):
+        hybrid_connectors(model, "127.0.0.1:1", "x", async_load=True)
+    # An extra cache beside the groups' attention layers (e.g. an indexer's keys).
+    _, worker = hybrid_connectors(model, "127.0.0.1:1", "x",
+                                  groups=kv_cache_config(2, 16, (1,), WINDOW))
+    caches = {n: torch.zeros(2, 4, 16, 2, 8, dtype=torch.float16) for n in names[:2]}
+    caches["model.layers.0.indexer.k_cache"] = torch.zeros(2, 4, 16, 2, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match="in no KV cache group"):
+        worker.register_kv_caches(caches)
+    worker.shutdown()
+
+
+def test_hybrid_request_finished_all_groups_keeps_the_pages_of_a_save(model, server):
+    from engine import Request
+    sched, worker = hybrid_connectors(model, server.target, "hybrid-finish")
+    r = Request("r", session(0))
+    assert sched.request_finished_all_groups(r, ([1, 2], [0, 3])) == (False, None)
+    sched._saving.add("r")
+    assert sched.request_finished_all_groups(r, ([1, 2], [0, 3])) == (True, None)
+    sched.shutdown()
+    worker.shutdown()
+
+
+def test_hybrid_saves_never_read_pages_that_slid_out_of_the_window(model):
+    # vLLM frees a sliding-window group's pages as they slide out without telling the connector
+    # (its tables keep the old ids, which may belong to another request by now): a save that
+    # would read tokens before the step's window start is dropped, counted, never stored.
+    from engine import layer_names, make_cache
+    from kvtrie.connector import KvtrieConnectorMetadata, RequestMeta
+    sched, worker = hybrid_connectors(model, "127.0.0.1:1", "slid-out")
+    worker.register_kv_caches({n: make_cache("flash_attn", 16, 16, 4, 8, torch.float16)
+                               for n in layer_names(model.num_layers)})
+    pages = list(range(1, 9))
+    meta = KvtrieConnectorMetadata([RequestMeta(
+        "r", list(range(128)), pages, save_tokens=128, stored_blocks=0,
+        group_block_ids=[pages, pages], group_valid_from=[0, 64])])
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    for name in worker._names:
+        worker.save_kv_layer(name, worker._caches[name], None)
+    worker.wait_for_save()
+    assert worker.stats["save_errors"] == 1  # the first sliding-window layer: request dropped
+    assert worker.stats["saved_blocks"] == 0
+    # The scheduler computes where a step's window starts (vLLM's get_num_skipped_tokens).
+    assert sched._valid_from(200) == [0, (200 - WINDOW + 1) // 16 * 16]
+    assert sched._valid_from(10) == [0, 0]
+    sched.shutdown()
+    worker.shutdown()

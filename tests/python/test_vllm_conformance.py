@@ -215,6 +215,29 @@ def test_derives_from_vllm_base_and_matches_it(vllm_mode):
     assert check_class(cls, base.KVConnectorBase_V1) == []
 
 
+def test_hybrid_interfaces_are_pinned_and_implemented(vllm_mode):
+    # base.py's other classes (extract_vllm_api.py, "interfaces"): what the pin says of them.
+    hma = API["interfaces"]["SupportsHMA"]
+    assert hma["bases"] == ["ABC"]
+    (entry,) = hma["methods"]
+    assert entry["name"] == "request_finished_all_groups" and entry["abstract"]
+    assert [p["name"] for p in entry["parameters"]] == ["self", "request", "block_ids"]
+    assert entry["parameters"][2]["annotation"] == "tuple[list[int], ...]"
+    assert entry["returns"] == "tuple[bool, dict[str, Any] | None]"
+    (agg,) = API["interfaces"]["KVConnectorWorkerMetadata"]["methods"]
+    assert agg["name"] == "aggregate" and agg["abstract"]
+    assert API["interfaces"]["KVConnectorHandshakeMetadata"] == {"bases": ["ABC"], "methods": []}
+    assert [f["name"] for f in API["functions"]] == ["supports_hma"]
+    # The connector is SupportsHMA under vLLM (so vLLM keeps the hybrid allocator on), and its
+    # request_finished_all_groups takes vLLM's arguments.
+    mod, base = vllm_mode
+    assert issubclass(mod.KvtrieConnector, base.SupportsHMA)
+    assert base.supports_hma(mod.KvtrieConnector)
+    assert not inspect.isabstract(mod.KvtrieConnector)
+    assert incompatibilities(mod.KvtrieConnector, entry) == []
+    assert incompatibilities(StandaloneConnector, entry) == []
+
+
 # ---------------- return contracts, through vLLM's factory ----------------
 
 

@@ -2,7 +2,10 @@
 
 KV crosses this API as numpy arrays ``[layers, kv_heads, tokens, head_dim]`` (K after RoPE),
 float16, float32, or bfloat16 as ``uint16`` bit patterns (numpy has no bfloat16; an ml_dtypes
-``bfloat16`` array is accepted too). The model spec (layers, kv_heads, head_dim, dtype) comes from
+``bfloat16`` array is accepted too). One-byte caches (vLLM's ``--kv-cache-dtype fp8`` pages,
+uint8 tensors there) travel as ``uint8`` arrays with ``kv_dtype="fp8_e4m3"``, ``"fp8_e5m2"`` or
+``"uint8"`` on the put (ml_dtypes float8 arrays name it themselves); they are stored bit-exact
+(raw or lossless; a lossy encoding is INVALID_ARGUMENT). The model spec (layers, kv_heads, head_dim, dtype) comes from
 the arrays; the first Put of a (namespace, model_id) fixes it on the server. The client cuts the
 sequence into blocks of ``block_tokens`` tokens (16); only full blocks are stored.
 
@@ -143,7 +146,10 @@ class ModelSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: np.dtype  #: float16, float32, or uint16 (= bfloat16 bit patterns)
+    dtype: np.dtype  #: float16, float32, uint16 (= bfloat16 bit patterns), or uint8
+    #: what uint8 arrays hold: "fp8_e4m3", "fp8_e5m2" or "uint8"; None for float16, float32
+    #: and bfloat16 (the numpy dtype tells them apart)
+    kv_dtype: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -261,6 +267,29 @@ def _encoding(encoding: Union[None, str, int, Encoding]) -> int:
     return int(Encoding(encoding))
 
 
+#: ``kv_dtype`` spellings (the put's argument) -> kvtrie.v1.DType values. vLLM's cache_dtype
+#: spellings are accepted too ("fp8" is E4M3, as in vLLM).
+KV_DTYPES = {"fp16": 1, "bf16": 2, "fp32": 3, "fp8_e4m3": 4, "fp8_e5m2": 5, "uint8": 6,
+             "fp8": 4, "fp8_e4m3fn": 4, "float8_e4m3fn": 4, "float8_e5m2": 5}
+
+
+def _kv_dtype(kv_dtype: Optional[str]) -> int:
+    if kv_dtype is None:
+        return 0
+    if kv_dtype not in KV_DTYPES:
+        raise _invalid(f"kv_dtype: {kv_dtype!r} is not one of {sorted(KV_DTYPES)}")
+    return KV_DTYPES[kv_dtype]
+
+
+def _kv_dtype_name(value: int) -> Optional[str]:
+    """ModelSpec.kv_dtype of a DType value: the one-byte dtypes' names, else None."""
+    return {4: "fp8_e4m3", 5: "fp8_e5m2", 6: "uint8"}.get(value)
+
+
+def _one_byte(name: Optional[str]) -> Optional[str]:
+    return name if name in ("fp8_e4m3", "fp8_e5m2", "uint8") else None
+
+
 def _mode(mode: Union[str, int, GetMode]) -> int:
     if isinstance(mode, str):
         try:
@@ -304,8 +333,10 @@ class PutStream:
     """
 
     def __init__(self, client: "Client", tokens: np.ndarray, num_layers: int,
-                 surprisal: Optional[np.ndarray], options: Tuple[int, float, int, int, int, int]):
+                 surprisal: Optional[np.ndarray], options: Tuple[int, float, int, int, int, int],
+                 kv_dtype: int = 0):
         self._client = client
+        self._kv_dtype = int(kv_dtype)
         self._tokens = tokens
         self._num_layers = int(num_layers)
         self._surprisal = surprisal
@@ -340,8 +371,9 @@ class PutStream:
                                f"[layers, kv_heads, tokens, head_dim], got {k.shape}")
             self._stream = self._client._c.open_put(
                 self._tokens, self._surprisal, self._num_layers, k.shape[1], k.shape[3], k.dtype,
-                *self._options)
-            self._client._learn(ModelSpec(self._num_layers, k.shape[1], k.shape[3], k.dtype))
+                *self._options, kv_dtype=self._kv_dtype)
+            self._client._learn(ModelSpec(self._num_layers, k.shape[1], k.shape[3], k.dtype,
+                                          _kv_dtype_name(self._kv_dtype)))
         self._stream.write(int(layer), int(token_offset), k, v)
 
     def commit(self) -> PutResult:
@@ -455,7 +487,7 @@ class Client:
             encoding: Union[None, str, Encoding] = None, target_rel_rms: float = 0.0, *,
             bits: int = 0, first_block: int = 0, layers_per_message: int = 0,
             encode_on_client: Optional[bool] = None, profile: Optional[str] = None,
-            learned_lossless: bool = False) -> PutResult:
+            learned_lossless: bool = False, kv_dtype: Optional[str] = None) -> PutResult:
         """Stores the KV of ``tokens``; blocks already stored are acknowledged as deduplicated.
 
         Args:
@@ -483,6 +515,11 @@ class Client:
                 namespace's latest learned state, kept when smaller (bit-exact; ~1.56x smaller
                 than fp16 on held-out text instead of 1.12x, 2.0x for bf16; but it encodes at
                 ~0.1-0.3 GB/s per core instead of ~2: ``bench/lossless.md``).
+            kv_dtype: what one-byte ``uint8`` arrays hold: ``"fp8_e4m3"`` (vLLM's ``fp8`` /
+                ``fp8_e4m3``), ``"fp8_e5m2"`` or ``"uint8"`` (None: the arrays' dtype decides;
+                a uint8 array without it is INVALID_ARGUMENT). Such blocks are stored bit-exact:
+                ``encoding`` None stores them lossless, a lossy one is INVALID_ARGUMENT
+                (``model.dtype: fp8_e4m3 blocks can be stored RAW or LOSSLESS only ...``).
 
         Returns:
             :class:`PutResult` (stored and deduplicated blocks, bytes, achieved errors).
@@ -499,15 +536,16 @@ class Client:
             t, k, v, _surprisal(surprisal), _encoding(encoding), float(target_rel_rms), int(bits),
             self.block_tokens, int(first_block), int(layers_per_message),
             encode_on_client=encode, profile=_profile(profile),
-            learned_lossless=bool(learned_lossless)))
-        self._learn(ModelSpec(k.shape[0], k.shape[1], k.shape[3], k.dtype))
+            learned_lossless=bool(learned_lossless), kv_dtype=_kv_dtype(kv_dtype)))
+        self._learn(ModelSpec(k.shape[0], k.shape[1], k.shape[3], k.dtype,
+                              _kv_dtype_name(_kv_dtype(kv_dtype))))
         return result
 
     def put_layers(self, tokens: TokenIds, num_layers: int,
                    surprisal: Optional[Sequence[float]] = None,
                    encoding: Union[None, str, Encoding] = None, target_rel_rms: float = 0.0, *,
                    bits: int = 0, first_block: int = 0,
-                   layers_per_message: int = 0) -> PutStream:
+                   layers_per_message: int = 0, kv_dtype: Optional[str] = None) -> PutStream:
         """Opens a Put to be sent layer by layer as a worker computes it.
 
         Arguments as for :meth:`put`; ``num_layers`` is the model's layer count. The layers are
@@ -523,7 +561,7 @@ class Client:
         """
         return PutStream(self, _tokens(tokens), num_layers, _surprisal(surprisal),
                          (_encoding(encoding), float(target_rel_rms), int(bits), self.block_tokens,
-                          int(first_block), int(layers_per_message)))
+                          int(first_block), int(layers_per_message)), _kv_dtype(kv_dtype))
 
     def get(self, tokens: TokenIds, mode: Union[str, GetMode] = "reconstructed",
             max_blocks: int = 0, layers: Optional[Tuple[int, int]] = None
@@ -561,7 +599,7 @@ class Client:
         k, v, n, spec = self._c.get(_tokens(tokens), _mode(mode), int(max_blocks), lb, le)
         if spec is not None:
             if layers is None:  # a range's spec holds only its layers
-                self._learn(ModelSpec(*spec))
+                self._learn(ModelSpec(*spec[:4], _one_byte(spec[4])))
             return k, v, int(n)
         if layers is not None:
             return k, v, 0
@@ -576,11 +614,14 @@ class Client:
             m = self._c.inspect(0).get("model", {})
         except NotFoundError:
             return None
-        dtypes = {"DTYPE_FP16": np.float16, "DTYPE_FP32": np.float32, "DTYPE_BF16": np.uint16}
+        dtypes = {"DTYPE_FP16": (np.float16, "fp16"), "DTYPE_FP32": (np.float32, "fp32"),
+                  "DTYPE_BF16": (np.uint16, "bf16"), "DTYPE_FP8_E4M3": (np.uint8, "fp8_e4m3"),
+                  "DTYPE_FP8_E5M2": (np.uint8, "fp8_e5m2"), "DTYPE_UINT8": (np.uint8, "uint8")}
         if m.get("dtype") not in dtypes:
             return None
+        np_dtype, name = dtypes[m["dtype"]]
         spec = ModelSpec(int(m["num_layers"]), int(m["num_kv_heads"]), int(m["head_dim"]),
-                         np.dtype(dtypes[m["dtype"]]))
+                         np.dtype(np_dtype), _one_byte(name))
         self._learn(spec)
         return spec
 

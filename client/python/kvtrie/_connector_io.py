@@ -52,8 +52,10 @@ class _EncodedSave:
     The same write/commit/cancel calls as a :class:`kvtrie.PutStream`."""
 
     def __init__(self, client: Any, tokens: Sequence[int], num_layers: int, first_block: int,
-                 block_tokens: int, encoding: Any, target_rel_rms: float) -> None:
+                 block_tokens: int, encoding: Any, target_rel_rms: float,
+                 kv_dtype: Optional[str] = None) -> None:
         self._client = client
+        self._kv_dtype = kv_dtype  # what one-byte (FP8) arrays hold, kvtrie.Client.put's
         self._tokens = list(tokens)
         self._layers = num_layers
         self._first_block = first_block
@@ -87,7 +89,8 @@ class _EncodedSave:
         k, v, self._k, self._v = self._k, self._v, None, None
         return self._client.put(self._tokens, k, v, encoding=self._encoding,
                                 target_rel_rms=self._target_rel_rms,
-                                first_block=self._first_block, encode_on_client=True)
+                                first_block=self._first_block, encode_on_client=True,
+                                **({"kv_dtype": self._kv_dtype} if self._kv_dtype else {}))
 
     def cancel(self) -> None:
         self._k = self._v = None

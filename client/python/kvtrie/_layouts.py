@@ -74,7 +74,11 @@ def check_dtype(k: np.ndarray, cache: Any) -> None:
         ok = k.dtype == cache.dtype
     else:
         import torch  # type: ignore
-        want = {torch.bfloat16: np.uint16, torch.float16: np.float16, torch.float32: np.float32}
+        want = {torch.bfloat16: np.uint16, torch.float16: np.float16, torch.float32: np.float32,
+                torch.uint8: np.uint8}
+        for name in ("float8_e4m3fn", "float8_e5m2"):  # FP8 pages travel as their bytes
+            if hasattr(torch, name):
+                want[getattr(torch, name)] = np.uint8
         ok = want.get(cache.dtype) == k.dtype
     if not ok:
         raise ValueError(f"stored KV is {k.dtype} (uint16 = bfloat16), the cache {cache.dtype}")
@@ -92,6 +96,8 @@ def write(cache: Any, kv: int, blocks: np.ndarray, offsets: np.ndarray, data: np
         t = torch.from_numpy(src.view(np.int16)).view(torch.bfloat16)
     else:
         t = torch.from_numpy(src)
+    if src.dtype == np.uint8 and cache.dtype != torch.uint8:
+        cache = cache.view(torch.uint8)  # FP8 pages: the bytes, never converted
     cache[kv, torch.from_numpy(blocks), torch.from_numpy(offsets)] = t.to(cache.device)
 
 
@@ -101,4 +107,8 @@ def read(cache: Any, kv: int, blocks: np.ndarray, offsets: np.ndarray) -> np.nda
         return cache[kv, blocks, offsets]
     import torch  # type: ignore
     t = cache[kv, torch.from_numpy(blocks), torch.from_numpy(offsets)].cpu()
-    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    if t.element_size() == 1 and t.dtype != torch.uint8:  # FP8 pages: their bytes
+        return t.view(torch.uint8).numpy()
+    return t.numpy()

@@ -103,9 +103,12 @@ not evicted before the load; 0 = no leases (a Delete still removes a leased pref
 ``kv_load_failure_policy`` (vLLM's, from ``kv_transfer_config``; ``"fail"`` by default there):
 under ``"fail"`` the connector warns at startup, and logs an error naming each request a failed
 load fails. ``kv_role`` (vLLM's): ``kv_producer`` only saves, ``kv_consumer`` only loads.
-Decode / prefill context parallelism (``decode_context_parallel_size`` > 1), FP8 caches
-(``cache_dtype`` fp8*, uint8 pages) and more than one KV cache group (hybrid models) are refused
-at startup, naming the setting.
+Decode / prefill context parallelism (``decode_context_parallel_size`` > 1) is refused at
+startup, naming the setting. FP8 caches (``cache_dtype`` ``fp8`` / ``fp8_e4m3`` / ``fp8_e5m2``,
+uint8 pages; ``kv_dtype`` in the config standalone) are stored bit-exact as kvtrie's FP8 dtypes
+(``encoding`` lossless or raw; a lossy one, ``fp8_inc`` / ``fp8_ds_mla`` and
+``calculate_kv_scales`` are refused at startup: :func:`kv_dtype_of`). Hybrid models: see
+:class:`KvtrieConnector` and :func:`kv_cache_groups`.
 ``layerwise`` (true): loads and saves overlap the layers through ``wait_for_layer_load`` /
 ``save_kv_layer``, so vLLM captures piecewise CUDA graphs (:meth:`requires_piecewise_for_cudagraph`);
 ``false`` allows full graphs: :meth:`start_load_kv` waits for the step's loads. Either way a layer
@@ -176,9 +179,15 @@ log = logging.getLogger("kvtrie.connector")
 if importlib.util.find_spec("vllm") is not None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
         KVConnectorBase_V1 as _Base, KVConnectorMetadata as _MetaBase, KVConnectorRole)
+    try:  # vLLM with the hybrid memory allocator's connector interface
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
+            SupportsHMA as _HMA)
+    except ImportError:  # an older vLLM: one KV cache group only
+        _HMA = object
 else:  # vLLM is not installed (as in this repository's engine tests)
     _Base = object
     _MetaBase = object
+    _HMA = object
 
     class KVConnectorRole(enum.Enum):  # type: ignore[no-redef]
         """Where a connector instance runs (values as vLLM's)."""
@@ -204,6 +213,12 @@ class RequestMeta:
     stored_blocks: int = 0  #: kvtrie blocks stored (the lookup's, earlier steps' saves): not sent
     identity: str = ""  #: the request's key beyond its tokens, folded into the model_id
     async_load: bool = False  #: load in the background, reported by get_finished (not computed)
+    #: hybrid models (more than one KV cache group): every group's blocks, in group order
+    #: (block_ids is group 0's); empty with one group
+    group_block_ids: List[List[int]] = field(default_factory=list)
+    #: per group, the first token whose page is still the request's this step: a sliding-window
+    #: group's pages before it may have been freed (vLLM does not tell the connector)
+    group_valid_from: List[int] = field(default_factory=list)
 
     @property
     def load_tokens(self) -> int:  # tokens to load (0 = none)
@@ -251,6 +266,7 @@ class _Tracked:  # scheduler side: a request between its first alloc and request
     saved_blocks: int = 0  # kvtrie blocks stored or saved by an earlier step (not sent again)
     last_end: int = 0  # tokens computed by the end of its last scheduled step
     async_load: bool = False  # the pending load is asynchronous
+    groups: List[List[int]] = field(default_factory=list)  # every group's blocks (hybrid only)
 
 
 def _block_ids(blocks: Any) -> List[int]:
@@ -262,6 +278,16 @@ def _block_ids(blocks: Any) -> List[int]:
     if isinstance(ids, tuple):
         ids = ids[0] if ids else []
     return [int(b) for b in ids]
+
+
+def _group_block_ids(blocks: Any) -> List[List[int]]:
+    """Every KV cache group's block ids (vLLM's tuple of lists, one per group)."""
+    if blocks is None:
+        return []
+    ids = blocks.get_block_ids() if hasattr(blocks, "get_block_ids") else blocks
+    if not isinstance(ids, tuple):
+        ids = (ids,)
+    return [[int(b) for b in g] for g in ids]
 
 
 def _prompt(request: Any) -> Optional[List[int]]:
@@ -396,22 +422,100 @@ def _lease(client: Any, tokens: List[int], ttl_seconds: int) -> None:
         client.pin(tokens, ttl_seconds=ttl_seconds, extend_only=True)
 
 
-def _refuse_unsupported_caches(vllm_config: Any, kv_cache_config: Any) -> None:
-    """What kvtrie cannot store yet is refused at startup, naming the setting, instead of
-    every save failing later (issue 32 rows 3 and 5): FP8 KV caches (the server's dtypes are
-    FP16, BF16 and FP32), and more than one KV cache group (hybrid models: sliding window with
-    full attention under the hybrid allocator, Mamba; this connector is not ``SupportsHMA``)."""
-    cache_dtype = str(_attr(vllm_config, "cache_config", "cache_dtype") or "auto")
-    if cache_dtype.startswith("fp8"):
-        raise ValueError(f"cache_dtype: {cache_dtype!r}: the kvtrie connector stores fp16, bf16 "
-                         "and fp32 KV caches, not FP8; run without --kv-cache-dtype fp8")
+#: vLLM's BlockPool.null_block (vllm/v1/core/block_pool.py, BlockPool.__init__: the first block,
+#: taken off the free list and never allocated): a sliding-window group's table holds it for
+#: the blocks that slid out of the window (SlidingWindowManager.remove_skipped_blocks).
+_NULL_BLOCK = 0
+#: KV cache spec classes (vllm/v1/kv_cache_interface.py) whose layers hold K and V per token in
+#: pages, as kvtrie stores them. Sliding-window pages out of the window are freed (the null
+#: block); a chunked-local layer's too.
+_ATTENTION_SPECS = ("FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec",
+                    "SinkFullAttentionSpec")
+
+
+@dataclass(frozen=True)
+class KvCacheGroup:
+    """One of vLLM's KV cache groups (KVCacheConfig.kv_cache_groups[i]) as the connector uses
+    it: its layers, its spec's class name and block size."""
+
+    layer_names: Tuple[str, ...]
+    kind: str
+    block_size: Optional[int]
+    sliding_window: Optional[int] = None  #: SlidingWindowSpec's window, in tokens
+
+
+def kv_cache_groups(kv_cache_config: Any) -> List[KvCacheGroup]:
+    """The KV cache groups of vLLM's ``kv_cache_config`` (empty without one), checked: every
+    group must hold attention layers (:data:`_ATTENTION_SPECS`, or a subclass of vLLM's
+    ``AttentionSpec``) of one block size. Mamba (and other state) groups, a group whose layers
+    have different specs (``UniformTypeKVCacheSpecs``: extra caches beside attention, e.g.
+    DeepSeek V3.2's indexer keys) and mixed block sizes are refused with a ValueError naming the
+    group (issue 32 row 5)."""
     groups = list(_attr(kv_cache_config, "kv_cache_groups") or [])
-    if len(groups) > 1:
-        kinds = [type(_attr(g, "kv_cache_spec")).__name__ for g in groups]
-        raise ValueError(f"kv_cache_groups: {len(groups)} groups ({', '.join(kinds)}): the "
-                         "kvtrie connector stores one group of attention layers; hybrid models "
-                         "(sliding window with --disable-hybrid-kv-cache-manager left off, Mamba) "
-                         "are not supported")
+    out: List[KvCacheGroup] = []
+    for i, g in enumerate(groups):
+        spec = _attr(g, "kv_cache_spec")
+        kind = type(spec).__name__
+        mro = {c.__name__ for c in type(spec).__mro__}
+        if "MambaSpec" in mro or "Mamba" in kind:
+            raise ValueError(
+                f"kv_cache_groups[{i}]: {kind}: a Mamba (state space) layer group; the kvtrie "
+                "connector stores attention KV per token and cannot load a Mamba state, so "
+                "hybrid Mamba models are not supported (run without the connector)")
+        if "UniformTypeKVCacheSpecs" in mro:
+            raise ValueError(
+                f"kv_cache_groups[{i}]: {kind}: layers with different cache specs in one group "
+                "(an extra cache beside attention, e.g. an indexer's keys); the kvtrie connector "
+                "stores only per-token K and V of attention layers")
+        if "ChunkedLocalAttentionSpec" in mro:
+            raise ValueError(
+                f"kv_cache_groups[{i}]: {kind}: chunked local attention frees pages by chunk; "
+                "the kvtrie connector handles full and sliding-window attention groups")
+        if kind not in _ATTENTION_SPECS and "AttentionSpec" not in mro:
+            raise ValueError(
+                f"kv_cache_groups[{i}]: {kind}: not an attention KV cache; the kvtrie "
+                f"connector stores the K and V pages of {', '.join(_ATTENTION_SPECS)} layers")
+        bs = _attr(spec, "block_size")
+        sw = _attr(spec, "sliding_window") if "SlidingWindowSpec" in mro else None
+        out.append(KvCacheGroup(tuple(str(n) for n in (_attr(g, "layer_names") or ())), kind,
+                                int(bs) if bs is not None else None,
+                                int(sw) if sw else None))
+    sizes = {g.block_size for g in out if g.block_size is not None}
+    if len(sizes) > 1:
+        raise ValueError(
+            "kv_cache_groups: block sizes " + ", ".join(
+                f"[{i}] {g.kind} {g.block_size}" for i, g in enumerate(out)) +
+            " differ; the kvtrie connector addresses every layer's token t at block t // "
+            "block_size, so all groups need one block size")
+    return out
+
+
+def kv_dtype_of(vllm_config: Any, cfg: Dict[str, Any]) -> Optional[str]:
+    """The one-byte KV dtype the connector stores (``"fp8_e4m3"`` / ``"fp8_e5m2"``), or None
+    for fp16 / bf16 / fp32 caches (stored as their tensors say). ``kv_dtype`` in the config,
+    else vLLM's ``cache_config.cache_dtype``: ``fp8`` and ``fp8_e4m3`` are E4M3, ``fp8_e5m2``
+    E5M2 (vLLM keeps both as uint8 pages). Other FP8 modes (``fp8_inc``, ``fp8_ds_mla``: other
+    page formats) and FP8 with scales computed at run time (``calculate_kv_scales``: the same
+    bytes would mean other values in another engine) are refused, naming the setting."""
+    name = cfg.get("kv_dtype")
+    field_name = "kv_dtype"
+    if name is None:
+        name = str(_attr(vllm_config, "cache_config", "cache_dtype") or "auto")
+        field_name = "cache_dtype"
+    name = str(name)
+    if name in ("auto", "float16", "half", "bfloat16", "float", "float32", "fp16", "bf16",
+                "fp32"):
+        return None
+    out = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2",
+           "uint8": "uint8"}.get(name)
+    if out is None:
+        raise ValueError(f"{field_name}: {name!r}: the kvtrie connector stores fp16, bf16, fp32 "
+                         "and fp8 / fp8_e4m3 / fp8_e5m2 KV caches (bit-exact), not this format")
+    if out.startswith("fp8") and _attr(vllm_config, "cache_config", "calculate_kv_scales"):
+        raise ValueError("calculate_kv_scales: True: FP8 KV scales computed at run time make "
+                         "the same stored bytes mean other values in another engine; use the "
+                         "checkpoint's scales (the default) with the kvtrie connector")
+    return out
 
 
 def _refuse_context_parallel(vllm_config: Any) -> None:
@@ -426,8 +530,19 @@ def _refuse_context_parallel(vllm_config: Any) -> None:
                              f"it (--{name.replace('_size', '-size').replace('_', '-')} 1)")
 
 
-class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
-    """kvtrie as a vLLM-style KV connector (see the module docstring for the call order)."""
+# vLLM's SupportsHMA beside its base when it has one (object twice is no class).
+_BASES: Tuple[type, ...] = (_Base,) if _HMA is object else (_Base, _HMA)
+
+
+class KvtrieConnector(*_BASES):  # type: ignore[misc, valid-type]
+    """kvtrie as a vLLM-style KV connector (see the module docstring for the call order).
+
+    Hybrid-aware (vLLM's ``SupportsHMA``): with the hybrid allocator's KV cache groups (full and
+    sliding-window attention, one block size) vLLM calls :meth:`request_finished_all_groups`
+    and hands every group's blocks; each layer is loaded into and saved from its group's pages
+    (a sliding-window layer's pages that slid out of the window are vLLM's null block: not
+    loaded into; a save that would need one is dropped). Mamba groups, extra non-attention
+    caches and mixed block sizes are refused at startup (:func:`kv_cache_groups`)."""
 
     def __init__(self, vllm_config: Any = None, role: Any = None, kv_cache_config: Any = None, *,
                  config: Optional[Dict[str, Any]] = None, client: Any = None):
@@ -449,7 +564,12 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self._role_value = role if role is not None else KVConnectorRole.WORKER
         scheduler = self._role_value == KVConnectorRole.SCHEDULER
         _refuse_context_parallel(vllm_config)
-        _refuse_unsupported_caches(vllm_config, kv_cache_config)
+        # Hybrid models (issue 32 row 5): vLLM's KV cache groups; more than one only when the
+        # hybrid allocator is on, which vLLM keeps on for a SupportsHMA connector such as this.
+        self._groups = kv_cache_groups(kv_cache_config)
+        self._hybrid = len(self._groups) > 1
+        # FP8 caches (row 3): stored bit-exact as one-byte KV (kvtrie's DTYPE_FP8_*).
+        self._kv_dtype = kv_dtype_of(vllm_config, cfg)
         self._block_tokens = int(cfg.get("block_tokens", 16))
         self._base_model = str(cfg.get("model_id", ""))
         if vllm_config is not None and _bool(cfg.get("fingerprint", True), "fingerprint"):
@@ -491,10 +611,26 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
             {**cfg, "model_id": self._base_model + self._model_suffix}, self._block_tokens)
         self._clients: Dict[str, Any] = {"": self._client}  # identity -> client (_lock)
         self._encoding = cfg.get("encoding", "lossless")
+        if self._kv_dtype is not None and str(self._encoding) not in ("lossless", "raw"):
+            raise ValueError(f"encoding: {self._encoding!r} is lossy; {self._kv_dtype} KV caches "
+                             "are stored bit-exact: 'lossless' (the default) or 'raw'")
         self._encode_on_client = _bool(cfg.get("encode_on_client", True), "encode_on_client")
         self._target_rel_rms = float(cfg.get("target_rel_rms", 0.0))
         self._get_mode = cfg.get("get_mode", "reconstructed")
         self._async_load = _bool(cfg.get("async_load", False), "async_load")
+        if self._hybrid and self._async_load:
+            raise ValueError(
+                f"async_load: true with {len(self._groups)} KV cache groups: vLLM's scheduler "
+                "finishes an asynchronous load of one group only (Scheduler."
+                "_update_waiting_for_remote_kv unpacks one group's block ids); leave it false")
+        if self._hybrid and vllm_config is not None and self._loads_kv:
+            log.warning(
+                "kvtrie: %d KV cache groups (%s): a load that fails cannot be reported to vLLM "
+                "(its scheduler's _update_requests_with_invalid_blocks takes one group), so it "
+                "is logged and counted (unreported_load_failures) and the request computes "
+                "over the missing KV; the lookup's lease (lease_seconds=%d) protects the "
+                "prefix until the load.", len(self._groups),
+                ", ".join(g.kind for g in self._groups), self._lease_seconds)
         self._save_generated = _bool(cfg.get("save_generated", True), "save_generated")
         # KV cache events for routers: on when vLLM publishes KV events (--kv-events-config
         # enable_kv_cache_events), else as configured. Only the first rank reports (ranks
@@ -547,7 +683,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self.stats: Dict[str, int] = {  # updated under _lock; see get_kv_connector_stats
             "lookups": 0, "lookup_hits": 0, "loaded_tokens": 0, "loaded_bytes": 0,
             "load_failed_tokens": 0, "load_failures": 0, "saved_blocks": 0, "saved_bytes": 0,
-            "save_errors": 0, "leases": 0, "failed_requests": 0}
+            "save_errors": 0, "leases": 0, "failed_requests": 0, "unreported_load_failures": 0}
         self._reported: Dict[str, int] = dict(self.stats)  # stats at the last get_kv_connector_stats
         self._events: List[Any] = []  # worker: KV events since the last report (_lock)
         self._sched_events: Optional[KvtrieKVEvents] = None  # scheduler: the workers' events
@@ -691,6 +827,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
             t = self._tracked[req_id] = _Tracked(request, self._identity(request))
         t.request = request
         t.block_ids = _block_ids(blocks)
+        t.groups = _group_block_ids(blocks) if self._hybrid else []
         local = int(request.num_computed_tokens)
         if matched is not None:
             local, _, t.stored_blocks = matched
@@ -721,6 +858,7 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
             t = self._tracked.get(str(new.req_id))
             if t is not None:
                 t.block_ids = _block_ids(new.block_ids)
+                t.groups = _group_block_ids(new.block_ids) if self._hybrid else []
                 computed[t.request.request_id] = int(new.num_computed_tokens)
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
         if cached is not None:
@@ -731,10 +869,15 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
                 if t is None:
                     continue
                 ids = _block_ids(cached.new_block_ids[i])
+                groups = _group_block_ids(cached.new_block_ids[i]) if self._hybrid else []
                 if req_id in resumed or (i < len(flags) and flags[i]):
                     t.block_ids = ids
+                    t.groups = groups
                 else:
                     t.block_ids = t.block_ids + ids
+                    if groups:  # (None: no new blocks in any group)
+                        t.groups = [old + new for old, new in zip(
+                            t.groups or [[] for _ in groups], groups)]
                 computed[str(req_id)] = int(cached.num_computed_tokens[i])
         meta = KvtrieConnectorMetadata()
         bt = self._block_tokens
@@ -760,12 +903,25 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
                     tokens = _all_tokens(t.request, tokens)[:save]
                 meta.requests.append(RequestMeta(
                     req_id, tokens, list(t.block_ids), t.load_begin, t.load_end, save,
-                    t.saved_blocks, t.identity, t.async_load))
+                    t.saved_blocks, t.identity, t.async_load, [list(g) for g in t.groups],
+                    self._valid_from(begin) if t.groups else []))
             if save:
                 self._saving.add(req_id)
                 t.saved_blocks = save // bt
             t.load_begin = t.load_end = 0
         return meta
+
+    def _valid_from(self, computed: int) -> List[int]:
+        """Per group, the first token whose page a step starting at ``computed`` still holds:
+        vLLM frees a sliding-window group's pages whose tokens are all before ``computed -
+        window + 1`` (SlidingWindowManager.get_num_skipped_tokens / remove_skipped_blocks,
+        called from allocate_slots with the tokens computed before the step)."""
+        out = []
+        for g in self._groups:
+            bs = g.block_size or self._engine_block_size or 1
+            skipped = max(0, computed - g.sliding_window + 1) if g.sliding_window else 0
+            out.append(skipped // bs * bs)
+        return out
 
     def request_finished(self, request: Any,
                          block_ids: Sequence[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
@@ -780,6 +936,14 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         self._saving.discard(req_id)
         return saving, None
 
+    def request_finished_all_groups(self, request: Any, block_ids: Tuple[List[int], ...]
+                                    ) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """vLLM's ``SupportsHMA`` hook, called instead of :meth:`request_finished` once the
+        request finished in every KV cache group (vllm/v1/core/sched/scheduler.py,
+        Scheduler._connector_finished), with every group's blocks: the same answer (the
+        workers keep every group's pages until :meth:`get_finished` reports the request)."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
+
     # ---------------- worker side ----------------
 
     def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
@@ -788,12 +952,30 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         the shape and the declared ``num_blocks`` / ``block_size`` (ValueError otherwise)."""
         self._layouts: Dict[str, KvLayout] = {}
         self._caches = {}
+        group_of = {n: i for i, g in enumerate(self._groups) for n in g.layer_names}
+        self._layer_group: List[int] = []
         for name, cache in kv_caches.items():
             dtype = str(getattr(cache, "dtype", ""))
-            if any(d in dtype for d in ("int8", "float8")):  # vLLM's fp8 pages: uint8
-                raise ValueError(f"kv_caches[{name!r}]: dtype {dtype}: the kvtrie connector "
-                                 "stores fp16, bf16 and fp32 caches (FP8 / uint8 is not "
-                                 "supported)")
+            one_byte = any(d in dtype for d in ("int8", "float8"))  # vLLM's fp8 pages: uint8
+            if one_byte and self._kv_dtype is None:
+                raise ValueError(f"kv_caches[{name!r}]: dtype {dtype}: a one-byte (FP8) cache, "
+                                 "but no FP8 KV dtype is configured (vLLM's --kv-cache-dtype "
+                                 "fp8 / fp8_e4m3 / fp8_e5m2, or kv_dtype in the config)")
+            if not one_byte and self._kv_dtype is not None:
+                raise ValueError(f"kv_caches[{name!r}]: dtype {dtype}: kv_dtype is "
+                                 f"{self._kv_dtype}, which vLLM keeps in uint8 pages")
+            if "int8" in dtype and "uint8" not in dtype:
+                raise ValueError(f"kv_caches[{name!r}]: dtype {dtype}: signed int8 pages are "
+                                 "not vLLM's FP8 layout (uint8 or float8)")
+            if self._groups:
+                if name not in group_of:
+                    raise ValueError(
+                        f"kv_caches[{name!r}]: in no KV cache group "
+                        f"({', '.join(g.kind for g in self._groups)}): an extra cache beside "
+                        "the attention layers' K and V, which the kvtrie connector cannot store")
+                self._layer_group.append(group_of[name])
+            else:
+                self._layer_group.append(0)
             layout = self._kv_layout or detect_layout(cache.shape, self._num_blocks,
                                                       self._engine_block_size)
             self._layouts[name] = layout
@@ -821,6 +1003,12 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         bs = self._page_size()
         t = np.arange(begin, end)
         return np.asarray(block_ids, dtype=np.int64)[t // bs], t % bs
+
+    def _pages(self, r: RequestMeta, layer: int) -> List[int]:
+        """The request's pages of ``layer``'s KV cache group (hybrid models), else its pages."""
+        if r.group_block_ids:
+            return r.group_block_ids[self._layer_group[layer]]
+        return r.block_ids
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Starts this step's loads on the loader thread and returns at once (asynchronous
@@ -884,10 +1072,15 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
                     for r, k, v, n in fetched:
                         if n <= r.load_begin:
                             continue
-                        b, o = self._slots(r.block_ids, r.load_begin, n)
+                        b, o = self._slots(self._pages(r, layer), r.load_begin, n)
                         kl = 0 if whole else lb
-                        write(cache, 0, b, o, k[layer - kl, :, r.load_begin:n].transpose(1, 0, 2))
-                        write(cache, 1, b, o, v[layer - kl, :, r.load_begin:n].transpose(1, 0, 2))
+                        kk = k[layer - kl, :, r.load_begin:n].transpose(1, 0, 2)
+                        vv = v[layer - kl, :, r.load_begin:n].transpose(1, 0, 2)
+                        if r.group_block_ids:  # a sliding window's slid-out pages: the null
+                            live = b != _NULL_BLOCK  # block, never written (vLLM skips them)
+                            b, o, kk, vv = b[live], o[live], kk[live], vv[live]
+                        write(cache, 0, b, o, kk)
+                        write(cache, 1, b, o, vv)
                     events[layer].set()
             for i, r in enumerate(loads):
                 n = max(r.load_begin, min(got[i] or 0, r.load_end))
@@ -919,7 +1112,11 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
         bs = self._page_size()
         with self._lock:
             self._loaded_ok[r.req_id] = n
-            if n < r.load_end:
+            if n < r.load_end and r.group_block_ids:
+                # Hybrid: vLLM's scheduler cannot take load errors of more than one group
+                # (_update_requests_with_invalid_blocks unpacks one), so none is reported.
+                self.stats["unreported_load_failures"] += 1
+            elif n < r.load_end:
                 first, last = n // bs, (r.load_end - 1) // bs
                 self._load_errors.update(int(b) for b in r.block_ids[first:last + 1])
                 self._failed_loads.add(r.req_id)
@@ -933,7 +1130,13 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
             self.stats["loaded_tokens"] += n - r.load_begin
             self.stats["loaded_bytes"] += nbytes
             self.stats["load_failed_tokens"] += r.load_end - n
-        if n < r.load_end and self._failure_policy == "fail":
+        if n < r.load_end and r.group_block_ids:
+            log.error("kvtrie: request %s: only %d of the %d promised tokens [%d, %d) could be "
+                      "loaded; with %d KV cache groups vLLM cannot be told (its scheduler takes "
+                      "load errors of one group), so this request computes over missing KV "
+                      "from token %d", r.req_id, n - r.load_begin, r.load_end - r.load_begin,
+                      r.load_begin, r.load_end, len(r.group_block_ids), n)
+        elif n < r.load_end and self._failure_policy == "fail":
             log.error("kvtrie: request %s: only %d of the %d promised tokens [%d, %d) could be "
                       "loaded (evicted or deleted after the lookup, or the server unreachable); "
                       "kv_load_failure_policy is 'fail', so vLLM FAILS this request. With "
@@ -988,14 +1191,27 @@ class KvtrieConnector(_Base):  # type: ignore[misc, valid-type]
             new_blocks = r.save_tokens // self._block_tokens - first
             if self._encode_on_client and first <= _MAX_UNSENT_PER_NEW_BLOCK * new_blocks:
                 s = _EncodedSave(client, r.token_ids[:r.save_tokens], len(self._names),
-                                 first, self._block_tokens, self._encoding, self._target_rel_rms)
+                                 first, self._block_tokens, self._encoding, self._target_rel_rms,
+                                 self._kv_dtype)
             else:
                 s = client.put_layers(r.token_ids[:r.save_tokens], len(self._names),
                                       encoding=self._encoding,
-                                      target_rel_rms=self._target_rel_rms, first_block=first)
+                                      target_rel_rms=self._target_rel_rms, first_block=first,
+                                      kv_dtype=self._kv_dtype)
             self._saves[r.req_id] = s
         begin = first * self._block_tokens
-        b, o = self._slots(r.block_ids, begin, r.save_tokens)
+        b, o = self._slots(self._pages(r, layer), begin, r.save_tokens)
+        g = self._layer_group[layer]
+        if r.group_valid_from and begin < r.group_valid_from[g]:
+            raise ValueError(
+                f"layer {layer} ({self._groups[g].kind}): the save [{begin}, {r.save_tokens}) "
+                f"starts before token {r.group_valid_from[g]}, whose pages slid out of the "
+                "window (vLLM freed them): not saved")
+        if r.group_block_ids and (b == _NULL_BLOCK).any():
+            raise ValueError(
+                f"layer {layer} ({self._groups[self._layer_group[layer]].kind}): tokens "
+                f"{int(begin + np.argmax(b == _NULL_BLOCK))}.. of the save [{begin}, "
+                f"{r.save_tokens}) slid out of its window (vLLM freed their pages): not saved")
         k = np.ascontiguousarray(read(kv_layer, 0, b, o).transpose(1, 0, 2))
         v = np.ascontiguousarray(read(kv_layer, 1, b, o).transpose(1, 0, 2))
         s.write(layer, k, v, token_offset=begin)

@@ -128,3 +128,23 @@ def _make_base() -> type:
 
 
 KVConnectorBase_V1 = _make_base()
+
+
+def _make_interface(name: str) -> type:
+    """An abstract class of base.py beside the base (SupportsHMA, KVConnectorWorkerMetadata,
+    KVConnectorHandshakeMetadata) with its pinned methods."""
+    spec = PINNED["interfaces"][name]
+    members: Dict[str, Any] = {m["name"]: _member(m) for m in spec["methods"]}
+    members["__module__"] = __name__
+    return type(name, (ABC,), members)
+
+
+SupportsHMA = _make_interface("SupportsHMA")
+KVConnectorWorkerMetadata = _make_interface("KVConnectorWorkerMetadata")
+KVConnectorHandshakeMetadata = _make_interface("KVConnectorHandshakeMetadata")
+
+
+def supports_hma(connector: Any) -> bool:  # as vLLM's
+    if isinstance(connector, type):
+        return issubclass(connector, SupportsHMA)
+    return isinstance(connector, SupportsHMA)
