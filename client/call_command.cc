@@ -11,16 +11,14 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "client/status_reason.h"
 
 namespace kvtrie {
 namespace {
 
 namespace pbu = google::protobuf::util;
 
-absl::Status FromGrpc(const grpc::Status& s) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
-}
+absl::Status FromGrpc(const grpc::Status& s) { return FromGrpcStatus(s); }
 
 absl::Status Parse(const std::string& json, google::protobuf::Message* msg) {
   pbu::JsonParseOptions options;

@@ -58,7 +58,8 @@ struct ClientOptions {
   int codec_threads = 0;
   // How long an encoding Put uses the latest learned predictor state version it found (Inspect)
   // before asking again; a version the server has since freed is noticed sooner (the Put answers
-  // FAILED_PRECONDITION naming predictor_version and is encoded again against the new latest).
+  // FAILED_PRECONDITION with the reason STALE_PREDICTOR_VERSION, client/status_reason.h, and is
+  // encoded again against the new latest).
   // 0 = ask before every RESIDUAL Put. CLI and worker: --predictor_refresh_seconds; Python:
   // Client(predictor_refresh=seconds).
   absl::Duration predictor_refresh = absl::Seconds(10);
@@ -110,7 +111,8 @@ struct PutOptions {
   // (thin clients: the CLI's --dense_puts, Python's encode_on_client=False). RESIDUAL is coded
   // against the model's latest learned predictor state (Inspect, at most every
   // ClientOptions::predictor_refresh, then GetPredictor, cached); when the server answers
-  // FAILED_PRECONDITION naming `predictor_version` (the state was freed), the client asks for the
+  // FAILED_PRECONDITION with the reason STALE_PREDICTOR_VERSION (client/status_reason.h: the state
+  // was freed), the client asks for the
   // latest again, encodes the Put against it and sends it once more: the caller sees no error.
   bool encode_on_client = true;
   // LOSSLESS of PROFILE_FAST: also code each block against the latest learned state, kept when

@@ -8,6 +8,7 @@
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/retry.h"
+#include "client/status_reason.h"
 #include "codec/kv_layout.h"
 
 namespace kvtrie {
@@ -79,7 +80,7 @@ absl::Status PutStream::Broken() {
     const grpc::Status gs = writer_->Finish();
     finished_ = true;
     if (gs.ok()) return absl::UnknownError("put: the server closed the stream before the commit");
-    absl::Status s(static_cast<absl::StatusCode>(gs.error_code()), gs.error_message());
+    absl::Status s = FromGrpcStatus(gs);
     if (!ShouldRetry(s)) return s;
     absl::SleepFor(RetryBackoff(client_->options().retry, attempt_));
     ++attempt_;
@@ -159,7 +160,7 @@ absl::StatusOr<v1::PutResponse> PutStream::Commit() {
     const grpc::Status gs = writer_->Finish();
     finished_ = true;
     if (gs.ok()) break;
-    const absl::Status s(static_cast<absl::StatusCode>(gs.error_code()), gs.error_message());
+    const absl::Status s = FromGrpcStatus(gs);
     if (!ShouldRetry(s)) return status_ = s;
     absl::SleepFor(RetryBackoff(client_->options().retry, attempt_));
     ++attempt_;

@@ -28,21 +28,10 @@
 #include "server/get_sink.h"
 #include "server/put_call.h"
 #include "server/put_limits.h"
+#include "server/service_options.h"
 #include "trie/kv_store.h"
 
 namespace kvtrie {
-
-struct ServiceOptions {
-  uint32_t max_tokens = 1u << 20;             // token ids one request may carry
-  uint64_t max_get_message_bytes = 1u << 20;  // a GetBlock is split by layers above this
-  EncodeOptions default_encoding;             // for ENCODING_UNSPECIFIED
-  PutLimitOptions put_limits;                 // streams, per-namespace bytes, idle deadline
-  int codec_threads = 1;  // threads that decode a Get's blocks (the handler's own included)
-  // Most bytes of one request message (0 = none): a larger Put message is refused naming what to
-  // send instead (PutTokens, layer ranges). kvtrie-server lets gRPC read messages up to a larger
-  // transport cap so that this names the error (server/main.cc).
-  uint64_t max_message_bytes = 0;
-};
 
 class KvCacheService final : public v1::KVCache::Service {
  public:

@@ -4,6 +4,18 @@
 
 #include "absl/flags/flag.h"
 
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
+          "HOST:PORT to serve gRPC on; port 0 picks a free port (see --port_file)");
+ABSL_FLAG(std::string, port_file, "",
+          "if set, write the bound port to this file once serving (for tests and scripts)");
+ABSL_FLAG(int, max_threads, 512,
+          "most threads gRPC's synchronous server may run calls on (only server reflection is "
+          "served so; the KVCache calls use the callback API and --handler_threads); calls past "
+          "it are refused with RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, shutdown_grace_seconds, 10,
+          "on SIGTERM, how long until the process exits: running calls may take this long, less "
+          "a reserve for the teardown (a third of it, at most 1 s), before they are cancelled");
+ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error or off");
 ABSL_FLAG(std::string, config, "",
           "config file: one 'name = value' line per flag (same names); flags on the command "
           "line override it");
@@ -40,6 +52,11 @@ namespace kvtrie {
 
 OpsFlags ReadOpsFlags() {
   OpsFlags f;
+  f.listen = absl::GetFlag(FLAGS_listen);
+  f.port_file = absl::GetFlag(FLAGS_port_file);
+  f.max_threads = absl::GetFlag(FLAGS_max_threads);
+  f.shutdown_grace_seconds = absl::GetFlag(FLAGS_shutdown_grace_seconds);
+  f.log_level = absl::GetFlag(FLAGS_log_level);
   f.log_format = absl::GetFlag(FLAGS_log_format);
   f.tls.cert_file = absl::GetFlag(FLAGS_tls_cert);
   f.tls.key_file = absl::GetFlag(FLAGS_tls_key);

@@ -6,7 +6,6 @@
 #include "absl/strings/str_cat.h"
 #include "codec/block_codec.h"
 #include "server/grpc_status.h"
-#include "server/kvcache_service.h"
 #include "server/request_checks.h"
 
 namespace kvtrie {

@@ -35,11 +35,10 @@
 
 #include "kvtrie/v1/kvtrie.pb.h"
 #include "server/put_limits.h"
+#include "server/service_options.h"
 #include "trie/kv_store.h"
 
 namespace kvtrie {
-
-struct ServiceOptions;  // server/kvcache_service.h
 
 class PutCall {
  public:

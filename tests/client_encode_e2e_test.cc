@@ -3,7 +3,8 @@
 // (PutOptions::encode_on_client, the fast profile an unset profile means), learns the server's
 // default encoding from its first Put, sends dense what it cannot code (the compact profile) or
 // what it is told to (thin clients); and a Put coded against a learned state the server has freed
-// since is encoded again against the latest without the caller seeing an error.
+// since is encoded again against the latest without the caller seeing an error (the server's
+// refusal names it by a machine-readable reason, STALE_PREDICTOR_VERSION, not only by its text).
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "client/client.h"
+#include "client/status_reason.h"
 #include "codec/block_codec.h"
 #include "gtest/gtest.h"
 #include "tests/hostile_testing.h"
@@ -163,6 +165,22 @@ TEST_F(ClientEncodeEndToEnd, AStaleVersionIsEncodedAgainWithoutTheCallerSeeingIt
         testing::RawPut(worker->stub(), {testing::Msg(h), b0, b1, testing::Commit()});
     EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
     EXPECT_NE(s.error_message().find("predictor_version"), std::string::npos) << s.error_message();
+    // Machine-readable (issue 31): a google.rpc.ErrorInfo detail with the reason, which clients
+    // match on instead of the text (client/status_reason.h), kept on the client's absl::Status.
+    EXPECT_EQ(StatusReason(s), kStalePredictorVersion);
+    const absl::Status as_absl = FromGrpcStatus(s);
+    EXPECT_TRUE(IsStalePredictorVersion(as_absl)) << as_absl;
+    EXPECT_EQ(as_absl.message(), s.error_message());
+
+    // Another refusal of an encoded block (its CRC broken) carries no reason.
+    v1::PutRequest broken = b0;
+    std::string& bytes = *broken.mutable_block()->mutable_encoded();
+    bytes.back() = static_cast<char>(bytes.back() ^ 0x5a);
+    const grpc::Status bad =
+        testing::RawPut(worker->stub(), {testing::Msg(h), broken, b1, testing::Commit()});
+    EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << bad.error_message();
+    EXPECT_EQ(StatusReason(bad), "");
+    EXPECT_FALSE(IsStalePredictorVersion(FromGrpcStatus(bad)));
   }
 
   // The worker's Put: refused as above, then encoded against the latest version and stored; the

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "trie/error_reason.h"
 
 namespace kvtrie {
 
@@ -103,10 +104,12 @@ uint32_t PredictorRegistry::latest_version() const {
 absl::StatusOr<std::shared_ptr<const PredictorState>> PredictorRegistry::AcquireVersion(
     uint32_t version) {
   auto not_kept = [&] {
-    return absl::FailedPreconditionError(
-        absl::StrCat("predictor_version: version ", version,
-                     " is not kept by this namespace and model; the latest is ", latest_version(),
-                     " (0 = none): fetch it with GetPredictor and encode again"));
+    return WithErrorReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            "predictor_version: version ", version,
+            " is not kept by this namespace and model; the latest is ", latest_version(),
+            " (0 = none): fetch it with GetPredictor and encode again")),
+        kStalePredictorVersion);
   };
   absl::StatusOr<std::shared_ptr<const PredictorState>> state = Find(version);
   if (absl::IsNotFound(state.status())) return not_kept();

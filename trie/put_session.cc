@@ -9,6 +9,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -16,6 +17,7 @@
 #include "absl/strings/strip.h"
 #include "codec/block_verify.h"
 #include "codec/decode_chain.h"
+#include "trie/error_reason.h"
 #include "trie/model_shard.h"
 
 namespace kvtrie {
@@ -259,8 +261,12 @@ absl::Status PutSession::AddEncodedBlock(uint32_t block_index, std::string encod
     if (absl::IsFailedPrecondition(h.status())) {  // "predictor_version: ..." from the registry
       absl::string_view m = h.status().message();
       absl::ConsumePrefix(&m, "predictor_version: ");
-      return Fail(absl::FailedPreconditionError(
-          absl::StrCat("predictor_version: block ", block_index, " encoded: ", m)));
+      absl::Status stale = absl::FailedPreconditionError(
+          absl::StrCat("predictor_version: block ", block_index, " encoded: ", m));
+      if (const std::string reason = ErrorReason(h.status()); !reason.empty()) {
+        stale = WithErrorReason(std::move(stale), reason);
+      }
+      return Fail(std::move(stale));
     }
     if (absl::StartsWith(h.status().message(), "predictor_fingerprint: ")) {
       absl::string_view m = h.status().message();

@@ -11,8 +11,9 @@
 // other Python threads run meanwhile and one client serves many threads.
 // TLS and the bearer token are ClientOptions' (client/client.h); kvtrie/__init__.py reads the PEM
 // files and passes their text here.
-// Errors: a non-OK absl::Status raises kvtrie.Error(code, message) (kvtrie/_errors.py), code the
-// gRPC status code; argument errors found here are INVALID_ARGUMENT naming the argument.
+// Errors: a non-OK absl::Status raises kvtrie.Error(code, message, reason) (kvtrie/_errors.py),
+// code the gRPC status code, reason the server's machine-readable one (client/status_reason.h);
+// argument errors found here are INVALID_ARGUMENT naming the argument.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -33,6 +34,7 @@
 #include "client/client.h"
 #include "client/proto_json.h"
 #include "client/put_stream.h"
+#include "client/status_reason.h"
 
 namespace py = pybind11;
 
@@ -42,8 +44,11 @@ namespace {
 // A non-OK status on its way to Python (translated to kvtrie.Error in the module init).
 struct StatusError : std::runtime_error {
   explicit StatusError(const absl::Status& s)
-      : std::runtime_error(std::string(s.message())), code(static_cast<int>(s.code())) {}
+      : std::runtime_error(std::string(s.message())),
+        code(static_cast<int>(s.code())),
+        reason(StatusReason(s)) {}
   int code;
+  std::string reason;  // client/status_reason.h; "" when none
 };
 
 void Check(const absl::Status& s) {
@@ -515,7 +520,7 @@ PYBIND11_MODULE(_kvtrie, m) {
     } catch (const kvtrie::StatusError& e) {
       try {
         py::object err =
-            py::module_::import("kvtrie._errors").attr("from_status")(e.code, e.what());
+            py::module_::import("kvtrie._errors").attr("from_status")(e.code, e.what(), e.reason);
         PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(err.ptr())), err.ptr());
       } catch (py::error_already_set& inner) {
         inner.restore();

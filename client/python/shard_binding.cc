@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "client/shard_router.h"
+#include "client/status_reason.h"
 
 namespace py = pybind11;
 
@@ -23,7 +24,8 @@ namespace kvtrie {
 // Raises the status as kvtrie.Error (kvtrie/_errors.py from_status).
 [[noreturn]] void RaiseShardStatus(const absl::Status& s) {
   py::object err = py::module_::import("kvtrie._errors")
-                       .attr("from_status")(static_cast<int>(s.code()), std::string(s.message()));
+                       .attr("from_status")(static_cast<int>(s.code()), std::string(s.message()),
+                                            StatusReason(s));
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(err.ptr())), err.ptr());
   throw py::error_already_set();
 }
