@@ -65,8 +65,8 @@ ClusterPass::Round ClusterPass::RunRound() {
       if (stop_) break;
     }
     uint64_t groups = 0;
-    absl::StatusOr<uint32_t> spent =
-        shard->cluster_policy().RunClusterPass(static_cast<uint32_t>(budget - r.encodings), &groups);
+    absl::StatusOr<uint32_t> spent = shard->cluster_policy().RunClusterPass(
+        static_cast<uint32_t>(budget - r.encodings), &groups);
     r.groups += groups;
     if (!spent.ok()) {
       spdlog::error("cluster pass: namespace '{}': {}", shard->ns(), spent.status().ToString());

@@ -48,11 +48,10 @@ bool ClusterPolicy::RetireReferencesLocked(uint64_t node_id) {
   return added;
 }
 
-
 absl::Status ClusterPolicy::ReleaseDependentsLocked(absl::Span<const uint64_t> roots,
-                                                 DeleteSummary* summary,
-                                                 absl::flat_hash_set<uint64_t>* retain,
-                                                 bool erasing) {
+                                                    DeleteSummary* summary,
+                                                    absl::flat_hash_set<uint64_t>* retain,
+                                                    bool erasing) {
   // The clusters whose centroid is inside a root's subtree, with their members outside them all.
   std::map<uint64_t, std::vector<uint64_t>> clusters;  // centroid -> members outside, by id
   absl::flat_hash_set<uint64_t> leaving;               // the subtrees: never a new centroid
@@ -92,10 +91,10 @@ absl::Status ClusterPolicy::ReleaseDependentsLocked(absl::Span<const uint64_t> r
   return absl::OkStatus();
 }
 
-
-absl::Status ClusterPolicy::ReelectLocked(uint64_t centroid_id, const std::vector<uint64_t>& members,
-                                       const absl::flat_hash_set<uint64_t>& leaving,
-                                       DeleteSummary* summary) {
+absl::Status ClusterPolicy::ReelectLocked(uint64_t centroid_id,
+                                          const std::vector<uint64_t>& members,
+                                          const absl::flat_hash_set<uint64_t>& leaving,
+                                          DeleteSummary* summary) {
   // The election: among the members at the old centroid's position (if any: the others found it
   // at a position offset), the one whose path is most probable (the paper's "most probable
   // prefix"), then the most read, then the one with the most dependents of its own, the oldest.
@@ -111,11 +110,13 @@ absl::Status ClusterPolicy::ReelectLocked(uint64_t centroid_id, const std::vecto
     absl::MutexLock lock(&shard_->mu_);
     const TrieNode* old = shard_->FindLive(centroid_id);
     for (uint64_t id : members) {
-      const TrieNode* n = shard_->FindVisible(id);  // a retained member is re-encoded, never elected
+      const TrieNode* n =
+          shard_->FindVisible(id);  // a retained member is re-encoded, never elected
       if (n == nullptr) continue;
       const bool aligned =
           old != nullptr && n->depth == old->depth && n->token_ids == old->token_ids;
-      votes.push_back({!aligned, n->path_surprisal_bits, n->hits, shard_->clusters_.NumDependents(id), id});
+      votes.push_back(
+          {!aligned, n->path_surprisal_bits, n->hits, shard_->clusters_.NumDependents(id), id});
     }
   }
   std::sort(votes.begin(), votes.end(), [](const Vote& a, const Vote& b) {
@@ -153,10 +154,9 @@ absl::Status ClusterPolicy::ReelectLocked(uint64_t centroid_id, const std::vecto
   return absl::OkStatus();
 }
 
-
 absl::Status ClusterPolicy::RecodeMemberLocked(uint64_t node_id, uint64_t centroid_id,
-                                            const absl::flat_hash_set<uint64_t>& leaving,
-                                            DeleteSummary* summary, bool* replaced) {
+                                               const absl::flat_hash_set<uint64_t>& leaving,
+                                               DeleteSummary* summary, bool* replaced) {
   *replaced = false;
   // The member's exact current reconstruction is what is stored again, bit-exact (lossless),
   // standalone or against a centroid: every value a reader gets (and every descendant's
@@ -196,14 +196,14 @@ absl::Status ClusterPolicy::RecodeMemberLocked(uint64_t node_id, uint64_t centro
       }
     }
     std::vector<ModelShard::Corrupt> corrupt;
-    absl::StatusOr<bool> found =
-        shard_->put_encoder_->EncodeAgainstCandidates(g, recon, lossless, ctx, candidates, &out, &corrupt);
+    absl::StatusOr<bool> found = shard_->put_encoder_->EncodeAgainstCandidates(
+        g, recon, lossless, ctx, candidates, &out, &corrupt);
     shard_->DropCorruptLocked(corrupt);
     if (!found.ok()) return found.status();
   }
   uint64_t bytes = 0;
   if (auto st = shard_->ReplaceEncodingLocked(node_id, out.encoded, Encoding::kLossless,
-                                      out.reference_node_id, &bytes);
+                                              out.reference_node_id, &bytes);
       !st.ok()) {
     return st;
   }
@@ -215,22 +215,22 @@ absl::Status ClusterPolicy::RecodeMemberLocked(uint64_t node_id, uint64_t centro
   return absl::OkStatus();
 }
 
-
 std::vector<ClusterIndex::Candidate> ClusterPolicy::StoredCandidatesLocked(
     const TrieNode& n, const absl::flat_hash_set<uint64_t>& leaving) {
   const NearDupOptions& nd = shard_->context_->options->near_dup;
   // Never the node itself or below it (a window of its own text and its child's): decoding such
   // a centroid (or its parent) walks up to the node again, without end.
   auto own = [&](uint64_t id) {
-    for (const TrieNode* a = id != 0 ? shard_->FindLive(id) : nullptr; a != nullptr; a = a->parent) {
+    for (const TrieNode* a = id != 0 ? shard_->FindLive(id) : nullptr; a != nullptr;
+         a = a->parent) {
       if (a == &n) return true;
     }
     return false;
   };
   std::vector<ClusterIndex::Candidate> out;
-  for (const ClusterIndex::Candidate& c :
-       shard_->clusters_.FindCandidates(shard_->trie_.get(), n.parent, n.depth, n.token_ids, n.path_surprisal_bits,
-                                nd.max_distance_bits, nd.max_candidates, n.id)) {
+  for (const ClusterIndex::Candidate& c : shard_->clusters_.FindCandidates(
+           shard_->trie_.get(), n.parent, n.depth, n.token_ids, n.path_surprisal_bits,
+           nd.max_distance_bits, nd.max_candidates, n.id)) {
     if (own(c.node_id) || own(c.reference_parent_id) || leaving.contains(c.node_id) ||
         leaving.contains(c.reference_parent_id) || (c.shifted && !nd.position_shifted)) {
       continue;
@@ -240,9 +240,8 @@ std::vector<ClusterIndex::Candidate> ClusterPolicy::StoredCandidatesLocked(
   return out;
 }
 
-
 absl::Status ClusterPolicy::ReconstructExactLocked(uint64_t node_id, const BlockGeometry& g,
-                                                std::vector<uint8_t>* recon) {
+                                                   std::vector<uint8_t>* recon) {
   recon->assign(g.num_bytes(), 0);
   std::vector<ModelShard::Corrupt> corrupt;
   absl::Status s = shard_->ReconstructInternal(node_id, absl::MakeSpan(*recon), &corrupt);
@@ -250,8 +249,8 @@ absl::Status ClusterPolicy::ReconstructExactLocked(uint64_t node_id, const Block
   return s;
 }
 
-
-absl::StatusOr<uint64_t> ClusterPolicy::RecodeAgainstCentroid(uint64_t node_id, uint64_t centroid_id) {
+absl::StatusOr<uint64_t> ClusterPolicy::RecodeAgainstCentroid(uint64_t node_id,
+                                                              uint64_t centroid_id) {
   absl::MutexLock writer(&shard_->write_mu_);
   BlockGeometry g;
   uint64_t current = 0;
@@ -280,7 +279,6 @@ absl::StatusOr<uint64_t> ClusterPolicy::RecodeAgainstCentroid(uint64_t node_id, 
   return RecodeIfSmallerLocked(node_id, g, current, {{.node_id = centroid_id}});
 }
 
-
 absl::StatusOr<uint64_t> ClusterPolicy::RecodeIfSmallerLocked(
     uint64_t node_id, const BlockGeometry& g, uint64_t current,
     const std::vector<ClusterIndex::Candidate>& candidates) {
@@ -296,17 +294,16 @@ absl::StatusOr<uint64_t> ClusterPolicy::RecodeIfSmallerLocked(
   if (!*found) return 0;
   uint64_t replaced = 0;
   if (auto st = shard_->ReplaceEncodingLocked(node_id, out.encoded, Encoding::kLossless,
-                                      out.reference_node_id, &replaced);
+                                              out.reference_node_id, &replaced);
       !st.ok()) {
     return st;
   }
   return replaced - std::min(replaced, out.encoded.bytes.size());
 }
 
-
 absl::Status ClusterPolicy::RemoveRetainingLocked(uint64_t root_id,
-                                               const absl::flat_hash_set<uint64_t>& retain,
-                                               DeleteSummary* summary) {
+                                                  const absl::flat_hash_set<uint64_t>& retain,
+                                                  DeleteSummary* summary) {
   RecordBatch batch(shard_->context_->records);
   std::vector<TrieNode*> kept, marked, roots;
   uint64_t bytes = 0;
@@ -382,7 +379,6 @@ absl::Status ClusterPolicy::RemoveRetainingLocked(uint64_t root_id,
   return absl::OkStatus();
 }
 
-
 void ClusterPolicy::SweepRetainedLocked() {
   for (;;) {  // leaves first, then the parents they leave childless
     std::vector<uint64_t> unused;
@@ -396,7 +392,9 @@ void ClusterPolicy::SweepRetainedLocked() {
       }
     }
     if (unused.empty()) return;
-    if (absl::Status s = shard_->RemoveSubtrees(unused, ModelShard::DropReason::kDeleted, nullptr, nullptr); !s.ok()) {
+    if (absl::Status s =
+            shard_->RemoveSubtrees(unused, ModelShard::DropReason::kDeleted, nullptr, nullptr);
+        !s.ok()) {
       spdlog::error("removing {} retained centroids of '{}'/'{}' no block needs: {}", unused.size(),
                     shard_->ns_, shard_->model_.model_id, s.ToString());
       return;
@@ -404,10 +402,9 @@ void ClusterPolicy::SweepRetainedLocked() {
   }
 }
 
-
 absl::StatusOr<bool> ClusterPolicy::ReviveRetainedLocked(uint64_t parent_id,
-                                                      absl::Span<const uint32_t> token_ids,
-                                                      uint32_t first_block) {
+                                                         absl::Span<const uint32_t> token_ids,
+                                                         uint32_t first_block) {
   RecordBatch batch(shard_->context_->records);
   std::vector<TrieNode*> revived;
   {

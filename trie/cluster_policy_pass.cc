@@ -74,7 +74,7 @@ absl::StatusOr<uint32_t> ClusterPolicy::RunClusterPass(uint32_t budget, uint64_t
 }
 
 absl::StatusOr<uint32_t> ClusterPolicy::SettleClusterGroup(const std::vector<uint64_t>& ids,
-                                                        uint32_t budget, bool* done) {
+                                                           uint32_t budget, bool* done) {
   *done = false;
   struct Vote {
     uint64_t id;
@@ -144,7 +144,7 @@ absl::StatusOr<uint32_t> ClusterPolicy::SettleClusterGroup(const std::vector<uin
 }
 
 absl::StatusOr<uint32_t> ClusterPolicy::ConvergeGroup(uint64_t elected,
-                                                   const std::vector<uint64_t>& members) {
+                                                      const std::vector<uint64_t>& members) {
   absl::MutexLock writer(&shard_->write_mu_);  // nothing else re-encodes them meanwhile
   struct Member {
     uint64_t id = 0;
@@ -261,8 +261,8 @@ absl::StatusOr<uint32_t> ClusterPolicy::ConvergeGroup(uint64_t elected,
       out.encoded.bytes.assign(m->bytes, '\0');  // only an encoding smaller than the stored wins
     }
     ++spent;
-    absl::StatusOr<bool> found =
-        shard_->put_encoder_->EncodeAgainstCandidates(g, recon, exact, ctx, {{.node_id = e.id}}, &out, &corrupt);
+    absl::StatusOr<bool> found = shard_->put_encoder_->EncodeAgainstCandidates(
+        g, recon, exact, ctx, {{.node_id = e.id}}, &out, &corrupt);
     shard_->DropCorruptLocked(corrupt);
     corrupt.clear();
     if (!found.ok()) return found.status();
@@ -305,7 +305,7 @@ absl::StatusOr<uint32_t> ClusterPolicy::ConvergeGroup(uint64_t elected,
         shard_->ReplaceEncodingLocked(m.id, m.encoded, Encoding::kLossless, reference, &replaced);
     if (s.ok() && replaced > m.encoded.bytes.size()) {
       shard_->cluster_pass_bytes_saved_.fetch_add(replaced - m.encoded.bytes.size(),
-                                          std::memory_order_relaxed);
+                                                  std::memory_order_relaxed);
     }
     return s;
   };
@@ -331,10 +331,12 @@ absl::StatusOr<uint32_t> ClusterPolicy::ConvergeGroup(uint64_t elected,
       }
       if (m.centroid) {
         absl::MutexLock lock(&shard_->mu_);
-        if (shard_->clusters_.HasDependents(m.id)) continue;  // one stayed (not smaller): it stays too
+        if (shard_->clusters_.HasDependents(m.id))
+          continue;  // one stayed (not smaller): it stays too
       }
       if (auto s = publish(m, m.encoded_reference); !s.ok()) return s;
-      if (m.encoded_reference != 0) shard_->cluster_pass_recoded_.fetch_add(1, std::memory_order_relaxed);
+      if (m.encoded_reference != 0)
+        shard_->cluster_pass_recoded_.fetch_add(1, std::memory_order_relaxed);
     }
   }
   if (swap && move) {
@@ -352,7 +354,8 @@ absl::StatusOr<uint32_t> ClusterPolicy::RecheckLocked(uint64_t node_id) {
   {
     absl::MutexLock lock(&shard_->mu_);
     const TrieNode* n = shard_->FindVisible(node_id);
-    if (n == nullptr || n->encoding != Encoding::kLossless || shard_->clusters_.HasDependents(node_id)) {
+    if (n == nullptr || n->encoding != Encoding::kLossless ||
+        shard_->clusters_.HasDependents(node_id)) {
       return 0;  // changed since: not a lossless block without dependents any more
     }
     candidates = StoredCandidatesLocked(*n, {});

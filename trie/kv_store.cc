@@ -169,7 +169,8 @@ absl::Status KvStore::Impl::Open() {
     spdlog::warn("recovery: dropped {} nodes with a missing parent and {} with a bad payload",
                  recovery_.dropped_missing_parent, recovery_.dropped_bad_payload);
   }
-  for (auto& [id, shard] : by_id) shard->learning().FreeUnusedPredictors();  // versions nothing needs
+  for (auto& [id, shard] : by_id)
+    shard->learning().FreeUnusedPredictors();  // versions nothing needs
   // Created even when off (interval 0): tests run its rounds (KvStoreTestPeer::RunClusterPass).
   cluster_pass_ = std::make_unique<ClusterPass>(
       ClusterPass::Options{.interval_ms = options_.cluster_pass_interval_ms,
@@ -477,7 +478,8 @@ void KvStoreTestPeer::SetReplaceHook(KvStore* store, std::function<void()> hook)
 
 void KvStoreTestPeer::FreeUnusedPredictors(KvStore* store, const std::string& ns,
                                            const std::string& model_id) {
-  if (ModelShard* shard = store->impl_->Find(ns, model_id)) shard->learning().FreeUnusedPredictors();
+  if (ModelShard* shard = store->impl_->Find(ns, model_id))
+    shard->learning().FreeUnusedPredictors();
 }
 
 absl::StatusOr<uint64_t> KvStoreTestPeer::Evict(KvStore* store, const std::string& ns,

@@ -359,7 +359,8 @@ GetResult ModelShard::Get(absl::Span<const uint32_t> token_ids, size_t max_block
           ListLocked(*n, result.blocks.empty() ? nullptr : &result.blocks.back(), &snapshot));
     }
   }
-  if (registry->TakeFreeHint()) learning_->ScheduleFreeUnusedPredictors();  // left by an earlier reader
+  if (registry->TakeFreeHint())
+    learning_->ScheduleFreeUnusedPredictors();  // left by an earlier reader
   return result;
 }
 

@@ -20,27 +20,11 @@
 // RecordStore::error_mu_ (the registry takes no other lock). A thread holds
 // the locks of at most one shard; eviction for the disk budget runs with none held.
 //
-// A node being deleted or evicted is marked `removing` under mu_ before its deletes are written,
-// so no reader starts on it; a reader that started before holds the hot copy or a RocksDB
-// snapshot taken before the write, and a hold on the learned state its blocks name.
-//
-// Reads never delete data because of an inconsistency inside the store (issue 18). Only a payload
-// that fails its own checksum (a blob checksum, a CRC or parse failure of the bytes, a payload
-// missing from RocksDB) is dropped, with its subtree (which no prefix reaches any more). A missing
-// centroid or learned state, a centroid whose parent differs, a payload that passes its checksum
-// but does not decode in its context: ABORTED when the block changed since it was listed (the
-// caller lists again: a Delete re-encoded it), else INTERNAL naming what is missing; the data is
-// left as it is. A block coded against a state or a centroid that failed its own checksum is
-// DATA_LOSS and kept (recovery drops a block whose centroid is gone).
-//
-// Node ids are 1, 2, ... per shard (so they tell nothing of another namespace), never reused in
-// a process; recovery continues after the largest.
 #ifndef KVTRIE_TRIE_MODEL_SHARD_H_
 #define KVTRIE_TRIE_MODEL_SHARD_H_
 
 #include <atomic>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -85,8 +69,8 @@ struct ShardContext {
   // RESOURCE_EXHAUSTED if pins and dependents hold it. Call with no shard lock held.
   std::function<absl::Status(uint64_t incoming)> make_disk_room;
   std::atomic<uint64_t> inflight_put_bytes{0};  // dense bytes buffered by unfinished Puts
-  // Bytes of the reconstructions every shard keeps for continuing Puts (ModelShard::KeepPutParent),
-  // bounded by options->put_parent_cache_bytes across the store.
+  // Bytes of the reconstructions every shard keeps for continuing Puts (PutParentCache,
+  // trie/put_encoder.h), bounded by options->put_parent_cache_bytes across the store.
   std::atomic<uint64_t> put_parent_bytes{0};
   LearnQueue* learn_queue = nullptr;  // null when learning is off
   // Test seam (KvStoreTestPeer::SetDeleteHook): runs in every Delete after the near-duplicates
@@ -136,10 +120,18 @@ class ModelShard {
   void FinishRecovery(RecoveryStats* stats, RecordBatch* drop);
 
   // --- Reads ---
+  // Reads never delete data because of an inconsistency inside the store (issue 18). Only a
+  // payload that fails its own checksum (a blob checksum, a CRC or parse failure of the bytes, a
+  // payload missing from RocksDB) is dropped, with its subtree (which no prefix reaches any more).
+  // A missing centroid or learned state, a centroid whose parent differs, a payload that passes
+  // its checksum but does not decode in its context: ABORTED when the block changed since it was
+  // listed (the caller lists again: a Delete re-encoded it), else INTERNAL naming what is
+  // missing; the data is left as it is. A block coded against a state or a centroid that failed
+  // its own checksum is DATA_LOSS and kept (recovery drops a block whose centroid is gone).
   MatchResult Lookup(absl::Span<const uint32_t> token_ids);  // counted in Stats
   MatchResult Match(absl::Span<const uint32_t> token_ids);   // not counted (a Put's own match)
   // through_retained: also through retained nodes (a Get of the path to a node named by id, e.g.
-  // a member's centroid: "Retained centroids" above); else a token lookup's view.
+  // a member's centroid: "Retained centroids", trie/cluster_policy.h); else a token lookup's view.
   GetResult Get(absl::Span<const uint32_t> token_ids, size_t max_blocks,
                 bool through_retained = false);
   // The payload of a block of a Get (hot copy, or read in the Get's snapshot and promoted when
@@ -233,6 +225,9 @@ class ModelShard {
   void RemoveLocked(const std::vector<TrieNode*>& roots, DropReason reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks, writes the deletes of, and removes the subtrees of `roots`. REQUIRES write_mu_.
+  // A node is marked `removing` under mu_ before its deletes are written, so no reader starts on
+  // it; a reader that started before holds the hot copy or a RocksDB snapshot taken before the
+  // write, and a hold on the learned state its blocks name.
   absl::Status RemoveSubtrees(const std::vector<uint64_t>& roots, DropReason reason,
                               uint64_t* removed_nodes, uint64_t* removed_bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_) ABSL_LOCKS_EXCLUDED(mu_);
@@ -292,8 +287,10 @@ class ModelShard {
   std::shared_ptr<RetiredReferences> retired_ ABSL_GUARDED_BY(mu_);
   // Centroids dropped because their payload failed its checksum: their members are DATA_LOSS.
   absl::flat_hash_set<uint64_t> corrupt_centroids_ ABSL_GUARDED_BY(mu_);
+  // Node ids are 1, 2, ... per shard (so they tell nothing of another namespace), never reused in
+  // a process; recovery continues after the largest.
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
-  // The nodes marked retained ("Retained centroids" above).
+  // The nodes marked retained ("Retained centroids", trie/cluster_policy.h).
   absl::flat_hash_set<uint64_t> retained_ids_ ABSL_GUARDED_BY(mu_);
   // Totals over the trie, kept as nodes come and go.
   uint64_t bytes_logical_ ABSL_GUARDED_BY(mu_) = 0;

@@ -9,8 +9,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "trie/model_shard.h"
 #include "trie/cluster_policy.h"
+#include "trie/model_shard.h"
 #include "trie/shard_learning.h"
 
 namespace kvtrie {
@@ -217,7 +217,8 @@ absl::StatusOr<std::vector<uint64_t>> ModelShard::Commit(const ModelInfo& model,
       trie_ = std::make_unique<BlockTrie>(bt, context_->options->token_hash);
       clusters_ = ClusterIndex();
       predictors_ = std::make_shared<PredictorRegistry>(
-          model.geometry, context_->options->predictors, PersistedPredictorLoader(context_->records, shard_id_));
+          model.geometry, context_->options->predictors,
+          PersistedPredictorLoader(context_->records, shard_id_));
     }
     model_ = model;
     committed_ = true;
@@ -303,13 +304,13 @@ absl::StatusOr<DeleteSummary> ModelShard::Delete(absl::Span<const uint32_t> toke
   });
   // Near-duplicates coded against a node of the subtree are re-encoded first. Only writers add
   // dependents, and write_mu_ keeps them out until the subtree is gone.
-  // Those with a lossy member stay, retained, for them ("Retained centroids", model_shard.h),
-  // unless the Delete erases.
+  // Those with a lossy member stay, retained, for them ("Retained centroids",
+  // trie/cluster_policy.h), unless the Delete erases.
   DeleteSummary summary;
   absl::flat_hash_set<uint64_t> retain;
   const bool may_retain = context_->options->near_dup.retain_lossy_centroids;
-  if (auto s = cluster_policy_->ReleaseDependentsLocked({id}, &summary, may_retain && !erase ? &retain : nullptr,
-                                       may_retain && erase);
+  if (auto s = cluster_policy_->ReleaseDependentsLocked(
+          {id}, &summary, may_retain && !erase ? &retain : nullptr, may_retain && erase);
       !s.ok()) {
     return s;
   }
@@ -418,8 +419,8 @@ absl::StatusOr<uint64_t> ModelShard::Evict(const std::vector<uint64_t>& ids) {
   }
   uint64_t bytes = 0;
   if (auto s = RemoveSubtrees(victims, DropReason::kDisk, nullptr, &bytes); !s.ok()) return s;
-  cluster_policy_->SweepRetainedLocked();                  // a retained centroid whose last member was a victim
-  return bytes - std::min(bytes, grown);  // net of the members' growth
+  cluster_policy_->SweepRetainedLocked();  // a retained centroid whose last member was a victim
+  return bytes - std::min(bytes, grown);   // net of the members' growth
 }
 
 void ModelShard::CountPut(uint64_t stored, uint64_t deduplicated, uint64_t touched_node) {

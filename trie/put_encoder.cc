@@ -301,10 +301,10 @@ absl::StatusOr<NearDupEncoded> PutEncoder::EncodeNewBlock(
          i < static_cast<size_t>(block_index + 1) * bt && i < surprisal_bits.size(); ++i) {
       path += surprisal_bits[i];
     }
-    candidates =
-        shard_->clusters_.FindCandidates(shard_->trie_.get(), anchor, block_index + 1,
-                                 token_ids.subspan(static_cast<size_t>(block_index) * bt, bt), path,
-                                 nd.max_distance_bits, nd.max_candidates);
+    candidates = shard_->clusters_.FindCandidates(
+        shard_->trie_.get(), anchor, block_index + 1,
+        token_ids.subspan(static_cast<size_t>(block_index) * bt, bt), path, nd.max_distance_bits,
+        nd.max_candidates);
     if (!nd.position_shifted && !candidates.empty() && candidates.front().shifted) {
       shard_->clusters_.CountShifted(false);
       candidates.clear();

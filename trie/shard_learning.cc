@@ -13,8 +13,8 @@
 namespace kvtrie {
 
 PredictorRegistry::Loader PersistedPredictorLoader(RecordStore* records, uint64_t shard_id) {
-  return [records, shard_id](uint32_t version)
-             -> absl::StatusOr<std::shared_ptr<const PredictorState>> {
+  return [records,
+          shard_id](uint32_t version) -> absl::StatusOr<std::shared_ptr<const PredictorState>> {
     absl::StatusOr<std::string> bytes = records->ReadPredictor(shard_id, version);
     if (!bytes.ok()) return bytes.status();
     return PredictorState::Parse(*bytes);
@@ -22,7 +22,7 @@ PredictorRegistry::Loader PersistedPredictorLoader(RecordStore* records, uint64_
 }
 
 void ShardLearning::RecoverPredictor(const PredictorMeta& meta,
-                                  absl::StatusOr<std::shared_ptr<const PredictorState>> state) {
+                                     absl::StatusOr<std::shared_ptr<const PredictorState>> state) {
   if (state.ok() && (*state)->version() != meta.version) {
     state = absl::DataLossError(absl::StrCat("the state names version ", (*state)->version()));
   }
@@ -32,7 +32,7 @@ void ShardLearning::RecoverPredictor(const PredictorMeta& meta,
         meta.version, shard_->ns(), meta.model_id, state.status().ToString());
   }
   shard_->predictors()->RecoverVersion(meta.version, std::move(state), meta.state_bytes,
-                               meta.tokens_learned);
+                                       meta.tokens_learned);
   shard_->context().tiers->AddSideBytes(meta.state_bytes);
 }
 
@@ -45,7 +45,7 @@ void ShardLearning::ScheduleFreeUnusedPredictors() {
 }
 
 void ShardLearning::QueueLearning(absl::Span<const uint32_t> token_ids,
-                               std::vector<LearnBlock> blocks) {
+                                  std::vector<LearnBlock> blocks) {
   if (shard_->context().learn_queue == nullptr || blocks.empty()) return;
   std::shared_ptr<PredictorRegistry> registry = shard_->predictors();
   const BlockGeometry& g = shard_->model().geometry;
@@ -85,8 +85,8 @@ void ShardLearning::QueueLearning(absl::Span<const uint32_t> token_ids,
 }
 
 bool ShardLearning::Learn(const std::shared_ptr<PredictorRegistry>& registry, uint32_t block_index,
-                       const std::vector<int32_t>& tokens, int32_t previous_token,
-                       const LearnBlock& block) {
+                          const std::vector<int32_t>& tokens, int32_t previous_token,
+                          const LearnBlock& block) {
   const uint32_t first_position = block_index * static_cast<uint32_t>(tokens.size());
   std::vector<uint8_t> decoded;
   absl::Span<const uint8_t> kv(reinterpret_cast<const uint8_t*>(block.kv.data()), block.kv.size());
@@ -118,8 +118,8 @@ bool ShardLearning::Learn(const std::shared_ptr<PredictorRegistry>& registry, ui
   if (!*due || !shard_->context().records->health().ok()) return true;
   absl::StatusOr<std::shared_ptr<const PredictorState>> state = registry->Fit();
   if (!state.ok()) {
-    spdlog::warn("fitting a predictor state of '{}'/'{}': {}", shard_->ns(), shard_->model().model_id,
-                 state.status().ToString());
+    spdlog::warn("fitting a predictor state of '{}'/'{}': {}", shard_->ns(),
+                 shard_->model().model_id, state.status().ToString());
     return true;
   }
   const std::string bytes = (*state)->Serialize();
@@ -144,8 +144,8 @@ bool ShardLearning::Learn(const std::shared_ptr<PredictorRegistry>& registry, ui
   if (s.ok()) shard_->context().tiers->AddSideBytes(bytes.size());
   shard_->context().tiers->Unreserve(bytes.size());
   if (!s.ok()) {
-    spdlog::error("persisting predictor state version {} of '{}'/'{}': {}", meta.version, shard_->ns(),
-                  meta.model_id, s.ToString());
+    spdlog::error("persisting predictor state version {} of '{}'/'{}': {}", meta.version,
+                  shard_->ns(), meta.model_id, s.ToString());
     return true;
   }
   registry->Publish(*std::move(state), bytes.size());
@@ -178,7 +178,8 @@ absl::StatusOr<std::string> ShardLearning::SerializedPredictor(uint32_t version)
     return absl::InvalidArgumentError("version: 0 names no predictor state; versions start at 1");
   }
   if (absl::Status s = shard_->predictors()->Check(version); !s.ok()) return s;
-  absl::StatusOr<std::string> bytes = shard_->context().records->ReadPredictor(shard_->shard_id(), version);
+  absl::StatusOr<std::string> bytes =
+      shard_->context().records->ReadPredictor(shard_->shard_id(), version);
   if (absl::IsNotFound(bytes.status())) {
     return absl::NotFoundError(absl::StrCat("version: predictor state version ", version,
                                             " is not stored (freed meanwhile)"));
