@@ -81,13 +81,13 @@ struct TrieNode {
   bool error_client_reported = false;  // rel_rms_error_* were reported by its encoding client
   // Client-encoded and accepted without a decode (--verify_encoded_puts=structure, or outside
   // the sample): the first Put that would deduplicate onto it decodes it first, and it is dropped
-  // if it does not decode (ModelShard::ApplyPut). In memory only: recovery sets it again on every
+  // if it does not decode (PutEncoder::ApplyPut). In memory only: recovery sets it again on every
   // client-encoded node that is not RAW.
   bool unverified = false;
   // Its prefix was deleted but near-duplicates are coded lossy against it (as their centroid, or
   // the parent of one): kept for them only, matched by no token lookup, never a candidate, never
-  // evicted; removed with its last dependent (ModelShard, "Retained centroids"). Changed only
-  // through BlockTrie::SetRetained.
+  // evicted; removed with its last dependent (trie/cluster_policy.h, "Retained centroids"). Changed
+  // only through BlockTrie::SetRetained.
   bool retained = false;
   // Token lookups stop before it (MatchIds; ModelShard::MatchLive).
   bool hidden() const { return removing || retained; }

@@ -80,8 +80,8 @@ struct NearDupOptions {
   uint32_t ngram_stride = 4;        // a node's windows are indexed every ngram_stride offsets
   uint32_t ngram_max_per_hash = 8;  // entries kept per n-gram hash, oldest (0 = no cap)
   // Delete of a centroid with a lossy member: keep it, unnamed, until its last member goes
-  // (ModelShard, "Retained centroids": the namespace's bytes stay as they were). false: the
-  // members elect a new centroid and every one is stored again bit-exact, lossless (the deleted
+  // (trie/cluster_policy.h, "Retained centroids": the namespace's bytes stay as they were). false:
+  // the members elect a new centroid and every one is stored again bit-exact, lossless (the deleted
   // KV leaves the store at once; +205 % bytes on tests/data/neardup at target 0.1).
   bool retain_lossy_centroids = true;
 };

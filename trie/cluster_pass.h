@@ -8,11 +8,11 @@
 // Every `interval_ms` the pass visits each (namespace, model) shard's dirty near-duplicate
 // groups (ClusterIndex::DirtyGroups: those that gained a node since the pass last settled them;
 // after a restart every group of two or more nodes, so a crashed pass resumes) and, per group,
-// ModelShard::RunClusterPass: elects the centroid (the most probable path, i.e. the lowest path
-// surprisal, then the most hits), moves a lossless cluster to it and codes the other standalone
-// members against it when that is smaller. Each re-encoding keeps the block's exact
-// reconstruction and is published alone (one RecordBatch); a centroid is only re-encoded here,
-// never removed, so a Get listed before a move still decodes.
+// ClusterPolicy::RunClusterPass (trie/cluster_policy.h): elects the centroid (the most probable
+// path, i.e. the lowest path surprisal, then the most hits), moves a lossless cluster to it and
+// codes the other standalone members against it when that is smaller. Each re-encoding keeps the
+// block's exact reconstruction and is published alone (one RecordBatch); a centroid is only
+// re-encoded here, never removed, so a Get listed before a move still decodes.
 //
 // Bounded CPU: at most `blocks_per_round` encodings per round over all shards (a group left
 // unfinished stays dirty for the next round); the thread lowers its own priority (nice 10, per

@@ -13,9 +13,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "trie/cluster_pass.h"
+#include "trie/cluster_policy.h"
 #include "trie/kv_store_testing.h"
 #include "trie/model_shard.h"
 #include "trie/record_store.h"
+#include "trie/shard_learning.h"
 #include "trie/tier_manager.h"
 
 namespace kvtrie {
@@ -141,7 +143,7 @@ absl::Status KvStore::Impl::Open() {
         }
         ++recovery_.predictor_versions;
         if (!state.ok()) ++recovery_.predictor_versions_unreadable;
-        it->second->RecoverPredictor(m, std::move(state));
+        it->second->learning().RecoverPredictor(m, std::move(state));
       });
       !s.ok()) {
     return s;
@@ -167,7 +169,8 @@ absl::Status KvStore::Impl::Open() {
     spdlog::warn("recovery: dropped {} nodes with a missing parent and {} with a bad payload",
                  recovery_.dropped_missing_parent, recovery_.dropped_bad_payload);
   }
-  for (auto& [id, shard] : by_id) shard->FreeUnusedPredictors();  // versions nothing needs
+  for (auto& [id, shard] : by_id)
+    shard->learning().FreeUnusedPredictors();  // versions nothing needs
   // Created even when off (interval 0): tests run its rounds (KvStoreTestPeer::RunClusterPass).
   cluster_pass_ = std::make_unique<ClusterPass>(
       ClusterPass::Options{.interval_ms = options_.cluster_pass_interval_ms,
@@ -406,14 +409,14 @@ absl::StatusOr<std::string> KvStore::GetPredictor(const std::string& ns,
                                                   const std::string& model_id, uint32_t version) {
   ModelShard* shard = impl_->Find(ns, model_id);
   if (shard == nullptr || !shard->committed()) return NoModel(ns, model_id);
-  return shard->SerializedPredictor(version);
+  return shard->learning().SerializedPredictor(version);
 }
 
 absl::StatusOr<std::vector<PredictorVersionView>> KvStore::PredictorVersions(
     const std::string& ns, const std::string& model_id) {
   ModelShard* shard = impl_->Find(ns, model_id);
   if (shard == nullptr || !shard->committed()) return NoModel(ns, model_id);
-  return shard->PredictorVersions();
+  return shard->learning().PredictorVersions();
 }
 
 StoreStats KvStore::Stats(const std::string& ns) { return impl_->StatsOf(ns, true); }
@@ -475,7 +478,8 @@ void KvStoreTestPeer::SetReplaceHook(KvStore* store, std::function<void()> hook)
 
 void KvStoreTestPeer::FreeUnusedPredictors(KvStore* store, const std::string& ns,
                                            const std::string& model_id) {
-  if (ModelShard* shard = store->impl_->Find(ns, model_id)) shard->FreeUnusedPredictors();
+  if (ModelShard* shard = store->impl_->Find(ns, model_id))
+    shard->learning().FreeUnusedPredictors();
 }
 
 absl::StatusOr<uint64_t> KvStoreTestPeer::Evict(KvStore* store, const std::string& ns,
@@ -498,7 +502,7 @@ absl::StatusOr<uint64_t> KvStoreTestPeer::RecodeAgainstCentroid(KvStore* store,
                                                                 uint64_t centroid_id) {
   ModelShard* shard = store->impl_->Find(ns, model_id);
   if (shard == nullptr) return absl::NotFoundError("model_id: no such model");
-  return shard->RecodeAgainstCentroid(node_id, centroid_id);
+  return shard->cluster_policy().RecodeAgainstCentroid(node_id, centroid_id);
 }
 
 }  // namespace kvtrie

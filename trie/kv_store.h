@@ -101,7 +101,7 @@ class KvStore {
   // service's Get pool; null: on the caller's thread). An unknown (namespace, model_id) is a miss:
   // a reader with no blocks and an empty model. The store must outlive the reader.
   // through_retained: list through retained nodes too (the path to a node named by id, as a
-  // member's centroid is: trie/model_shard.h "Retained centroids").
+  // member's centroid is: trie/cluster_policy.h "Retained centroids").
   absl::StatusOr<std::unique_ptr<BlockReader>> NewReader(
       const std::string& ns, const std::string& model_id, absl::Span<const uint32_t> token_ids,
       size_t max_blocks, BlockReader::Mode mode, ThreadPool* pool, bool through_retained = false);
@@ -128,7 +128,7 @@ class KvStore {
 
   // Deletes the node at the end of `token_ids` (block-aligned, stored) and its subtree, after
   // the near-duplicates outside it coded against a centroid inside it re-elected a centroid
-  // among them (each reconstruction bit-exact; ModelShard::ReelectLocked). Returns the nodes
+  // among them (each reconstruction bit-exact; ClusterPolicy::ReelectLocked). Returns the nodes
   // deleted, the payload bytes freed and rewritten (DeleteSummary: the store changed by freed -
   // rewritten) and the centroids re-elected. Gets that started before still read what they listed.
   // Errors: NOT_FOUND naming `token_ids` or `model_id`; INVALID_ARGUMENT if not block-aligned;

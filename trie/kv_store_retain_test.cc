@@ -1,4 +1,4 @@
-// Retained centroids (trie/model_shard.h, "Retained centroids"; issue 20): a Delete of the
+// Retained centroids (trie/cluster_policy.h, "Retained centroids"; issue 20): a Delete of the
 // centroids of lossy near-duplicates keeps them, unnamed, for their members. On the real
 // near-duplicate dumps of tests/data (n0..n3 share a prefix and differ by a word): what stays,
 // what no lookup sees, what survives a restart and a failed write, when they go (their last

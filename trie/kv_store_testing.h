@@ -47,7 +47,7 @@ class KvStoreTestPeer {
   // One round of the background cluster pass now (trie/cluster_pass.h), with the store's
   // StoreOptions::cluster_pass_blocks_per_round, whether or not its thread runs.
   static ClusterPassRound RunClusterPass(KvStore* store);
-  // ModelShard::RecodeAgainstCentroid of (ns, model_id).
+  // ClusterPolicy::RecodeAgainstCentroid of (ns, model_id) (trie/cluster_policy.h).
   static absl::StatusOr<uint64_t> RecodeAgainstCentroid(KvStore* store, const std::string& ns,
                                                         const std::string& model_id,
                                                         uint64_t node_id, uint64_t centroid_id);

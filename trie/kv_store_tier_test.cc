@@ -291,9 +291,20 @@ TEST_F(TierTest, AnExtendOnlyPinNeverShortensAPinAndExtendsAShorterOne) {
   const KvDump& a = dumps_[4];
   ASSERT_TRUE(Put("ns", a).ok());
   int round = 0;
-  auto pressure = [&] {  // Puts that need the whole disk budget, in a fresh namespace
+  // Puts that need the whole disk budget, in a fresh namespace. The budget bounds the data
+  // folder as RocksDB's files measure it, which depends on when its background flushes and
+  // compactions ran: under load a Put may find the folder full (RESOURCE_EXHAUSTED) after it
+  // evicted what it could. The pressure is what this test needs, not each Put's success: any
+  // other error fails, and each round stores something.
+  auto pressure = [&] {
     const std::string ns = "fill" + std::to_string(++round);
-    for (size_t i = 5; i < std::size(kDumps); ++i) ASSERT_TRUE(Put(ns, dumps_[i]).ok());
+    int stored = 0;
+    for (size_t i = 5; i < std::size(kDumps); ++i) {
+      absl::StatusOr<PutSummary> put = Put(ns, dumps_[i]);
+      ASSERT_TRUE(put.ok() || absl::IsResourceExhausted(put.status())) << put.status();
+      stored += put.ok();
+    }
+    EXPECT_GT(stored, 0) << "round " << round << " stored nothing";
   };
   auto pin = [&](uint64_t ttl, bool extend_only) {
     auto id = store_->Pin("ns", a.model_id, a.token_ids, ttl, false, extend_only);

@@ -9,7 +9,10 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "trie/cluster_policy.h"
+#include "trie/put_encoder.h"
 #include "trie/put_session.h"
+#include "trie/shard_learning.h"
 
 namespace kvtrie {
 // Field-by-field comparison so the error names the field that differs.
@@ -89,8 +92,13 @@ ModelShard::ModelShard(ShardContext* context, std::string ns, ModelInfo model, u
       trie_(
           std::make_unique<BlockTrie>(model_.geometry.block_tokens, context->options->token_hash)),
       clusters_(context->options->near_dup),
-      predictors_(std::make_shared<PredictorRegistry>(model_.geometry, context->options->predictors,
-                                                      PredictorLoader())) {}
+      predictors_(std::make_shared<PredictorRegistry>(
+          model_.geometry, context->options->predictors,
+          PersistedPredictorLoader(context->records, shard_id))),
+      retired_(std::make_shared<RetiredReferences>()),
+      learning_(std::make_unique<ShardLearning>(this)),
+      put_encoder_(std::make_unique<PutEncoder>(this)),
+      cluster_policy_(std::make_unique<ClusterPolicy>(this)) {}
 
 bool ModelShard::committed() const {
   absl::MutexLock lock(&mu_);
@@ -101,6 +109,8 @@ ModelInfo ModelShard::model() const {
   absl::MutexLock lock(&mu_);
   return model_;
 }
+
+ModelShard::~ModelShard() = default;
 
 absl::Status ModelShard::CheckModel(const ModelInfo& request) const {
   absl::MutexLock lock(&mu_);
@@ -349,8 +359,79 @@ GetResult ModelShard::Get(absl::Span<const uint32_t> token_ids, size_t max_block
           ListLocked(*n, result.blocks.empty() ? nullptr : &result.blocks.back(), &snapshot));
     }
   }
-  if (registry->TakeFreeHint()) ScheduleFreeUnusedPredictors();  // left by an earlier reader
+  if (registry->TakeFreeHint())
+    learning_->ScheduleFreeUnusedPredictors();  // left by an earlier reader
   return result;
+}
+
+std::shared_ptr<PredictorRegistry> ModelShard::predictors() const {
+  absl::MutexLock lock(&mu_);
+  return predictors_;
+}
+
+BlockRead ModelShard::ListLocked(const TrieNode& n, const BlockRead* previous,
+                                 std::shared_ptr<const ReadSnapshot>* snapshot) {
+  BlockRead r;
+  r.node_id = n.id;
+  r.encoded = context_->tiers->HotCopy(Ref(n.id));
+  r.encoding = n.encoding;
+  r.reference_node_id = n.reference_node_id;
+  if (n.reference_node_id != 0) r.retired = retired_;
+  if (!r.encoded) {
+    if (!*snapshot) *snapshot = context_->records->Snapshot();
+    r.snapshot = *snapshot;
+  }
+  r.predictor_version = n.predictor_version;
+  if (previous != nullptr && previous->predictor_version == r.predictor_version) {
+    r.predictor_hold = previous->predictor_hold;
+  } else {
+    r.predictor_hold = predictors_->Hold(r.predictor_version);  // under mu_: no gap
+  }
+  r.tokens.assign(n.token_ids.begin(), n.token_ids.end());
+  r.first_position = n.depth == 0 ? 0 : (n.depth - 1) * model_.geometry.block_tokens;
+  r.previous_token = n.parent != nullptr && !n.parent->token_ids.empty()
+                         ? static_cast<int32_t>(n.parent->token_ids.back())
+                         : -1;
+  return r;
+}
+
+absl::Status ModelShard::DecodeNext(const BlockRead& block, const std::string& payload,
+                                    DecodeChain* chain, absl::Span<uint8_t> out,
+                                    bool* undecodable) {
+  *undecodable = false;
+  std::shared_ptr<const PredictorState> learned;
+  if (block.predictor_version != 0) {
+    absl::StatusOr<std::shared_ptr<const PredictorState>> state =
+        predictors()->Find(block.predictor_version);
+    if (absl::IsNotFound(state.status())) {  // not kept: a bug (a read holds what it names)
+      return absl::NotFoundError(absl::StrCat("its learned predictor state version ",
+                                              block.predictor_version, " is not kept"));
+    }
+    if (absl::IsDataLoss(state.status())) {  // failed its own check: dropped as a state
+      return absl::DataLossError(absl::StrCat("its learned predictor state is unreadable: ",
+                                              state.status().message(), "; the node is kept"));
+    }
+    if (!state.ok()) return state.status();
+    learned = *std::move(state);
+  }
+  if (chain->first_position() != block.first_position ||
+      chain->previous_token() != block.previous_token) {
+    // The caller decodes a path from the middle (or skipped blocks): the chain follows the store.
+    const std::vector<uint8_t> parent(chain->parent().begin(), chain->parent().end());
+    chain->StartAt(block.first_position, block.previous_token, parent);
+  }
+  chain->AddPredictor(std::move(learned));
+  // ReadPayloadInternal's bytes are verified: a hot copy was checked when it was made (encoded
+  // here, or parsed when read from disk), a cold one was just parsed. So a DATA_LOSS here is not
+  // of the bytes: they do not decode in this context.
+  absl::Status s =
+      chain->Next(payload, block.reference_node_id, out, block.tokens, /*verified=*/true);
+  if (absl::IsDataLoss(s)) {
+    *undecodable = true;
+    return absl::InternalError(
+        absl::StrCat("it passes its checksum but does not decode: ", s.message()));
+  }
+  return s;
 }
 
 absl::Status ModelShard::ReadPayloadInternal(const BlockRead& block,
@@ -570,6 +651,16 @@ absl::StatusOr<std::vector<uint32_t>> ModelShard::PathTokens(uint64_t node_id) {
               tokens.begin() + static_cast<ptrdiff_t>((n->depth - 1) * bt));
   }
   return tokens;
+}
+
+void ModelShard::ClusterViewLocked(const TrieNode& node, NodeView* view) {
+  view->reference_node_id = node.reference_node_id;
+  view->dependents = static_cast<uint32_t>(clusters_.NumDependents(node.id));
+  if (node.reference_node_id != 0) {
+    if (const TrieNode* c = trie_->Find(node.reference_node_id)) {
+      view->distance_to_reference_bits = TrieDistanceBits(&node, c);
+    }
+  }
 }
 
 absl::StatusOr<InspectResult> ModelShard::Inspect(uint64_t node_id) {

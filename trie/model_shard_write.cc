@@ -9,7 +9,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "trie/cluster_policy.h"
 #include "trie/model_shard.h"
+#include "trie/shard_learning.h"
 
 namespace kvtrie {
 
@@ -29,7 +31,7 @@ void ModelShard::RemoveLocked(const std::vector<TrieNode*>& roots, DropReason re
     for (TrieNode* n : SubtreeLocked(root)) {
       clusters_.Remove(*n);  // near-duplicate index and dependency edges
       if (n->retained) retained_ids_.erase(n->id);
-      recheck_.erase(n->id);
+      cluster_policy_->ForgetLocked(n->id);
       predictors_->AddDependent(n->predictor_version, -1);
       context_->tiers->Remove(Ref(n->id));
       CountNodeLocked(*n, -1);
@@ -95,138 +97,8 @@ absl::Status ModelShard::RemoveSubtrees(const std::vector<uint64_t>& roots, Drop
     }
     RemoveLocked(marked_roots, reason);
   }
-  FreeUnusedPredictors();  // a version whose last dependent just went
+  learning_->FreeUnusedPredictors();  // a version whose last dependent just went
   return absl::OkStatus();
-}
-
-absl::Status ModelShard::RemoveRetainingLocked(uint64_t root_id,
-                                               const absl::flat_hash_set<uint64_t>& retain,
-                                               DeleteSummary* summary) {
-  RecordBatch batch(context_->records);
-  std::vector<TrieNode*> kept, marked, roots;
-  uint64_t bytes = 0;
-  {
-    absl::MutexLock lock(&mu_);
-    TrieNode* root = FindLive(root_id);
-    if (root == nullptr) return absl::OkStatus();
-    const std::vector<TrieNode*> subtree = SubtreeLocked(root);
-    const absl::flat_hash_set<const TrieNode*> inside(subtree.begin(), subtree.end());
-    // The retained centroids, their ancestors up to the root (a block's parent predicts it), and
-    // what a kept block is itself coded against inside the subtree, with its ancestors.
-    absl::flat_hash_set<const TrieNode*> keep;
-    std::vector<TrieNode*> work;
-    for (uint64_t id : retain) work.push_back(FindLive(id));
-    while (!work.empty()) {
-      TrieNode* n = work.back();
-      work.pop_back();
-      for (; n != nullptr && inside.contains(n) && keep.insert(n).second; n = n->parent) {
-        if (TrieNode* r = n->reference_node_id ? FindLive(n->reference_node_id) : nullptr) {
-          work.push_back(r);
-        }
-      }
-    }
-    // Nothing that goes may have a dependent that stays, here or outside.
-    for (TrieNode* n : subtree) {
-      if (keep.contains(n)) continue;
-      for (uint64_t d : clusters_.Dependents(n->id)) {
-        const TrieNode* m = trie_->Find(d);
-        if (m != nullptr && (!inside.contains(m) || keep.contains(m))) {
-          return absl::InternalError(absl::StrCat(
-              "token_ids: node ", d, " is still coded against node ", n->id, " of this prefix"));
-        }
-      }
-    }
-    for (TrieNode* n : subtree) {
-      if (keep.contains(n)) {
-        if (n->retained) continue;  // kept already (an earlier Delete)
-        NodeMeta m = MetaOf(*n);
-        m.retained = true;
-        batch.PutNode(shard_id_, n->id, m, nullptr);
-        trie_->SetRetained(n, true);  // readers stop here from now on
-        kept.push_back(n);
-        continue;
-      }
-      if (n->removing) continue;
-      if (n == root || keep.contains(n->parent)) roots.push_back(n);
-      trie_->SetRemoving(n, true);
-      marked.push_back(n);
-      batch.DeleteNode(shard_id_, n->id);
-      bytes += n->bytes_stored;
-    }
-    for (TrieNode* n : marked) context_->tiers->SetEvictable(Ref(n->id), false);
-    for (TrieNode* n : kept) context_->tiers->SetEvictable(Ref(n->id), false);
-  }
-  if (marked.empty() && kept.empty()) return absl::OkStatus();
-  absl::Status s = context_->records->Write(batch);
-  {
-    absl::MutexLock lock(&mu_);
-    if (!s.ok()) {  // nothing changed in memory: it agrees with the disk
-      for (TrieNode* n : marked) trie_->SetRemoving(n, false);
-      for (TrieNode* n : kept) trie_->SetRetained(n, false);
-      for (TrieNode* n : marked) UpdateEvictableLocked(n);
-      for (TrieNode* n : kept) UpdateEvictableLocked(n);
-      return s;
-    }
-    for (TrieNode* n : kept) retained_ids_.insert(n->id);
-    RemoveLocked(roots, DropReason::kDeleted);
-  }
-  FreeUnusedPredictors();
-  summary->nodes_deleted += marked.size();
-  summary->bytes_freed += bytes;
-  summary->nodes_retained += kept.size();
-  return absl::OkStatus();
-}
-
-void ModelShard::SweepRetainedLocked() {
-  for (;;) {  // leaves first, then the parents they leave childless
-    std::vector<uint64_t> unused;
-    {
-      absl::MutexLock lock(&mu_);
-      for (uint64_t id : retained_ids_) {
-        const TrieNode* n = trie_->Find(id);
-        if (n != nullptr && n->children.empty() && !clusters_.HasDependents(id)) {
-          unused.push_back(id);
-        }
-      }
-    }
-    if (unused.empty()) return;
-    if (absl::Status s = RemoveSubtrees(unused, DropReason::kDeleted, nullptr, nullptr); !s.ok()) {
-      spdlog::error("removing {} retained centroids of '{}'/'{}' no block needs: {}", unused.size(),
-                    ns_, model_.model_id, s.ToString());
-      return;
-    }
-  }
-}
-
-absl::StatusOr<bool> ModelShard::ReviveRetainedLocked(uint64_t parent_id,
-                                                      absl::Span<const uint32_t> token_ids,
-                                                      uint32_t first_block) {
-  RecordBatch batch(context_->records);
-  std::vector<TrieNode*> revived;
-  {
-    absl::MutexLock lock(&mu_);
-    if (retained_ids_.empty() || !committed_) return false;
-    const size_t bt = trie_->block_tokens();
-    TrieNode* at = FindVisible(parent_id);
-    for (size_t b = first_block; at != nullptr && (b + 1) * bt <= token_ids.size(); ++b) {
-      at = trie_->FindChild(at, token_ids.subspan(b * bt, bt));
-      if (at == nullptr || !at->retained || at->removing) break;
-      NodeMeta m = MetaOf(*at);
-      m.retained = false;
-      batch.PutNode(shard_id_, at->id, m, nullptr);
-      revived.push_back(at);
-    }
-  }
-  if (revived.empty()) return false;
-  if (auto s = context_->records->Write(batch); !s.ok()) return s;
-  absl::MutexLock lock(&mu_);
-  for (TrieNode* n : revived) {  // write_mu_: still there
-    trie_->SetRetained(n, false);
-    retained_ids_.erase(n->id);
-  }
-  for (TrieNode* n : revived) UpdateEvictableLocked(n);
-  UpdateEvictableLocked(revived.front()->parent);
-  return true;
 }
 
 void ModelShard::DropCorruptLocked(const std::vector<Corrupt>& corrupt) {
@@ -301,7 +173,7 @@ absl::StatusOr<std::vector<uint64_t>> ModelShard::Commit(const ModelInfo& model,
       // Put matches it as stored.
       lock.Release();
       absl::StatusOr<bool> revived =
-          ReviveRetainedLocked(parent_id, token_ids, blocks.front().block_index);
+          cluster_policy_->ReviveRetainedLocked(parent_id, token_ids, blocks.front().block_index);
       if (!revived.ok()) return revived.status();
       return absl::AbortedError("a deleted block kept as a centroid was revived");
     }
@@ -345,7 +217,8 @@ absl::StatusOr<std::vector<uint64_t>> ModelShard::Commit(const ModelInfo& model,
       trie_ = std::make_unique<BlockTrie>(bt, context_->options->token_hash);
       clusters_ = ClusterIndex();
       predictors_ = std::make_shared<PredictorRegistry>(
-          model.geometry, context_->options->predictors, PredictorLoader());
+          model.geometry, context_->options->predictors,
+          PersistedPredictorLoader(context_->records, shard_id_));
     }
     model_ = model;
     committed_ = true;
@@ -359,6 +232,48 @@ absl::StatusOr<std::vector<uint64_t>> ModelShard::Commit(const ModelInfo& model,
     predictors_->AddBytesSaved(metas[i].predictor_version, e->learned_bytes_saved);
   }
   return ids;
+}
+
+absl::Status ModelShard::ReplaceEncodingLocked(uint64_t node_id, const EncodedBlock& encoded,
+                                               Encoding encoding, uint64_t reference_node_id,
+                                               uint64_t* replaced_bytes) {
+  *replaced_bytes = 0;
+  RecordBatch batch(context_->records);
+  {
+    absl::MutexLock lock(&mu_);
+    TrieNode* n = FindLive(node_id);
+    if (n == nullptr) return absl::OkStatus();  // deleted meanwhile
+    NodeMeta m = MetaOf(*n);
+    m.encoding = encoding;
+    m.bytes_stored = encoded.bytes.size();
+    m.rel_rms_error_k = n->rel_rms_error_k;
+    m.rel_rms_error_v = n->rel_rms_error_v;
+    m.reference_node_id = reference_node_id;
+    m.predictor_version = 0;  // re-encoded bit-exact, with no learned state
+    batch.PutNode(shard_id_, node_id, m, &encoded.bytes);
+  }
+  // The disk budget may be passed by the growth of a re-encoded block until the Delete that
+  // asked for it frees its subtree (and the background pass evicts).
+  if (auto s = context_->records->Write(batch); !s.ok()) return s;
+  if (context_->replace_hook_for_test) context_->replace_hook_for_test();
+  absl::MutexLock lock(&mu_);
+  TrieNode* n = trie_->Find(node_id);  // write_mu_: still there
+  const uint64_t old_centroid = n->reference_node_id;
+  *replaced_bytes = n->bytes_stored;
+  clusters_.Remove(*n);
+  CountNodeLocked(*n, -1);
+  n->bytes_stored = encoded.bytes.size();
+  n->encoding = encoding;
+  n->reference_node_id = reference_node_id;
+  predictors_->AddDependent(n->predictor_version, -1);
+  n->predictor_version = 0;
+  CountNodeLocked(*n, +1);
+  clusters_.Add(*n);
+  // Hot copy swapped (making room like a Put: the memory bound holds); disk bytes follow.
+  context_->tiers->Replace(Ref(node_id), std::make_shared<const std::string>(encoded.bytes));
+  UpdateEvictableLocked(FindLive(old_centroid));
+  UpdateEvictableLocked(FindLive(reference_node_id));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<DeleteSummary> ModelShard::Delete(absl::Span<const uint32_t> token_ids, bool erase) {
@@ -382,20 +297,20 @@ absl::StatusOr<DeleteSummary> ModelShard::Delete(absl::Span<const uint32_t> toke
     id = path.back()->id;
   }
   // Reads listed before keep what they may need of the centroids that go (RetiredReferences).
-  auto new_epoch = absl::MakeCleanup([this, retired = RetireReferencesLocked(id)] {
+  auto new_epoch = absl::MakeCleanup([this, retired = cluster_policy_->RetireReferencesLocked(id)] {
     if (!retired) return;  // else the retired blocks go with the last read listed before
     absl::MutexLock lock(&mu_);
     retired_ = std::make_shared<RetiredReferences>();
   });
   // Near-duplicates coded against a node of the subtree are re-encoded first. Only writers add
   // dependents, and write_mu_ keeps them out until the subtree is gone.
-  // Those with a lossy member stay, retained, for them ("Retained centroids", model_shard.h),
-  // unless the Delete erases.
+  // Those with a lossy member stay, retained, for them ("Retained centroids",
+  // trie/cluster_policy.h), unless the Delete erases.
   DeleteSummary summary;
   absl::flat_hash_set<uint64_t> retain;
   const bool may_retain = context_->options->near_dup.retain_lossy_centroids;
-  if (auto s = ReleaseDependentsLocked({id}, &summary, may_retain && !erase ? &retain : nullptr,
-                                       may_retain && erase);
+  if (auto s = cluster_policy_->ReleaseDependentsLocked(
+          {id}, &summary, may_retain && !erase ? &retain : nullptr, may_retain && erase);
       !s.ok()) {
     return s;
   }
@@ -406,9 +321,9 @@ absl::StatusOr<DeleteSummary> ModelShard::Delete(absl::Span<const uint32_t> toke
     if (n == nullptr) return absl::NotFoundError("token_ids: deleted concurrently");
   }
   // Checks that nothing outside is still coded against a block that goes (else INTERNAL).
-  if (auto s = RemoveRetainingLocked(id, retain, &summary); !s.ok()) return s;
+  if (auto s = cluster_policy_->RemoveRetainingLocked(id, retain, &summary); !s.ok()) return s;
   deletes_.fetch_add(1, std::memory_order_relaxed);
-  SweepRetainedLocked();  // retained centroids whose last member this prefix held
+  cluster_policy_->SweepRetainedLocked();  // retained centroids whose last member this prefix held
   return summary;
 }
 
@@ -471,12 +386,12 @@ absl::StatusOr<uint64_t> ModelShard::Evict(const std::vector<uint64_t>& ids) {
   uint64_t grown = 0;
   for (uint64_t id : victims) {
     if (!HasDependents(id)) continue;
-    retired |= RetireReferencesLocked(id);
+    retired |= cluster_policy_->RetireReferencesLocked(id);
     centroids = true;
   }
   if (centroids) {
     DeleteSummary summary;
-    absl::Status s = ReleaseDependentsLocked(victims, &summary);
+    absl::Status s = cluster_policy_->ReleaseDependentsLocked(victims, &summary);
     if (summary.bytes_rewritten > summary.bytes_freed) {
       grown += summary.bytes_rewritten - summary.bytes_freed;
     }
@@ -504,8 +419,8 @@ absl::StatusOr<uint64_t> ModelShard::Evict(const std::vector<uint64_t>& ids) {
   }
   uint64_t bytes = 0;
   if (auto s = RemoveSubtrees(victims, DropReason::kDisk, nullptr, &bytes); !s.ok()) return s;
-  SweepRetainedLocked();                  // a retained centroid whose last member was a victim
-  return bytes - std::min(bytes, grown);  // net of the members' growth
+  cluster_policy_->SweepRetainedLocked();  // a retained centroid whose last member was a victim
+  return bytes - std::min(bytes, grown);   // net of the members' growth
 }
 
 void ModelShard::CountPut(uint64_t stored, uint64_t deduplicated, uint64_t touched_node) {

@@ -98,8 +98,8 @@ class PredictorRegistry : public std::enable_shared_from_this<PredictorRegistry>
   // and the hold. REQUIRES: this registry is owned by a shared_ptr.
   std::shared_ptr<const void> Hold(uint32_t version);
   // True once since a released hold left a version that nothing needs any more: the shard's next
-  // Get then frees it on the LearnQueue (ModelShard::FreeUnusedPredictors; a Delete, an eviction,
-  // a refit or a restart frees it too).
+  // Get then frees it on the LearnQueue (ShardLearning::FreeUnusedPredictors; a Delete, an
+  // eviction, a refit or a restart frees it too).
   bool TakeFreeHint() { return free_hint_.exchange(false, std::memory_order_acq_rel); }
 
   // --- Decoding ---

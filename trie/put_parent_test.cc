@@ -1,7 +1,8 @@
-// The Put plan's parent (trie/model_shard.h ApplyPut, StoreOptions::put_parent_cache_bytes): a
-// compact-profile Put that continues the previous one predicts from the reconstruction that Put
-// kept, reading nothing from RocksDB, and stores exactly the bytes it stores when the parent is
-// decoded from its path on disk. Real RocksDB, real KV (tests/data).
+// The Put plan's parent (trie/put_encoder.h PutEncoder::ApplyPut,
+// StoreOptions::put_parent_cache_bytes): a compact-profile Put that continues the previous one
+// predicts from the reconstruction that Put kept, reading nothing from RocksDB, and stores exactly
+// the bytes it stores when the parent is decoded from its path on disk. Real RocksDB, real KV
+// (tests/data).
 #include <filesystem>
 #include <memory>
 #include <string>

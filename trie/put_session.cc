@@ -19,6 +19,7 @@
 #include "codec/decode_chain.h"
 #include "trie/error_reason.h"
 #include "trie/model_shard.h"
+#include "trie/put_encoder.h"
 
 namespace kvtrie {
 namespace {
@@ -339,7 +340,7 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
   }
   // One plan for the shard: it matches, encodes what is left, commits, counts and queues
   // learning in one call.
-  ModelShard::PutPlan plan;
+  PutPlan plan;
   plan.model = &model_;
   plan.token_ids = token_ids_;
   plan.surprisal_bits = surprisal_bits_;
@@ -347,14 +348,14 @@ absl::StatusOr<PutSummary> PutSession::Finish() {
   plan.early = early_;
   plan.client_versions = &client_versions_;
   for (auto& [index, p] : pending_) {
-    ModelShard::PlanBlock& b = plan.blocks[index];
+    PlanBlock& b = plan.blocks[index];
     b.kv = &p.kv;
     b.encoded = p.encoded.get();
     b.client_encoded = p.client_encoded;
     b.client_encoding = p.client_encoding;
     b.client_decoded = p.client_decoded;
   }
-  return shard_->ApplyPut(plan);
+  return shard_->put_encoder().ApplyPut(plan);
 }
 
 }  // namespace kvtrie

@@ -78,7 +78,7 @@ class PutSession {
   // The largest rel RMS error a client may report: 4 is already four times the signal (issue 30).
   static constexpr double kMaxClientRelRmsError = 4.0;
 
-  // Ends the stream: hands the shard one plan (ModelShard::ApplyPut: its blocks, dense or
+  // Ends the stream: hands the shard one plan (PutEncoder::ApplyPut: its blocks, dense or
   // encoded, and their context), which encodes what is left and commits every new block. Errors:
   // INVALID_ARGUMENT if a block is incomplete (`kv: block 3 is missing layers [2, 5)`) or a full
   // block of token_ids is neither stored nor sent (`kv: ... never sent`); ABORTED if the prefix
