@@ -307,7 +307,13 @@ absl::StatusOr<std::unique_ptr<RecordStore>> RecordStore::Open(const Options& op
     for (it->SeekToFirst(); it->Valid(); it->Next()) {
       if (DecodeValuePointer(it->value().ToString(), &p)) store->vlog_->AddLive(p);
     }
-    if (!it->status().ok()) return FromRocks(it->status(), "payloads (value log accounting)");
+    if (!it->status().ok()) {
+      // The pointers cannot all be read (a corrupt payloads SST): live bytes are unknown, so no
+      // segment is deleted or collected until a restart reads them all. Reads refuse by name.
+      store->vlog_accounting_ = FromRocks(it->status(), "payloads (value log accounting)");
+      spdlog::error("value log GC off until restart: {}", store->vlog_accounting_.ToString());
+      return store;
+    }
   }
   for (const ValueLog::SegmentInfo& seg : store->vlog_->Segments()) {
     if (seg.live == 0) store->vlog_->MarkObsolete(seg.number, 0);
@@ -625,6 +631,7 @@ absl::Status RecordStore::Compact() {
 
 absl::Status RecordStore::CollectValueLog(double max_live_ratio, bool roll) {
   if (absl::Status h = health(); !h.ok()) return h;
+  if (!vlog_accounting_.ok()) return vlog_accounting_;
   absl::MutexLock one(&collect_mu_);
   if (roll) {
     if (absl::Status s = vlog_->Roll(); !s.ok()) return s;

@@ -277,6 +277,7 @@ class RecordStore {
   const Options options_;
   std::unique_ptr<ValueLog> vlog_;
   std::shared_ptr<rocksdb::EventListener> flush_listener_;
+  absl::Status vlog_accounting_;  // not OK: live bytes unknown, value-log GC off
   std::unique_ptr<rocksdb::DB> db_;
   rocksdb::ColumnFamilyHandle* cf_models_ = nullptr;
   rocksdb::ColumnFamilyHandle* cf_nodes_ = nullptr;

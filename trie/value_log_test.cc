@@ -53,7 +53,10 @@ std::vector<std::filesystem::path> Segments(const std::filesystem::path& dir) {
 
 class ValueLogTest : public testing::Test {
  protected:
-  void SetUp() override { dir_ = testing_store::FreshTestDir("value_log_test"); }
+  void SetUp() override {
+    dir_ = testing_store::FreshTestDir("value_log_test");
+    std::filesystem::create_directories(dir_);
+  }
   void TearDown() override {
     log_.reset();
     std::filesystem::remove_all(dir_);
