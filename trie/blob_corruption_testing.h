@@ -2,8 +2,8 @@
 //
 // Flips one bit in the middle of `payload` wherever it appears in the RocksDB blob files or the
 // value log segments under `dir` (payloads live there uncompressed: predictor states in BlobDB,
-// block payloads in the value log, or in BlobDB in folders of an older kvtrie). The store must be closed. Returns how many blob
-// files were changed (1 when the payload is stored once).
+// block payloads in the value log, or in BlobDB in folders of an older kvtrie). The store must be
+// closed. Returns how many blob files were changed (1 when the payload is stored once).
 #ifndef KVTRIE_TRIE_BLOB_CORRUPTION_TESTING_H_
 #define KVTRIE_TRIE_BLOB_CORRUPTION_TESTING_H_
 

@@ -31,7 +31,7 @@ class FaultFs : public rocksdb::FileSystemWrapper {
   std::atomic<bool> fail_blob_read{false};  // blob files and value log segments
   std::atomic<bool> fail_segment_delete{false};
   std::atomic<bool> tear_segment_append{false};  // writes half of an append, then fails
-  std::atomic<int> faults{0};  // operations failed so far
+  std::atomic<int> faults{0};                    // operations failed so far
 
   FaultFs() : FileSystemWrapper(rocksdb::FileSystem::Default()) {}
   const char* Name() const override { return "FaultFs"; }

@@ -527,8 +527,8 @@ absl::StatusOr<std::string> RecordStore::ReadPayload(uint64_t shard_id, uint64_t
     // pointer was read: read the pointer again. (A snapshot holds its segments.)
     if (absl::IsNotFound(bytes.status()) && ro.snapshot == nullptr && attempt < 3) continue;
     if (!bytes.ok()) {
-      return absl::Status(bytes.status().code(), absl::StrCat("the payload of node ", node_id,
-                                                              ": ", bytes.status().message()));
+      return absl::Status(bytes.status().code(), absl::StrCat("the payload of node ", node_id, ": ",
+                                                              bytes.status().message()));
     }
     return bytes;
   }
@@ -645,7 +645,8 @@ absl::Status RecordStore::CollectValueLog(double max_live_ratio, bool roll) {
     std::string value;
     ValuePointer current;
     absl::Status scan = vlog_->Scan(seg.number, [&](absl::string_view key, const ValuePointer& p) {
-      rocksdb::Status g = db_->Get(rocksdb::ReadOptions(), cf_payloads_, rocksdb::Slice(key.data(), key.size()), &value);
+      rocksdb::Status g = db_->Get(rocksdb::ReadOptions(), cf_payloads_,
+                                   rocksdb::Slice(key.data(), key.size()), &value);
       if (g.ok() && DecodeValuePointer(value, &current) && current == p) {
         live.emplace_back(std::string(key), p);
       }

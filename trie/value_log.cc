@@ -43,8 +43,8 @@ bool HeaderOk(const char* header) {
 }
 
 // Reads exactly n bytes at offset into dst.
-rocksdb::Status ReadExact(const rocksdb::RandomAccessFile& f, uint64_t offset, size_t n,
-                          char* dst, bool* short_read) {
+rocksdb::Status ReadExact(const rocksdb::RandomAccessFile& f, uint64_t offset, size_t n, char* dst,
+                          bool* short_read) {
   rocksdb::Slice got;
   rocksdb::Status s = f.Read(offset, n, &got, dst);
   if (!s.ok()) return s;
@@ -169,7 +169,8 @@ absl::Status ValueLog::Append(absl::Span<const Entry> entries, std::vector<Value
     const char* h = &headers[i * (kHeaderBytes + kTrailerBytes)];
     const absl::string_view payload = entries[i].payload;
     s = active_->Append(rocksdb::Slice(h, kHeaderBytes));
-    if (s.ok() && !payload.empty()) s = active_->Append(rocksdb::Slice(payload.data(), payload.size()));
+    if (s.ok() && !payload.empty())
+      s = active_->Append(rocksdb::Slice(payload.data(), payload.size()));
     if (s.ok()) s = active_->Append(rocksdb::Slice(h + kHeaderBytes, kTrailerBytes));
     if (!s.ok()) break;
     out->push_back(ValuePointer{active_number_, offset, payload.size(), crcs[i]});
@@ -200,8 +201,8 @@ absl::StatusOr<std::shared_ptr<rocksdb::RandomAccessFile>> ValueLog::ReaderOf(ui
   }
   if (!it->second.reader) {
     std::unique_ptr<rocksdb::RandomAccessFile> f;
-    rocksdb::Status s = options_.env->NewRandomAccessFile(SegmentPath(number), &f,
-                                                          rocksdb::EnvOptions());
+    rocksdb::Status s =
+        options_.env->NewRandomAccessFile(SegmentPath(number), &f, rocksdb::EnvOptions());
     if (s.IsPathNotFound()) {
       return absl::NotFoundError(absl::StrCat("value log segment ", number, " is missing"));
     }
@@ -250,8 +251,8 @@ absl::Status ValueLog::Roll() {
   return SealActiveLocked();
 }
 
-absl::Status ValueLog::Scan(
-    uint32_t segment, const std::function<void(absl::string_view, const ValuePointer&)>& fn) {
+absl::Status ValueLog::Scan(uint32_t segment,
+                            const std::function<void(absl::string_view, const ValuePointer&)>& fn) {
   uint64_t size = 0;
   {
     absl::MutexLock lock(&mu_);

@@ -117,8 +117,8 @@ TEST_F(ValueLogTest, AGroupIsAppendedInOrderAndReadsBackBitExact) {
   ASSERT_NO_FATAL_FAILURE(Open());  // sealed at close
   const auto segs = Segments(dir_);
   ASSERT_EQ(segs.size(), 1u);
-  EXPECT_EQ(FileSize(segs[0]), ValueLog::RecordBytes(1000) + ValueLog::RecordBytes(0) +
-                                   ValueLog::RecordBytes(70000));
+  EXPECT_EQ(FileSize(segs[0]),
+            ValueLog::RecordBytes(1000) + ValueLog::RecordBytes(0) + ValueLog::RecordBytes(70000));
 }
 
 TEST_F(ValueLogTest, ATornTailReadsAsDataLossAndScanStopsBeforeIt) {
@@ -134,9 +134,9 @@ TEST_F(ValueLogTest, ATornTailReadsAsDataLossAndScanStopsBeforeIt) {
   std::filesystem::resize_file(segs[0], p[2].offset + ValueLog::kHeaderBytes + 100);
   ASSERT_NO_FATAL_FAILURE(Open());
   std::vector<std::string> scanned;
-  ASSERT_TRUE(log_->Scan(1, [&](absl::string_view key, const ValuePointer& q) {
-                    scanned.emplace_back(key);
-                  }).ok());
+  ASSERT_TRUE(log_->Scan(1, [&](absl::string_view key,
+                                const ValuePointer& q) { scanned.emplace_back(key); })
+                  .ok());
   EXPECT_EQ(scanned, std::vector<std::string>(keys.begin(), keys.begin() + 2));
   EXPECT_EQ(*log_->Read(keys[1], p[1]), payloads[1]);
   auto torn = log_->Read(keys[2], p[2]);
