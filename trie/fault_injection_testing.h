@@ -2,10 +2,12 @@
 //
 // FaultFs wraps the real (POSIX) file system and, while a fault is set, makes the chosen
 // operations fail: appends to or syncs of the WAL (`*.log`), appends to any file with ENOSPC,
-// reads of blob files (`*.blob`). Crash() simulates a power loss as LevelDB's
-// fault_injection_test does: from then on every write and sync fails (so nothing more reaches
-// the disk), and DropUnsyncedWal() — call it once the store is closed — truncates every WAL file
-// to what had been synced. Use it through Env(), passed as StoreOptions::env.
+// reads of payload files (BlobDB's `*.blob`, the value log's `*.seg`), deletes of value log
+// segments, and a torn append to a segment (half of the bytes written, then an error). Crash()
+// simulates a power loss as LevelDB's fault_injection_test does: from then on every write and
+// sync fails (so nothing more reaches the disk), and DropUnsyncedWal() — call it once the store
+// is closed — truncates every WAL file and value log segment to what had been synced. Use it
+// through Env(), passed as StoreOptions::env.
 #ifndef KVTRIE_TRIE_FAULT_INJECTION_TESTING_H_
 #define KVTRIE_TRIE_FAULT_INJECTION_TESTING_H_
 
@@ -26,8 +28,10 @@ class FaultFs : public rocksdb::FileSystemWrapper {
   std::atomic<bool> fail_wal_append{false};
   std::atomic<bool> fail_wal_sync{false};
   std::atomic<bool> no_space{false};
-  std::atomic<bool> fail_blob_read{false};
-  std::atomic<int> faults{0};  // operations failed so far
+  std::atomic<bool> fail_blob_read{false};  // blob files and value log segments
+  std::atomic<bool> fail_segment_delete{false};
+  std::atomic<bool> tear_segment_append{false};  // writes half of an append, then fails
+  std::atomic<int> faults{0};                    // operations failed so far
 
   FaultFs() : FileSystemWrapper(rocksdb::FileSystem::Default()) {}
   const char* Name() const override { return "FaultFs"; }
@@ -38,7 +42,7 @@ class FaultFs : public rocksdb::FileSystemWrapper {
   }
 
   void Crash() { crashed_ = true; }
-  // Truncates each WAL file to its synced length. REQUIRES: the store is closed.
+  // Truncates each WAL file and segment to its synced length. REQUIRES: the store is closed.
   void DropUnsyncedWal() {
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& [name, synced] : synced_) {
@@ -60,8 +64,13 @@ class FaultFs : public rocksdb::FileSystemWrapper {
                                         std::unique_ptr<rocksdb::FSRandomAccessFile>* r,
                                         rocksdb::IODebugContext* dbg) override {
     rocksdb::IOStatus s = target()->NewRandomAccessFile(f, o, r, dbg);
-    if (s.ok() && IsBlob(f)) r->reset(new Reader(this, std::move(*r)));
+    if (s.ok() && (IsBlob(f) || IsSegment(f))) r->reset(new Reader(this, std::move(*r)));
     return s;
+  }
+  rocksdb::IOStatus DeleteFile(const std::string& f, const rocksdb::IOOptions& o,
+                               rocksdb::IODebugContext* dbg) override {
+    if (IsSegment(f) && fail_segment_delete) return Injected();
+    return target()->DeleteFile(f, o, dbg);
   }
 
  private:
@@ -71,6 +80,8 @@ class FaultFs : public rocksdb::FileSystemWrapper {
   }
   static bool IsWal(const std::string& f) { return EndsWith(f, ".log"); }
   static bool IsBlob(const std::string& f) { return EndsWith(f, ".blob"); }
+  static bool IsSegment(const std::string& f) { return EndsWith(f, ".seg"); }
+  static bool TracksSync(const std::string& f) { return IsWal(f) || IsSegment(f); }
   rocksdb::IOStatus Injected() {
     ++faults;
     return rocksdb::IOStatus::IOError("injected fault");
@@ -80,11 +91,17 @@ class FaultFs : public rocksdb::FileSystemWrapper {
    public:
     File(FaultFs* fs, std::string name, std::unique_ptr<rocksdb::FSWritableFile> f)
         : FSWritableFileOwnerWrapper(std::move(f)), fs_(fs), name_(std::move(name)) {
-      if (IsWal(name_)) fs_->SetSynced(name_, 0);
+      if (TracksSync(name_)) fs_->SetSynced(name_, 0);
     }
     rocksdb::IOStatus Append(const rocksdb::Slice& d, const rocksdb::IOOptions& o,
                              rocksdb::IODebugContext* dbg) override {
       if (auto s = Check(); !s.ok()) return s;
+      if (IsSegment(name_) && fs_->tear_segment_append && d.size() > 1) {
+        rocksdb::Slice half(d.data(), d.size() / 2);
+        size_ += half.size();
+        target()->Append(half, o, dbg).PermitUncheckedError();
+        return fs_->Injected();
+      }
       size_ += d.size();
       return target()->Append(d, o, dbg);
     }
@@ -127,7 +144,7 @@ class FaultFs : public rocksdb::FileSystemWrapper {
       return rocksdb::IOStatus::OK();
     }
     void Synced() {
-      if (IsWal(name_)) fs_->SetSynced(name_, size_);
+      if (TracksSync(name_)) fs_->SetSynced(name_, size_);
     }
     FaultFs* const fs_;
     const std::string name_;

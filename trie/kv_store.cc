@@ -182,7 +182,12 @@ absl::Status KvStore::Impl::Open() {
   cluster_pass_->Start();
   if (options_.background) {
     tiers_->StartBackground([this] {
-      if (options_.disk_bytes == 0 || !records_->health().ok()) return;
+      if (!records_->health().ok()) return;
+      // Value-log segments at most half live are rewritten, with or without a disk budget.
+      if (absl::Status s = records_->CollectValueLog(RecordStore::kValueLogGcRatio); !s.ok()) {
+        spdlog::error("value log GC: {}", s.ToString());
+      }
+      if (options_.disk_bytes == 0) return;
       CollectGarbageIfNeeded();
       if (absl::Status s = MakeDiskRoom(0); !s.ok() && !absl::IsResourceExhausted(s)) {
         spdlog::error("background eviction: {}", s.ToString());

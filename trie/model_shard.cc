@@ -63,12 +63,13 @@ NodeView ToView(const TrieNode& n) {
 }
 
 // Corruption of RocksDB's own files (an SST of the index, the MANIFEST) is not a bad payload:
-// the payload may be fine and readable after a repair or restart. A blob record whose bytes fail
-// their checksum is a bad payload.
+// the payload may be fine and readable after a repair or restart. A blob or value log record
+// whose bytes fail their checksum is a bad payload.
 bool IsBadPayloadBytes(const absl::Status& s) {
   if (!absl::IsDataLoss(s)) return false;
   const absl::string_view m = s.message();
-  return !absl::StrContains(m, ".sst") && absl::StrContains(absl::AsciiStrToLower(m), "blob");
+  return (!absl::StrContains(m, ".sst") && absl::StrContains(absl::AsciiStrToLower(m), "blob")) ||
+         absl::StrContains(m, "value log segment");
 }
 
 // A node's rel RMS error as kept and aggregated: in [0, 4] (PutSession::kMaxClientRelRmsError),

@@ -2,6 +2,8 @@
 
 #include <rocksdb/cache.h>
 #include <rocksdb/db.h>
+#include <rocksdb/env.h>
+#include <rocksdb/listener.h>
 #include <rocksdb/options.h>
 #include <rocksdb/table.h>
 #include <rocksdb/transaction_log.h>
@@ -15,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "trie/rocksdb_crc32c.h"
 #include "trie/store_records.pb.h"
+#include "trie/value_log.h"
 
 #if defined(__SANITIZE_THREAD__)
 #define KVTRIE_TSAN 1
@@ -93,6 +96,18 @@ absl::StatusOr<NodeMeta> FromRecord(const rocksdb::Slice& value) {
   return m;
 }
 
+// Syncs the value log before every RocksDB flush: an SST's pointer never outlives its bytes.
+class SyncValueLogBeforeFlush : public rocksdb::EventListener {
+ public:
+  explicit SyncValueLogBeforeFlush(ValueLog* vlog) : vlog_(vlog) {}
+  void OnFlushBegin(rocksdb::DB*, const rocksdb::FlushJobInfo&) override {
+    if (absl::Status s = vlog_->Sync(); !s.ok()) spdlog::error("before a flush: {}", s.ToString());
+  }
+
+ private:
+  ValueLog* const vlog_;
+};
+
 }  // namespace
 
 std::string NodeKey(uint64_t shard_id, uint64_t node_id) {
@@ -122,7 +137,7 @@ RecordBatch::RecordBatch(const RecordStore* store, size_t reserve_bytes)
     : store_(store), batch_(std::make_unique<rocksdb::WriteBatch>(reserve_bytes)) {}
 RecordBatch::~RecordBatch() = default;
 
-size_t RecordBatch::count() const { return batch_->Count(); }
+size_t RecordBatch::count() const { return batch_->Count() + payloads_.size(); }
 
 void RecordBatch::PutModel(uint64_t shard_id, const std::string& ns, const ModelInfo& model) {
   internal::ModelRecord r;
@@ -141,13 +156,30 @@ void RecordBatch::PutNode(uint64_t shard_id, uint64_t node_id, const NodeMeta& m
                           const std::string* payload) {
   const std::string key = NodeKey(shard_id, node_id);
   batch_->Put(store_->cf_nodes_, key, ToRecord(meta).SerializeAsString());
-  if (payload != nullptr) batch_->Put(store_->cf_payloads_, key, *payload);
+  if (payload == nullptr) return;
+  // The pointer is added at Write (after the batch's other records: a Delete of this key earlier
+  // in the batch stays before it). A second payload for the key replaces the first.
+  for (auto it = payloads_.begin(); it != payloads_.end(); ++it) {
+    if (it->key == key) {
+      payloads_.erase(it);
+      break;
+    }
+  }
+  payloads_.push_back(Pending{key, payload});
+  replaced_keys_.insert(key);
 }
 
 void RecordBatch::DeleteNode(uint64_t shard_id, uint64_t node_id) {
   const std::string key = NodeKey(shard_id, node_id);
   batch_->Delete(store_->cf_nodes_, key);
   batch_->Delete(store_->cf_payloads_, key);
+  for (auto it = payloads_.begin(); it != payloads_.end(); ++it) {
+    if (it->key == key) {
+      payloads_.erase(it);
+      break;
+    }
+  }
+  replaced_keys_.insert(key);
 }
 
 void RecordBatch::PutPredictor(uint64_t shard_id, const PredictorMeta& meta,
@@ -181,6 +213,21 @@ absl::StatusOr<std::unique_ptr<RecordStore>> RecordStore::Open(const Options& op
         absl::StrCat("data_dir: cannot create '", options.data_dir, "': ", ec.message()));
   }
   std::unique_ptr<RecordStore> store(new RecordStore(options));
+  rocksdb::Env* env = options.env != nullptr ? options.env : rocksdb::Env::Default();
+  ValueLog::Options vo;
+  vo.env = env;
+  vo.dir = options.data_dir + "/vlog";
+  vo.sync = options.sync;
+  vo.segment_bytes = options.segment_bytes;
+  if (vo.segment_bytes == 0) {
+    vo.segment_bytes = options.disk_bytes == 0
+                           ? 64ull << 20
+                           : std::clamp<uint64_t>(options.disk_bytes / 8, 256 << 10, 64ull << 20);
+  }
+  absl::StatusOr<std::unique_ptr<ValueLog>> vlog = ValueLog::Open(vo);
+  if (!vlog.ok()) return vlog.status();
+  store->vlog_ = *std::move(vlog);
+  store->flush_listener_ = std::make_shared<SyncValueLogBeforeFlush>(store->vlog_.get());
   // RocksDB's WAL and blob CRC-32C: kvtrie's hardware one (trie/rocksdb_crc32c.h), or, if the
   // interposition did not take, librocksdb's software loop (correct, ~40 % of a RAW Put's CPU).
   static const bool kLogged = [] {
@@ -197,6 +244,7 @@ absl::StatusOr<std::unique_ptr<RecordStore>> RecordStore::Open(const Options& op
   db_options.create_missing_column_families = true;
   db_options.max_background_jobs = 2;
   if (options.env != nullptr) db_options.env = options.env;
+  db_options.listeners.push_back(store->flush_listener_);
   // The folder stays bounded: all column families flush together (the small ones would otherwise
   // never flush and RocksDB would keep every WAL file for them), and the WAL is capped.
   db_options.atomic_flush = true;
@@ -249,6 +297,30 @@ absl::StatusOr<std::unique_ptr<RecordStore>> RecordStore::Open(const Options& op
   store->cf_payloads_ = store->handles_[3];
   store->cf_predictor_index_ = store->handles_[4];
   store->cf_predictors_ = store->handles_[5];
+  // Recovery of the value log from the records alone: live bytes per segment from the pointers;
+  // a sealed segment with none (a torn Put's, a GC's copy whose swap never happened, a GC's source
+  // whose delete never happened) is deleted.
+  {
+    std::unique_ptr<rocksdb::Iterator> it(
+        store->db_->NewIterator(rocksdb::ReadOptions(), store->cf_payloads_));
+    ValuePointer p;
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      if (DecodeValuePointer(it->value().ToString(), &p)) store->vlog_->AddLive(p);
+    }
+    if (!it->status().ok()) {
+      // The pointers cannot all be read (a corrupt payloads SST): live bytes are unknown, so no
+      // segment is deleted or collected until a restart reads them all. Reads refuse by name.
+      store->vlog_accounting_ = FromRocks(it->status(), "payloads (value log accounting)");
+      spdlog::error("value log GC off until restart: {}", store->vlog_accounting_.ToString());
+      return store;
+    }
+  }
+  for (const ValueLog::SegmentInfo& seg : store->vlog_->Segments()) {
+    if (seg.live == 0) store->vlog_->MarkObsolete(seg.number, 0);
+  }
+  if (absl::Status s = store->vlog_->DeleteObsolete(UINT64_MAX); !s.ok()) {
+    spdlog::warn("value log at open: {}", s.ToString());
+  }
   return store;
 }
 
@@ -320,7 +392,19 @@ absl::Status RecordStore::ForEachNode(
         return FromRocks(payloads->status(), "payloads (refusing to start; nothing was dropped)");
       }
       if (payloads->Valid() && payloads->key() == key) {
-        payload = payloads->value().ToString();
+        ValuePointer p;
+        if (DecodeValuePointer(payloads->value().ToString(), &p)) {
+          absl::StatusOr<std::string> bytes = vlog_->Read(key.ToString(), p);
+          if (absl::IsUnavailable(bytes.status())) {
+            return absl::Status(bytes.status().code(),
+                                absl::StrCat(bytes.status().message(),
+                                             " (refusing to start; nothing was dropped)"));
+          }
+          // A torn, rotten or missing record reads as bytes that fail the payload's check.
+          payload = bytes.ok() ? *std::move(bytes) : std::string();
+        } else {
+          payload = payloads->value().ToString();  // inline (an older kvtrie's folder)
+        }
         found = &payload;
       }
     }
@@ -376,6 +460,31 @@ absl::StatusOr<std::string> RecordStore::ReadPredictor(uint64_t shard_id, uint32
 absl::Status RecordStore::Write(RecordBatch& batch) {
   if (absl::Status h = health(); !h.ok()) return h;
   if (batch.count() == 0) return absl::OkStatus();
+  absl::ReaderMutexLock gc_lock(&gc_mu_);
+  // The pointers this batch replaces (their bytes become garbage once it is written).
+  std::vector<ValuePointer> replaced;
+  {
+    std::string value;
+    ValuePointer p;
+    for (const std::string& key : batch.replaced_keys_) {
+      rocksdb::Status g = db_->Get(rocksdb::ReadOptions(), cf_payloads_, key, &value);
+      if (g.ok() && DecodeValuePointer(value, &p)) replaced.push_back(p);
+    }
+  }
+  std::vector<ValuePointer> written;
+  if (!batch.payloads_.empty()) {
+    std::vector<ValueLog::Entry> entries;
+    entries.reserve(batch.payloads_.size());
+    for (const auto& e : batch.payloads_) entries.push_back({e.key, *e.payload});
+    if (absl::Status s = vlog_->Append(entries, &written); !s.ok()) {
+      Fail(s);
+      return absl::Status(s.code(), absl::StrCat("store failed: ", s.message()));
+    }
+    for (size_t i = 0; i < written.size(); ++i) {
+      batch.batch_->Put(cf_payloads_, batch.payloads_[i].key, EncodeValuePointer(written[i]));
+    }
+    batch.payloads_.clear();
+  }
   rocksdb::WriteOptions wo;
   wo.sync = options_.sync;
 #if KVTRIE_TSAN
@@ -387,7 +496,11 @@ absl::Status RecordStore::Write(RecordBatch& batch) {
   std::lock_guard<std::mutex> one_writer(*tsan_write_mu);
 #endif
   absl::Status s = FromRocks(db_->Write(wo, batch.batch_.get()), "write");
-  if (s.ok()) return s;
+  if (s.ok()) {
+    for (const ValuePointer& p : written) vlog_->AddLive(p);
+    for (const ValuePointer& p : replaced) vlog_->RemoveLive(p);
+    return s;
+  }
   Fail(s);
   // This write keeps its own code (RESOURCE_EXHAUSTED for ENOSPC, UNAVAILABLE for I/O); the
   // ones after it get the sticky UNAVAILABLE.
@@ -399,22 +512,62 @@ absl::StatusOr<std::string> RecordStore::ReadPayload(uint64_t shard_id, uint64_t
   rocksdb::ReadOptions ro;
   ro.snapshot = snapshot ? snapshot->snapshot : nullptr;
   ro.verify_checksums = true;
-  std::string value;
-  rocksdb::Status s = db_->Get(ro, cf_payloads_, NodeKey(shard_id, node_id), &value);
-  if (s.IsNotFound()) {
-    return absl::NotFoundError(absl::StrCat("payload of node ", node_id, " is missing"));
+  const std::string key = NodeKey(shard_id, node_id);
+  for (int attempt = 0;; ++attempt) {
+    std::string value;
+    rocksdb::Status s = db_->Get(ro, cf_payloads_, key, &value);
+    if (s.IsNotFound()) {
+      return absl::NotFoundError(absl::StrCat("payload of node ", node_id, " is missing"));
+    }
+    if (!s.ok()) return FromRocks(s, absl::StrCat("reading the payload of node ", node_id));
+    ValuePointer p;
+    if (!DecodeValuePointer(value, &p)) return value;  // inline (an older kvtrie's folder)
+    absl::StatusOr<std::string> bytes = vlog_->Read(key, p);
+    // Without a snapshot, a GC may have moved the payload and deleted its segment since the
+    // pointer was read: read the pointer again. (A snapshot holds its segments.)
+    if (absl::IsNotFound(bytes.status()) && ro.snapshot == nullptr && attempt < 3) continue;
+    if (!bytes.ok()) {
+      return absl::Status(bytes.status().code(), absl::StrCat("the payload of node ", node_id, ": ",
+                                                              bytes.status().message()));
+    }
+    return bytes;
   }
-  if (!s.ok()) return FromRocks(s, absl::StrCat("reading the payload of node ", node_id));
-  return value;
 }
 
 std::shared_ptr<const ReadSnapshot> RecordStore::Snapshot() {
-  rocksdb::DB* db = db_.get();
-  auto* snap = new ReadSnapshot{db->GetSnapshot()};
-  return std::shared_ptr<const ReadSnapshot>(snap, [db](const ReadSnapshot* s) {
-    db->ReleaseSnapshot(s->snapshot);
+  ReadSnapshot* snap = nullptr;
+  {
+    // Taken and listed at once: a GC reading the oldest snapshot sees this one, or this one
+    // was taken after the GC's swap (and sees the new pointers).
+    absl::MutexLock lock(&snap_mu_);
+    snap = new ReadSnapshot{db_->GetSnapshot()};
+    snapshots_.insert(snap->snapshot->GetSequenceNumber());
+  }
+  return std::shared_ptr<const ReadSnapshot>(snap, [this](const ReadSnapshot* s) {
+    bool was_oldest = false;
+    {
+      absl::MutexLock lock(&snap_mu_);
+      const uint64_t seq = s->snapshot->GetSequenceNumber();
+      was_oldest = *snapshots_.begin() == seq;
+      snapshots_.erase(snapshots_.find(seq));
+    }
+    db_->ReleaseSnapshot(s->snapshot);
     delete s;
+    if (was_oldest) {
+      if (absl::Status st = DeleteObsoleteSegments(); !st.ok()) {
+        spdlog::warn("{}", st.ToString());
+      }
+    }
   });
+}
+
+uint64_t RecordStore::OldestSnapshot() const {
+  absl::MutexLock lock(&snap_mu_);
+  return snapshots_.empty() ? UINT64_MAX : *snapshots_.begin();
+}
+
+absl::Status RecordStore::DeleteObsoleteSegments() {
+  return vlog_->DeleteObsolete(OldestSnapshot());
 }
 
 absl::Status RecordStore::health() const {
@@ -435,6 +588,7 @@ uint64_t RecordStore::DiskUsage() {
     if (db_->GetIntProperty(h, "rocksdb.total-sst-files-size", &v)) total += v;
     if (db_->GetIntProperty(h, "rocksdb.total-blob-file-size", &v)) total += v;
   }
+  total += vlog_->Bytes();
   rocksdb::VectorLogPtr wal;
   if (db_->GetSortedWalFiles(wal).ok()) {
     for (const auto& f : wal) total += f->SizeFileBytes();
@@ -443,6 +597,7 @@ uint64_t RecordStore::DiskUsage() {
 }
 
 absl::Status RecordStore::CollectGarbage() {
+  if (absl::Status s = CollectValueLog(kValueLogGcRatio); !s.ok()) return s;
   rocksdb::CompactRangeOptions o;
   o.blob_garbage_collection_policy = rocksdb::BlobGarbageCollectionPolicy::kForce;
   o.blob_garbage_collection_age_cutoff = 1.0;
@@ -455,6 +610,8 @@ absl::Status RecordStore::Flush() {
 }
 
 absl::Status RecordStore::Compact() {
+  // Every segment with a deleted payload's bytes is rewritten (the active one sealed first).
+  if (absl::Status s = CollectValueLog(1.0, /*roll=*/true); !s.ok()) return s;
   if (absl::Status s = Flush(); !s.ok()) return s;
   rocksdb::CompactRangeOptions o;
   o.blob_garbage_collection_policy = rocksdb::BlobGarbageCollectionPolicy::kForce;
@@ -470,6 +627,93 @@ absl::Status RecordStore::Compact() {
   // and deletes them on this thread before it returns.
   if (auto s = db_->DisableFileDeletions(); !s.ok()) return FromRocks(s, "file deletions");
   return FromRocks(db_->EnableFileDeletions(/*force=*/false), "obsolete file deletion");
+}
+
+absl::Status RecordStore::CollectValueLog(double max_live_ratio, bool roll) {
+  if (absl::Status h = health(); !h.ok()) return h;
+  if (!vlog_accounting_.ok()) return vlog_accounting_;
+  absl::MutexLock one(&collect_mu_);
+  if (roll) {
+    if (absl::Status s = vlog_->Roll(); !s.ok()) return s;
+  }
+  for (const ValueLog::SegmentInfo& seg : vlog_->Segments()) {
+    if (!seg.sealed || seg.obsolete) continue;
+    if (seg.bytes != 0 && static_cast<double>(seg.live) > max_live_ratio * seg.bytes) continue;
+    if (seg.live == seg.bytes && seg.bytes != 0) continue;  // no garbage
+    // The records RocksDB still points at.
+    std::vector<std::pair<std::string, ValuePointer>> live;
+    std::string value;
+    ValuePointer current;
+    absl::Status scan = vlog_->Scan(seg.number, [&](absl::string_view key, const ValuePointer& p) {
+      rocksdb::Status g = db_->Get(rocksdb::ReadOptions(), cf_payloads_,
+                                   rocksdb::Slice(key.data(), key.size()), &value);
+      if (g.ok() && DecodeValuePointer(value, &current) && current == p) {
+        live.emplace_back(std::string(key), p);
+      }
+    });
+    if (!scan.ok()) return scan;
+    // Copies, in groups of about 8 MiB, then one swap per group.
+    size_t at = 0;
+    while (at < live.size()) {
+      std::vector<std::string> bytes;
+      std::vector<ValueLog::Entry> entries;
+      std::vector<size_t> index;
+      uint64_t group = 0;
+      for (; at < live.size() && (group < (8u << 20) || entries.empty()); ++at) {
+        absl::StatusOr<std::string> b = vlog_->Read(live[at].first, live[at].second);
+        if (!b.ok()) {
+          // A rotten record is left where it is (its read reports it); anything else stops.
+          if (absl::IsDataLoss(b.status()) || absl::IsNotFound(b.status())) continue;
+          return b.status();
+        }
+        group += b->size();
+        bytes.push_back(*std::move(b));
+        index.push_back(at);
+      }
+      for (size_t i = 0; i < index.size(); ++i) entries.push_back({live[index[i]].first, bytes[i]});
+      if (entries.empty()) continue;
+      std::vector<ValuePointer> moved;
+      if (absl::Status s = vlog_->Append(entries, &moved); !s.ok()) return s;  // copies: garbage
+      if (gc_after_copy_for_testing) {
+        if (absl::Status s = gc_after_copy_for_testing(); !s.ok()) return s;
+      }
+      absl::MutexLock swap(&gc_mu_);
+      rocksdb::WriteBatch wb;
+      std::vector<std::pair<ValuePointer, ValuePointer>> swapped;
+      for (size_t i = 0; i < index.size(); ++i) {
+        const auto& [key, old] = live[index[i]];
+        rocksdb::Status g = db_->Get(rocksdb::ReadOptions(), cf_payloads_, key, &value);
+        if (!g.ok() || !DecodeValuePointer(value, &current) || !(current == old)) continue;
+        wb.Put(cf_payloads_, key, EncodeValuePointer(moved[i]));
+        swapped.emplace_back(old, moved[i]);
+      }
+      if (wb.Count() == 0) continue;
+      rocksdb::WriteOptions wo;
+      wo.sync = options_.sync;
+      if (absl::Status s = FromRocks(db_->Write(wo, &wb), "value log GC"); !s.ok()) {
+        Fail(s);
+        return s;
+      }
+      for (const auto& [old, moved_to] : swapped) {
+        vlog_->RemoveLive(old);
+        vlog_->AddLive(moved_to);
+      }
+    }
+    vlog_->MarkObsolete(seg.number, db_->GetLatestSequenceNumber());
+  }
+  return DeleteObsoleteSegments();
+}
+
+RecordStore::ValueLogStats RecordStore::value_log_stats() const {
+  ValueLogStats st;
+  for (const ValueLog::SegmentInfo& seg : vlog_->Segments()) {
+    ++st.segments;
+    st.bytes += seg.bytes;
+    st.live_bytes += seg.live;
+  }
+  st.bytes_appended = vlog_->bytes_appended();
+  st.segments_deleted = vlog_->segments_deleted();
+  return st;
 }
 
 }  // namespace kvtrie

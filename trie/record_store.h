@@ -25,30 +25,47 @@
 // health() returns that error until the process restarts (recovery then rebuilds memory from
 // what is on disk). Reads go on.
 //
-// Disk usage: DiskUsage() is what RocksDB accounts of the data folder: SST and blob files of every
-// column family (live and not yet collected blobs) and the WAL files. The WAL is bounded: the
-// column families flush together (atomic_flush; the small ones would otherwise never flush and
-// RocksDB would keep every WAL file for them) and max_total_wal_size forces a flush. The rest of
-// the folder — LOG files (2 x 256 KiB), the MANIFEST (rolled at 512 KiB), OPTIONS, CURRENT, LOCK —
-// is at most kFolderSlackBytes. Payload bytes are bounded by disk_bytes (trie/tier_manager.h);
-// the WAL by max_total_wal_size (disk_bytes / 4); garbage of evicted payloads is collected
-// (CollectGarbage) when the folder passes payloads + disk_bytes / 4, checked every 100 ms and
-// every disk_bytes / 16 evicted. Stated bound: the folder stays under FolderBound(disk_bytes) =
-// 3 x disk_bytes + kFolderSlackBytes (the rest is obsolete files RocksDB has not deleted yet
-// and blob garbage between two collections, which grows when the collections lag on a busy
-// machine); measured peaks at 4 MiB: 1.4-2.4 x disk_bytes, and 3.1 x (12.9 MB) once under ASan
-// with two test processes per core. Measured by TierTest.DiskBudgetBoundsTheWholeDataFolder (20 MiB
-// of one-block Puts at a 4 MiB budget); the folder was unbounded before (1.29 GB, 39 WAL files).
+// Payloads live in a value log (trie/value_log.h, `<data_dir>/vlog/NNNNNN.seg`), written once:
+// RecordStore::Write appends the batch's payloads to the active segment as one group (one
+// write(2) per piece, no copy; fdatasync'd when Options::sync), then writes the RocksDB batch —
+// node records and, in the payloads column family, a 28-byte ValuePointer per payload (segment,
+// offset, length, CRC-32C) — to the WAL (fsynced too when Options::sync). Write returns OK only
+// when both are durable to the same level. Before every RocksDB flush the active segment is
+// synced (so an SST's pointer never outlives its bytes on a power loss). A crash while appending
+// leaves a torn record at a segment's tail: no pointer was written to it (its Put was never
+// acknowledged), its CRC fails, and it is garbage; at open, live bytes per segment are rebuilt
+// from the pointers in RocksDB alone and segments with none are deleted (the orphans of a torn
+// Put or of a crash in the middle of a collection). Payloads stored inline by an older kvtrie
+// (the envelope itself in the payloads column family) are read as they are.
 //
-// Layout and durability of a payload: one RocksDB value (the encoded block, with kvtrie's own
-// CRC-32C in its envelope) in the payloads column family, written with its node record in one
-// WriteBatch: appended to the WAL first (write(2) before Write returns; fsynced too when
-// Options::sync), then the memtable; at flush BlobDB moves it to a blob file (so each payload
-// byte is written twice: WAL, then blob file). RocksDB checksums the WAL record and the blob
-// record with CRC-32C; that CRC is kvtrie's hardware one (trie/rocksdb_crc32c.h; Debian's
-// librocksdb would use a software loop). Without Options::sync a Put acknowledged by Write
-// survives a crash or SIGKILL of the process (the WAL bytes are in the page cache), not a power
-// loss; with it, a power loss too.
+// Value-log GC (CollectValueLog; WiscKey, Titan and BadgerDB are the references): a sealed
+// segment whose live bytes are at most `max_live_ratio` of its size has its live records (a
+// header scan, each checked against RocksDB's current pointer) appended to the active segment,
+// then the pointers are swapped in one batch, under gc_mu_ held exclusively (Writes hold it
+// shared while they read the pointers they replace and write theirs, so a pointer a Write
+// replaced is never swapped back). The old segment is deleted once no snapshot older than the
+// swap remains (a Get holding a snapshot still reads its bytes; a read without a snapshot that
+// finds its segment gone reads the pointer again); a failed delete is retried at the next
+// collection, the segment still counted. The background pass collects at 50 %
+// (kValueLogGcRatio).
+//
+// Disk usage: DiskUsage() is what RocksDB accounts of the data folder: SST and blob files of every
+// column family and the WAL files, plus every value log segment (obsolete ones not yet deleted
+// included). The WAL is bounded: the column families flush together (atomic_flush; the small
+// ones would otherwise never flush and RocksDB would keep every WAL file for them) and
+// max_total_wal_size forces a flush; it holds pointers, not payloads. The rest of the folder —
+// LOG files (2 x 256 KiB), the MANIFEST (rolled at 512 KiB), OPTIONS, CURRENT, LOCK — is at most
+// kFolderSlackBytes. Payload bytes are bounded by disk_bytes (trie/tier_manager.h); segments are
+// disk_bytes / 8 (256 KiB to 64 MiB) with a budget, so collected at 50 % live they hold at most
+// about 2 x the live payloads plus one active segment; garbage is collected (CollectGarbage)
+// when the folder passes payloads + disk_bytes / 4, checked every 100 ms and every disk_bytes /
+// 16 evicted. Stated bound: the folder stays under FolderBound(disk_bytes) = 3 x disk_bytes +
+// kFolderSlackBytes. Measured by TierTest.DiskBudgetBoundsTheWholeDataFolder (20 MiB of
+// one-block Puts at a 4 MiB budget).
+//
+// Without Options::sync a Put acknowledged by Write survives a crash or SIGKILL of the process
+// (segment and WAL bytes are in the page cache), not a power loss; with it, a power loss too.
+// Predictor states stay in RocksDB (BlobDB), as before.
 //
 // Thread-safe (RocksDB is); the sticky error has its own mutex, taken last.
 #ifndef KVTRIE_TRIE_RECORD_STORE_H_
@@ -57,10 +74,12 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -73,9 +92,12 @@ class ColumnFamilyHandle;
 class Snapshot;
 class Status;
 class WriteBatch;
+class EventListener;
 }  // namespace rocksdb
 
 namespace kvtrie {
+
+class ValueLog;
 
 // What a node record holds (the payload is stored beside it under the same key).
 struct NodeMeta {
@@ -129,7 +151,8 @@ class RecordBatch {
   RecordBatch& operator=(const RecordBatch&) = delete;
 
   void PutModel(uint64_t shard_id, const std::string& ns, const ModelInfo& model);
-  // The node record, and the payload unless `payload` is null (a record-only update).
+  // The node record, and the payload unless `payload` is null (a record-only update). The
+  // payload goes to the value log at Write; `*payload` must stay alive until then (not copied).
   void PutNode(uint64_t shard_id, uint64_t node_id, const NodeMeta& meta,
                const std::string* payload);
   void DeleteNode(uint64_t shard_id, uint64_t node_id);  // record and payload
@@ -140,8 +163,14 @@ class RecordBatch {
 
  private:
   friend class RecordStore;
+  struct Pending {
+    std::string key;
+    const std::string* payload;
+  };
   const RecordStore* const store_;
   std::unique_ptr<rocksdb::WriteBatch> batch_;
+  std::vector<Pending> payloads_;                   // for the value log, in order
+  absl::flat_hash_set<std::string> replaced_keys_;  // payload keys put or deleted
 };
 
 class RecordStore {
@@ -158,7 +187,10 @@ class RecordStore {
     uint64_t memtable_bytes = 32ull << 20;  // payloads' write buffer
     uint64_t disk_bytes = 0;                // 0 = unbounded; bounds the WAL and memtables too
     rocksdb::Env* env = nullptr;
+    uint64_t segment_bytes = 0;  // value log segments; 0 = from disk_bytes (see above)
   };
+  // The background pass's value-log GC threshold (live bytes / segment bytes).
+  static constexpr double kValueLogGcRatio = 0.5;
   // Errors: UNAVAILABLE if the folder cannot be created or another process holds it; the
   // database's.
   static absl::StatusOr<std::unique_ptr<RecordStore>> Open(const Options& options);
@@ -215,12 +247,37 @@ class RecordStore {
   // a live snapshot (a Get that started before the Delete) still sees stays until it is released
   // and the next compaction. I/O proportional to the whole store.
   absl::Status Compact();
+  // Value-log GC (see the top of this file) of every sealed segment whose live ratio is at most
+  // `max_live_ratio` (1.0: every segment with any garbage); `roll` seals the active segment
+  // first. Then deletes the obsolete segments no snapshot still needs. Errors: the value log's or
+  // RocksDB's (a failed delete included, the segment kept); nothing acknowledged is lost.
+  absl::Status CollectValueLog(double max_live_ratio, bool roll = false);
+
+  // Value log figures, for tests and benchmarks.
+  struct ValueLogStats {
+    uint64_t segments = 0;
+    uint64_t bytes = 0;  // segment files
+    uint64_t live_bytes = 0;
+    uint64_t bytes_appended = 0;  // payload bytes appended since Open (GC copies included)
+    uint64_t segments_deleted = 0;
+  };
+  ValueLogStats value_log_stats() const;
+  // Test-only: called in CollectValueLog after the live records are copied, before the pointers
+  // are swapped; a non-OK status stops the collection there (a crash in the middle of a GC).
+  std::function<absl::Status()> gc_after_copy_for_testing;
 
  private:
   friend class RecordBatch;
   explicit RecordStore(const Options& options);
+  // The sequence number of the oldest live snapshot (UINT64_MAX for none).
+  uint64_t OldestSnapshot() const;
+  // Deletes the obsolete value log segments no live snapshot needs.
+  absl::Status DeleteObsoleteSegments();
 
   const Options options_;
+  std::unique_ptr<ValueLog> vlog_;
+  std::shared_ptr<rocksdb::EventListener> flush_listener_;
+  absl::Status vlog_accounting_;  // not OK: live bytes unknown, value-log GC off
   std::unique_ptr<rocksdb::DB> db_;
   rocksdb::ColumnFamilyHandle* cf_models_ = nullptr;
   rocksdb::ColumnFamilyHandle* cf_nodes_ = nullptr;
@@ -228,6 +285,12 @@ class RecordStore {
   rocksdb::ColumnFamilyHandle* cf_predictor_index_ = nullptr;
   rocksdb::ColumnFamilyHandle* cf_predictors_ = nullptr;
   std::vector<rocksdb::ColumnFamilyHandle*> handles_;
+
+  // Shared by Write (pointer reads, append, batch), exclusive for a GC's pointer swap.
+  absl::Mutex gc_mu_;
+  absl::Mutex collect_mu_;  // one CollectValueLog at a time
+  mutable absl::Mutex snap_mu_;
+  std::multiset<uint64_t> snapshots_ ABSL_GUARDED_BY(snap_mu_);  // their sequence numbers
 
   mutable absl::Mutex error_mu_;
   absl::Status sticky_ ABSL_GUARDED_BY(error_mu_);  // the first failed write
