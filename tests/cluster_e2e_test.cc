@@ -362,11 +362,13 @@ TEST(ClusterPassEndToEnd, ClientEncodedNearDuplicatesShrinkAfterThePass) {
         client->Put(dumps.back(), {.encoding = v1::ENCODING_LOSSLESS});
     ASSERT_TRUE(r.ok()) << name << ": " << r.status();
   }
-  // Standalone as sent (the pass may already have started: at most that many bytes).
+  // Standalone as sent. The pass may already have started: a block it re-encodes is counted
+  // twice from its publication until the old copy is released (measured once: +912 bytes), so
+  // up to 1 % over.
   const uint64_t sent = 1048095;  // the four dumps' client-encoded blocks (cluster_pass_test.cc)
   absl::StatusOr<v1::StatsResponse> st = client->Stats("p");
   ASSERT_TRUE(st.ok());
-  EXPECT_LE(st->bytes_stored(), sent);
+  EXPECT_LE(st->bytes_stored(), sent * 1.01);
   // Until the bytes fell and the round that did it ended (a round is counted when it ends, and
   // each re-encoding is counted once it is published).
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
