@@ -23,7 +23,7 @@
 namespace kvtrie {
 
 // Appends the coded difference of `data` against `reference` to `*out`.
-// REQUIRES: data.size() == reference.size(), a multiple of element_bytes (2 or 4).
+// REQUIRES: data.size() == reference.size(), a multiple of element_bytes (1, 2 or 4).
 void CompressCentroidDiff(absl::Span<const uint8_t> data, absl::Span<const uint8_t> reference,
                           size_t element_bytes, std::string* out);
 
