@@ -255,18 +255,19 @@ def test_replica_of_a_residual_prefix_is_the_owners_reconstruction(tmp_path):
             s.proc.wait()
 
 
-def test_an_empty_membership_is_a_miss_not_an_index_error(shards):
+def test_an_empty_membership_is_refused_and_the_last_one_kept(shards):
+    # The C++ client's rule (one policy): a membership is never empty; an empty list is
+    # INVALID_ARGUMENT naming `shards` (a DNS answer with no shards keeps the last set too).
     c = kvtrie.ShardedClient("stories260K", shards=shard_list(shards), namespace="py",
                              pin_replicas=2, warmup_window=60.0)
     tokens, k, v = windows()[0]
-    c._replace([])  # as a DNS answer with no shards
-    assert c.lookup(tokens) == 0 and c.get(tokens)[2] == 0
-    assert c.put(tokens, k, v).stored_tokens == 0
-    with pytest.raises(kvtrie.Error) as e:
-        c.owner(tokens)
-    assert e.value.code == kvtrie.StatusCode.UNAVAILABLE
-    with pytest.raises(kvtrie.Error):
-        c.delete(tokens)
+    assert c.put(tokens, k, v, encoding="lossless").stored_tokens == len(tokens)
+    owner = c.owner(tokens)
+    with pytest.raises(kvtrie.InvalidArgumentError, match="shards"):
+        c.set_shards("")
+    assert [n for n, _ in c.shards] == ["kvtrie-0", "kvtrie-1", "kvtrie-2"]
+    assert c.owner(tokens) == owner
+    assert c.lookup(tokens) == len(tokens) and c.get(tokens)[2] == len(tokens)
 
 
 def test_warm_up_of_a_layer_range_never_stores_the_range_as_the_model(shards, tmp_path):
