@@ -58,7 +58,9 @@ struct ShardedClientOptions {
   std::string shards_dns;
   std::shared_ptr<ShardResolver> resolver;
   ShardRouterOptions router;
-  // How long a shard that failed is skipped: drawn from [d/2, d], d doubling per failure in a row.
+  // How long a shard that failed is skipped: drawn from [d/2, d], d = min(down_initial_backoff x
+  // 2^(failures in a row - 1), down_max_backoff). The CLI (--shard_down_backoff_ms) and Python
+  // (down_backoff=) set the cap to DefaultDownMaxBackoff of the initial unless given.
   absl::Duration down_initial_backoff = absl::Seconds(1);
   absl::Duration down_max_backoff = absl::Seconds(30);
   // The background health checks of the shards (probe_deadline 250 ms, probe_interval 500 ms;
@@ -89,6 +91,9 @@ struct ShardedClientOptions {
   // Delete return the owner's status. CLI: --pin_replicas.
   int pin_replicas = 1;
 };
+
+// The cap of the down backoff when only its start is configured: 30 x `initial`.
+inline absl::Duration DefaultDownMaxBackoff(absl::Duration initial) { return initial * 30; }
 
 // A status of a shard, not of the call: UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED,
 // ABORTED, CANCELLED, UNKNOWN, INTERNAL, DATA_LOSS.

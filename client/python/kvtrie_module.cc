@@ -1,8 +1,10 @@
 // client/python/kvtrie_module.cc
 //
 // _kvtrie: the pybind11 extension inside the Python package kvtrie (client/python/kvtrie). It
-// wraps kvtrie::Client (client/client.h) and kvtrie::PutStream (client/put_stream.h); the public,
-// documented API is the pure-Python kvtrie.Client of kvtrie/__init__.py, which calls this.
+// wraps kvtrie::Client (client/client.h) and kvtrie::PutStream (client/put_stream.h), and, in
+// shard_binding.cc, kvtrie::ShardedClient; the conversions both use are py_convert.h's. The
+// public, documented API is the pure-Python kvtrie.Client (kvtrie/_client.py) and
+// kvtrie.ShardedClient (kvtrie/sharded.py), which call this.
 //
 // Arrays: K and V are numpy arrays [layers, kv_heads, tokens, head_dim], C-contiguous, of float16,
 // float32, or uint16 holding bfloat16 bit patterns (an ml_dtypes 'bfloat16' array counts as bf16

@@ -95,7 +95,7 @@ class PyShardedClient {
     if (!(refresh_interval > 0)) InvalidArgument("refresh_interval: must be > 0 seconds");
     // As ShardedClient's: the backoff is min(down_backoff * 2^(n-1), down_max_backoff).
     if (!(down_backoff >= 0)) InvalidArgument("down_backoff: must be >= 0 seconds");
-    if (!(down_max_backoff >= 0)) InvalidArgument("down_max_backoff: must be >= 0 seconds");
+    // down_max_backoff None (here < 0): the CLI's cap, DefaultDownMaxBackoff(down_backoff).
     if (!(warmup_window >= 0)) InvalidArgument("warmup_window: must be >= 0");
     if (!(probe_deadline >= 0)) InvalidArgument("shard_probe_deadline: must be >= 0");
     if (!(probe_interval > 0)) InvalidArgument("shard_probe_interval: must be > 0");
@@ -106,7 +106,8 @@ class PyShardedClient {
     o.router.route_tokens = static_cast<size_t>(route_tokens);
     o.router.refresh_interval = Seconds(refresh_interval);
     o.down_initial_backoff = Seconds(down_backoff);
-    o.down_max_backoff = Seconds(down_max_backoff);
+    o.down_max_backoff = down_max_backoff < 0 ? DefaultDownMaxBackoff(o.down_initial_backoff)
+                                              : Seconds(down_max_backoff);
     o.warmup_window = Seconds(warmup_window);
     o.warmup_put = warmup_put;
     o.pin_replicas = pin_replicas;
@@ -388,7 +389,7 @@ void BindShards(py::module_& m) {
            py::arg("codec_threads") = 0, py::arg("predictor_refresh") = 10.0,
            py::arg("shards") = "", py::arg("shards_dns") = "", py::arg("route_tokens") = 16,
            py::arg("refresh_interval") = 30.0, py::arg("down_backoff") = 1.0,
-           py::arg("down_max_backoff") = 30.0, py::arg("warmup_window") = 0.0,
+           py::arg("down_max_backoff") = -1.0, py::arg("warmup_window") = 0.0,
            py::arg("warmup_encoding") = 0, py::arg("warmup_profile") = 0,
            py::arg("warmup_target_rel_rms") = 0.0, py::arg("warmup_bits") = 0,
            py::arg("warmup_encode_on_client") = true, py::arg("warmup_learned_lossless") = false,

@@ -311,10 +311,12 @@ def wait_until_up(c, name, bound=60.0):
 
 
 def test_backoff_is_the_cpp_clients_capped_at_down_max_backoff(shards):
-    # Probes off: the backoff alone keeps a shard down. The former Python policy capped it at
-    # 30 x down_backoff (here [30, 60] s, then [2, 4] s); the C++ one at down_max_backoff.
+    # Probes off: the backoff alone keeps a shard down. The former Python policy had no
+    # down_max_backoff and capped it at 30 x down_backoff (here [30, 60] s, then [2, 4] s); the C++
+    # one (now Python's) caps it at down_max_backoff, also below down_backoff.
     c = kvtrie.ShardedClient("stories260K", shards=shard_list(shards), namespace="py",
-                             timeout=5.0, down_backoff=60.0, shard_probe_deadline=0)
+                             timeout=5.0, down_backoff=60.0, down_max_backoff=30.0,
+                             shard_probe_deadline=0)
     tokens, k, v = windows()[0]
     assert c.put(tokens, k, v, encoding="lossless").stored_tokens == len(tokens)
     owner = c.owner(tokens)
@@ -345,6 +347,9 @@ def test_backoff_is_the_cpp_clients_capped_at_down_max_backoff(shards):
         state = c2.shard_state(owner)
         assert state["failures_in_a_row"] == n and 0 < state["down_for"] <= cap, (n, state)
     assert c2.counters["shard_failures"] == 3
+    # Without down_max_backoff: the CLI's cap, 30 x down_backoff (DefaultDownMaxBackoff).
+    assert kvtrie.ShardedClient("m", shards="a=127.0.0.1:1", down_backoff=0.5,
+                                shard_probe_deadline=0)._c.options()["down_max_backoff"] == 15.0
 
 
 def test_put_layers_goes_to_the_owner_and_a_lost_owner_stores_nothing(shards):

@@ -13,7 +13,8 @@ CANCELLED, UNKNOWN, INTERNAL, DATA_LOSS), ``lookup`` answers 0, ``get`` an empty
 (and a ``put_layers`` stream) stores nothing (a :class:`PutResult` with 0 stored tokens) and
 counts it in ``counters["puts_skipped"]``. The shard is then skipped for a jittered backoff, drawn
 from ``[d/2, d]`` with ``d = min(down_backoff * 2**(n-1), down_max_backoff)`` after ``n``
-failures in a row, and until a background health check of it (grpc.health.v1.Health/Check)
+failures in a row (``down_max_backoff`` by default 30 x ``down_backoff``, the CLI's rule), and
+until a background health check of it (grpc.health.v1.Health/Check)
 answers. A shard that stops answering without closing its connection (SIGSTOP, a hung host) is
 found by those checks, which have a deadline of their own (``shard_probe_deadline``, 0.25 s): a
 call that has waited that long has its shard checked, and when the check misses, the call (and
@@ -23,8 +24,8 @@ raise :class:`kvtrie.Error` as the plain :class:`Client`'s do; ``delete`` and ``
 raise (the caller must know they did not happen).
 
 Where this module's former pure-Python policy differed from the C++ one, the C++ one holds
-(issue 31): the backoff's cap is ``down_max_backoff`` seconds (30), not 30 x ``down_backoff``;
-any answer of a shard (not only of a read or put) ends its run of failures; a membership is never
+(issue 31): the backoff's cap is the C++ ``down_max_backoff`` (its default, 30 x
+``down_backoff``, is the CLI's rule, kept in one place: ``DefaultDownMaxBackoff``); any answer of a shard (not only of a read or put) ends its run of failures; a membership is never
 empty (an empty list is INVALID_ARGUMENT, a DNS answer with no shards keeps the last set);
 ``stats`` adds the shards up with the C++ ``MergeStats`` (bits_per_component and the mean
 errors recomputed, histograms summed); a miss's arrays take their shape from the model spec this
@@ -90,8 +91,8 @@ class ShardedClient(Client):
         route_tokens: tokens of a prefix that pick its owner (16: the first block; the same in
             every client of the shards).
         down_backoff: seconds a failed shard is skipped at first (doubling per failure in a row).
-        down_max_backoff: the most seconds it is skipped (30; the C++ client's cap, which
-            also caps a larger ``down_backoff``).
+        down_max_backoff: the most seconds it is skipped (None: 30 x ``down_backoff``, as the
+            CLI's ``--shard_down_backoff_ms``; a smaller value also caps ``down_backoff``).
         warmup_window: seconds after the shard names change during which a lookup or get that
             misses on (or loses) a prefix's new owner asks its previous owner once; a get
             answered there is also put to the new owner (``warmup_put`` are its put keyword
@@ -122,7 +123,7 @@ class ShardedClient(Client):
     def __init__(self, model_id: str, *, shards: Optional[str] = None,
                  shards_dns: Optional[str] = None, route_tokens: int = 16,
                  refresh_interval: float = 30.0, down_backoff: float = 1.0,
-                 down_max_backoff: float = 30.0, warmup_window: float = 0.0,
+                 down_max_backoff: Optional[float] = None, warmup_window: float = 0.0,
                  warmup_put: Optional[Dict[str, Any]] = None, pin_replicas: int = 1,
                  shard_probe_deadline: float = 0.25, shard_probe_interval: float = 0.5,
                  token: Optional[str] = None,
@@ -142,7 +143,8 @@ class ShardedClient(Client):
             model_id, namespace, token or "", float(timeout), shards=shards or "",
             shards_dns=shards_dns or "", route_tokens=int(route_tokens),
             refresh_interval=float(refresh_interval), down_backoff=float(down_backoff),
-            down_max_backoff=float(down_max_backoff), warmup_window=float(warmup_window),
+            down_max_backoff=-1.0 if down_max_backoff is None else float(down_max_backoff),
+            warmup_window=float(warmup_window),
             block_tokens=self.block_tokens, pin_replicas=int(pin_replicas),
             shard_probe_deadline=float(shard_probe_deadline),
             shard_probe_interval=float(shard_probe_interval),
