@@ -63,7 +63,7 @@ absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClientFromFlags(const Clie
   o.router.refresh_interval = absl::Seconds(refresh);
   o.router.route_tokens = static_cast<size_t>(route);
   o.down_initial_backoff = absl::Milliseconds(backoff);
-  o.down_max_backoff = absl::Milliseconds(backoff) * 30;
+  o.down_max_backoff = DefaultDownMaxBackoff(o.down_initial_backoff);
   const int probe_deadline = absl::GetFlag(FLAGS_shard_probe_deadline_ms);
   const int probe_interval = absl::GetFlag(FLAGS_shard_probe_interval_ms);
   if (probe_deadline < 0) {

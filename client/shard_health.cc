@@ -64,11 +64,12 @@ void ShardHealth::Run() {
     for (auto& [name, client] : due) {
       mu_.Unlock();  // no lock across the check
       const bool ok = client->CheckHealth(options_.probe_deadline).ok();
-      const int cancelled = ok ? 0 : client->calls().CancelAll();
       mu_.Lock();
       ++counters_.probes;
       if (!ok) ++counters_.probe_failures;
-      counters_.calls_cancelled += static_cast<uint64_t>(cancelled);
+      // Cancelled under mu_ (CancelAll only cancels, it waits for nothing): a call it ends
+      // returns to a caller who then reads counters() with its cancellation counted.
+      if (!ok) counters_.calls_cancelled += static_cast<uint64_t>(client->calls().CancelAll());
       auto it = states_.find(name);
       if (it == states_.end() || it->second.client != client) continue;  // replaced meanwhile
       it->second.down = !ok;

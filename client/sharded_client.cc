@@ -200,6 +200,54 @@ absl::StatusOr<v1::PutResponse> ShardedClient::Put(const KvDump& kv, const PutOp
   return r;
 }
 
+absl::StatusOr<std::unique_ptr<ShardedPutStream>> ShardedClient::OpenPut(
+    const KvDump& header, const PutOptions& options) {
+  const BlockGeometry g{header.num_layers, header.num_kv_heads, options.block_tokens,
+                        header.head_dim, header.dtype};
+  if (absl::Status s = g.Validate(); !s.ok()) return s;
+  const Shard owner = OwnerOf(header.model_id, header.token_ids);
+  std::shared_ptr<Client> c = Acquire(owner);
+  std::unique_ptr<PutStream> stream;
+  if (c == nullptr) {
+    CountMiss(Call::kPut);
+  } else {
+    absl::StatusOr<std::unique_ptr<PutStream>> s = c->OpenPut(header, options);
+    if (!s.ok() && !Lost(owner, s.status(), Call::kPut)) return s.status();
+    if (s.ok()) stream = *std::move(s);
+  }
+  return std::unique_ptr<ShardedPutStream>(
+      new ShardedPutStream(this, owner, std::move(c), std::move(stream), g));
+}
+
+bool ShardedPutStream::Lost(const absl::Status& s) {
+  if (!sharded_->Lost(owner_, s, ShardedClient::Call::kPut)) return false;
+  stream_->Cancel();
+  stream_.reset();
+  return true;
+}
+
+absl::Status ShardedPutStream::WriteLayers(uint32_t layer_begin, uint32_t layer_end,
+                                           size_t token_offset, size_t span_tokens,
+                                           absl::Span<const uint8_t> k,
+                                           absl::Span<const uint8_t> v) {
+  if (stream_ == nullptr) return absl::OkStatus();
+  absl::Status s = stream_->WriteLayers(layer_begin, layer_end, token_offset, span_tokens, k, v);
+  if (!s.ok() && Lost(s)) return absl::OkStatus();
+  return s;
+}
+
+absl::StatusOr<v1::PutResponse> ShardedPutStream::Commit() {
+  if (stream_ == nullptr) return v1::PutResponse();
+  absl::StatusOr<v1::PutResponse> r = stream_->Commit();
+  if (!r.ok() && Lost(r.status())) return v1::PutResponse();
+  if (r.ok()) sharded_->Lost(owner_, absl::OkStatus(), ShardedClient::Call::kPut);
+  return r;
+}
+
+void ShardedPutStream::Cancel() {
+  if (stream_ != nullptr) stream_->Cancel();
+}
+
 absl::StatusOr<KvDump> ShardedClient::Get(const std::string& model_id,
                                           absl::Span<const uint32_t> token_ids,
                                           const GetOptions& options) {
@@ -394,6 +442,26 @@ absl::StatusOr<v1::PinResponse> ShardedClient::Pin(const std::string& model_id,
                                                    absl::Span<const uint32_t> token_ids,
                                                    uint64_t ttl_seconds, bool unpin,
                                                    bool extend_only) {
+  std::shared_ptr<Client> c;
+  absl::StatusOr<v1::PinResponse> r =
+      PinOn(model_id, token_ids, ttl_seconds, unpin, extend_only, &c);
+  if (r.ok()) PinReplica(model_id, token_ids, ttl_seconds, unpin, extend_only, c.get());
+  return r;
+}
+
+absl::StatusOr<v1::PinResponse> ShardedClient::PinOwner(const std::string& model_id,
+                                                        absl::Span<const uint32_t> token_ids,
+                                                        uint64_t ttl_seconds, bool unpin,
+                                                        bool extend_only) {
+  std::shared_ptr<Client> c;
+  return PinOn(model_id, token_ids, ttl_seconds, unpin, extend_only, &c);
+}
+
+absl::StatusOr<v1::PinResponse> ShardedClient::PinOn(const std::string& model_id,
+                                                     absl::Span<const uint32_t> token_ids,
+                                                     uint64_t ttl_seconds, bool unpin,
+                                                     bool extend_only,
+                                                     std::shared_ptr<Client>* owner_client) {
   const Shard owner = OwnerOf(model_id, token_ids);
   std::shared_ptr<Client> c = Acquire(owner);
   if (c == nullptr) {
@@ -401,7 +469,7 @@ absl::StatusOr<v1::PinResponse> ShardedClient::Pin(const std::string& model_id,
   }
   absl::StatusOr<v1::PinResponse> r = c->Pin(model_id, token_ids, ttl_seconds, unpin, extend_only);
   Lost(owner, r.status(), Call::kAdmin);
-  if (r.ok()) PinReplica(model_id, token_ids, ttl_seconds, unpin, extend_only, c.get());
+  *owner_client = std::move(c);
   return r;
 }
 
@@ -461,6 +529,17 @@ bool ShardedClient::IsDown(const std::string& shard_name) const {
   absl::MutexLock lock(&mu_);
   auto it = entries_.find(shard_name);
   return it != entries_.end() && absl::Now() < it->second.down_until;
+}
+
+ShardedClient::ShardState ShardedClient::State(const std::string& shard_name) const {
+  ShardState out;
+  out.health_down = health_->IsDown(shard_name);
+  absl::MutexLock lock(&mu_);
+  auto it = entries_.find(shard_name);
+  if (it == entries_.end()) return out;
+  out.failures_in_a_row = it->second.failures_in_a_row;
+  out.down_for = std::max(absl::ZeroDuration(), it->second.down_until - absl::Now());
+  return out;
 }
 
 }  // namespace kvtrie

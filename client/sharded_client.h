@@ -20,7 +20,9 @@
 // caller's own (INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED, UNAUTHENTICATED,
 // FAILED_PRECONDITION, ...) are returned as the plain Client returns them. Delete and Pin go to the
 // owner and return its status as it is (a Delete on a lost shard is UNAVAILABLE: the caller must
-// know it did not happen).
+// know it did not happen). A Put sent layer by layer (OpenPut, a ShardedPutStream) follows the
+// Put's rule: a lost owner, when opened or on any write or the commit, drops the rest and commits
+// an empty PutResponse.
 //
 // Stats and Inspect fan out to every shard (StatsAll, InspectAll); MergeStats adds them up.
 // Thread-safe.
@@ -39,6 +41,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "client/client.h"
+#include "client/put_stream.h"
 #include "client/shard_health.h"
 #include "client/shard_router.h"
 
@@ -55,7 +58,9 @@ struct ShardedClientOptions {
   std::string shards_dns;
   std::shared_ptr<ShardResolver> resolver;
   ShardRouterOptions router;
-  // How long a shard that failed is skipped: drawn from [d/2, d], d doubling per failure in a row.
+  // How long a shard that failed is skipped: drawn from [d/2, d], d = min(down_initial_backoff x
+  // 2^(failures in a row - 1), down_max_backoff). The CLI (--shard_down_backoff_ms) and Python
+  // (down_backoff=) set the cap to DefaultDownMaxBackoff of the initial unless given.
   absl::Duration down_initial_backoff = absl::Seconds(1);
   absl::Duration down_max_backoff = absl::Seconds(30);
   // The background health checks of the shards (probe_deadline 250 ms, probe_interval 500 ms;
@@ -87,6 +92,9 @@ struct ShardedClientOptions {
   int pin_replicas = 1;
 };
 
+// The cap of the down backoff when only its start is configured: 30 x `initial`.
+inline absl::Duration DefaultDownMaxBackoff(absl::Duration initial) { return initial * 30; }
+
 // A status of a shard, not of the call: UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED,
 // ABORTED, CANCELLED, UNKNOWN, INTERNAL, DATA_LOSS.
 bool LostShardCode(absl::StatusCode code);
@@ -96,6 +104,8 @@ bool LostShardCode(absl::StatusCode code);
 // lossy_nodes; histogram buckets summed bucket by bucket. `namespaces` and `models` are summed
 // (one on two shards counts twice).
 v1::StatsResponse MergeStats(absl::Span<const v1::StatsResponse> stats);
+
+class ShardedPutStream;
 
 class ShardedClient {
  public:
@@ -110,6 +120,12 @@ class ShardedClient {
   absl::StatusOr<v1::LookupResponse> Lookup(const std::string& model_id,
                                             absl::Span<const uint32_t> token_ids);
   absl::StatusOr<v1::PutResponse> Put(const KvDump& kv, const PutOptions& options = {});
+  // As Client::OpenPut, on the owner of header's prefix; a lost owner (down now, or failing a
+  // write or the commit later) makes the stream drop what follows and commit an empty
+  // PutResponse (counted as a Put in lost_calls and puts_skipped). Errors: as Client::OpenPut's
+  // (INVALID_ARGUMENT for a bad geometry or surprisal count). The stream must not outlive this.
+  absl::StatusOr<std::unique_ptr<ShardedPutStream>> OpenPut(const KvDump& header,
+                                                            const PutOptions& options = {});
   absl::StatusOr<KvDump> Get(const std::string& model_id, absl::Span<const uint32_t> token_ids,
                              const GetOptions& options = {});
   absl::Status GetInto(const std::string& model_id, absl::Span<const uint32_t> token_ids,
@@ -123,6 +139,11 @@ class ShardedClient {
                                       absl::Span<const uint32_t> token_ids,
                                       uint64_t ttl_seconds = 0, bool unpin = false,
                                       bool extend_only = false);
+  // Pin on the owner only, never copied to the replica (a lease renewed per request).
+  absl::StatusOr<v1::PinResponse> PinOwner(const std::string& model_id,
+                                           absl::Span<const uint32_t> token_ids,
+                                           uint64_t ttl_seconds = 0, bool unpin = false,
+                                           bool extend_only = false);
 
   // One answer per shard of the current membership, sorted by name; a lost shard has its status
   // (and is marked down), the others their response.
@@ -164,10 +185,18 @@ class ShardedClient {
   };
   Counters counters() const;
   bool IsDown(const std::string& shard_name) const;
+  // One shard's failure state, as the calls see it (a shard never called: all zero).
+  struct ShardState {
+    int failures_in_a_row = 0;  // failed calls since its last answer (the backoff's exponent)
+    absl::Duration down_for;    // what is left of its backoff (zero: none)
+    bool health_down = false;   // skipped until a health check answers
+  };
+  ShardState State(const std::string& shard_name) const;
 
   const ShardedClientOptions& options() const { return options_; }
 
  private:
+  friend class ShardedPutStream;
   explicit ShardedClient(const ShardedClientOptions& options) : options_(options) {}
   // The Client of `shard`, or null when it is marked down (the call is a miss).
   std::shared_ptr<Client> Acquire(const Shard& shard);
@@ -192,6 +221,11 @@ class ShardedClient {
   void PinReplica(const std::string& model_id, absl::Span<const uint32_t> token_ids,
                   uint64_t ttl_seconds, bool unpin, bool extend_only, Client* owner);
   void CountReplica(uint64_t Counters::*counter);
+  // The owner's Pin (the owner's Client in *owner_client when it was reached).
+  absl::StatusOr<v1::PinResponse> PinOn(const std::string& model_id,
+                                        absl::Span<const uint32_t> token_ids, uint64_t ttl_seconds,
+                                        bool unpin, bool extend_only,
+                                        std::shared_ptr<Client>* owner_client);
 
   struct Entry {
     std::string target;
@@ -206,6 +240,42 @@ class ShardedClient {
   Counters counters_ ABSL_GUARDED_BY(mu_);
   // After entries_: stopped (its checks ended) before the clients it watches are freed.
   std::unique_ptr<ShardHealth> health_;
+};
+
+// A Put of ShardedClient::OpenPut: PutStream's calls (client/put_stream.h) on the prefix's owner,
+// or, once the owner is lost, nothing: writes return OK and Commit an empty PutResponse. Other
+// errors are the PutStream's. Not thread-safe (as PutStream).
+class ShardedPutStream {
+ public:
+  ShardedPutStream(const ShardedPutStream&) = delete;
+  ShardedPutStream& operator=(const ShardedPutStream&) = delete;
+
+  const BlockGeometry& geometry() const { return g_; }
+  // True once the owner was lost (what follows is dropped).
+  bool lost() const { return stream_ == nullptr; }
+  absl::Status WriteLayers(uint32_t layer_begin, uint32_t layer_end, size_t token_offset,
+                           size_t span_tokens, absl::Span<const uint8_t> k,
+                           absl::Span<const uint8_t> v);
+  absl::StatusOr<v1::PutResponse> Commit();
+  void Cancel();
+
+ private:
+  friend class ShardedClient;
+  ShardedPutStream(ShardedClient* sharded, Shard owner, std::shared_ptr<Client> client,
+                   std::unique_ptr<PutStream> stream, const BlockGeometry& g)
+      : sharded_(sharded),
+        owner_(std::move(owner)),
+        client_(std::move(client)),
+        stream_(std::move(stream)),
+        g_(g) {}
+  // `s` failed: true (and the stream dropped) when it is a lost owner's status.
+  bool Lost(const absl::Status& s);
+
+  ShardedClient* const sharded_;
+  const Shard owner_;
+  std::shared_ptr<Client> client_;     // keeps the owner's Client alive for stream_
+  std::unique_ptr<PutStream> stream_;  // null: the owner is lost
+  const BlockGeometry g_;
 };
 
 }  // namespace kvtrie

@@ -720,5 +720,78 @@ TEST_F(ShardE2E, CliPinWithTwoReplicasSurvivesItsOwner) {
   EXPECT_TRUE(SameKv(*back, Slice(*want, 0, full)));
 }
 
+TEST_F(ShardE2E, OpenPutPinOwnerAndStateFollowTheClientsPolicy) {
+  for (int i = 0; i < 3; ++i) StartShard(i);
+  ShardedClientOptions o = Options();
+  o.shards = ShardList();
+  o.pin_replicas = 2;
+  o.down_initial_backoff = absl::Seconds(60);      // capped by down_max_backoff (400 ms)
+  o.health.probe_deadline = absl::ZeroDuration();  // the backoff alone keeps a shard down
+  absl::StatusOr<std::unique_ptr<ShardedClient>> made = ShardedClient::Create(o);
+  ASSERT_TRUE(made.ok()) << made.status();
+  ShardedClient& c = **made;
+  const KvDump& p = Prefixes()[0];
+  const std::string owner = c.OwnerOf(p.model_id, p.token_ids).name;
+  const int owner_i = owner.back() - '0';
+
+  // A layer-wise Put lands on the owner only.
+  absl::StatusOr<std::unique_ptr<ShardedPutStream>> s = c.OpenPut(p, Lossless());
+  ASSERT_TRUE(s.ok()) << s.status();
+  ASSERT_TRUE((*s)->WriteLayers(0, p.num_layers, 0, p.num_tokens(), p.k, p.v).ok());
+  absl::StatusOr<v1::PutResponse> r = (*s)->Commit();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->stored_tokens(), p.num_tokens());
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<v1::LookupResponse> l = Direct(i)->Lookup(p.model_id, p.token_ids);
+    ASSERT_TRUE(l.ok()) << l.status();
+    EXPECT_EQ(l->matched_tokens(), i == owner_i ? p.num_tokens() : 0u) << Name(i);
+  }
+
+  // PinOwner copies nothing to the replica; Pin does.
+  ASSERT_TRUE(c.PinOwner(p.model_id, p.token_ids, 60, false, true).ok());
+  EXPECT_EQ(c.counters().replica_copies, 0u);
+  ASSERT_TRUE(c.Pin(p.model_id, p.token_ids).ok());
+  EXPECT_EQ(c.counters().replica_copies, 1u);
+
+  // The owner killed: a stream to it stores nothing, and State shows one failure with its
+  // backoff capped at down_max_backoff.
+  EXPECT_EQ(c.State(owner).failures_in_a_row, 0);
+  const KvDump* other = nullptr;
+  for (const KvDump& q : Prefixes()) {
+    if (&q != &p && c.OwnerOf(q.model_id, q.token_ids).name == owner) {
+      other = &q;
+      break;
+    }
+  }
+  ASSERT_NE(other, nullptr);
+  const int port = servers_[owner_i]->port();
+  servers_[owner_i]->Kill();
+  absl::StatusOr<std::unique_ptr<ShardedPutStream>> lost = c.OpenPut(*other, Lossless());
+  ASSERT_TRUE(lost.ok()) << lost.status();
+  EXPECT_TRUE(
+      (*lost)->WriteLayers(0, other->num_layers, 0, other->num_tokens(), other->k, other->v).ok());
+  absl::StatusOr<v1::PutResponse> none = (*lost)->Commit();
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(none->stored_tokens(), 0u);
+  EXPECT_TRUE((*lost)->lost());
+  const ShardedClient::ShardState st = c.State(owner);
+  EXPECT_EQ(st.failures_in_a_row, 1);
+  EXPECT_GT(st.down_for, absl::ZeroDuration());
+  EXPECT_LE(st.down_for, absl::Milliseconds(400));
+  EXPECT_FALSE(st.health_down);
+  EXPECT_EQ(c.counters().puts_skipped, 1u);
+  EXPECT_EQ(c.counters().shard_failures, 1u);
+
+  // Restarted at its address: its first answer ends the run of failures.
+  StartShard(owner_i, port);
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  while (c.State(owner).failures_in_a_row != 0 && absl::Now() < deadline) {
+    ASSERT_TRUE(c.Lookup(other->model_id, other->token_ids).ok());
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_EQ(c.State(owner).failures_in_a_row, 0) << servers_[owner_i]->log();
+  EXPECT_EQ(c.State(owner).down_for, absl::ZeroDuration());
+}
+
 }  // namespace
 }  // namespace kvtrie

@@ -1,8 +1,10 @@
 // client/python/kvtrie_module.cc
 //
 // _kvtrie: the pybind11 extension inside the Python package kvtrie (client/python/kvtrie). It
-// wraps kvtrie::Client (client/client.h) and kvtrie::PutStream (client/put_stream.h); the public,
-// documented API is the pure-Python kvtrie.Client of kvtrie/__init__.py, which calls this.
+// wraps kvtrie::Client (client/client.h) and kvtrie::PutStream (client/put_stream.h), and, in
+// shard_binding.cc, kvtrie::ShardedClient; the conversions both use are py_convert.h's. The
+// public, documented API is the pure-Python kvtrie.Client (kvtrie/_client.py) and
+// kvtrie.ShardedClient (kvtrie/sharded.py), which call this.
 //
 // Arrays: K and V are numpy arrays [layers, kv_heads, tokens, head_dim], C-contiguous, of float16,
 // float32, or uint16 holding bfloat16 bit patterns (an ml_dtypes 'bfloat16' array counts as bf16
@@ -34,22 +36,18 @@
 #include "client/client.h"
 #include "client/proto_json.h"
 #include "client/put_stream.h"
+#include "client/python/py_convert.h"
 #include "client/status_reason.h"
 
 namespace py = pybind11;
 
 namespace kvtrie {
-namespace {
+namespace py_convert {
 
-// A non-OK status on its way to Python (translated to kvtrie.Error in the module init).
-struct StatusError : std::runtime_error {
-  explicit StatusError(const absl::Status& s)
-      : std::runtime_error(std::string(s.message())),
-        code(static_cast<int>(s.code())),
-        reason(StatusReason(s)) {}
-  int code;
-  std::string reason;  // client/status_reason.h; "" when none
-};
+StatusError::StatusError(const absl::Status& s)
+    : std::runtime_error(std::string(s.message())),
+      code(static_cast<int>(s.code())),
+      reason(StatusReason(s)) {}
 
 void Check(const absl::Status& s) {
   if (!s.ok()) throw StatusError(s);
@@ -58,8 +56,10 @@ void Check(const absl::Status& s) {
   throw StatusError(absl::InvalidArgumentError(message));
 }
 
-using Tokens = py::array_t<uint32_t, py::array::c_style>;
-using Floats = py::array_t<float, py::array::c_style>;
+py::object ErrorObject(const absl::Status& s) {
+  return py::module_::import("kvtrie._errors")
+      .attr("from_status")(static_cast<int>(s.code()), std::string(s.message()), StatusReason(s));
+}
 
 absl::Span<const uint32_t> SpanOf(const Tokens& t) {
   return absl::MakeConstSpan(t.data(), static_cast<size_t>(t.size()));
@@ -77,7 +77,7 @@ std::string DTypeString(const py::array& a) {
 // `kv_dtype` (a DType value, 0 = from the array) names what one-byte arrays hold: uint8 arrays
 // are vLLM's fp8 pages as well as plain bytes, so only the caller knows (ml_dtypes' float8 arrays
 // say it themselves).
-DType DTypeOf(const py::dtype& dt, const char* name, int kv_dtype = 0) {
+DType DTypeOf(const py::dtype& dt, const char* name, int kv_dtype) {
   const std::string shown = py::str(static_cast<const py::handle&>(dt)).cast<std::string>();
   if (kv_dtype != 0) {
     if (!IsValidDType(static_cast<uint32_t>(kv_dtype))) {
@@ -132,16 +132,7 @@ py::dtype NumpyDType(DType d) {
   return py::dtype("uint8");
 }
 
-// K and V checked against each other: 4-D, the same shape and dtype, C-contiguous.
-struct KvArrays {
-  DType dtype;
-  uint32_t dims[4];  // layers, kv_heads, tokens, head_dim
-  const uint8_t* k;
-  const uint8_t* v;
-  size_t bytes;
-};
-
-KvArrays CheckKv(const py::array& k, const py::array& v, int kv_dtype = 0) {
+KvArrays CheckKv(const py::array& k, const py::array& v, int kv_dtype) {
   for (const auto& [a, name] : {std::pair{&k, "k"}, std::pair{&v, "v"}}) {
     if (a->ndim() != 4) {
       InvalidArgument(absl::StrCat(
@@ -240,6 +231,80 @@ KvDump Header(const std::string& model_id, const Tokens& tokens,
   return h;
 }
 
+py::tuple GetResult(KvDump&& result) {
+  auto* dump = new KvDump(std::move(result));
+  py::capsule owner(dump, [](void* p) { delete static_cast<KvDump*>(p); });
+  const size_t n = dump->num_tokens();
+  if (n == 0) {
+    py::array empty(py::dtype("float16"), std::vector<ssize_t>{0, 0, 0, 0});
+    return py::make_tuple(empty, empty, 0, py::none());
+  }
+  const std::vector<ssize_t> shape = {dump->num_layers, dump->num_kv_heads, static_cast<ssize_t>(n),
+                                      dump->head_dim};
+  const py::dtype dt = NumpyDType(dump->dtype);
+  py::array k(dt, shape, {}, dump->k.data(), owner);
+  py::array v(dt, shape, {}, dump->v.data(), owner);
+  return py::make_tuple(k, v, n,
+                        py::make_tuple(dump->num_layers, dump->num_kv_heads, dump->head_dim, dt,
+                                       std::string(DTypeName(dump->dtype))));
+}
+
+ClientOptions MakeClientOptions(const std::string& target, const std::string& ns,
+                                const std::string& token, double timeout_s, bool tls,
+                                const std::string& root_pem, const std::string& cert_pem,
+                                const std::string& key_pem, const std::string& server_name,
+                                int retry_attempts, double retry_initial_backoff_s,
+                                double retry_max_backoff_s, int codec_threads,
+                                double predictor_refresh_s) {
+  if (!(timeout_s > 0)) InvalidArgument("timeout: must be > 0 seconds");
+  if (cert_pem.empty() != key_pem.empty()) {
+    InvalidArgument(cert_pem.empty() ? "tls.cert: needed with tls.key"
+                                     : "tls.key: needed with tls.cert");
+  }
+  if (!tls && !(root_pem.empty() && cert_pem.empty() && server_name.empty())) {
+    InvalidArgument("tls: PEM data or server_name given with TLS off");
+  }
+  ClientOptions o;
+  o.target = target;
+  o.ns = ns;
+  o.token = token;
+  o.tls = tls;
+  o.tls_root_pem = root_pem;
+  o.tls_cert_pem = cert_pem;
+  o.tls_key_pem = key_pem;
+  o.tls_server_name = server_name;
+  o.timeout = absl::Milliseconds(timeout_s * 1000);
+  if (retry_attempts < 1) {
+    InvalidArgument(
+        absl::StrCat("retry_attempts: ", retry_attempts, " (must be >= 1; 1 = never retry)"));
+  }
+  if (!(retry_initial_backoff_s >= 0) || !(retry_max_backoff_s >= retry_initial_backoff_s)) {
+    InvalidArgument(absl::StrCat("retry_max_backoff: ", retry_max_backoff_s,
+                                 " s must be >= retry_initial_backoff ", retry_initial_backoff_s,
+                                 " s >= 0"));
+  }
+  o.retry.max_attempts = retry_attempts;
+  o.retry.initial_backoff = absl::Milliseconds(retry_initial_backoff_s * 1000);
+  o.retry.max_backoff = absl::Milliseconds(retry_max_backoff_s * 1000);
+  Check(ValidateRetryPolicy(o.retry));
+  if (codec_threads < 0) {
+    InvalidArgument(
+        absl::StrCat("codec_threads: ", codec_threads, " (must be >= 0; 0 = the machine's cores)"));
+  }
+  o.codec_threads = codec_threads;
+  if (!(predictor_refresh_s >= 0)) {
+    InvalidArgument(absl::StrCat("predictor_refresh: ", predictor_refresh_s, " s (must be >= 0)"));
+  }
+  o.predictor_refresh = absl::Milliseconds(predictor_refresh_s * 1000);
+  return o;
+}
+
+}  // namespace py_convert
+
+namespace {
+
+using namespace py_convert;  // NOLINT(build/namespaces): this file's own helpers
+
 class PyPutStream {
  public:
   explicit PyPutStream(std::unique_ptr<PutStream> s) : stream_(std::move(s)) {}
@@ -291,48 +356,9 @@ class PyClient {
            int codec_threads, double predictor_refresh_s)
       : model_id_(model_id) {
     if (model_id.empty()) InvalidArgument("model_id: must not be empty");
-    if (!(timeout_s > 0)) InvalidArgument("timeout: must be > 0 seconds");
-    if (cert_pem.empty() != key_pem.empty()) {
-      InvalidArgument(cert_pem.empty() ? "tls.cert: needed with tls.key"
-                                       : "tls.key: needed with tls.cert");
-    }
-    if (!tls && !(root_pem.empty() && cert_pem.empty() && server_name.empty())) {
-      InvalidArgument("tls: PEM data or server_name given with TLS off");
-    }
-    ClientOptions o;
-    o.target = target;
-    o.ns = ns;
-    o.token = token;
-    o.tls = tls;
-    o.tls_root_pem = root_pem;
-    o.tls_cert_pem = cert_pem;
-    o.tls_key_pem = key_pem;
-    o.tls_server_name = server_name;
-    o.timeout = absl::Milliseconds(timeout_s * 1000);
-    if (retry_attempts < 1) {
-      InvalidArgument(
-          absl::StrCat("retry_attempts: ", retry_attempts, " (must be >= 1; 1 = never retry)"));
-    }
-    if (!(retry_initial_backoff_s >= 0) || !(retry_max_backoff_s >= retry_initial_backoff_s)) {
-      InvalidArgument(absl::StrCat("retry_max_backoff: ", retry_max_backoff_s,
-                                   " s must be >= retry_initial_backoff ", retry_initial_backoff_s,
-                                   " s >= 0"));
-    }
-    o.retry.max_attempts = retry_attempts;
-    o.retry.initial_backoff = absl::Milliseconds(retry_initial_backoff_s * 1000);
-    o.retry.max_backoff = absl::Milliseconds(retry_max_backoff_s * 1000);
-    Check(ValidateRetryPolicy(o.retry));
-    if (codec_threads < 0) {
-      InvalidArgument(absl::StrCat("codec_threads: ", codec_threads,
-                                   " (must be >= 0; 0 = the machine's cores)"));
-    }
-    o.codec_threads = codec_threads;
-    if (!(predictor_refresh_s >= 0)) {
-      InvalidArgument(
-          absl::StrCat("predictor_refresh: ", predictor_refresh_s, " s (must be >= 0)"));
-    }
-    o.predictor_refresh = absl::Milliseconds(predictor_refresh_s * 1000);
-    client_ = Client::Create(o);
+    client_ = Client::Create(MakeClientOptions(
+        target, ns, token, timeout_s, tls, root_pem, cert_pem, key_pem, server_name, retry_attempts,
+        retry_initial_backoff_s, retry_max_backoff_s, codec_threads, predictor_refresh_s));
   }
 
   uint32_t Lookup(const Tokens& tokens) {
@@ -422,21 +448,7 @@ class PyClient {
       r = client_->Get(model_id_, SpanOf(tokens), o);
     }
     Check(r.status());
-    auto* dump = new KvDump(*std::move(r));
-    py::capsule owner(dump, [](void* p) { delete static_cast<KvDump*>(p); });
-    const size_t n = dump->num_tokens();
-    if (n == 0) {
-      py::array empty(py::dtype("float16"), std::vector<ssize_t>{0, 0, 0, 0});
-      return py::make_tuple(empty, empty, 0, py::none());
-    }
-    const std::vector<ssize_t> shape = {dump->num_layers, dump->num_kv_heads,
-                                        static_cast<ssize_t>(n), dump->head_dim};
-    const py::dtype dt = NumpyDType(dump->dtype);
-    py::array k(dt, shape, {}, dump->k.data(), owner);
-    py::array v(dt, shape, {}, dump->v.data(), owner);
-    return py::make_tuple(k, v, n,
-                          py::make_tuple(dump->num_layers, dump->num_kv_heads, dump->head_dim, dt,
-                                         std::string(DTypeName(dump->dtype))));
+    return GetResult(*std::move(r));
   }
 
   // grpc.health.v1.Health/Check with its own deadline (seconds); raises when not SERVING.
@@ -505,7 +517,7 @@ class PyClient {
 }  // namespace kvtrie
 
 namespace kvtrie {
-void BindShards(py::module_& m);  // shard_binding.cc: kvtrie.ShardedClient's routing
+void BindShards(py::module_& m);  // shard_binding.cc: kvtrie.ShardedClient
 }  // namespace kvtrie
 
 PYBIND11_MODULE(_kvtrie, m) {
@@ -517,7 +529,7 @@ PYBIND11_MODULE(_kvtrie, m) {
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
-    } catch (const kvtrie::StatusError& e) {
+    } catch (const kvtrie::py_convert::StatusError& e) {
       try {
         py::object err =
             py::module_::import("kvtrie._errors").attr("from_status")(e.code, e.what(), e.reason);

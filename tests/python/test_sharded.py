@@ -5,6 +5,7 @@ bit-identical, a killed shard a miss and never an error (issue 21)."""
 from __future__ import annotations
 
 import contextlib
+import time
 
 import numpy as np
 import pytest
@@ -255,18 +256,19 @@ def test_replica_of_a_residual_prefix_is_the_owners_reconstruction(tmp_path):
             s.proc.wait()
 
 
-def test_an_empty_membership_is_a_miss_not_an_index_error(shards):
+def test_an_empty_membership_is_refused_and_the_last_one_kept(shards):
+    # The C++ client's rule (one policy): a membership is never empty; an empty list is
+    # INVALID_ARGUMENT naming `shards` (a DNS answer with no shards keeps the last set too).
     c = kvtrie.ShardedClient("stories260K", shards=shard_list(shards), namespace="py",
                              pin_replicas=2, warmup_window=60.0)
     tokens, k, v = windows()[0]
-    c._replace([])  # as a DNS answer with no shards
-    assert c.lookup(tokens) == 0 and c.get(tokens)[2] == 0
-    assert c.put(tokens, k, v).stored_tokens == 0
-    with pytest.raises(kvtrie.Error) as e:
-        c.owner(tokens)
-    assert e.value.code == kvtrie.StatusCode.UNAVAILABLE
-    with pytest.raises(kvtrie.Error):
-        c.delete(tokens)
+    assert c.put(tokens, k, v, encoding="lossless").stored_tokens == len(tokens)
+    owner = c.owner(tokens)
+    with pytest.raises(kvtrie.InvalidArgumentError, match="shards"):
+        c.set_shards("")
+    assert [n for n, _ in c.shards] == ["kvtrie-0", "kvtrie-1", "kvtrie-2"]
+    assert c.owner(tokens) == owner
+    assert c.lookup(tokens) == len(tokens) and c.get(tokens)[2] == len(tokens)
 
 
 def test_warm_up_of_a_layer_range_never_stores_the_range_as_the_model(shards, tmp_path):
@@ -287,3 +289,107 @@ def test_warm_up_of_a_layer_range_never_stores_the_range_as_the_model(shards, tm
             assert k3.shape == k.shape, f"{k3.shape} served for a {k.shape} prefix"
             assert np.array_equal(bits(k3), bits(k)) and np.array_equal(bits(v3), bits(v))
         assert moved > 0
+
+
+# --- One policy (issue 31): the failure state Python reports is the C++ ShardedClient's. ---
+
+def test_lost_shard_codes_are_the_cpp_clients():
+    from kvtrie import _kvtrie
+    for code in kvtrie.StatusCode:
+        assert (code in kvtrie.LOST_SHARD_CODES) == _kvtrie._lost_shard_code(int(code)), code
+    S = kvtrie.StatusCode
+    assert kvtrie.LOST_SHARD_CODES == {S.UNAVAILABLE, S.DEADLINE_EXCEEDED, S.RESOURCE_EXHAUSTED,
+                                       S.ABORTED, S.CANCELLED, S.UNKNOWN, S.INTERNAL, S.DATA_LOSS}
+
+
+def wait_until_up(c, name, bound=60.0):
+    """Polls until calls to `name` are no longer skipped (its backoff ended)."""
+    end = time.monotonic() + bound
+    while c.shard_state(name)["down"]:
+        assert time.monotonic() < end, c.shard_state(name)
+        time.sleep(0.05)
+
+
+def test_backoff_is_the_cpp_clients_capped_at_down_max_backoff(shards):
+    # Probes off: the backoff alone keeps a shard down. The former Python policy had no
+    # down_max_backoff and capped it at 30 x down_backoff (here [30, 60] s, then [2, 4] s); the C++
+    # one (now Python's) caps it at down_max_backoff, also below down_backoff.
+    c = kvtrie.ShardedClient("stories260K", shards=shard_list(shards), namespace="py",
+                             timeout=5.0, down_backoff=60.0, down_max_backoff=30.0,
+                             shard_probe_deadline=0)
+    tokens, k, v = windows()[0]
+    assert c.put(tokens, k, v, encoding="lossless").stored_tokens == len(tokens)
+    owner = c.owner(tokens)
+    live = next(f"kvtrie-{i}" for i in range(3) if f"kvtrie-{i}" != owner)
+    assert c.shard_state(owner) == {"failures_in_a_row": 0, "down_for": 0.0,
+                                    "health_down": False, "down": False}
+    victim = shards[int(owner.rsplit("-", 1)[1])]
+    victim.proc.kill()
+    victim.proc.wait()
+    assert c.lookup(tokens) == 0
+    state = c.shard_state(owner)
+    assert state["failures_in_a_row"] == 1 and state["down"] and not state["health_down"]
+    assert 14.0 < state["down_for"] <= 30.0, state  # min(60, 30) drawn from [15, 30]
+    # Skipped without a call while down: misses counted, no new failure.
+    for _ in range(5):
+        assert c.lookup(tokens) == 0 and c.get(tokens)[2] == 0
+    counters = c.counters
+    assert counters["shard_failures"] == 1 and counters["lost_calls"] == 11
+    assert c.shard_state(live)["failures_in_a_row"] == 0
+
+    # Doubling per failure in a row up to down_max_backoff: 1, 2, then 2 again (not 4).
+    c2 = kvtrie.ShardedClient("stories260K", shards=shard_list(shards), namespace="py",
+                              timeout=5.0, down_backoff=1.0, down_max_backoff=2.0,
+                              shard_probe_deadline=0)
+    for n, cap in ((1, 1.0), (2, 2.0), (3, 2.0)):
+        wait_until_up(c2, owner)
+        assert c2.lookup(tokens) == 0
+        state = c2.shard_state(owner)
+        assert state["failures_in_a_row"] == n and 0 < state["down_for"] <= cap, (n, state)
+    assert c2.counters["shard_failures"] == 3
+    # Without down_max_backoff: the CLI's cap, 30 x down_backoff (DefaultDownMaxBackoff).
+    assert kvtrie.ShardedClient("m", shards="a=127.0.0.1:1", down_backoff=0.5,
+                                shard_probe_deadline=0)._c.options()["down_max_backoff"] == 15.0
+
+
+def test_put_layers_goes_to_the_owner_and_a_lost_owner_stores_nothing(shards):
+    c = kvtrie.ShardedClient("stories260K", shards=shard_list(shards), namespace="py",
+                             timeout=5.0, down_backoff=60.0)
+    direct = {f"kvtrie-{i}": kvtrie.Client(s.target, "stories260K", namespace="py")
+              for i, s in enumerate(shards)}
+    prefixes = windows()
+    tokens, k, v = prefixes[0]
+    with c.put_layers(tokens, num_layers=k.shape[0]) as s:
+        for layer in range(k.shape[0]):
+            s.write(layer, k[layer], v[layer])
+        assert s.commit().stored_tokens == len(tokens)
+    owner = c.owner(tokens)
+    assert {n: d.lookup(tokens) for n, d in direct.items()} == {
+        n: (len(tokens) if n == owner else 0) for n in direct}
+    victim = shards[int(owner.rsplit("-", 1)[1])]
+    victim.proc.kill()
+    victim.proc.wait()
+    other, ko, vo = next(p for p in prefixes[1:] if c.owner(p[0]) == owner)
+    with c.put_layers(other, num_layers=ko.shape[0]) as s:  # fails on its first write
+        for layer in range(ko.shape[0]):
+            s.write(layer, ko[layer], vo[layer])
+        assert s.commit().stored_tokens == 0
+    with c.put_layers(other, num_layers=ko.shape[0]) as s:  # the owner known down: dropped
+        for layer in range(ko.shape[0]):
+            s.write(layer, ko[layer], vo[layer])
+        assert s.commit().stored_tokens == 0
+    assert c.counters["puts_skipped"] == 2 and c.counters["shard_failures"] == 1
+
+
+def test_a_lease_pins_the_owner_only(shards):
+    c = kvtrie.ShardedClient("stories260K", shards=shard_list(shards), namespace="py",
+                             pin_replicas=2)
+    direct = [kvtrie.Client(s.target, "stories260K", namespace="py") for s in shards]
+    tokens, k, v = windows()[0]
+    c.put(tokens, k, v, encoding="lossless")
+    c.pin(tokens, 60, extend_only=True, replicate=False)
+    assert c.counters["replica_copies"] == 0
+    assert sum(d.lookup(tokens) == len(tokens) for d in direct) == 1
+    c.pin(tokens)
+    assert c.counters["replica_copies"] == 1
+    assert sum(d.lookup(tokens) == len(tokens) for d in direct) == 2

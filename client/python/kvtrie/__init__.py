@@ -58,7 +58,7 @@ __all__ = [
     "float32_to_bf16",
 ]
 
-# N servers as one cache (kvtrie/sharded.py): imported last, it builds on Client.
+# N servers as one cache (kvtrie/sharded.py, over the C++ ShardedClient): a Client subclass.
 from .sharded import LOST_SHARD_CODES, ShardedClient  # noqa: E402
 
 __all__ += ["ShardedClient", "LOST_SHARD_CODES"]

@@ -164,7 +164,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from . import Error, StatusCode
+from . import Error, ShardedClient, StatusCode
 
 from ._connector_io import _bool, _EncodedSave, _make_client
 from ._kv_events import AllBlocksCleared, KvtrieKVEvents, removed_event, stored_event
@@ -415,9 +415,8 @@ def _parallel_suffix(cfg: Dict[str, Any], vllm_config: Any, scheduler: bool) -> 
 def _lease(client: Any, tokens: List[int], ttl_seconds: int) -> None:
     """Pins ``tokens`` for ``ttl_seconds`` where they are stored: on a ShardedClient the owner
     only (its ``pin`` with ``pin_replicas=2`` would also copy the prefix to a second shard)."""
-    call = getattr(client, "_call", None)
-    if call is not None:  # kvtrie.ShardedClient
-        call(tokens, "admin", lambda c, t: c.pin(t, ttl_seconds, False, True), None)
+    if isinstance(client, ShardedClient):
+        client.pin(tokens, ttl_seconds=ttl_seconds, extend_only=True, replicate=False)
     else:
         client.pin(tokens, ttl_seconds=ttl_seconds, extend_only=True)
 
