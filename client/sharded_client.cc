@@ -270,8 +270,8 @@ absl::Status ShardedClient::GetInto(const std::string& model_id,
   std::shared_ptr<Client> c = Acquire(owner);
   if (c == nullptr) {
     CountMiss(Call::kRead);
-    if (!ReplicaGet(model_id, token_ids, options, out)) miss();
-    return absl::OkStatus();
+    if (ReplicaGet(model_id, token_ids, options, out)) return absl::OkStatus();
+    return miss();
   }
   absl::Status s = c->GetInto(model_id, token_ids, options, out);
   const bool lost = Lost(owner, s, Call::kRead);
