@@ -22,9 +22,11 @@
 // (RetiredReferences).
 //
 // Retained centroids. Deleting a prefix whose blocks are the centroids of near-duplicates outside
-// it re-elects a centroid among each cluster's members when they are all stored bit-exact (each
+// it re-elects a centroid among each cluster's members when they are all bit-exact (each
 // member's exact reconstruction is coded losslessly again: bytes shrink). A cluster with a lossy
-// member keeps the deleted centroid instead: re-encoding a lossy member would add error to one
+// member (TrieNode::lossy: its reconstruction is not what its Put sent, however it is coded now;
+// a lossy block the pass re-coded LOSSLESS against a centroid is one, issue 33) keeps the
+// deleted centroid instead: re-encoding a lossy member would add error to one
 // that already used its target (its reconstruction must stay what it is), and coding the new
 // centroid's reconstruction exactly costs ~5x its lossy bytes (issue 20: +205 % on
 // tests/data/neardup). The centroid and its ancestors inside the deleted prefix stay, marked

@@ -82,8 +82,8 @@ absl::StatusOr<uint32_t> ClusterPolicy::SettleClusterGroup(const std::vector<uin
     uint64_t id;
     double path_bits;
     uint64_t hits;
-    bool centroid;  // standalone with dependents
-    bool lossless;
+    bool centroid;       // standalone with dependents
+    bool lossless;       // bit-exact: coded LOSSLESS and its reconstruction what its Put sent
     uint64_t reference;  // its centroid (0 = standalone)
   };
   std::vector<Vote> votes;
@@ -102,7 +102,7 @@ absl::StatusOr<uint32_t> ClusterPolicy::SettleClusterGroup(const std::vector<uin
       if (n->depth != first->depth || n->token_ids != first->token_ids) continue;
       votes.push_back({id, n->path_surprisal_bits, n->hits,
                        n->reference_node_id == 0 && shard_->clusters_.HasDependents(id),
-                       n->encoding == Encoding::kLossless, n->reference_node_id});
+                       n->encoding == Encoding::kLossless && !n->lossy, n->reference_node_id});
     }
   }
   if (votes.size() < 2) {
@@ -116,7 +116,8 @@ absl::StatusOr<uint32_t> ClusterPolicy::SettleClusterGroup(const std::vector<uin
   }
   // The most probable path (the paper's "most probable prefix"), then the most read; ties keep
   // the current centroid, then a standalone block, then the oldest. A lossy residual is not
-  // eligible: stored standalone its reconstruction would be coded losslessly.
+  // eligible: stored standalone its reconstruction would be coded losslessly. (A lossy block
+  // already re-coded LOSSLESS against a centroid is, but moves only when the group's bytes fall.)
   std::sort(votes.begin(), votes.end(), [](const Vote& a, const Vote& b) {
     if (a.path_bits != b.path_bits) return a.path_bits < b.path_bits;
     if (a.hits != b.hits) return a.hits > b.hits;
@@ -157,7 +158,7 @@ absl::StatusOr<uint32_t> ClusterPolicy::ConvergeGroup(uint64_t elected,
     bool movable = false;   // a centroid whose dependents are all in the group
     bool forced = false;    // a dependent of a movable centroid: moves with it
     bool won = false;       // encoded (smaller, unless forced) in `encoded`
-    bool lossless = false;  // stored bit-exact
+    bool lossless = false;  // stored bit-exact (not a lossy reconstruction coded LOSSLESS)
     EncodedBlock encoded;   // the trial encoding
     uint64_t encoded_reference = 0;
   };
@@ -182,7 +183,7 @@ absl::StatusOr<uint32_t> ClusterPolicy::ConvergeGroup(uint64_t elected,
       m->bytes = n->bytes_stored;
       m->reference = n->reference_node_id;
       m->centroid = shard_->clusters_.HasDependents(id);
-      m->lossless = n->encoding == Encoding::kLossless;
+      m->lossless = n->encoding == Encoding::kLossless && !n->lossy;
       return true;
     };
     const TrieNode* en = shard_->FindVisible(elected);
@@ -215,7 +216,7 @@ absl::StatusOr<uint32_t> ClusterPolicy::ConvergeGroup(uint64_t elected,
             e.reference != 0 && !e_centroid_in_group ? shard_->FindVisible(e.reference) : nullptr) {
       const std::vector<uint64_t> deps = shard_->clusters_.Dependents(c->id);
       swap = e.lossless && c->reference_node_id == 0 && c->encoding == Encoding::kLossless &&
-             shard_->clusters_.GroupSize(*c) == 1 && deps.size() >= 2;
+             !c->lossy && shard_->clusters_.GroupSize(*c) == 1 && deps.size() >= 2;
       for (uint64_t d : deps) swap = swap && group.contains(d);
     }
     // A dependent of a centroid that moves (a movable member, or the swapped block) moves too.

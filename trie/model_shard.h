@@ -296,6 +296,7 @@ class ModelShard {
   uint64_t bytes_logical_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t bytes_stored_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t lossy_nodes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t lossy_recoded_nodes_ ABSL_GUARDED_BY(mu_) = 0;    // lossy, coded LOSSLESS now
   uint64_t client_reported_nodes_ ABSL_GUARDED_BY(mu_) = 0;  // error_client_reported nodes
   double sum_rel_rms_k_ ABSL_GUARDED_BY(mu_) = 0;
   double sum_rel_rms_v_ ABSL_GUARDED_BY(mu_) = 0;

@@ -15,6 +15,7 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "codec/envelope.h"
 #include "trie/rocksdb_crc32c.h"
 #include "trie/store_records.pb.h"
 #include "trie/value_log.h"
@@ -66,6 +67,7 @@ internal::NodeRecord ToRecord(const NodeMeta& m) {
   r.set_predictor_version(m.predictor_version);
   r.set_error_client_reported(m.error_client_reported);
   r.set_retained(m.retained);
+  r.set_lossy(m.lossy);
   return r;
 }
 
@@ -93,6 +95,9 @@ absl::StatusOr<NodeMeta> FromRecord(const rocksdb::Slice& value) {
   m.predictor_version = r.predictor_version();
   m.error_client_reported = r.error_client_reported();
   m.retained = r.retained();
+  // Records written before the field: a block the cluster pass re-coded LOSSLESS kept its error.
+  m.lossy =
+      r.lossy() || IsLossyEncoding(m.encoding) || m.rel_rms_error_k > 0 || m.rel_rms_error_v > 0;
   return m;
 }
 

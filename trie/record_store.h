@@ -116,6 +116,7 @@ struct NodeMeta {
   uint32_t predictor_version = 0;      // the learned state the payload was coded against (0 = none)
   bool error_client_reported = false;  // rel_rms_error_* came from the client that encoded it
   bool retained = false;  // deleted, kept as a centroid of lossy near-duplicates (TrieNode)
+  bool lossy = false;     // its reconstruction is not what its Put sent (TrieNode::lossy)
 };
 
 // What a predictor index record holds (its serialized state is stored beside it).
