@@ -84,6 +84,9 @@ struct TrieNode {
   // code the exact reconstruction again, LOSSLESS, and keep this. What a Delete or an eviction
   // decides retain vs re-elect from (trie/cluster_policy.h), never from `encoding`.
   bool lossy = false;
+  // The cluster pass looks at it again once its groups are settled (ClusterPolicy's recheck_,
+  // which holds exactly these nodes); persisted, so a restart does not forget it.
+  bool recheck = false;
   // Client-encoded and accepted without a decode (--verify_encoded_puts=structure, or outside
   // the sample): the first Put that would deduplicate onto it decodes it first, and it is dropped
   // if it does not decode (PutEncoder::ApplyPut). In memory only: recovery sets it again on every

@@ -62,17 +62,49 @@ absl::StatusOr<uint32_t> ClusterPolicy::RunClusterPass(uint32_t budget, uint64_t
   std::sort(recheck.begin(), recheck.end());  // parents first
   for (uint64_t id : recheck) {
     if (spent >= budget) break;
-    absl::StatusOr<uint32_t> s;
-    {
-      absl::MutexLock writer(&shard_->write_mu_);
-      s = RecheckLocked(id);
-    }
+    absl::MutexLock writer(&shard_->write_mu_);
+    absl::StatusOr<uint32_t> s = RecheckLocked(id);
     if (!s.ok()) return s.status();
     spent += *s;
-    absl::MutexLock lock(&shard_->mu_);
-    recheck_.erase(id);
+    if (auto m = MarkRecheckLocked(id, false); !m.ok()) return m;
   }
   return spent;
+}
+
+std::vector<uint64_t> ClusterPolicy::PendingRechecks() {
+  absl::MutexLock lock(&shard_->mu_);
+  std::vector<uint64_t> ids(recheck_.begin(), recheck_.end());
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+absl::Status ClusterPolicy::MarkRecheckLocked(uint64_t node_id, bool on) {
+  RecordBatch batch(shard_->context_->records);
+  {
+    absl::MutexLock lock(&shard_->mu_);
+    TrieNode* n = shard_->FindLive(node_id);
+    if (n == nullptr || n->recheck == on) {
+      if (on && n != nullptr) {
+        recheck_.insert(node_id);
+      } else {
+        recheck_.erase(node_id);
+      }
+      return absl::OkStatus();
+    }
+    NodeMeta m = shard_->MetaOf(*n);
+    m.recheck = on;
+    batch.PutNode(shard_->shard_id_, node_id, m, nullptr);  // the record only
+  }
+  if (auto s = shard_->context_->records->Write(batch); !s.ok()) return s;
+  absl::MutexLock lock(&shard_->mu_);
+  TrieNode* n = shard_->trie_->Find(node_id);  // write_mu_: still there
+  if (n != nullptr) n->recheck = on;
+  if (on) {
+    recheck_.insert(node_id);
+  } else {
+    recheck_.erase(node_id);
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<uint32_t> ClusterPolicy::SettleClusterGroup(const std::vector<uint64_t>& ids,
@@ -324,8 +356,7 @@ absl::StatusOr<uint32_t> ClusterPolicy::ConvergeGroup(uint64_t elected,
         ++spent;
         if (auto s = RecodeMemberLocked(d, e.id, {c}, &summary, &replaced); !s.ok()) return s;
         // Its best window may span a group not settled yet: looked at again once all are.
-        absl::MutexLock lock(&shard_->mu_);
-        recheck_.insert(d);
+        if (auto s = MarkRecheckLocked(d, true); !s.ok()) return s;
       }
     }
     for (const Member& m : others) {
@@ -343,8 +374,8 @@ absl::StatusOr<uint32_t> ClusterPolicy::ConvergeGroup(uint64_t elected,
     }
   }
   if (swap && move) {
-    absl::MutexLock lock(&shard_->mu_);
-    recheck_.insert(e.reference);  // once every group is settled (RunClusterPass)
+    // Once every group is settled (RunClusterPass).
+    if (auto s = MarkRecheckLocked(e.reference, true); !s.ok()) return s;
   }
   return spent;
 }

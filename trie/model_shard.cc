@@ -175,6 +175,7 @@ NodeMeta ModelShard::MetaOf(const TrieNode& n) const {
   m.error_client_reported = n.error_client_reported;
   m.retained = n.retained;  // a re-encoding of a retained node keeps it retained
   m.lossy = n.lossy;        // and a lossy one lossy, however it is coded
+  m.recheck = n.recheck;
   return m;
 }
 
@@ -231,6 +232,8 @@ TrieNode* ModelShard::PublishLocked(TrieNode* parent, uint64_t id, const NodeMet
              n->rel_rms_error_v > 0;
   trie_->SetRetained(n, meta.retained);
   if (n->retained) retained_ids_.insert(id);
+  n->recheck = meta.recheck;  // recovery: the pass's recheck, as it was
+  if (n->recheck) cluster_policy_->RecheckLaterLocked(id);
   predictors_->AddDependent(n->predictor_version, +1);
   next_id_ = std::max(next_id_, id + 1);
   clusters_.Add(*n);

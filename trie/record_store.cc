@@ -68,6 +68,7 @@ internal::NodeRecord ToRecord(const NodeMeta& m) {
   r.set_error_client_reported(m.error_client_reported);
   r.set_retained(m.retained);
   r.set_lossy(m.lossy);
+  r.set_recheck(m.recheck);
   return r;
 }
 
@@ -98,6 +99,7 @@ absl::StatusOr<NodeMeta> FromRecord(const rocksdb::Slice& value) {
   // Records written before the field: a block the cluster pass re-coded LOSSLESS kept its error.
   m.lossy =
       r.lossy() || IsLossyEncoding(m.encoding) || m.rel_rms_error_k > 0 || m.rel_rms_error_v > 0;
+  m.recheck = r.recheck();
   return m;
 }
 

@@ -117,6 +117,7 @@ struct NodeMeta {
   bool error_client_reported = false;  // rel_rms_error_* came from the client that encoded it
   bool retained = false;  // deleted, kept as a centroid of lossy near-duplicates (TrieNode)
   bool lossy = false;     // its reconstruction is not what its Put sent (TrieNode::lossy)
+  bool recheck = false;   // the cluster pass looks at it again (TrieNode::recheck)
 };
 
 // What a predictor index record holds (its serialized state is stored beside it).
