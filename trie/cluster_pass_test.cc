@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "trie/kv_store.h"
 #include "trie/kv_store_testing.h"
+#include "trie/record_store.h"
 #include "trie/store_testing.h"
 
 namespace kvtrie {
@@ -223,6 +224,52 @@ TEST_F(ClusterPassTest, ALossyBlockRecodedLosslessStaysLossyAndKeepsItsCentroidO
   std::vector<std::vector<uint8_t>> after;
   read(&after);
   EXPECT_EQ(after, before);
+}
+
+// Records written before NodeRecord.lossy (by a server whose pass re-coded lossy blocks LOSSLESS
+// and kept their errors) read as lossy: a record with lossy = false is what such a server wrote
+// (proto3 writes no false bool), and the Delete of the centroids then retains them too.
+TEST_F(ClusterPassTest, RecordsWrittenBeforeTheLossyFieldReadAsLossy) {
+  Open();
+  const EncodeOptions eo{
+      .encoding = Encoding::kResidual, .profile = Profile::kFast, .target_rel_rms = 0.1};
+  for (const KvDump& d : dumps_) PutEncoded(d, eo);
+  RunToCompletion();
+  const StoreStats want = store_->Stats("ns");
+  ASSERT_GT(want.lossy_recoded_nodes, 40u);
+  store_.reset();
+  {
+    RecordStore::Options o;
+    o.data_dir = dir_.string();
+    auto records = RecordStore::Open(o);
+    ASSERT_TRUE(records.ok()) << records.status();
+    RecordBatch batch(records->get());
+    size_t rewritten = 0;
+    ASSERT_TRUE((*records)
+                    ->ForEachNode(false,
+                                  [&](uint64_t shard, uint64_t id, absl::StatusOr<NodeMeta> m,
+                                      const std::string*) {
+                                    ASSERT_TRUE(m.ok()) << m.status();
+                                    if (!m->lossy) return;
+                                    m->lossy = false;
+                                    batch.PutNode(shard, id, *m, nullptr);  // the record only
+                                    ++rewritten;
+                                  })
+                    .ok());
+    EXPECT_EQ(rewritten, want.nodes);
+    ASSERT_TRUE((*records)->Write(batch).ok());
+  }
+  Open();
+  const StoreStats got = store_->Stats("ns");
+  EXPECT_EQ(got.lossy_nodes, want.lossy_nodes);
+  EXPECT_EQ(got.lossy_recoded_nodes, want.lossy_recoded_nodes);
+  EXPECT_EQ(got.bytes_stored, want.bytes_stored);
+  std::vector<uint32_t> branch(dumps_[0].token_ids.begin(), dumps_[0].token_ids.begin() + 9 * 16);
+  auto del = store_->Delete("ns", dumps_[0].model_id, branch);
+  ASSERT_TRUE(del.ok()) << del.status();
+  EXPECT_GT(del->centroids_retained, 10u);
+  EXPECT_EQ(del->centroids_reelected, 0u);
+  EXPECT_LE(Bytes(), want.bytes_stored);
 }
 
 // RAW blocks stay RAW: the pass clusters only lossless and residual blocks.
