@@ -425,16 +425,18 @@ class ClusterPassDelete : public ::testing::TestWithParam<bool> {  // lossy?
     server_ = *std::move(s);
     client_ = Client::Create({.target = server_->target(), .ns = "p"});
   }
-  // Waits until the namespace's stored bytes and the pass's rounds stopped changing for 3 s (a
-  // round is counted only when it visited a group): the pass settled. Returns the bytes.
-  uint64_t Settle() {
+  // Waits until the pass ran at least `min_rounds` rounds and the namespace's stored bytes and the
+  // pass's rounds then stopped changing for 5 s (a round is counted only when it visited a
+  // group): the pass settled. Returns the bytes.
+  uint64_t Settle(uint64_t min_rounds = 0) {
     absl::StatusOr<v1::StatsResponse> st = client_->Stats("p");
     EXPECT_TRUE(st.ok()) << st.status();
     if (!st.ok()) return 0;
     uint64_t bytes = st->bytes_stored(), rounds = st->cluster_pass_rounds();
     auto quiet_since = std::chrono::steady_clock::now();
     const auto deadline = quiet_since + std::chrono::seconds(240);
-    while (std::chrono::steady_clock::now() - quiet_since < std::chrono::seconds(3) &&
+    while ((rounds < min_rounds ||
+            std::chrono::steady_clock::now() - quiet_since < std::chrono::seconds(5)) &&
            std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
       st = client_->Stats("p");
@@ -475,7 +477,7 @@ TEST_P(ClusterPassDelete, ADeleteOfTheCentroidsPrefixAfterThePassKeepsTheNamespa
     ASSERT_TRUE(got.ok()) << got.status();
     stored.push_back(*std::move(got));
   }
-  const uint64_t before = Settle();
+  const uint64_t before = Settle(/*min_rounds=*/1);
   absl::StatusOr<v1::StatsResponse> st = client_->Stats("p");
   ASSERT_TRUE(st.ok());
   ASSERT_GT(st->residual_nodes(), 40u);  // the pass coded the near-duplicates against centroids
