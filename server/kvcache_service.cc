@@ -49,6 +49,7 @@ void ToNodeInfo(const NodeView& v, v1::NodeInfo* out) {
   out->set_error_client_reported(v.error_client_reported);
   out->set_retained(v.retained);
   out->set_lossy(v.lossy);
+  out->set_target_rel_rms(v.target_rel_rms);
 }
 
 void ToHistogram(const uint64_t (&counts)[kHistogramBuckets],

@@ -503,6 +503,7 @@ TEST_P(ClusterPassDelete, ADeleteOfTheCentroidsPrefixAfterThePassKeepsTheNamespa
         // what its Put stored (lossy or not).
         EXPECT_EQ(n->node().encoding(), v1::ENCODING_LOSSLESS);
         EXPECT_EQ(n->node().lossy(), lossy) << "node " << n->node().node_id();
+        EXPECT_NEAR(n->node().target_rel_rms(), lossy ? 0.1 : 0.0, 1e-6);  // what its Put asked
       }
     }
     if (centroids > most) {

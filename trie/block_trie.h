@@ -84,6 +84,8 @@ struct TrieNode {
   // code the exact reconstruction again, LOSSLESS, and keep this. What a Delete or an eviction
   // decides retain vs re-elect from (trie/cluster_policy.h), never from `encoding`.
   bool lossy = false;
+  // A RESIDUAL block's error target as its Put asked, kept however it is re-coded (0 = none).
+  float target_rel_rms = 0;
   // The cluster pass looks at it again once its groups are settled (ClusterPolicy's recheck_,
   // which holds exactly these nodes); persisted, so a restart does not forget it.
   bool recheck = false;

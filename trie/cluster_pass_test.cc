@@ -171,6 +171,7 @@ TEST_F(ClusterPassTest, ALossyBlockRecodedLosslessStaysLossyAndKeepsItsCentroidO
       auto in = store_->Inspect("ns", model, id);
       ASSERT_TRUE(in.ok()) << in.status();
       EXPECT_TRUE(in->node.lossy) << id;
+      EXPECT_NEAR(in->node.target_rel_rms, 0.1, 1e-6) << id;  // what the Put asked
       if (in->node.reference_node_id == 0) continue;
       ++members;
       EXPECT_EQ(in->node.encoding, Encoding::kLossless) << id;

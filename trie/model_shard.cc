@@ -60,6 +60,7 @@ NodeView ToView(const TrieNode& n) {
   v.error_client_reported = n.error_client_reported;
   v.retained = n.retained;
   v.lossy = n.lossy;
+  v.target_rel_rms = n.target_rel_rms;
   return v;
 }
 
@@ -176,6 +177,7 @@ NodeMeta ModelShard::MetaOf(const TrieNode& n) const {
   m.retained = n.retained;  // a re-encoding of a retained node keeps it retained
   m.lossy = n.lossy;        // and a lossy one lossy, however it is coded
   m.recheck = n.recheck;
+  m.target_rel_rms = n.target_rel_rms;
   return m;
 }
 
@@ -232,6 +234,7 @@ TrieNode* ModelShard::PublishLocked(TrieNode* parent, uint64_t id, const NodeMet
              n->rel_rms_error_v > 0;
   trie_->SetRetained(n, meta.retained);
   if (n->retained) retained_ids_.insert(id);
+  n->target_rel_rms = BoundedError(meta.target_rel_rms);
   n->recheck = meta.recheck;  // recovery: the pass's recheck, as it was
   if (n->recheck) cluster_policy_->RecheckLaterLocked(id);
   predictors_->AddDependent(n->predictor_version, +1);

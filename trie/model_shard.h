@@ -93,7 +93,8 @@ class ModelShard {
     uint32_t predictor_version = 0;  // the learned state it is coded against (0 = none)
     // Encoded by the client (PutSession::AddEncodedBlock): encoded's errors are the client's.
     bool error_client_reported = false;
-    bool unverified = false;  // client-encoded and not decoded at the Put (TrieNode::unverified)
+    bool unverified = false;    // client-encoded and not decoded at the Put (TrieNode::unverified)
+    double target_rel_rms = 0;  // RESIDUAL: the Put's error target (TrieNode::target_rel_rms)
   };
   // `committed`: the model record is on disk (recovered); otherwise the shard was created by a
   // Put and its model is written with its first blocks.

@@ -69,6 +69,7 @@ internal::NodeRecord ToRecord(const NodeMeta& m) {
   r.set_retained(m.retained);
   r.set_lossy(m.lossy);
   r.set_recheck(m.recheck);
+  r.set_target_rel_rms(m.target_rel_rms);
   return r;
 }
 
@@ -100,6 +101,7 @@ absl::StatusOr<NodeMeta> FromRecord(const rocksdb::Slice& value) {
   m.lossy =
       r.lossy() || IsLossyEncoding(m.encoding) || m.rel_rms_error_k > 0 || m.rel_rms_error_v > 0;
   m.recheck = r.recheck();
+  m.target_rel_rms = r.target_rel_rms();
   return m;
 }
 

@@ -222,6 +222,8 @@ struct NodeView {
   // Its reconstruction is not what its Put sent (rel_rms_error_* by how much), however it is
   // coded now (a lossy block the cluster pass re-coded LOSSLESS against a centroid stays lossy).
   bool lossy = false;
+  // A RESIDUAL block's error target as its Put asked, kept however it is re-coded (0 = none).
+  double target_rel_rms = 0;
 };
 
 // One learned predictor state version of a (namespace, model).
