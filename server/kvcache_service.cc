@@ -48,6 +48,8 @@ void ToNodeInfo(const NodeView& v, v1::NodeInfo* out) {
   out->set_predictor_version(v.predictor_version);
   out->set_error_client_reported(v.error_client_reported);
   out->set_retained(v.retained);
+  out->set_lossy(v.lossy);
+  out->set_target_rel_rms(v.target_rel_rms);
 }
 
 void ToHistogram(const uint64_t (&counts)[kHistogramBuckets],
@@ -151,6 +153,7 @@ grpc::Status KvCacheService::StatsIn(const std::string& ns, bool whole_server_if
   response->set_puts(s.puts);
   response->set_deletes(s.deletes);
   response->set_lossy_nodes(s.lossy_nodes);
+  response->set_lossy_recoded_nodes(s.lossy_recoded_nodes);
   if (s.lossy_nodes > 0) {
     response->set_mean_rel_rms_error_k(s.sum_rel_rms_error_k / s.lossy_nodes);
     response->set_mean_rel_rms_error_v(s.sum_rel_rms_error_v / s.lossy_nodes);

@@ -93,6 +93,10 @@ class Metrics::StoreCollector final : public prometheus::Collectable {
       sub(rest.pinned_nodes, s.pinned_nodes);
       sub(rest.cluster.centroids, s.cluster.centroids);
       sub(rest.cluster.residual_nodes, s.cluster.residual_nodes);
+      sub(rest.lossy_nodes, s.lossy_nodes);
+      sub(rest.lossy_recoded_nodes, s.lossy_recoded_nodes);
+      sub(rest.retained_nodes, s.retained_nodes);
+      sub(rest.retained_bytes, s.retained_bytes);
       rows.push_back({NsValue(ns), std::move(s)});
     }
     rows.push_back({kOther, rest});
@@ -118,6 +122,12 @@ class Metrics::StoreCollector final : public prometheus::Collectable {
            [](const StoreStats& s) { return s.cluster.centroids; });
     per_ns("kvtrie_residual_nodes", "Nodes stored as a residual of a centroid.",
            [](const StoreStats& s) { return s.cluster.residual_nodes; });
+    per_ns("kvtrie_lossy_nodes",
+           "Nodes whose reconstruction is not what their Put sent, however they are coded now.",
+           [](const StoreStats& s) { return s.lossy_nodes; });
+    per_ns("kvtrie_lossy_recoded_nodes",
+           "Lossy nodes stored LOSSLESS now (their reconstruction, e.g. against a centroid).",
+           [](const StoreStats& s) { return s.lossy_recoded_nodes; });
     per_ns("kvtrie_retained_nodes",
            "Nodes of deleted prefixes kept as the centroids of lossy near-duplicates.",
            [](const StoreStats& s) { return s.retained_nodes; });

@@ -13,7 +13,8 @@
 //   kvtrie_auth_failures_total{code}                        UNAUTHENTICATED / PERMISSION_DENIED
 // and, read from KvStore::Stats() at each scrape:
 //   kvtrie_nodes, kvtrie_bytes_logical, kvtrie_bytes_stored, kvtrie_centroids,
-//   kvtrie_residual_nodes, kvtrie_retained_nodes, kvtrie_retained_bytes, kvtrie_pinned_nodes,
+//   kvtrie_residual_nodes, kvtrie_lossy_nodes, kvtrie_lossy_recoded_nodes, kvtrie_retained_nodes,
+//   kvtrie_retained_bytes, kvtrie_pinned_nodes,
 //   kvtrie_predictor_versions,
 //   kvtrie_predictor_state_bytes, kvtrie_blocks_on_learned, kvtrie_predictor_bytes_saved
 //   {namespace}; kvtrie_tier_nodes and

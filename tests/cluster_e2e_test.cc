@@ -5,14 +5,17 @@
 // centroid's branch, and namespace isolation.
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <map>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "client/worker/test_model.h"
 #include "codec/kv_dump.h"
@@ -398,6 +401,176 @@ TEST(ClusterPassEndToEnd, ClientEncodedNearDuplicatesShrinkAfterThePass) {
   server->reset();
   std::filesystem::remove_all(dir);
 }
+
+// Issue 33: on the default path (the client encodes, fast profile) the background pass codes
+// standalone near-duplicates against their group's centroid, each one's exact reconstruction
+// losslessly. A Delete of the centroids' prefix afterwards must not grow the namespace: members
+// whose reconstruction is lossy (RESIDUAL at 0.1, re-coded LOSSLESS by the pass) keep the deleted
+// centroid (retained), bit-exact ones re-elect. Every remaining member reads back as it did right
+// after its Put (so within its target), also after a restart.
+class ClusterPassDelete : public ::testing::TestWithParam<bool> {  // lossy?
+ protected:
+  void SetUp() override {
+    dir_ = testing::FreshDir(absl::StrCat("ClusterPassDelete", GetParam() ? "Lossy" : "Lossless"));
+    ASSERT_NO_FATAL_FAILURE(Restart());
+  }
+  void TearDown() override {
+    server_.reset();
+    if (!HasFailure()) std::filesystem::remove_all(dir_);
+  }
+  void Restart() {
+    server_.reset();
+    auto s = ServerProcess::Start(dir_ + "/data", {"--cluster_pass_interval_ms=20"});
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = *std::move(s);
+    client_ = Client::Create({.target = server_->target(), .ns = "p"});
+  }
+  // Waits until the pass ran at least `min_rounds` rounds and the namespace's stored bytes and the
+  // pass's rounds then stopped changing for 5 s (a round is counted only when it visited a
+  // group): the pass settled. Returns the bytes.
+  uint64_t Settle(uint64_t min_rounds = 0) {
+    absl::StatusOr<v1::StatsResponse> st = client_->Stats("p");
+    EXPECT_TRUE(st.ok()) << st.status();
+    if (!st.ok()) return 0;
+    uint64_t bytes = st->bytes_stored(), rounds = st->cluster_pass_rounds();
+    auto quiet_since = std::chrono::steady_clock::now();
+    const auto deadline = quiet_since + std::chrono::seconds(240);
+    while ((rounds < min_rounds ||
+            std::chrono::steady_clock::now() - quiet_since < std::chrono::seconds(5)) &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      st = client_->Stats("p");
+      EXPECT_TRUE(st.ok()) << st.status();
+      if (!st.ok()) return 0;
+      if (st->bytes_stored() != bytes || st->cluster_pass_rounds() != rounds) {
+        bytes = st->bytes_stored();
+        rounds = st->cluster_pass_rounds();
+        quiet_since = std::chrono::steady_clock::now();
+      }
+    }
+    return bytes;
+  }
+
+  std::string dir_;
+  std::unique_ptr<ServerProcess> server_;
+  std::unique_ptr<Client> client_;
+};
+
+TEST_P(ClusterPassDelete, ADeleteOfTheCentroidsPrefixAfterThePassKeepsTheNamespaceSize) {
+  const bool lossy = GetParam();
+  const PutOptions put = lossy
+                             ? PutOptions{.encoding = v1::ENCODING_RESIDUAL, .target_rel_rms = 0.1}
+                             : PutOptions{.encoding = v1::ENCODING_LOSSLESS};
+  std::vector<KvDump> dumps;
+  std::vector<KvDump> stored;  // each as read back right after its Put
+  for (const char* name : {"neardup/n0", "neardup/n1", "neardup/n2", "neardup/n3"}) {
+    dumps.push_back(Load(name));
+    absl::StatusOr<v1::PutResponse> r = client_->Put(dumps.back(), put);
+    ASSERT_TRUE(r.ok()) << name << ": " << r.status();
+    for (const v1::BlockResult& b : r->blocks()) {  // the client encoded them: standalone
+      ASSERT_NE(b.disposition(), v1::BLOCK_RESIDUAL_OF_CENTROID);
+      if (b.disposition() == v1::BLOCK_STORED) {
+        ASSERT_EQ(b.encoding(), lossy ? v1::ENCODING_RESIDUAL : v1::ENCODING_LOSSLESS);
+      }
+    }
+    absl::StatusOr<KvDump> got = client_->Get(dumps.back().model_id, dumps.back().token_ids);
+    ASSERT_TRUE(got.ok()) << got.status();
+    stored.push_back(*std::move(got));
+  }
+  const uint64_t before = Settle(/*min_rounds=*/1);
+  absl::StatusOr<v1::StatsResponse> st = client_->Stats("p");
+  ASSERT_TRUE(st.ok());
+  ASSERT_GT(st->residual_nodes(), 40u);  // the pass coded the near-duplicates against centroids
+  // The dump whose own branch holds the most centroids (blocks with dependents), and that branch:
+  // its blocks past the deepest one it shares with another dump.
+  size_t owner = 0, most = 0, own_from = 0;
+  for (size_t i = 0; i < dumps.size(); ++i) {
+    size_t shared = 0;
+    for (size_t j = 0; j < dumps.size(); ++j) {
+      if (j != i) shared = std::max(shared, DivergenceBlock(dumps[i], dumps[j]));
+    }
+    absl::StatusOr<v1::LookupResponse> path =
+        client_->Lookup(dumps[i].model_id, dumps[i].token_ids);
+    ASSERT_TRUE(path.ok()) << path.status();
+    size_t centroids = 0;
+    for (int b = static_cast<int>(shared); b < path->node_ids_size(); ++b) {
+      absl::StatusOr<v1::InspectResponse> n =
+          client_->Inspect(dumps[i].model_id, path->node_ids(b));
+      ASSERT_TRUE(n.ok()) << n.status();
+      centroids += n->node().dependents() > 0;
+      if (n->node().reference_node_id() != 0) {
+        // A member the pass coded against its centroid: stored losslessly, its reconstruction
+        // what its Put stored (lossy or not).
+        EXPECT_EQ(n->node().encoding(), v1::ENCODING_LOSSLESS);
+        EXPECT_EQ(n->node().lossy(), lossy) << "node " << n->node().node_id();
+        EXPECT_NEAR(n->node().target_rel_rms(), lossy ? 0.1 : 0.0, 1e-6);  // what its Put asked
+      }
+    }
+    if (centroids > most) {
+      most = centroids;
+      owner = i;
+      own_from = shared;
+    }
+  }
+  ASSERT_GT(most, 10u);
+  std::vector<uint32_t> branch(dumps[owner].token_ids.begin(),
+                               dumps[owner].token_ids.begin() + (own_from + 1) * kBlockTokens);
+  absl::StatusOr<v1::DeleteResponse> del = client_->Delete(dumps[owner].model_id, branch);
+  ASSERT_TRUE(del.ok()) << del.status();
+  st = client_->Stats("p");
+  ASSERT_TRUE(st.ok());
+  const uint64_t deleted = st->bytes_stored();
+  const uint64_t after = Settle();
+  std::printf(
+      "[ ratio ] %s: owner n%zu, %zu centroids; bytes %llu -> %llu right after the Delete "
+      "(%.4fx), %llu settled (%.4fx); retained %llu, re-elected %llu\n",
+      lossy ? "lossy" : "lossless", owner, most, static_cast<unsigned long long>(before),
+      static_cast<unsigned long long>(deleted), static_cast<double>(deleted) / before,
+      static_cast<unsigned long long>(after), static_cast<double>(after) / before,
+      static_cast<unsigned long long>(del->centroids_retained()),
+      static_cast<unsigned long long>(del->centroids_reelected()));
+  std::fflush(stdout);
+  EXPECT_LE(deleted, before * 1.10);
+  EXPECT_LE(after, before * 1.10);
+  if (lossy) {
+    EXPECT_GT(del->centroids_retained(), 10u);  // the lossy members keep their centroids
+  } else {
+    EXPECT_EQ(del->centroids_retained(), 0u);  // bit-exact members re-elect
+  }
+  const auto check = [&] {
+    absl::StatusOr<v1::LookupResponse> gone =
+        client_->Lookup(dumps[owner].model_id, dumps[owner].token_ids);
+    ASSERT_TRUE(gone.ok());
+    EXPECT_EQ(gone->matched_tokens(), own_from * kBlockTokens);
+    for (size_t i = 0; i < dumps.size(); ++i) {
+      if (i == owner) continue;
+      for (v1::GetMode mode : {v1::GET_MODE_RECONSTRUCTED, v1::GET_MODE_RESIDUAL}) {
+        absl::StatusOr<KvDump> got =
+            client_->Get(dumps[i].model_id, dumps[i].token_ids, {.mode = mode});
+        ASSERT_TRUE(got.ok()) << got.status();
+        // What its Put stored, bit for bit: within its target (lossy) or the sent KV (lossless).
+        EXPECT_TRUE(got->k == stored[i].k && got->v == stored[i].v) << "n" << i << " mode " << mode;
+        if (lossy) {
+          EXPECT_LE(RelRms(*got, dumps[i], false), 0.1) << "n" << i;
+          EXPECT_LE(RelRms(*got, dumps[i], true), 0.1) << "n" << i;
+        } else {
+          EXPECT_TRUE(got->k == dumps[i].k && got->v == dumps[i].v) << "n" << i;
+        }
+      }
+    }
+  };
+  check();
+  ASSERT_NO_FATAL_FAILURE(Restart());
+  st = client_->Stats("p");
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->bytes_stored(), after);
+  check();
+}
+
+INSTANTIATE_TEST_SUITE_P(ClientEncoded, ClusterPassDelete, ::testing::Values(true, false),
+                         [](const ::testing::TestParamInfo<bool>& p) {
+                           return p.param ? "Lossy" : "Lossless";
+                         });
 
 // A client that stalls in the middle of a RECONSTRUCTED Get stream of n1 while the centroid its
 // blocks are coded against (n0's branch) is deleted and a member re-elected: the rest of the

@@ -242,6 +242,11 @@ TEST_F(Ops, MetricsScrapedAfterTrafficParseStrictlyAndMoved) {
   EXPECT_TRUE(after->Has("kvtrie_centroids_reelected_total"));
   EXPECT_EQ(v(R"(kvtrie_retained_nodes{namespace="m"})"), 0);
   EXPECT_EQ(v(R"(kvtrie_retained_bytes{namespace="m"})"), 0);
+  EXPECT_EQ(v(R"(kvtrie_lossy_nodes{namespace="m"})"), static_cast<double>(stats->lossy_nodes()));
+  // Of them, re-coded LOSSLESS by the cluster pass (a recoding keeps lossy_nodes as it is).
+  EXPECT_TRUE(after->Has(R"(kvtrie_lossy_recoded_nodes{namespace="m"})"));
+  EXPECT_LE(v(R"(kvtrie_lossy_recoded_nodes{namespace="m"})"),
+            v(R"(kvtrie_lossy_nodes{namespace="m"})"));
   EXPECT_EQ(after->type.at("kvtrie_rpc_duration_seconds"), "histogram");
   EXPECT_EQ(after->type.at("kvtrie_rpc_requests_total"), "counter");
   // Every metric the example Grafana dashboard plots is one the server exports.

@@ -79,6 +79,16 @@ struct TrieNode {
   uint64_t reference_node_id = 0;      // the centroid this block is a residual of (0 = none)
   uint32_t predictor_version = 0;      // the learned state it is coded against (0 = none)
   bool error_client_reported = false;  // rel_rms_error_* were reported by its encoding client
+  // Its reconstruction is not what its Put sent (a lossy encoding, the server's or the client's;
+  // rel_rms_error_* say by how much), however it is coded now: the cluster pass and re-elections
+  // code the exact reconstruction again, LOSSLESS, and keep this. What a Delete or an eviction
+  // decides retain vs re-elect from (trie/cluster_policy.h), never from `encoding`.
+  bool lossy = false;
+  // A RESIDUAL block's error target as its Put asked, kept however it is re-coded (0 = none).
+  float target_rel_rms = 0;
+  // The cluster pass looks at it again once its groups are settled (ClusterPolicy's recheck_,
+  // which holds exactly these nodes); persisted, so a restart does not forget it.
+  bool recheck = false;
   // Client-encoded and accepted without a decode (--verify_encoded_puts=structure, or outside
   // the sample): the first Put that would deduplicate onto it decodes it first, and it is dropped
   // if it does not decode (PutEncoder::ApplyPut). In memory only: recovery sets it again on every

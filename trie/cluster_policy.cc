@@ -71,7 +71,9 @@ absl::Status ClusterPolicy::ReleaseDependentsLocked(absl::Span<const uint64_t> r
         const TrieNode* m = shard_->FindLive(d);
         if (m == nullptr || leaving.contains(d)) continue;
         clusters[n->id].push_back(d);
-        if (IsLossyEncoding(m->encoding) || m->retained) lossy.insert(n->id);
+        // Lossy by what it reconstructs, not by how it is coded (the pass codes a lossy block's
+        // reconstruction LOSSLESS against its centroid).
+        if (m->lossy || m->retained) lossy.insert(n->id);
       }
     }
   }

@@ -22,9 +22,11 @@
 // (RetiredReferences).
 //
 // Retained centroids. Deleting a prefix whose blocks are the centroids of near-duplicates outside
-// it re-elects a centroid among each cluster's members when they are all stored bit-exact (each
+// it re-elects a centroid among each cluster's members when they are all bit-exact (each
 // member's exact reconstruction is coded losslessly again: bytes shrink). A cluster with a lossy
-// member keeps the deleted centroid instead: re-encoding a lossy member would add error to one
+// member (TrieNode::lossy: its reconstruction is not what its Put sent, however it is coded now;
+// a lossy block the pass re-coded LOSSLESS against a centroid is one, issue 33) keeps the
+// deleted centroid instead: re-encoding a lossy member would add error to one
 // that already used its target (its reconstruction must stay what it is), and coding the new
 // centroid's reconstruction exactly costs ~5x its lossy bytes (issue 20: +205 % on
 // tests/data/neardup). The centroid and its ancestors inside the deleted prefix stay, marked
@@ -148,6 +150,11 @@ class ClusterPolicy {
                                             uint32_t first_block);
   // A node that leaves memory is no longer looked at again. REQUIRES the shard's mu_.
   void ForgetLocked(uint64_t node_id) { recheck_.erase(node_id); }
+  // Recovery: node_id's record says the pass looks at it again (TrieNode::recheck). REQUIRES the
+  // shard's mu_.
+  void RecheckLaterLocked(uint64_t node_id) { recheck_.insert(node_id); }
+  // The nodes the pass will look at again (recheck_), ascending. Takes the shard's mu_.
+  std::vector<uint64_t> PendingRechecks();
 
  private:
   // Elects among `members` (of centroid_id, which goes; ascending ids) the one whose path is most
@@ -194,11 +201,15 @@ class ClusterPolicy {
   // coded against the candidates the Put path finds now (aligned, or at any position offset),
   // kept when smaller. Returns the encodings spent. REQUIRES write_mu_.
   absl::StatusOr<uint32_t> RecheckLocked(uint64_t node_id);
+  // Adds node_id to recheck_ (`on`) or takes it out, and writes its record's `recheck` so a
+  // restart finds it again (record only, when it changes). A node gone meanwhile is only taken
+  // out. REQUIRES write_mu_. Errors: the store's write errors.
+  absl::Status MarkRecheckLocked(uint64_t node_id, bool on);
 
   ModelShard* const shard_;
-  // Blocks a cluster move left for the pass to look at again (RecheckLocked). Guarded by the
-  // shard's mu_. Memory only: after a restart they stay as they are (stored bytes, not
-  // correctness).
+  // Blocks a cluster move left for the pass to look at again (RecheckLocked): the nodes marked
+  // TrieNode::recheck (persisted in their records, so found again at recovery). Guarded by the
+  // shard's mu_.
   absl::flat_hash_set<uint64_t> recheck_;
 };
 

@@ -62,17 +62,49 @@ absl::StatusOr<uint32_t> ClusterPolicy::RunClusterPass(uint32_t budget, uint64_t
   std::sort(recheck.begin(), recheck.end());  // parents first
   for (uint64_t id : recheck) {
     if (spent >= budget) break;
-    absl::StatusOr<uint32_t> s;
-    {
-      absl::MutexLock writer(&shard_->write_mu_);
-      s = RecheckLocked(id);
-    }
+    absl::MutexLock writer(&shard_->write_mu_);
+    absl::StatusOr<uint32_t> s = RecheckLocked(id);
     if (!s.ok()) return s.status();
     spent += *s;
-    absl::MutexLock lock(&shard_->mu_);
-    recheck_.erase(id);
+    if (auto m = MarkRecheckLocked(id, false); !m.ok()) return m;
   }
   return spent;
+}
+
+std::vector<uint64_t> ClusterPolicy::PendingRechecks() {
+  absl::MutexLock lock(&shard_->mu_);
+  std::vector<uint64_t> ids(recheck_.begin(), recheck_.end());
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+absl::Status ClusterPolicy::MarkRecheckLocked(uint64_t node_id, bool on) {
+  RecordBatch batch(shard_->context_->records);
+  {
+    absl::MutexLock lock(&shard_->mu_);
+    TrieNode* n = shard_->FindLive(node_id);
+    if (n == nullptr || n->recheck == on) {
+      if (on && n != nullptr) {
+        recheck_.insert(node_id);
+      } else {
+        recheck_.erase(node_id);
+      }
+      return absl::OkStatus();
+    }
+    NodeMeta m = shard_->MetaOf(*n);
+    m.recheck = on;
+    batch.PutNode(shard_->shard_id_, node_id, m, nullptr);  // the record only
+  }
+  if (auto s = shard_->context_->records->Write(batch); !s.ok()) return s;
+  absl::MutexLock lock(&shard_->mu_);
+  TrieNode* n = shard_->trie_->Find(node_id);  // write_mu_: still there
+  if (n != nullptr) n->recheck = on;
+  if (on) {
+    recheck_.insert(node_id);
+  } else {
+    recheck_.erase(node_id);
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<uint32_t> ClusterPolicy::SettleClusterGroup(const std::vector<uint64_t>& ids,
@@ -82,8 +114,8 @@ absl::StatusOr<uint32_t> ClusterPolicy::SettleClusterGroup(const std::vector<uin
     uint64_t id;
     double path_bits;
     uint64_t hits;
-    bool centroid;  // standalone with dependents
-    bool lossless;
+    bool centroid;       // standalone with dependents
+    bool lossless;       // bit-exact: coded LOSSLESS and its reconstruction what its Put sent
     uint64_t reference;  // its centroid (0 = standalone)
   };
   std::vector<Vote> votes;
@@ -102,7 +134,7 @@ absl::StatusOr<uint32_t> ClusterPolicy::SettleClusterGroup(const std::vector<uin
       if (n->depth != first->depth || n->token_ids != first->token_ids) continue;
       votes.push_back({id, n->path_surprisal_bits, n->hits,
                        n->reference_node_id == 0 && shard_->clusters_.HasDependents(id),
-                       n->encoding == Encoding::kLossless, n->reference_node_id});
+                       n->encoding == Encoding::kLossless && !n->lossy, n->reference_node_id});
     }
   }
   if (votes.size() < 2) {
@@ -116,7 +148,8 @@ absl::StatusOr<uint32_t> ClusterPolicy::SettleClusterGroup(const std::vector<uin
   }
   // The most probable path (the paper's "most probable prefix"), then the most read; ties keep
   // the current centroid, then a standalone block, then the oldest. A lossy residual is not
-  // eligible: stored standalone its reconstruction would be coded losslessly.
+  // eligible: stored standalone its reconstruction would be coded losslessly. (A lossy block
+  // already re-coded LOSSLESS against a centroid is, but moves only when the group's bytes fall.)
   std::sort(votes.begin(), votes.end(), [](const Vote& a, const Vote& b) {
     if (a.path_bits != b.path_bits) return a.path_bits < b.path_bits;
     if (a.hits != b.hits) return a.hits > b.hits;
@@ -157,7 +190,7 @@ absl::StatusOr<uint32_t> ClusterPolicy::ConvergeGroup(uint64_t elected,
     bool movable = false;   // a centroid whose dependents are all in the group
     bool forced = false;    // a dependent of a movable centroid: moves with it
     bool won = false;       // encoded (smaller, unless forced) in `encoded`
-    bool lossless = false;  // stored bit-exact
+    bool lossless = false;  // stored bit-exact (not a lossy reconstruction coded LOSSLESS)
     EncodedBlock encoded;   // the trial encoding
     uint64_t encoded_reference = 0;
   };
@@ -182,7 +215,7 @@ absl::StatusOr<uint32_t> ClusterPolicy::ConvergeGroup(uint64_t elected,
       m->bytes = n->bytes_stored;
       m->reference = n->reference_node_id;
       m->centroid = shard_->clusters_.HasDependents(id);
-      m->lossless = n->encoding == Encoding::kLossless;
+      m->lossless = n->encoding == Encoding::kLossless && !n->lossy;
       return true;
     };
     const TrieNode* en = shard_->FindVisible(elected);
@@ -215,7 +248,7 @@ absl::StatusOr<uint32_t> ClusterPolicy::ConvergeGroup(uint64_t elected,
             e.reference != 0 && !e_centroid_in_group ? shard_->FindVisible(e.reference) : nullptr) {
       const std::vector<uint64_t> deps = shard_->clusters_.Dependents(c->id);
       swap = e.lossless && c->reference_node_id == 0 && c->encoding == Encoding::kLossless &&
-             shard_->clusters_.GroupSize(*c) == 1 && deps.size() >= 2;
+             !c->lossy && shard_->clusters_.GroupSize(*c) == 1 && deps.size() >= 2;
       for (uint64_t d : deps) swap = swap && group.contains(d);
     }
     // A dependent of a centroid that moves (a movable member, or the swapped block) moves too.
@@ -323,8 +356,7 @@ absl::StatusOr<uint32_t> ClusterPolicy::ConvergeGroup(uint64_t elected,
         ++spent;
         if (auto s = RecodeMemberLocked(d, e.id, {c}, &summary, &replaced); !s.ok()) return s;
         // Its best window may span a group not settled yet: looked at again once all are.
-        absl::MutexLock lock(&shard_->mu_);
-        recheck_.insert(d);
+        if (auto s = MarkRecheckLocked(d, true); !s.ok()) return s;
       }
     }
     for (const Member& m : others) {
@@ -342,8 +374,8 @@ absl::StatusOr<uint32_t> ClusterPolicy::ConvergeGroup(uint64_t elected,
     }
   }
   if (swap && move) {
-    absl::MutexLock lock(&shard_->mu_);
-    recheck_.insert(e.reference);  // once every group is settled (RunClusterPass)
+    // Once every group is settled (RunClusterPass).
+    if (auto s = MarkRecheckLocked(e.reference, true); !s.ok()) return s;
   }
   return spent;
 }

@@ -510,4 +510,10 @@ absl::StatusOr<uint64_t> KvStoreTestPeer::RecodeAgainstCentroid(KvStore* store,
   return shard->cluster_policy().RecodeAgainstCentroid(node_id, centroid_id);
 }
 
+std::vector<uint64_t> KvStoreTestPeer::PendingRechecks(KvStore* store, const std::string& ns,
+                                                       const std::string& model_id) {
+  ModelShard* shard = store->impl_->Find(ns, model_id);
+  return shard == nullptr ? std::vector<uint64_t>{} : shard->cluster_policy().PendingRechecks();
+}
+
 }  // namespace kvtrie

@@ -51,6 +51,10 @@ class KvStoreTestPeer {
   static absl::StatusOr<uint64_t> RecodeAgainstCentroid(KvStore* store, const std::string& ns,
                                                         const std::string& model_id,
                                                         uint64_t node_id, uint64_t centroid_id);
+  // The blocks the cluster pass of (ns, model_id) will look at again once its groups are settled
+  // (ClusterPolicy's recheck), ascending; empty for an unknown model.
+  static std::vector<uint64_t> PendingRechecks(KvStore* store, const std::string& ns,
+                                               const std::string& model_id);
 };
 
 }  // namespace kvtrie

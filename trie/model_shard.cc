@@ -59,6 +59,8 @@ NodeView ToView(const TrieNode& n) {
   v.predictor_version = n.predictor_version;
   v.error_client_reported = n.error_client_reported;
   v.retained = n.retained;
+  v.lossy = n.lossy;
+  v.target_rel_rms = n.target_rel_rms;
   return v;
 }
 
@@ -173,6 +175,9 @@ NodeMeta ModelShard::MetaOf(const TrieNode& n) const {
   m.predictor_version = n.predictor_version;
   m.error_client_reported = n.error_client_reported;
   m.retained = n.retained;  // a re-encoding of a retained node keeps it retained
+  m.lossy = n.lossy;        // and a lossy one lossy, however it is coded
+  m.recheck = n.recheck;
+  m.target_rel_rms = n.target_rel_rms;
   return m;
 }
 
@@ -184,7 +189,7 @@ bool ModelShard::EvictableLocked(const TrieNode& n) const {
   if (n.depth == 0 || !n.children.empty() || n.removing || n.retained) return false;
   for (uint64_t d : clusters_.Dependents(n.id)) {
     const TrieNode* m = trie_->Find(d);
-    if (m != nullptr && (IsLossyEncoding(m->encoding) || m->retained)) return false;
+    if (m != nullptr && (m->lossy || m->retained)) return false;
   }
   return true;
 }
@@ -200,7 +205,8 @@ void ModelShard::CountNodeLocked(const TrieNode& n, int sign) {
   if (nodes_at_depth_.size() <= n.depth) nodes_at_depth_.resize(n.depth + 1, 0);
   add(&nodes_at_depth_[n.depth], 1);
   if (n.error_client_reported) add(&client_reported_nodes_, 1);
-  if (n.rel_rms_error_k > 0 || n.rel_rms_error_v > 0) {
+  if (n.lossy && !IsLossyEncoding(n.encoding)) add(&lossy_recoded_nodes_, 1);
+  if (n.lossy || n.rel_rms_error_k > 0 || n.rel_rms_error_v > 0) {
     add(&lossy_nodes_, 1);
     sum_rel_rms_k_ += sign * static_cast<double>(n.rel_rms_error_k);
     sum_rel_rms_v_ += sign * static_cast<double>(n.rel_rms_error_v);
@@ -224,8 +230,13 @@ TrieNode* ModelShard::PublishLocked(TrieNode* parent, uint64_t id, const NodeMet
   n->reference_node_id = meta.reference_node_id;
   n->predictor_version = meta.predictor_version;
   n->error_client_reported = meta.error_client_reported;
+  n->lossy = meta.lossy || IsLossyEncoding(meta.encoding) || n->rel_rms_error_k > 0 ||
+             n->rel_rms_error_v > 0;
   trie_->SetRetained(n, meta.retained);
   if (n->retained) retained_ids_.insert(id);
+  n->target_rel_rms = BoundedError(meta.target_rel_rms);
+  n->recheck = meta.recheck;  // recovery: the pass's recheck, as it was
+  if (n->recheck) cluster_policy_->RecheckLaterLocked(id);
   predictors_->AddDependent(n->predictor_version, +1);
   next_id_ = std::max(next_id_, id + 1);
   clusters_.Add(*n);
@@ -713,6 +724,7 @@ void ModelShard::AddTotalsLocked(StoreStats* s) {
     }
   }
   s->lossy_nodes += lossy_nodes_;
+  s->lossy_recoded_nodes += lossy_recoded_nodes_;
   s->retained_nodes += retained_ids_.size();
   for (uint64_t id : retained_ids_) {
     if (const TrieNode* n = trie_->Find(id)) s->retained_bytes += n->bytes_stored;

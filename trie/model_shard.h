@@ -93,7 +93,8 @@ class ModelShard {
     uint32_t predictor_version = 0;  // the learned state it is coded against (0 = none)
     // Encoded by the client (PutSession::AddEncodedBlock): encoded's errors are the client's.
     bool error_client_reported = false;
-    bool unverified = false;  // client-encoded and not decoded at the Put (TrieNode::unverified)
+    bool unverified = false;    // client-encoded and not decoded at the Put (TrieNode::unverified)
+    double target_rel_rms = 0;  // RESIDUAL: the Put's error target (TrieNode::target_rel_rms)
   };
   // `committed`: the model record is on disk (recovered); otherwise the shard was created by a
   // Put and its model is written with its first blocks.
@@ -296,6 +297,7 @@ class ModelShard {
   uint64_t bytes_logical_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t bytes_stored_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t lossy_nodes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t lossy_recoded_nodes_ ABSL_GUARDED_BY(mu_) = 0;    // lossy, coded LOSSLESS now
   uint64_t client_reported_nodes_ ABSL_GUARDED_BY(mu_) = 0;  // error_client_reported nodes
   double sum_rel_rms_k_ ABSL_GUARDED_BY(mu_) = 0;
   double sum_rel_rms_v_ ABSL_GUARDED_BY(mu_) = 0;

@@ -201,6 +201,8 @@ absl::StatusOr<std::vector<uint64_t>> ModelShard::Commit(const ModelInfo& model,
       m.reference_node_id = b.reference_node_id;
       m.predictor_version = b.predictor_version;
       m.error_client_reported = b.error_client_reported;
+      m.lossy = IsLossyEncoding(m.encoding) || m.rel_rms_error_k > 0 || m.rel_rms_error_v > 0;
+      m.target_rel_rms = b.target_rel_rms;
       batch.PutNode(shard_id_, id, m, &b.encoded->bytes);
       ids.push_back(id);
       metas.push_back(std::move(m));

@@ -178,6 +178,9 @@ absl::StatusOr<PutSummary> PutEncoder::ApplyPut(PutPlan& plan) {
       blocks.push_back({b, std::make_shared<const EncodedBlock>(std::move(nd->encoded)),
                         plan.encode.encoding, nd->reference_node_id, predictor_version});
     }
+    for (ModelShard::NewBlock& nb : blocks) {  // what a RESIDUAL block was asked to meet
+      if (nb.encoding == Encoding::kResidual) nb.target_rel_rms = plan.encode.target_rel_rms;
+    }
     absl::StatusOr<std::vector<uint64_t>> ids =
         blocks.empty() ? std::vector<uint64_t>{}
                        : shard_->Commit(m, anchor, tokens, plan.surprisal_bits, blocks);

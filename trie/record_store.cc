@@ -15,6 +15,7 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "codec/envelope.h"
 #include "trie/rocksdb_crc32c.h"
 #include "trie/store_records.pb.h"
 #include "trie/value_log.h"
@@ -66,6 +67,9 @@ internal::NodeRecord ToRecord(const NodeMeta& m) {
   r.set_predictor_version(m.predictor_version);
   r.set_error_client_reported(m.error_client_reported);
   r.set_retained(m.retained);
+  r.set_lossy(m.lossy);
+  r.set_recheck(m.recheck);
+  r.set_target_rel_rms(m.target_rel_rms);
   return r;
 }
 
@@ -93,6 +97,11 @@ absl::StatusOr<NodeMeta> FromRecord(const rocksdb::Slice& value) {
   m.predictor_version = r.predictor_version();
   m.error_client_reported = r.error_client_reported();
   m.retained = r.retained();
+  // Records written before the field: a block the cluster pass re-coded LOSSLESS kept its error.
+  m.lossy =
+      r.lossy() || IsLossyEncoding(m.encoding) || m.rel_rms_error_k > 0 || m.rel_rms_error_v > 0;
+  m.recheck = r.recheck();
+  m.target_rel_rms = r.target_rel_rms();
   return m;
 }
 

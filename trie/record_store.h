@@ -115,7 +115,10 @@ struct NodeMeta {
   uint64_t reference_node_id = 0;
   uint32_t predictor_version = 0;      // the learned state the payload was coded against (0 = none)
   bool error_client_reported = false;  // rel_rms_error_* came from the client that encoded it
-  bool retained = false;  // deleted, kept as a centroid of lossy near-duplicates (TrieNode)
+  bool retained = false;      // deleted, kept as a centroid of lossy near-duplicates (TrieNode)
+  bool lossy = false;         // its reconstruction is not what its Put sent (TrieNode::lossy)
+  bool recheck = false;       // the cluster pass looks at it again (TrieNode::recheck)
+  double target_rel_rms = 0;  // a RESIDUAL block's Put's error target (TrieNode)
 };
 
 // What a predictor index record holds (its serialized state is stored beside it).

@@ -219,6 +219,11 @@ struct NodeView {
   double distance_to_reference_bits = 0;  // trie distance to the centroid (bits)
   // Its prefix was deleted; kept as the centroid (or a centroid's parent) of lossy members.
   bool retained = false;
+  // Its reconstruction is not what its Put sent (rel_rms_error_* by how much), however it is
+  // coded now (a lossy block the cluster pass re-coded LOSSLESS against a centroid stays lossy).
+  bool lossy = false;
+  // A RESIDUAL block's error target as its Put asked, kept however it is re-coded (0 = none).
+  double target_rel_rms = 0;
 };
 
 // One learned predictor state version of a (namespace, model).
@@ -251,8 +256,11 @@ struct StoreStats {
   uint64_t bytes_logical = 0;
   uint64_t bytes_stored = 0;
   uint64_t max_depth = 0;
-  uint64_t elements = 0;  // stored KV components
-  uint64_t lossy_nodes = 0;
+  uint64_t elements = 0;     // stored KV components
+  uint64_t lossy_nodes = 0;  // reconstruction not what the Put sent (TrieNode::lossy)
+  // Of them: coded LOSSLESS now (their reconstruction, e.g. by the cluster pass against a
+  // centroid).
+  uint64_t lossy_recoded_nodes = 0;
   double sum_rel_rms_error_k = 0;  // over lossy nodes
   double sum_rel_rms_error_v = 0;
   double max_rel_rms_error = 0;
