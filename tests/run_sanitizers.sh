@@ -49,7 +49,7 @@ run_tsan() {
   export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tsan.supp"
   export LD_PRELOAD="$PWD/build-tsan/libtsan_absl_shim.so"
   (cd build-tsan && ctest --output-on-failure -j2 --timeout 900 \
-    -R '^(KvStoreTest|ClusterStoreTest|TierTest|PredictorStoreTest|PutLimits|PutSessionTest|Hostile|Stress|CallbackE2E)\.' \
+    -R '^(KvStoreTest|ClusterStoreTest|TierTest|PredictorStoreTest|PutLimits|PutSessionTest|Hostile|Stress|CallbackE2E|ValueLogTest|RecordStoreVlogTest)\.' \
     -E '^TierTest.HotBytesNeverExceedTheBudget')
   unset LD_PRELOAD
 }
