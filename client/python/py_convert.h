@@ -11,11 +11,15 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
 #include "client/client.h"
 
 namespace kvtrie {
@@ -79,6 +83,50 @@ ClientOptions MakeClientOptions(const std::string& target, const std::string& ns
                                 int retry_attempts, double retry_initial_backoff_s,
                                 double retry_max_backoff_s, int codec_threads,
                                 double predictor_refresh_s);
+
+// The Python side of a layer-wise Put stream (PutStream, or ShardedPutStream over shards):
+// checks each write's arrays against the stream's geometry and calls the stream with the GIL
+// released, one call at a time.
+template <typename Stream>
+class PyLayerPutStream {
+ public:
+  explicit PyLayerPutStream(std::unique_ptr<Stream> s) : stream_(std::move(s)) {}
+
+  void Write(uint32_t layer_begin, size_t token_offset, const py::array& k, const py::array& v) {
+    const BlockGeometry& g = stream_->geometry();
+    const KvArrays kv = CheckKv(k, v, IsByteDType(g.dtype) ? static_cast<int>(g.dtype) : 0);
+    if (kv.dtype != g.dtype || kv.dims[1] != g.num_kv_heads || kv.dims[3] != g.head_dim) {
+      InvalidArgument(absl::StrCat("k: shape ", ShapeString(k), " ", DTypeString(k),
+                                   " does not fit the stream's ", g.DebugString()));
+    }
+    py::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(mu_);
+    Check(stream_->WriteLayers(layer_begin, layer_begin + kv.dims[0], token_offset, kv.dims[2],
+                               absl::MakeConstSpan(kv.k, kv.bytes),
+                               absl::MakeConstSpan(kv.v, kv.bytes)));
+  }
+
+  py::object Commit() {
+    absl::StatusOr<v1::PutResponse> r;
+    {
+      py::gil_scoped_release release;
+      std::lock_guard<std::mutex> lock(mu_);
+      r = stream_->Commit();
+    }
+    Check(r.status());
+    return PutResponseDict(*r);
+  }
+
+  void Cancel() {
+    py::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(mu_);
+    stream_->Cancel();
+  }
+
+ private:
+  std::mutex mu_;  // one call at a time on stream_ (it is not thread-safe)
+  std::unique_ptr<Stream> stream_;
+};
 
 }  // namespace py_convert
 }  // namespace kvtrie

@@ -42,45 +42,7 @@ std::vector<std::pair<std::string, std::string>> Pairs(const std::vector<Shard>&
 
 absl::Duration Seconds(double s) { return absl::Milliseconds(s * 1000); }
 
-class PyShardedPutStream {
- public:
-  explicit PyShardedPutStream(std::unique_ptr<ShardedPutStream> s) : stream_(std::move(s)) {}
-
-  void Write(uint32_t layer_begin, size_t token_offset, const py::array& k, const py::array& v) {
-    const BlockGeometry& g = stream_->geometry();
-    const KvArrays kv = CheckKv(k, v, IsByteDType(g.dtype) ? static_cast<int>(g.dtype) : 0);
-    if (kv.dtype != g.dtype || kv.dims[1] != g.num_kv_heads || kv.dims[3] != g.head_dim) {
-      InvalidArgument(absl::StrCat("k: shape ", ShapeString(k), " ", DTypeString(k),
-                                   " does not fit the stream's ", g.DebugString()));
-    }
-    py::gil_scoped_release release;
-    std::lock_guard<std::mutex> lock(mu_);
-    Check(stream_->WriteLayers(layer_begin, layer_begin + kv.dims[0], token_offset, kv.dims[2],
-                               absl::MakeConstSpan(kv.k, kv.bytes),
-                               absl::MakeConstSpan(kv.v, kv.bytes)));
-  }
-
-  py::object Commit() {
-    absl::StatusOr<v1::PutResponse> r;
-    {
-      py::gil_scoped_release release;
-      std::lock_guard<std::mutex> lock(mu_);
-      r = stream_->Commit();
-    }
-    Check(r.status());
-    return PutResponseDict(*r);
-  }
-
-  void Cancel() {
-    py::gil_scoped_release release;
-    std::lock_guard<std::mutex> lock(mu_);
-    stream_->Cancel();
-  }
-
- private:
-  std::mutex mu_;  // one call at a time on stream_ (it is not thread-safe)
-  std::unique_ptr<ShardedPutStream> stream_;
-};
+using PyShardedPutStream = PyLayerPutStream<ShardedPutStream>;
 
 class PyShardedClient {
  public:
