@@ -215,8 +215,7 @@ class Metrics::StoreCollector final : public prometheus::Collectable {
 };
 
 Metrics::Metrics(KvStore* store, size_t max_namespaces)
-    : store_(store),
-      labels_(max_namespaces),
+    : labels_(max_namespaces),
       registry_(std::make_shared<prometheus::Registry>()),
       store_collector_(std::make_shared<StoreCollector>(store, &labels_)),
       requests_(prometheus::BuildCounter()

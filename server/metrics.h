@@ -105,7 +105,6 @@ class Metrics {
   class ShardLabelled;
   std::string shard_name_;  // set before Listen, then read-only
   std::vector<std::shared_ptr<prometheus::Collectable>> labelled_;  // registered by Listen
-  KvStore* const store_;
   NamespaceLabels labels_;
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<StoreCollector> store_collector_;
