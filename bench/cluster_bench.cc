@@ -15,13 +15,18 @@
 // own store, with the n-gram index off (before) and on.
 // Then the centroid Delete (issue 20): n0..n3 alone, n0's own blocks deleted, bytes before/after.
 // Run: build/bench/cluster_bench [--target=0.1] > bench/cluster_bench.md
+#include <spdlog/sinks/stdout_sinks.h>
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
@@ -303,8 +308,11 @@ struct InsertionRun {
   uint64_t gated = 0;  // candidates over the distance limit
 };
 
+// `encoded`: the default path (each block encoded by the client, fast profile, stored
+// standalone), then the background cluster pass run until a round encodes nothing; the bytes
+// are then read from the stored nodes (Inspect), after the pass.
 InsertionRun StoreInsertion(const KvDump& base, const KvDump& ins, size_t first,
-                            const EncodeOptions& enc, int mode) {
+                            const EncodeOptions& enc, int mode, bool encoded = false) {
   const auto dir = std::filesystem::temp_directory_path() /
                    ("kvtrie_cluster_bench_ins_" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);
@@ -315,7 +323,21 @@ InsertionRun StoreInsertion(const KvDump& base, const KvDump& ins, size_t first,
   auto store = KvStore::Open(o);
   if (!store.ok()) std::exit(1);
   InsertionRun run;
+  if (encoded) {
+    for (const KvDump* d : {&base, &ins}) PutEncodedOrExit(store->get(), *d, enc);
+    while (KvStoreTestPeer::RunClusterPass(store->get()).encodings > 0) {
+    }
+    const std::vector<uint64_t> ids =
+        (*store)->Lookup("bench", ins.model_id, ins.token_ids).node_ids;
+    for (size_t b = first; b < ids.size(); ++b) {
+      auto in = (*store)->Inspect("bench", ins.model_id, ids[b]);
+      if (!in.ok()) std::exit(1);
+      run.after += in->node.bytes_stored;
+      run.residuals += in->node.reference_node_id != 0;
+    }
+  }
   for (const KvDump* d : {&base, &ins}) {
+    if (encoded) break;
     const PutSummary s = PutOrExit(store->get(), *d, enc, "insertion");
     if (d != &ins) continue;
     for (const BlockReport& r : s.blocks) {
@@ -370,9 +392,86 @@ void PrintInsertionRows(double target) {
         first, pct(0, 1), pct(0, 2), pct(1, 1), pct(1, 2), r[0][2].residuals, r[1][2].residuals,
         32 - first, (unsigned long long)r[1][2].gated, (unsigned long long)r[1][2].ngram_entries);
   }
+  // The default path (issue 33): the same pairs, every block encoded by the client (fast
+  // profile) and stored standalone; the pass looks at each once for a block stored before it
+  // that it repeats at any offset (trie/cluster_policy.h, "Any offset").
+  std::printf(
+      "\nThe same on the default path (issue 33): every block encoded by the client (fast "
+      "profile, what workers send) and stored standalone, then the background cluster pass run "
+      "until a round encodes nothing; it codes each block's exact reconstruction LOSSLESS against "
+      "the stored text's window at the offset when smaller. Share of the same blocks encoded "
+      "alone (fast, no centroids). Target: <= 15 %% lossy.\n\n");
+  std::printf(
+      "| inserted tokens | first | lossless after the pass | lossy after the pass | residual "
+      "blocks after (lossless / lossy) |\n");
+  std::printf("|---:|---:|---:|---:|---:|\n");
+  const EncodeOptions fast_lossless{.encoding = Encoding::kLossless, .profile = Profile::kFast};
+  const EncodeOptions fast_lossy{
+      .encoding = Encoding::kResidual, .profile = Profile::kFast, .target_rel_rms = target};
+  for (size_t n : {4, 8, 9, 12, 16, 64}) {
+    absl::StatusOr<KvDump> ins = testing_insertion::InsertionDump(*model, n);
+    if (!ins.ok()) std::exit(1);
+    const size_t first = (testing_insertion::kInsertAt + n + kBlockTokens - 1) / kBlockTokens;
+    InsertionRun r[2][2];  // [lossless, lossy][alone, with the pass]
+    for (int mode = 0; mode < 2; ++mode) {
+      r[0][mode] = StoreInsertion(*base, *ins, first, fast_lossless, mode == 0 ? 0 : 2, true);
+      r[1][mode] = StoreInsertion(*base, *ins, first, fast_lossy, mode == 0 ? 0 : 2, true);
+    }
+    auto pct = [&](int e, int mode) { return 100.0 * r[e][mode].after / r[e][0].after; };
+    std::printf("| %zu | %zu | %.2f%% | %.2f%% | %d / %d of %zu |\n", n, first, pct(0, 1),
+                pct(1, 1), r[0][1].residuals, r[1][1].residuals, 32 - first);
+  }
+}
+
+// How long a fresh namespace's near-duplicate sessions take to settle on the default path
+// (issue 33): n0..n3 client-encoded into a store with the pass at its defaults (a round every
+// 1000 ms, 64 encodings per round, the thread at nice 10); from the last Put until the round
+// after which the bytes no longer change (three more rounds without a change confirm it).
+struct SettleRun {
+  double seconds = 0;  // last Put -> the end of the last round that changed the bytes
+  uint64_t before = 0, after = 0;
+  uint64_t rounds = 0;  // rounds that visited a group, counted at their end
+};
+
+SettleRun SettleAtDefaults(const std::vector<KvDump>& dumps, const EncodeOptions& enc) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("kvtrie_cluster_bench_settle_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  StoreOptions o;
+  o.data_dir = dir.string();
+  o.cluster_pass_interval_ms = 1000;  // the server's defaults (--cluster_pass_interval_ms, ...)
+  o.cluster_pass_blocks_per_round = 64;
+  auto store = KvStore::Open(o);
+  if (!store.ok()) std::exit(1);
+  for (size_t i = 0; i < 4; ++i) PutEncodedOrExit(store->get(), dumps[i], enc);
+  const auto start = std::chrono::steady_clock::now();
+  SettleRun run;
+  StoreStats st = (*store)->Stats("bench");
+  run.before = st.bytes_stored;
+  uint64_t bytes = st.bytes_stored, rounds_at_change = st.cluster_pass_rounds;
+  auto changed_at = start;
+  while (std::chrono::steady_clock::now() - start < std::chrono::seconds(120)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    st = (*store)->Stats("bench");
+    if (st.bytes_stored != bytes) {
+      bytes = st.bytes_stored;
+      changed_at = std::chrono::steady_clock::now();
+      rounds_at_change = st.cluster_pass_rounds;
+    } else if (std::chrono::steady_clock::now() - changed_at > std::chrono::seconds(3)) {
+      break;  // three more rounds changed nothing
+    }
+  }
+  run.seconds = std::chrono::duration<double>(changed_at - start).count();
+  run.after = bytes;
+  run.rounds = rounds_at_change;
+  store->reset();
+  std::filesystem::remove_all(dir);
+  return run;
 }
 
 int Main(int argc, char** argv) {
+  // The store's log lines go to stderr: stdout is the report (`> bench/cluster_bench.md`).
+  spdlog::set_default_logger(spdlog::stderr_logger_mt("cluster_bench"));
   double target = 0.1;
   for (int i = 1; i < argc; ++i) {
     if (std::strncmp(argv[i], "--target=", 9) == 0) target = std::atof(argv[i] + 9);
@@ -606,6 +705,21 @@ int Main(int argc, char** argv) {
   std::printf("\n");
   PrintInsertionRows(target);
   PrintArrivalOrders(dumps, lossless, lossy);
+  std::printf(
+      "\nSettling at the default pass interval (issue 33): n0..n3 client-encoded (fast profile) "
+      "into a fresh store with the pass at its defaults (a round every 1000 ms, 64 encodings per "
+      "round, its thread at nice 10); seconds from the last Put to the last change of the "
+      "namespace's bytes (three more rounds changed nothing; `rounds`: rounds that visited a group "
+      "and had ended by then). Target: <= 10 s. Timed on this "
+      "machine (the only timed row).\n\n");
+  std::printf("| encoding | bytes after the Puts | settled bytes | seconds | rounds |\n");
+  std::printf("|---|---:|---:|---:|---:|\n");
+  for (const auto& [name, enc] :
+       {std::pair<const char*, EncodeOptions>{"lossless", fast_lossless}, {"lossy", fast_lossy}}) {
+    const SettleRun r = SettleAtDefaults(dumps, enc);
+    std::printf("| %s | %llu | %llu | %.1f | %llu |\n", name, (unsigned long long)r.before,
+                (unsigned long long)r.after, r.seconds, (unsigned long long)r.rounds);
+  }
   return 0;
 }
 

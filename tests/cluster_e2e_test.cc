@@ -351,8 +351,9 @@ TEST_F(ClusterEndToEnd, NamespacesNeverClusterAcrossEachOther) {
 
 // The default path: workers encode on the client (fast profile) and the server stores the blocks
 // as they came, standalone. The server's background cluster pass (here every 20 ms) then codes
-// the near-duplicates against their group's centroid: the namespace's bytes fall by a third and
-// every block still reads back bit-exact.
+// the near-duplicates against their group's centroid, and n3's position-shifted blocks against
+// n0's window at the offset (issue 33): the namespace's bytes fall by half and every block still
+// reads back bit-exact, in both Get modes.
 TEST(ClusterPassEndToEnd, ClientEncodedNearDuplicatesShrinkAfterThePass) {
   const std::string dir = testing::FreshDir("ClientEncodedNearDuplicatesShrinkAfterThePass");
   auto server = ServerProcess::Start(dir + "/data", {"--cluster_pass_interval_ms=20"});
@@ -374,14 +375,15 @@ TEST(ClusterPassEndToEnd, ClientEncodedNearDuplicatesShrinkAfterThePass) {
   // each re-encoding is counted once it is published).
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (st.ok() &&
-         (st->bytes_stored() > sent * 0.70 || st->cluster_pass_rounds() == 0 ||
+         (st->bytes_stored() > sent * 0.55 || st->cluster_pass_rounds() == 0 ||
           st->cluster_pass_recoded() != st->residual_nodes()) &&
          std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     st = client->Stats("p");
   }
   ASSERT_TRUE(st.ok());
-  EXPECT_LE(st->bytes_stored(), sent * 0.70);  // measured: 670,178 (-36 %)
+  // Measured: 514,190 (-51 %; 670,178 before n3's shifted blocks were looked at any offset).
+  EXPECT_LE(st->bytes_stored(), sent * 0.55);
   EXPECT_GT(st->residual_nodes(), 40u);
   // The pass's counters reach the Stats RPC: every residual is its work (the Puts coded none).
   EXPECT_GE(st->cluster_pass_rounds(), 1u);

@@ -102,6 +102,28 @@ void BlockReader::DecodeAlone(Slot* slot) {
   decoded_alone_.fetch_add(1, std::memory_order_relaxed);
 }
 
+bool BlockReader::ListingMatches(const BlockRead& read, const std::string& payload) {
+  absl::StatusOr<BlockHeader> h = ParseVerifiedBlock(payload);  // checked when read
+  return !h.ok() || (h->reference_node_id == read.reference_node_id &&
+                     h->predictor_version == read.predictor_version);
+}
+
+absl::Status BlockReader::ListAgainFrom(size_t i) {
+  shard_->AwaitPublished();
+  GetResult again = shard_->Get(tokens_, max_blocks_, through_retained_);
+  if (again.blocks.size() <= i || again.blocks[i].node_id != got_.blocks[i].node_id) {
+    return absl::AbortedError(absl::StrCat("token_ids: blocks [", i, ", ", got_.blocks.size(),
+                                           ") were deleted while this Get streamed them; retry"));
+  }
+  for (size_t j = i; j < again.blocks.size() && j < got_.blocks.size() &&
+                     again.blocks[j].node_id == got_.blocks[j].node_id;
+       ++j) {
+    got_.blocks[j] = std::move(again.blocks[j]);
+  }
+  ++generation_;
+  return absl::OkStatus();
+}
+
 absl::Status BlockReader::DecodeOnChain(Slot* slot) {
   const size_t i = slot->index;
   if (slot->generation != generation_) {  // listed again since it was read: read it anew
@@ -117,19 +139,10 @@ absl::Status BlockReader::DecodeOnChain(Slot* slot) {
   // kept for it: it listed while the Delete was under way). Delete first re-encodes its
   // dependents as bit-exact standalone copies under the same node ids, so list the rest of the
   // prefix again and read the same node anew (bounded). Everything else is read as listed.
+  // A re-encoding by the cluster pass is the same case: written before it is published, so a cold
+  // read listed in between has the old listing and the new bytes (ListAgainFrom waits for it).
   for (int retry = 0; absl::IsAborted(s) && retry < kRetries; ++retry) {
-    GetResult again = shard_->Get(tokens_, max_blocks_, through_retained_);
-    if (again.blocks.size() <= i || again.blocks[i].node_id != got_.blocks[i].node_id) {
-      // The block itself went (a Delete of its prefix): what this Get promised is gone.
-      return absl::AbortedError(absl::StrCat("token_ids: blocks [", i, ", ", got_.blocks.size(),
-                                             ") were deleted while this Get streamed them; retry"));
-    }
-    for (size_t j = i; j < again.blocks.size() && j < got_.blocks.size() &&
-                       again.blocks[j].node_id == got_.blocks[j].node_id;
-         ++j) {
-      got_.blocks[j] = std::move(again.blocks[j]);
-    }
-    ++generation_;
+    if (auto r = ListAgainFrom(i); !r.ok()) return r;
     if (auto r = ReadSlot(i, slot); !r.ok()) return r;
     chain_->SetOutputOwner(buffer);
     s = shard_->DecodeReadBlock(slot->read, *slot->payload, chain_.get(), out);
@@ -151,6 +164,19 @@ absl::Status BlockReader::Next(Block* out, bool* end) {
     absl::StatusOr<std::shared_ptr<const std::string>> payload =
         shard_->ReadPayload(got_.blocks[i]);
     if (!payload.ok()) return payload.status();
+    // The bytes must be what the listing says (the client decodes them against the centroid it
+    // names): a cold block the cluster pass or a Delete re-encoded after this Get listed it
+    // (written before it is published) is listed and read again.
+    for (int retry = 0; !ListingMatches(got_.blocks[i], **payload); ++retry) {
+      if (retry == kRetries) {
+        return absl::AbortedError(absl::StrCat("token_ids: block ", i, " (node ",
+                                               got_.blocks[i].node_id,
+                                               ") was re-encoded while this Get read it; retry"));
+      }
+      if (auto s = ListAgainFrom(i); !s.ok()) return s;
+      payload = shard_->ReadPayload(got_.blocks[i]);
+      if (!payload.ok()) return payload.status();
+    }
     out->index = i;
     out->encoded = true;
     out->bytes = **payload;

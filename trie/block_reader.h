@@ -28,8 +28,10 @@
 // Errors of Next (the block's index is named): ModelShard::ReadPayload's and ReadAndDecodeBlock's
 // (DATA_LOSS and a dropped subtree only for bytes that fail their own checksum; ABORTED or
 // INTERNAL, nothing dropped, for an inconsistency). A chain block that is ABORTED because a Delete
-// re-encoded it after the listing is listed again (the rest of the prefix, at most kRetries
-// times) and read anew; ABORTED "deleted while this Get streamed them" when the block itself went.
+// or the cluster pass re-encoded it after the listing (or, kStored, a block whose bytes name
+// another centroid than its listing) is listed again once that write is published (the rest of
+// the prefix, at most kRetries times) and read anew; ABORTED "deleted while this Get streamed
+// them" when the block itself went.
 //
 // Not thread-safe: one caller. The store must outlive the reader; the destructor waits for a
 // window being decoded.
@@ -100,6 +102,12 @@ class BlockReader {
   };
 
   absl::Status ReadSlot(size_t i, Slot* slot);
+  // Whether `payload` is coded as `read` lists it (against the same centroid and learned state).
+  static bool ListingMatches(const BlockRead& read, const std::string& payload);
+  // Lists the rest of the prefix from block i again, once the write under way is published
+  // (ModelShard::AwaitPublished), and bumps generation_. ABORTED when block i itself went (a
+  // Delete of its prefix: what this Get promised is gone).
+  absl::Status ListAgainFrom(size_t i);
   absl::Status Prepare(size_t begin, std::vector<Slot>* slots);
   void DecodeAlone(Slot* slot);
   absl::Status DecodeOnChain(Slot* slot);

@@ -89,6 +89,9 @@ struct TrieNode {
   // The cluster pass looks at it again once its groups are settled (ClusterPolicy's recheck_,
   // which holds exactly these nodes); persisted, so a restart does not forget it.
   bool recheck = false;
+  // Stored without a near-duplicate search and not yet looked at by the cluster pass for a block
+  // it repeats at any offset (ClusterPolicy::LookLaterLocked); persisted, cleared once looked at.
+  bool offset_look = false;
   // Client-encoded and accepted without a decode (--verify_encoded_puts=structure, or outside
   // the sample): the first Put that would deduplicate onto it decodes it first, and it is dropped
   // if it does not decode (PutEncoder::ApplyPut). In memory only: recovery sets it again on every

@@ -285,6 +285,120 @@ TEST_F(ClusterPassTest, RawBlocksAreLeftAsTheyAre) {
   EXPECT_EQ(store_->Stats("ns").cluster_pass_recoded, 0u);
 }
 
+// Issue 33, any offset on the default path: n3 repeats n0 4 tokens earlier after its changed
+// word, so its blocks from 6 on share no (depth, tokens) group with n0's. Client-encoded, they
+// arrive standalone; the pass looks at each once and codes its exact reconstruction against
+// n0's window at the offset (keys turned by RoPE), as the compact Put path does at Put time
+// (trie/kv_store_shift_test.cc: 36 % of standalone), also after a restart before the pass. The
+// older text is never coded against the newer one, everything stays bit-exact, and a settled
+// namespace costs a round nothing (the marks are cleared).
+TEST_F(ClusterPassTest, EncodedShiftedRepeatIsCodedAgainstWhatItRepeatsAtAnyOffset) {
+  Open();
+  const EncodeOptions eo{.encoding = Encoding::kLossless, .profile = Profile::kFast};
+  PutEncoded(dumps_[0], eo);
+  PutEncoded(dumps_[3], eo);
+  const ModelInfo m = DumpModel(dumps_[3]);
+  // n3's blocks from 6 on: their bytes and how many are residuals.
+  const auto shifted = [&](uint64_t* bytes) {
+    const std::vector<uint64_t> ids =
+        store_->Lookup("ns", m.model_id, dumps_[3].token_ids).node_ids;
+    EXPECT_EQ(ids.size(), 32u);
+    size_t residuals = 0;
+    *bytes = 0;
+    for (size_t b = 6; b < ids.size(); ++b) {
+      auto in = store_->Inspect("ns", m.model_id, ids[b]);
+      EXPECT_TRUE(in.ok()) << in.status();
+      if (!in.ok()) continue;
+      *bytes += in->node.bytes_stored;
+      residuals += in->node.reference_node_id != 0;
+    }
+    return residuals;
+  };
+  uint64_t before = 0, after = 0;
+  ASSERT_EQ(shifted(&before), 0u);  // stored as their client sent them
+  Open();  // a restart before the pass: the blocks to look at are marked in their records
+  EXPECT_GT(RunToCompletion(), 0u);
+  const size_t residuals = shifted(&after);
+  RecordProperty("shifted_bytes_before", std::to_string(before));
+  RecordProperty("shifted_bytes_after", std::to_string(after));
+  EXPECT_GE(residuals, 24u);
+  EXPECT_LT(after, before / 2) << before << " -> " << after;
+  EXPECT_GE(store_->Stats("ns").cluster.position_shifted_coded, residuals);
+  for (uint64_t id : store_->Lookup("ns", m.model_id, dumps_[0].token_ids).node_ids) {
+    auto in = store_->Inspect("ns", m.model_id, id);
+    ASSERT_TRUE(in.ok()) << in.status();
+    EXPECT_EQ(in->node.reference_node_id, 0u) << "n0's node " << id;  // the older text
+  }
+  for (int i : {0, 3}) {
+    EXPECT_EQ(ExpectBitExact(store_.get(), "ns", dumps_[i]), dumps_[i].num_tokens() / 16);
+  }
+  const ClusterPassRound idle = KvStoreTestPeer::RunClusterPass(store_.get());
+  EXPECT_EQ(idle.encodings, 0u);
+  Open();  // durable
+  EXPECT_EQ(shifted(&before), residuals);
+  EXPECT_EQ(before, after);
+  EXPECT_EQ(ExpectBitExact(store_.get(), "ns", dumps_[3]), dumps_[3].num_tokens() / 16);
+}
+
+// The same for lossy client-encoded blocks (RESIDUAL fast at 0.1): a block's reconstruction,
+// coded losslessly against a window of another lossy reconstruction, is kept only when smaller,
+// so the namespace never grows and every block reads back exactly as before the pass.
+TEST_F(ClusterPassTest, EncodedLossyShiftedRepeatNeverGrowsAndKeepsItsReconstruction) {
+  Open();
+  const EncodeOptions eo{
+      .encoding = Encoding::kResidual, .profile = Profile::kFast, .target_rel_rms = 0.1};
+  PutEncoded(dumps_[0], eo);
+  PutEncoded(dumps_[3], eo);
+  const ModelInfo m = DumpModel(dumps_[3]);
+  const auto read = [&](std::vector<std::vector<uint8_t>>* out) {
+    auto got = store_->Get("ns", m.model_id, dumps_[3].token_ids, 0);
+    ASSERT_TRUE(got.ok()) << got.status();
+    DecodeChain chain(m.geometry, nullptr);
+    for (const BlockRead& b : got->blocks) {
+      out->emplace_back(m.geometry.num_bytes());
+      ASSERT_TRUE(
+          store_->ReadAndDecodeBlock("ns", m.model_id, b, &chain, absl::MakeSpan(out->back()))
+              .ok());
+    }
+  };
+  std::vector<std::vector<uint8_t>> recon, again;
+  read(&recon);
+  const uint64_t before = Bytes();
+  RunToCompletion();
+  const uint64_t after = Bytes();
+  RecordProperty("bytes_before", std::to_string(before));
+  RecordProperty("bytes_after", std::to_string(after));
+  EXPECT_LE(after, before);
+  read(&again);
+  EXPECT_EQ(again, recon);
+}
+
+// A Get listed before the pass re-encoded a cold block reads the block's old bytes in its
+// snapshot (standalone, while the node is now a residual of n0's window). Those bytes must not
+// become the node's hot copy: every later Get would list them against the new centroid and fail
+// ABORTED until they left memory (found by tests/cluster_pass_crash_test.cc).
+TEST_F(ClusterPassTest, AColdReadListedBeforeARecodeIsNeverPromoted) {
+  Open();
+  const EncodeOptions eo{.encoding = Encoding::kLossless, .profile = Profile::kFast};
+  PutEncoded(dumps_[0], eo);
+  PutEncoded(dumps_[3], eo);
+  Open();  // recovered cold; a block read twice while cold is promoted to memory
+  const ModelInfo m = DumpModel(dumps_[3]);
+  auto listed = store_->Get("ns", m.model_id, dumps_[3].token_ids, 0);
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->blocks.size(), 32u);
+  ASSERT_EQ(listed->blocks[20].encoded, nullptr);  // cold: read in the Get's snapshot
+  EXPECT_GT(RunToCompletion(), 0u);                // n3's shifted blocks become residuals
+  // The old bytes, read by the old listing: each block's second cold read (the pass read it once).
+  for (const BlockRead& b : listed->blocks) {
+    ASSERT_TRUE(store_->ReadPayload("ns", m.model_id, b).ok());
+  }
+  auto again = store_->Get("ns", m.model_id, dumps_[3].token_ids, 0);
+  ASSERT_TRUE(again.ok());
+  ASSERT_NE(again->blocks[20].reference_node_id, 0u);
+  EXPECT_EQ(ExpectBitExact(store_.get(), "ns", dumps_[3]), 32u);
+}
+
 // A round spends at most its budget; the groups it could not finish are visited by the next.
 TEST_F(ClusterPassTest, RoundsAreBoundedAndResume) {
   Open(0, 4);

@@ -149,7 +149,27 @@ class ClusterPolicy {
                                             absl::Span<const uint32_t> token_ids,
                                             uint32_t first_block);
   // A node that leaves memory is no longer looked at again. REQUIRES the shard's mu_.
-  void ForgetLocked(uint64_t node_id) { recheck_.erase(node_id); }
+  void ForgetLocked(uint64_t node_id) {
+    recheck_.erase(node_id);
+    unlooked_.erase(node_id);
+  }
+  // Any offset for blocks stored without a near-duplicate search (issue 33): a client-encoded or
+  // fast-profile block arrives standalone, and only blocks at the same depth meet it in a group.
+  // Such a block, standalone, LOSSLESS or RESIDUAL (LooksAtOffsets), is marked in its record
+  // (TrieNode::offset_look, written with the block) and queued (LookLaterLocked, also at
+  // recovery); the pass, once its groups are settled, looks for a stored block it repeats at any
+  // position offset (the n-gram index, as the compact Put path does) among the blocks stored
+  // BEFORE it (so an inserted-into copy is coded against the text it repeats, never the
+  // reverse), and codes its exact reconstruction, losslessly, against the best when that is
+  // smaller than what it stores (a lossy block keeps its reconstruction and stays lossy); then
+  // clears the marks of a round's looks in one batch. A block in a group of two or more is the
+  // group's (ConvergeGroup) and is not moved by a look. At most kMaxUnlooked blocks are queued
+  // per shard (past it a marked block waits for a restart).
+  bool LooksAtOffsets(const BlockGeometry& g, Encoding encoding) const;
+  // REQUIRES the shard's mu_.
+  void LookLaterLocked(uint64_t node_id);
+  // The blocks queued for a look, ascending. Takes the shard's mu_.
+  std::vector<uint64_t> PendingLooks();
   // Recovery: node_id's record says the pass looks at it again (TrieNode::recheck). REQUIRES the
   // shard's mu_.
   void RecheckLaterLocked(uint64_t node_id) { recheck_.insert(node_id); }
@@ -201,6 +221,13 @@ class ClusterPolicy {
   // coded against the candidates the Put path finds now (aligned, or at any position offset),
   // kept when smaller. Returns the encodings spent. REQUIRES write_mu_.
   absl::StatusOr<uint32_t> RecheckLocked(uint64_t node_id);
+  // The pass's look at node_id (a queued block, LookLaterLocked): RecodeIfSmallerLocked against
+  // the candidates older than it, when it is still standalone, without dependents and alone in
+  // its group. Returns the encodings spent. REQUIRES write_mu_.
+  absl::StatusOr<uint32_t> LookAtOffsetsLocked(uint64_t node_id);
+  // Clears the offset_look mark of `ids` (one batch, records only) and takes them out of the
+  // queue. REQUIRES write_mu_. Errors: the store's write errors (they stay queued).
+  absl::Status ClearOffsetLooksLocked(const std::vector<uint64_t>& ids);
   // Adds node_id to recheck_ (`on`) or takes it out, and writes its record's `recheck` so a
   // restart finds it again (record only, when it changes). A node gone meanwhile is only taken
   // out. REQUIRES write_mu_. Errors: the store's write errors.
@@ -211,7 +238,13 @@ class ClusterPolicy {
   // TrieNode::recheck (persisted in their records, so found again at recovery). Guarded by the
   // shard's mu_.
   absl::flat_hash_set<uint64_t> recheck_;
+  // Blocks queued for a look at any offset (LookLaterLocked): nodes marked TrieNode::offset_look
+  // (at most kMaxUnlooked of them). Guarded by the shard's mu_.
+  absl::flat_hash_set<uint64_t> unlooked_;
 };
+
+// The most blocks queued for a look at any offset per shard (8 bytes each).
+inline constexpr size_t kMaxUnlooked = size_t{1} << 20;
 
 }  // namespace kvtrie
 

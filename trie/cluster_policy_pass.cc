@@ -14,6 +14,8 @@ namespace {
 
 // The groups one shard's round looks at, at most (the budget usually ends it first).
 constexpr size_t kMaxGroupsPerRound = 4096;
+// The queued blocks one shard's round looks at for any offset, at most.
+constexpr size_t kMaxLooksPerRound = 4096;
 
 }  // namespace
 
@@ -68,6 +70,106 @@ absl::StatusOr<uint32_t> ClusterPolicy::RunClusterPass(uint32_t budget, uint64_t
     spent += *s;
     if (auto m = MarkRecheckLocked(id, false); !m.ok()) return m;
   }
+  // The blocks stored without a near-duplicate search, oldest first (so each is looked at after
+  // the blocks it may repeat had theirs): any offset, against the blocks stored before it. A look
+  // that finds no candidate costs no encoding (a few n-gram lookups); at most kMaxLooksPerRound.
+  std::vector<uint64_t> looks;
+  if (settled_all) looks = PendingLooks();
+  if (looks.size() > kMaxLooksPerRound) looks.resize(kMaxLooksPerRound);
+  std::vector<uint64_t> looked;
+  for (uint64_t id : looks) {
+    if (spent >= budget) break;
+    absl::MutexLock writer(&shard_->write_mu_);
+    absl::StatusOr<uint32_t> s = LookAtOffsetsLocked(id);
+    if (!s.ok()) return s.status();
+    spent += *s;
+    looked.push_back(id);
+  }
+  if (!looked.empty()) {
+    absl::MutexLock writer(&shard_->write_mu_);
+    if (auto s = ClearOffsetLooksLocked(looked); !s.ok()) return s;
+  }
+  return spent;
+}
+
+absl::Status ClusterPolicy::ClearOffsetLooksLocked(const std::vector<uint64_t>& ids) {
+  RecordBatch batch(shard_->context_->records);
+  std::vector<uint64_t> marked;
+  {
+    absl::MutexLock lock(&shard_->mu_);
+    for (uint64_t id : ids) {
+      TrieNode* n = shard_->FindLive(id);
+      if (n == nullptr || !n->offset_look) {
+        unlooked_.erase(id);  // gone meanwhile, or not marked: nothing to write
+        continue;
+      }
+      NodeMeta m = shard_->MetaOf(*n);
+      m.offset_look = false;
+      batch.PutNode(shard_->shard_id_, id, m, nullptr);  // the record only
+      marked.push_back(id);
+    }
+  }
+  if (marked.empty()) return absl::OkStatus();
+  if (auto s = shard_->context_->records->Write(batch); !s.ok()) return s;  // looked at again
+  absl::MutexLock lock(&shard_->mu_);
+  for (uint64_t id : marked) {
+    if (TrieNode* n = shard_->trie_->Find(id)) n->offset_look = false;  // write_mu_: still there
+    unlooked_.erase(id);
+  }
+  return absl::OkStatus();
+}
+
+bool ClusterPolicy::LooksAtOffsets(const BlockGeometry& g, Encoding encoding) const {
+  const NearDupOptions& nd = shard_->context_->options->near_dup;
+  return nd.enabled && nd.position_shifted &&
+         (encoding == Encoding::kLossless || encoding == Encoding::kResidual) &&
+         !IsByteDType(g.dtype);
+}
+
+void ClusterPolicy::LookLaterLocked(uint64_t node_id) {
+  if (unlooked_.size() < kMaxUnlooked) unlooked_.insert(node_id);
+}
+
+std::vector<uint64_t> ClusterPolicy::PendingLooks() {
+  absl::MutexLock lock(&shard_->mu_);
+  std::vector<uint64_t> ids(unlooked_.begin(), unlooked_.end());
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+absl::StatusOr<uint32_t> ClusterPolicy::LookAtOffsetsLocked(uint64_t node_id) {
+  BlockGeometry g;
+  uint64_t current = 0;
+  std::vector<ClusterIndex::Candidate> candidates;
+  bool shifted = false;
+  {
+    absl::MutexLock lock(&shard_->mu_);
+    const TrieNode* n = shard_->FindVisible(node_id);
+    if (n == nullptr || n->reference_node_id != 0 ||
+        (n->encoding != Encoding::kLossless && n->encoding != Encoding::kResidual) ||
+        shard_->clusters_.HasDependents(node_id) || shard_->clusters_.GroupSize(*n) > 1) {
+      return 0;  // coded against another, a centroid, or a group's member: not ours to move
+    }
+    for (const ClusterIndex::Candidate& c : StoredCandidatesLocked(*n, {})) {
+      // Only what was stored before it (ids grow): a repeat is coded against what it repeats.
+      if (c.node_id < node_id && c.reference_parent_id < node_id) candidates.push_back(c);
+    }
+    if (candidates.empty()) return 0;
+    shifted = candidates.front().shifted;
+    g = shard_->model_.geometry;
+    current = n->bytes_stored;
+  }
+  const auto spent = static_cast<uint32_t>(candidates.size());
+  absl::StatusOr<uint64_t> saved = RecodeIfSmallerLocked(node_id, g, current, candidates);
+  if (!saved.ok()) {
+    return absl::IsAborted(saved.status()) ? absl::StatusOr<uint32_t>(0) : saved.status();
+  }
+  if (*saved > 0) {
+    shard_->cluster_pass_bytes_saved_.fetch_add(*saved, std::memory_order_relaxed);
+    shard_->cluster_pass_recoded_.fetch_add(1, std::memory_order_relaxed);
+  }
+  absl::MutexLock lock(&shard_->mu_);
+  if (shifted) shard_->clusters_.CountShifted(*saved > 0);
   return spent;
 }
 

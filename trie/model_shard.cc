@@ -177,6 +177,7 @@ NodeMeta ModelShard::MetaOf(const TrieNode& n) const {
   m.retained = n.retained;  // a re-encoding of a retained node keeps it retained
   m.lossy = n.lossy;        // and a lossy one lossy, however it is coded
   m.recheck = n.recheck;
+  m.offset_look = n.offset_look;
   m.target_rel_rms = n.target_rel_rms;
   return m;
 }
@@ -237,6 +238,8 @@ TrieNode* ModelShard::PublishLocked(TrieNode* parent, uint64_t id, const NodeMet
   n->target_rel_rms = BoundedError(meta.target_rel_rms);
   n->recheck = meta.recheck;  // recovery: the pass's recheck, as it was
   if (n->recheck) cluster_policy_->RecheckLaterLocked(id);
+  n->offset_look = meta.offset_look;  // recovery: not looked at yet
+  if (n->offset_look) cluster_policy_->LookLaterLocked(id);
   predictors_->AddDependent(n->predictor_version, +1);
   next_id_ = std::max(next_id_, id + 1);
   clusters_.Add(*n);
@@ -385,7 +388,7 @@ BlockRead ModelShard::ListLocked(const TrieNode& n, const BlockRead* previous,
                                  std::shared_ptr<const ReadSnapshot>* snapshot) {
   BlockRead r;
   r.node_id = n.id;
-  r.encoded = context_->tiers->HotCopy(Ref(n.id));
+  r.encoded = context_->tiers->HotCopy(Ref(n.id), &r.tier_generation);
   r.encoding = n.encoding;
   r.reference_node_id = n.reference_node_id;
   if (n.reference_node_id != 0) r.retired = retired_;
@@ -480,7 +483,7 @@ absl::Status ModelShard::ReadPayloadInternal(const BlockRead& block,
                                             "; the node and its subtree were dropped"));
   }
   auto payload = std::make_shared<const std::string>(*std::move(value));
-  context_->tiers->ColdRead(Ref(block.node_id), payload);
+  context_->tiers->ColdRead(Ref(block.node_id), payload, block.tier_generation);
   *out = std::move(payload);
   return absl::OkStatus();
 }

@@ -95,6 +95,10 @@ class ModelShard {
     bool error_client_reported = false;
     bool unverified = false;    // client-encoded and not decoded at the Put (TrieNode::unverified)
     double target_rel_rms = 0;  // RESIDUAL: the Put's error target (TrieNode::target_rel_rms)
+    // Encoded with a near-duplicate search (the compact profile on the server). Otherwise
+    // (client-encoded, the fast profile) a standalone block is left for the cluster pass to look
+    // for a stored block it repeats at any position offset (ClusterPolicy::LookLaterLocked).
+    bool near_dup_searched = false;
   };
   // `committed`: the model record is on disk (recovered); otherwise the shard was created by a
   // Put and its model is written with its first blocks.
@@ -135,6 +139,11 @@ class ModelShard {
   // a member's centroid: "Retained centroids", trie/cluster_policy.h); else a token lookup's view.
   GetResult Get(absl::Span<const uint32_t> token_ids, size_t max_blocks,
                 bool through_retained = false);
+  // Returns once the write under way (if any) is published: every writer (a Put's commit, a
+  // re-encoding by the cluster pass or a Delete) writes its batch, then publishes it, under
+  // write_mu_. A read whose listing is older than the bytes it read (written, not yet published
+  // when it listed) lists again after this, and sees them. Takes write_mu_; call with no lock.
+  void AwaitPublished() { absl::MutexLock writer(&write_mu_); }
   // The payload of a block of a Get (hot copy, or read in the Get's snapshot and promoted when
   // read often). DATA_LOSS when the bytes are bad (the node and its subtree are dropped) or when
   // RocksDB's own files fail their checks (nothing dropped); NOT_FOUND if deleted meanwhile.

@@ -203,6 +203,9 @@ absl::StatusOr<std::vector<uint64_t>> ModelShard::Commit(const ModelInfo& model,
       m.error_client_reported = b.error_client_reported;
       m.lossy = IsLossyEncoding(m.encoding) || m.rel_rms_error_k > 0 || m.rel_rms_error_v > 0;
       m.target_rel_rms = b.target_rel_rms;
+      // Stored without a near-duplicate search: the cluster pass looks at it at any offset.
+      m.offset_look = !b.near_dup_searched && b.reference_node_id == 0 &&
+                      cluster_policy_->LooksAtOffsets(model.geometry, m.encoding);
       batch.PutNode(shard_id_, id, m, &b.encoded->bytes);
       ids.push_back(id);
       metas.push_back(std::move(m));

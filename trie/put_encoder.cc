@@ -177,6 +177,7 @@ absl::StatusOr<PutSummary> PutEncoder::ApplyPut(PutPlan& plan) {
       const uint32_t predictor_version = nd->encoded.predictor_version;
       blocks.push_back({b, std::make_shared<const EncodedBlock>(std::move(nd->encoded)),
                         plan.encode.encoding, nd->reference_node_id, predictor_version});
+      blocks.back().near_dup_searched = plan.encode.profile != Profile::kFast;
     }
     for (ModelShard::NewBlock& nb : blocks) {  // what a RESIDUAL block was asked to meet
       if (nb.encoding == Encoding::kResidual) nb.target_rel_rms = plan.encode.target_rel_rms;

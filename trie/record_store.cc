@@ -69,6 +69,7 @@ internal::NodeRecord ToRecord(const NodeMeta& m) {
   r.set_retained(m.retained);
   r.set_lossy(m.lossy);
   r.set_recheck(m.recheck);
+  r.set_offset_look(m.offset_look);
   r.set_target_rel_rms(m.target_rel_rms);
   return r;
 }
@@ -101,6 +102,7 @@ absl::StatusOr<NodeMeta> FromRecord(const rocksdb::Slice& value) {
   m.lossy =
       r.lossy() || IsLossyEncoding(m.encoding) || m.rel_rms_error_k > 0 || m.rel_rms_error_v > 0;
   m.recheck = r.recheck();
+  m.offset_look = r.offset_look();
   m.target_rel_rms = r.target_rel_rms();
   return m;
 }

@@ -118,6 +118,7 @@ struct NodeMeta {
   bool retained = false;      // deleted, kept as a centroid of lossy near-duplicates (TrieNode)
   bool lossy = false;         // its reconstruction is not what its Put sent (TrieNode::lossy)
   bool recheck = false;       // the cluster pass looks at it again (TrieNode::recheck)
+  bool offset_look = false;   // the cluster pass looks at it at any offset (TrieNode::offset_look)
   double target_rel_rms = 0;  // a RESIDUAL block's Put's error target (TrieNode)
 };
 

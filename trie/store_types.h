@@ -139,6 +139,9 @@ struct BlockRead {
   // Set when the payload was cold at Get time: the RocksDB view in which it is read, so a
   // concurrent eviction cannot take it away mid-stream.
   std::shared_ptr<const ReadSnapshot> snapshot;
+  // The node's payload generation when listed (TierManager::HotCopy): a cold payload is promoted
+  // to memory only while it is still the node's.
+  uint64_t tier_generation = 0;
   // Keeps predictor_version readable (not freed) while this read, or a copy of it, exists — also
   // when a Delete re-encodes the block meanwhile (PredictorRegistry::Hold). Null when none.
   std::shared_ptr<const void> predictor_hold;

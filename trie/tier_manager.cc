@@ -146,21 +146,26 @@ void TierManager::Touch(NodeRef n) {
   evict_queue_.Access(&e->disk_slot, e->seq, e, e->refs, e->depth, e->bytes, e->disk_slot.member);
 }
 
-std::shared_ptr<const std::string> TierManager::HotCopy(NodeRef n) const {
+std::shared_ptr<const std::string> TierManager::HotCopy(NodeRef n, uint64_t* generation) const {
   absl::MutexLock lock(&mu_);
   Entry* e = Find(n);
+  if (generation != nullptr) *generation = e ? e->generation : 0;
   return e ? e->hot : nullptr;
 }
 
-void TierManager::ColdRead(NodeRef n, const std::shared_ptr<const std::string>& payload) {
+void TierManager::ColdRead(NodeRef n, const std::shared_ptr<const std::string>& payload,
+                           uint64_t generation) {
   absl::MutexLock lock(&mu_);
   Entry* e = Find(n);
   if (e == nullptr) return;
   e->counters->cold_reads += 1;
   e->counters->cold_read_bytes += payload->size();
   // Promotion: only a node read again while cold comes back, so a one-off scan of cold prefixes
-  // does not push hot ones out of memory.
-  if (!e->hot && ++e->cold_reads >= options_.promote_after_cold_reads) {
+  // does not push hot ones out of memory. Never a payload the node no longer has: one read in a
+  // snapshot listed before a re-encoding replaced it (hot, it would be served against the new
+  // listing, whose centroid it does not name, until it left memory).
+  if (!e->hot && e->generation == generation &&
+      ++e->cold_reads >= options_.promote_after_cold_reads) {
     MakeHot(e, payload);
     if (e->hot) {
       e->cold_reads = 0;
@@ -184,6 +189,7 @@ void TierManager::Replace(NodeRef n, std::shared_ptr<const std::string> payload)
     e->hot.reset();
   }
   e->bytes = payload->size();
+  ++e->generation;
   // Same room-making as a Put: the memory bound holds at once, not at the next background pass.
   if (was_hot) MakeHot(e, std::move(payload));
   evict_queue_.SetMember(&e->disk_slot, e->seq, e, false);

@@ -82,10 +82,12 @@ class TierManager {
   void Remove(NodeRef n);
   // A Get returned it or a Put deduplicated against it.
   void Touch(NodeRef n);
-  // The hot copy, or null.
-  std::shared_ptr<const std::string> HotCopy(NodeRef n) const;
-  // A payload read from disk: counted; promoted when read often enough.
-  void ColdRead(NodeRef n, const std::shared_ptr<const std::string>& payload);
+  // The hot copy, or null; *generation (when given): the node's payload generation (Replace bumps
+  // it), for ColdRead.
+  std::shared_ptr<const std::string> HotCopy(NodeRef n, uint64_t* generation = nullptr) const;
+  // A payload read from disk: counted; promoted when read often enough and still the node's
+  // (`generation` as HotCopy gave it when the read was listed, and no Replace since).
+  void ColdRead(NodeRef n, const std::shared_ptr<const std::string>& payload, uint64_t generation);
   // A new encoding of a stored node: disk bytes follow; a hot copy is swapped (making room).
   void Replace(NodeRef n, std::shared_ptr<const std::string> payload);
   void SetEvictable(NodeRef n, bool evictable);
@@ -123,6 +125,7 @@ class TierManager {
     uint64_t pinned_until = 0;
     bool evictable = false;  // as the owner says; pins come on top
     uint32_t cold_reads = 0;
+    uint64_t generation = 0;  // bumped by Replace: a payload read before it is not the node's
     Counters* counters = nullptr;
     NodeRef ref;
   };
