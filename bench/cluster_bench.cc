@@ -400,7 +400,9 @@ void PrintInsertionRows(double target) {
       "profile, what workers send) and stored standalone, then the background cluster pass run "
       "until a round encodes nothing; it codes each block's exact reconstruction LOSSLESS against "
       "the stored text's window at the offset when smaller. Share of the same blocks encoded "
-      "alone (fast, no centroids). Target: <= 15 %% lossy.\n\n");
+      "alone (fast, no centroids). Lossy blocks are not looked at (tried, 0 of these 145 were "
+      "smaller: a lossy reconstruction coded exactly against a RoPE-turned window of another). "
+      "Target: <= 15 %% lossy.\n\n");
   std::printf(
       "| inserted tokens | first | lossless after the pass | lossy after the pass | residual "
       "blocks after (lossless / lossy) |\n");

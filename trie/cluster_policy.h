@@ -155,16 +155,15 @@ class ClusterPolicy {
   }
   // Any offset for blocks stored without a near-duplicate search (issue 33): a client-encoded or
   // fast-profile block arrives standalone, and only blocks at the same depth meet it in a group.
-  // Such a block, standalone, LOSSLESS or RESIDUAL (LooksAtOffsets), is marked in its record
-  // (TrieNode::offset_look, written with the block) and queued (LookLaterLocked, also at
-  // recovery); the pass, once its groups are settled, looks for a stored block it repeats at any
-  // position offset (the n-gram index, as the compact Put path does) among the blocks stored
-  // BEFORE it (so an inserted-into copy is coded against the text it repeats, never the
-  // reverse), and codes its exact reconstruction, losslessly, against the best when that is
-  // smaller than what it stores (a lossy block keeps its reconstruction and stays lossy); then
-  // clears the marks of a round's looks in one batch. A block in a group of two or more is the
-  // group's (ConvergeGroup) and is not moved by a look. At most kMaxUnlooked blocks are queued
-  // per shard (past it a marked block waits for a restart).
+  // Such a block, standalone and LOSSLESS (LooksAtOffsets: a lossy one was never smaller), is
+  // marked in its record (TrieNode::offset_look, written with the block) and queued
+  // (LookLaterLocked, also at recovery); the pass, once its groups are settled, looks for a stored
+  // block it repeats at any position offset (the n-gram index, as the compact Put path does)
+  // among the blocks stored BEFORE it (so an inserted-into copy is coded against the text it
+  // repeats, never the reverse), and codes it losslessly against the best when that is smaller
+  // than what it stores; then clears the marks of a round's looks in one batch. A block in a group
+  // of two or more is the group's (ConvergeGroup) and is not moved by a look. At most kMaxUnlooked
+  // blocks are queued per shard (past it a marked block waits for a restart).
   bool LooksAtOffsets(const BlockGeometry& g, Encoding encoding) const;
   // REQUIRES the shard's mu_.
   void LookLaterLocked(uint64_t node_id);

@@ -121,8 +121,11 @@ absl::Status ClusterPolicy::ClearOffsetLooksLocked(const std::vector<uint64_t>& 
 
 bool ClusterPolicy::LooksAtOffsets(const BlockGeometry& g, Encoding encoding) const {
   const NearDupOptions& nd = shard_->context_->options->near_dup;
-  return nd.enabled && nd.position_shifted &&
-         (encoding == Encoding::kLossless || encoding == Encoding::kResidual) &&
+  // LOSSLESS only: a lossy block's reconstruction, coded exactly against a window of another lossy
+  // reconstruction whose keys RoPE turned, was never smaller than its lossy encoding (0 of the 145
+  // in the insertion rows of bench/cluster_bench.md when tried), so a look would only spend
+  // encodings.
+  return nd.enabled && nd.position_shifted && encoding == Encoding::kLossless &&
          !IsByteDType(g.dtype);
 }
 

@@ -608,7 +608,11 @@ uint64_t RecordStore::DiskUsage() {
 }
 
 absl::Status RecordStore::CollectGarbage() {
-  if (absl::Status s = CollectValueLog(kValueLogGcRatio); !s.ok()) return s;
+  // When the value log's accounting failed at open, its GC is off until a restart (logged once,
+  // then): the RocksDB blob files are still collected, and no error is logged at every check.
+  if (vlog_accounting_.ok()) {
+    if (absl::Status s = CollectValueLog(kValueLogGcRatio); !s.ok()) return s;
+  }
   rocksdb::CompactRangeOptions o;
   o.blob_garbage_collection_policy = rocksdb::BlobGarbageCollectionPolicy::kForce;
   o.blob_garbage_collection_age_cutoff = 1.0;

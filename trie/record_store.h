@@ -241,7 +241,8 @@ class RecordStore {
   // Bytes of the data folder as RocksDB accounts them (see the top of this file).
   uint64_t DiskUsage();
   // Rewrites the payloads' index and relocates every live blob, so the blob files of deleted
-  // payloads are freed now (I/O proportional to the live payloads; for the disk budget).
+  // payloads are freed now (I/O proportional to the live payloads; for the disk budget). The value
+  // log's segments too, unless its accounting failed at open (its GC is then off until a restart).
   absl::Status CollectGarbage();
   // Forces memtables to files (the WAL can then be recycled).
   absl::Status Flush();
