@@ -84,6 +84,19 @@ class ClusterPassTest : public ::testing::Test {
     return total;
   }
   uint64_t Bytes() { return store_->Stats("ns").bytes_stored; }
+  // The blocks of `d` as a Get reads them now (decoded in order on one chain), appended to *out.
+  void ReadBack(const KvDump& d, std::vector<std::vector<uint8_t>>* out) {
+    const ModelInfo m = DumpModel(d);
+    auto got = store_->Get("ns", m.model_id, d.token_ids, 0);
+    ASSERT_TRUE(got.ok()) << got.status();
+    DecodeChain chain(m.geometry, nullptr);
+    for (const BlockRead& b : got->blocks) {
+      out->emplace_back(m.geometry.num_bytes());
+      ASSERT_TRUE(
+          store_->ReadAndDecodeBlock("ns", m.model_id, b, &chain, absl::MakeSpan(out->back()))
+              .ok());
+    }
+  }
 
   std::filesystem::path dir_;
   std::vector<KvDump> dumps_;
@@ -126,18 +139,7 @@ TEST_F(ClusterPassTest, EncodedLossyPutsShrinkAndKeepTheirReconstruction) {
   for (const KvDump& d : dumps_) PutEncoded(d, eo);
   const uint64_t before = Bytes();
   std::vector<std::vector<uint8_t>> recon;  // n1's blocks as read before the pass
-  const ModelInfo m = DumpModel(dumps_[1]);
-  const auto read = [&](std::vector<std::vector<uint8_t>>* out) {
-    auto got = store_->Get("ns", m.model_id, dumps_[1].token_ids, 0);
-    ASSERT_TRUE(got.ok()) << got.status();
-    DecodeChain chain(m.geometry, nullptr);
-    for (const BlockRead& b : got->blocks) {
-      out->emplace_back(m.geometry.num_bytes());
-      ASSERT_TRUE(
-          store_->ReadAndDecodeBlock("ns", m.model_id, b, &chain, absl::MakeSpan(out->back()))
-              .ok());
-    }
-  };
+  const auto read = [&](std::vector<std::vector<uint8_t>>* out) { ReadBack(dumps_[1], out); };
   read(&recon);
   RunToCompletion();
   const uint64_t after = Bytes();
@@ -183,18 +185,7 @@ TEST_F(ClusterPassTest, ALossyBlockRecodedLosslessStaysLossyAndKeepsItsCentroidO
   Open();  // restart: the kind is in the node record
   check_kinds();
   std::vector<std::vector<uint8_t>> before;  // n1 as read now
-  const ModelInfo m = DumpModel(dumps_[1]);
-  const auto read = [&](std::vector<std::vector<uint8_t>>* out) {
-    auto got = store_->Get("ns", m.model_id, dumps_[1].token_ids, 0);
-    ASSERT_TRUE(got.ok()) << got.status();
-    DecodeChain chain(m.geometry, nullptr);
-    for (const BlockRead& b : got->blocks) {
-      out->emplace_back(m.geometry.num_bytes());
-      ASSERT_TRUE(
-          store_->ReadAndDecodeBlock("ns", m.model_id, b, &chain, absl::MakeSpan(out->back()))
-              .ok());
-    }
-  };
+  const auto read = [&](std::vector<std::vector<uint8_t>>* out) { ReadBack(dumps_[1], out); };
   read(&before);
   // Eviction: n0's leaf is the centroid of lossy members (coded LOSSLESS now): not evicted (its
   // members would be re-coded larger than it frees).
@@ -349,18 +340,7 @@ TEST_F(ClusterPassTest, EncodedLossyShiftedRepeatNeverGrowsAndKeepsItsReconstruc
       .encoding = Encoding::kResidual, .profile = Profile::kFast, .target_rel_rms = 0.1};
   PutEncoded(dumps_[0], eo);
   PutEncoded(dumps_[3], eo);
-  const ModelInfo m = DumpModel(dumps_[3]);
-  const auto read = [&](std::vector<std::vector<uint8_t>>* out) {
-    auto got = store_->Get("ns", m.model_id, dumps_[3].token_ids, 0);
-    ASSERT_TRUE(got.ok()) << got.status();
-    DecodeChain chain(m.geometry, nullptr);
-    for (const BlockRead& b : got->blocks) {
-      out->emplace_back(m.geometry.num_bytes());
-      ASSERT_TRUE(
-          store_->ReadAndDecodeBlock("ns", m.model_id, b, &chain, absl::MakeSpan(out->back()))
-              .ok());
-    }
-  };
+  const auto read = [&](std::vector<std::vector<uint8_t>>* out) { ReadBack(dumps_[3], out); };
   std::vector<std::vector<uint8_t>> recon, again;
   read(&recon);
   const uint64_t before = Bytes();

@@ -199,6 +199,11 @@ class ClusterPolicy {
   absl::StatusOr<uint64_t> RecodeIfSmallerLocked(
       uint64_t node_id, const BlockGeometry& g, uint64_t current,
       const std::vector<ClusterIndex::Candidate>& candidates);
+  // RecodeIfSmallerLocked for the pass: counts what it saved (and, `standalone`, one more block
+  // re-encoded as a residual) in the shard's Stats; 0 when the node went meanwhile.
+  absl::StatusOr<uint64_t> RecodeAndCountLocked(
+      uint64_t node_id, const BlockGeometry& g, uint64_t current,
+      const std::vector<ClusterIndex::Candidate>& candidates, bool standalone);
   // The exact reconstruction of node_id (what a re-encoding stores again, bit-exact). ABORTED
   // when it is gone; drops what fails its own check.
   absl::Status ReconstructExactLocked(uint64_t node_id, const BlockGeometry& g,

@@ -162,18 +162,24 @@ absl::StatusOr<uint32_t> ClusterPolicy::LookAtOffsetsLocked(uint64_t node_id) {
     g = shard_->model_.geometry;
     current = n->bytes_stored;
   }
-  const auto spent = static_cast<uint32_t>(candidates.size());
-  absl::StatusOr<uint64_t> saved = RecodeIfSmallerLocked(node_id, g, current, candidates);
-  if (!saved.ok()) {
-    return absl::IsAborted(saved.status()) ? absl::StatusOr<uint32_t>(0) : saved.status();
-  }
-  if (*saved > 0) {
-    shard_->cluster_pass_bytes_saved_.fetch_add(*saved, std::memory_order_relaxed);
-    shard_->cluster_pass_recoded_.fetch_add(1, std::memory_order_relaxed);
-  }
+  absl::StatusOr<uint64_t> saved = RecodeAndCountLocked(node_id, g, current, candidates, true);
+  if (!saved.ok()) return saved.status();
   absl::MutexLock lock(&shard_->mu_);
   if (shifted) shard_->clusters_.CountShifted(*saved > 0);
-  return spent;
+  return static_cast<uint32_t>(candidates.size());
+}
+
+absl::StatusOr<uint64_t> ClusterPolicy::RecodeAndCountLocked(
+    uint64_t node_id, const BlockGeometry& g, uint64_t current,
+    const std::vector<ClusterIndex::Candidate>& candidates, bool standalone) {
+  absl::StatusOr<uint64_t> saved = RecodeIfSmallerLocked(node_id, g, current, candidates);
+  if (!saved.ok()) return absl::IsAborted(saved.status()) ? 0 : saved;  // aborted: it went
+  if (*saved > 0) {
+    shard_->cluster_pass_bytes_saved_.fetch_add(*saved, std::memory_order_relaxed);
+    // Stats' "standalone blocks it re-encoded as residuals" (a residual moved is not another).
+    if (standalone) shard_->cluster_pass_recoded_.fetch_add(1, std::memory_order_relaxed);
+  }
+  return saved;
 }
 
 std::vector<uint64_t> ClusterPolicy::PendingRechecks() {
@@ -503,17 +509,10 @@ absl::StatusOr<uint32_t> ClusterPolicy::RecheckLocked(uint64_t node_id) {
     current = n->bytes_stored;
     standalone = n->reference_node_id == 0;
   }
-  const auto spent = static_cast<uint32_t>(candidates.size());
-  absl::StatusOr<uint64_t> saved = RecodeIfSmallerLocked(node_id, g, current, candidates);
-  if (!saved.ok()) {
-    return absl::IsAborted(saved.status()) ? absl::StatusOr<uint32_t>(0) : saved.status();
-  }
-  if (*saved > 0) {
-    shard_->cluster_pass_bytes_saved_.fetch_add(*saved, std::memory_order_relaxed);
-    // Stats' "standalone blocks it re-encoded as residuals" (a residual moved is not another).
-    if (standalone) shard_->cluster_pass_recoded_.fetch_add(1, std::memory_order_relaxed);
-  }
-  return spent;
+  absl::StatusOr<uint64_t> saved =
+      RecodeAndCountLocked(node_id, g, current, candidates, standalone);
+  if (!saved.ok()) return saved.status();
+  return static_cast<uint32_t>(candidates.size());
 }
 
 }  // namespace kvtrie
