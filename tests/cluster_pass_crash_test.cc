@@ -113,7 +113,9 @@ TEST(ClusterPassCrash, SigkillMidPassNeverChangesWhatAGetReturns) {
   uint64_t settled[2] = {0, 0};  // lossless, lossy
   double pass_ms = 0;
   for (int lossy_ns = 0; lossy_ns < 2; ++lossy_ns) {
-    Namespace t{.ns = lossy_ns ? "timing-lossy" : "timing", .put = lossy_ns ? lossy : lossless};
+    Namespace t;
+    t.ns = lossy_ns ? "timing-lossy" : "timing";
+    t.put = lossy_ns ? lossy : lossless;
     Fill((*server)->target(), dumps, &t);
     const auto [ms, bytes] =
         Settle((*server)->target(), t.ns, Clock::now(), std::chrono::milliseconds(1500));
@@ -127,7 +129,9 @@ TEST(ClusterPassCrash, SigkillMidPassNeverChangesWhatAGetReturns) {
   std::vector<Namespace> done;
   int in_the_middle = 0;
   for (int round = 0; round < rounds; ++round) {
-    Namespace n{.ns = "r" + std::to_string(round), .put = round % 2 == 0 ? lossless : lossy};
+    Namespace n;
+    n.ns = "r" + std::to_string(round);
+    n.put = round % 2 == 0 ? lossless : lossy;
     Fill((*server)->target(), dumps, &n);
     const Clock::time_point put_end = Clock::now();
     // Gets all the time, through the kill: every one that succeeds reads what the first did.
